@@ -1,0 +1,64 @@
+"""birdzarr: millions of small sensor windows in one chunked Zarr v3 store, fed to PyTorch fast.
+
+Public API (everything else is private and may change)::
+
+    birdzarr.convert(source, dest, **options)   # CSV exports or per-device Parquet -> store
+    birdzarr.open_store(url) -> Store            # read-only handle for notebooks and scripts
+    birdzarr.WindowDataset(url, batch_size=...)  # shuffled batches for torch DataLoader
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+from birdzarr._errors import (  # noqa: E402
+    BadInputError,
+    BirdzarrError,
+    ChecksumMismatchError,
+    FormatVersionError,
+    IncompleteStoreError,
+    MissingChunkError,
+    MissingDependencyError,
+    NotAStoreError,
+    StoreExistsError,
+    StoreLockedError,
+    StoreNotFoundError,
+)
+from birdzarr._format import CHANNELS, FORMAT_VERSION, TIMESTAMP_UNKNOWN, Curation  # noqa: E402
+from birdzarr._store import Store, open_store  # noqa: E402
+from birdzarr.convert import convert  # noqa: E402
+
+__all__ = [
+    "CHANNELS",
+    "FORMAT_VERSION",
+    "TIMESTAMP_UNKNOWN",
+    "BadInputError",
+    "BirdzarrError",
+    "ChecksumMismatchError",
+    "Curation",
+    "FormatVersionError",
+    "IncompleteStoreError",
+    "MissingChunkError",
+    "MissingDependencyError",
+    "NotAStoreError",
+    "Store",
+    "StoreExistsError",
+    "StoreLockedError",
+    "StoreNotFoundError",
+    "WindowDataset",
+    "__version__",
+    "convert",
+    "open_store",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # torch is imported only when the dataset is first used, so conversion and exploration
+    # never pay for it.
+    if name == "WindowDataset":
+        from birdzarr.read._torch import WindowDataset
+
+        return WindowDataset
+    raise AttributeError(f"module 'birdzarr' has no attribute {name!r}")

@@ -1,0 +1,176 @@
+"""Chunk codecs of format version 1.
+
+``birdzarr.dict16`` is an array-to-bytes Zarr v3 codec for float32 arrays whose last axis is the
+channel. Sensor values are calibrated integer counts, so one chunk holds only a few thousand
+distinct float32 values per channel: the codec stores, per channel, the sorted distinct values and
+a uint16 code per value (channel-major), and falls back to raw channel-major float32 when a
+channel has more than 65,535 distinct values. A standard bytes-to-bytes compressor (blosc zstd
+with bit-shuffle, typesize 2) follows it in the chain. The byte layout is specified in
+docs/format.md; it is lossless for every float32 bit pattern, NaN included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from zarr.abc.codec import ArrayBytesCodec
+from zarr.codecs import BloscCodec, BytesCodec, TransposeCodec
+from zarr.registry import register_codec
+
+if TYPE_CHECKING:
+    from typing import Self
+
+    from zarr.core.array_spec import ArraySpec
+    from zarr.core.buffer import Buffer, NDBuffer
+
+DICT16 = "birdzarr.dict16"
+MAGIC = b"BZD1"
+_MODE_RAW = 0
+_MODE_DICT = 1
+_HEADER = np.dtype([("magic", "S4"), ("mode", "<u4"), ("n_per_channel", "<u4"), ("n_channels", "<u4")])
+_MAX_CODES = 65535
+# Odd 32-bit multipliers for a multiplicative perfect hash of a chunk's distinct values.
+_MULTIPLIERS = np.array(
+    [0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F, 0x165667B1, 0xFD7046C5, 0xB55A4F09],
+    dtype=np.uint32,
+)
+_HASH_BITS = 22
+
+
+def _distinct_and_codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Sorted distinct uint32 values and a uint16 code per value, or None if too many."""
+    ordered = np.sort(values)
+    distinct = ordered[np.concatenate(([True], ordered[1:] != ordered[:-1]))]
+    if len(distinct) > _MAX_CODES:
+        return None
+    # searchsorted costs ~4x more than a perfect-hash table lookup at chunk sizes; the table is
+    # lazily mapped, so only the pages the hashes touch are ever allocated.
+    shift = np.uint32(32 - _HASH_BITS)
+    for multiplier in _MULTIPLIERS:
+        hashed = (distinct * multiplier) >> shift
+        hashed_sorted = np.sort(hashed)
+        if not (hashed_sorted[1:] == hashed_sorted[:-1]).any():
+            table = np.empty(1 << _HASH_BITS, dtype=np.uint16)
+            table[hashed] = np.arange(len(distinct), dtype=np.uint16)
+            return distinct, table[(values * multiplier) >> shift]
+    return distinct, np.searchsorted(distinct, values).astype(np.uint16)
+
+
+def encode_dict16(array: np.ndarray) -> bytes:
+    """Encode a float32 array whose last axis is the channel axis."""
+    if array.dtype != np.float32:
+        raise TypeError(f"dict16 encodes float32 only, got {array.dtype}")
+    n_channels = array.shape[-1]
+    channel_major = np.ascontiguousarray(array.reshape(-1, n_channels).T).view(np.uint32)
+    n_per_channel = channel_major.shape[1]
+    encoded = [_distinct_and_codes(channel_major[c]) for c in range(n_channels)]
+    header = np.zeros(1, dtype=_HEADER)
+    header["magic"] = MAGIC
+    header["n_per_channel"] = n_per_channel
+    header["n_channels"] = n_channels
+    if any(e is None for e in encoded):
+        header["mode"] = _MODE_RAW
+        return header.tobytes() + channel_major.astype("<u4", copy=False).tobytes()
+    header["mode"] = _MODE_DICT
+    pairs = [e for e in encoded if e is not None]
+    sizes = np.array([len(d) for d, _ in pairs], dtype="<u4")
+    parts = [header.tobytes(), sizes.tobytes()]
+    parts += [d.astype("<u4", copy=False).tobytes() for d, _ in pairs]
+    parts += [c.astype("<u2", copy=False).tobytes() for _, c in pairs]
+    return b"".join(parts)
+
+
+def decode_dict16(data: bytes | memoryview | np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Decode bytes written by :func:`encode_dict16` into a new float32 array of ``shape``."""
+    raw = np.frombuffer(data, dtype=np.uint8)
+    header = raw[: _HEADER.itemsize].view(_HEADER)[0]
+    n_channels = int(header["n_channels"])
+    n_per_channel = int(header["n_per_channel"])
+    if bytes(header["magic"]) != MAGIC or n_channels != shape[-1] or (
+        n_per_channel * n_channels != int(np.prod(shape))
+    ):
+        raise ValueError(f"not a dict16 chunk of shape {shape}")
+    offset = _HEADER.itemsize
+    out = np.empty((n_per_channel, n_channels), dtype=np.float32)
+    if int(header["mode"]) == _MODE_RAW:
+        body = raw[offset : offset + 4 * n_per_channel * n_channels].view("<f4")
+        out[:] = body.reshape(n_channels, n_per_channel).T
+        return out.reshape(shape)
+    sizes = raw[offset : offset + 4 * n_channels].view("<u4").astype(np.int64)
+    offset += 4 * n_channels
+    dictionaries = []
+    for size in sizes:
+        dictionaries.append(raw[offset : offset + 4 * size].view("<f4"))
+        offset += 4 * int(size)
+    codes = raw[offset : offset + 2 * n_per_channel * n_channels].view("<u2")
+    codes = codes.reshape(n_channels, n_per_channel)
+    channel_major = np.empty((n_channels, n_per_channel), dtype=np.float32)
+    for c in range(n_channels):
+        np.take(dictionaries[c], codes[c], out=channel_major[c])
+    out[:] = channel_major.T
+    return out.reshape(shape)
+
+
+@dataclass(frozen=True)
+class Dict16Codec(ArrayBytesCodec):
+    """Zarr v3 array-to-bytes codec ``birdzarr.dict16`` (see module docstring)."""
+
+    is_fixed_size = False
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Self:
+        return cls()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": DICT16}
+
+    def _decode_sync(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> NDBuffer:
+        array = decode_dict16(chunk_bytes.as_numpy_array(), chunk_spec.shape)
+        return chunk_spec.prototype.nd_buffer.from_numpy_array(array)
+
+    def _encode_sync(self, chunk_array: NDBuffer, chunk_spec: ArraySpec) -> Buffer | None:
+        encoded = encode_dict16(np.asarray(chunk_array.as_numpy_array(), dtype=np.float32))
+        return chunk_spec.prototype.buffer.from_bytes(encoded)
+
+    async def _decode_single(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> NDBuffer:
+        return await asyncio.to_thread(self._decode_sync, chunk_bytes, chunk_spec)
+
+    async def _encode_single(self, chunk_array: NDBuffer, chunk_spec: ArraySpec) -> Buffer | None:
+        return await asyncio.to_thread(self._encode_sync, chunk_array, chunk_spec)
+
+    def compute_encoded_size(self, input_byte_length: int, _chunk_spec: ArraySpec) -> int:
+        raise NotImplementedError("dict16 output size depends on the data")
+
+
+register_codec(DICT16, Dict16Codec)
+
+CODECS = ("dict16", "standard")
+
+
+def gimu_codecs(codec: str, *, clevel: int = 1) -> dict[str, Any]:
+    """Keyword arguments for ``zarr.create_array`` that give ``gimu`` the chosen codec chain."""
+    if codec == "dict16":
+        return {
+            "filters": (),
+            "serializer": Dict16Codec(),
+            "compressors": (BloscCodec(cname="zstd", clevel=clevel, shuffle="bitshuffle", typesize=2),),
+        }
+    if codec == "standard":
+        return {
+            "filters": (TransposeCodec(order=(2, 0, 1)),),
+            "serializer": BytesCodec(endian="little"),
+            "compressors": (BloscCodec(cname="zstd", clevel=clevel, shuffle="bitshuffle", typesize=4),),
+        }
+    raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
+
+
+def per_window_codecs() -> dict[str, Any]:
+    """Codec chain of the per-window arrays (device, timestamp, label): standard everywhere."""
+    return {
+        "filters": (),
+        "serializer": BytesCodec(endian="little"),
+        "compressors": (BloscCodec(cname="zstd", clevel=3, shuffle="shuffle"),),
+    }

@@ -1,0 +1,51 @@
+"""The one error hierarchy of birdzarr.
+
+Every error birdzarr raises on purpose derives from :class:`BirdzarrError`; each subclass also
+derives from the matching built-in so callers can keep catching ``FileNotFoundError`` and friends.
+"""
+
+from __future__ import annotations
+
+
+class BirdzarrError(Exception):
+    """Base class of every error raised by birdzarr."""
+
+
+class StoreNotFoundError(BirdzarrError, FileNotFoundError):
+    """Nothing exists at the given store location."""
+
+
+class NotAStoreError(BirdzarrError, ValueError):
+    """The location holds something that is not a birdzarr store."""
+
+
+class FormatVersionError(BirdzarrError, ValueError):
+    """The store was written by a newer (or unknown) format version."""
+
+
+class IncompleteStoreError(BirdzarrError, ValueError):
+    """A conversion started at this location and never committed."""
+
+
+class StoreExistsError(BirdzarrError, FileExistsError):
+    """The destination already holds data and ``overwrite`` was not given."""
+
+
+class StoreLockedError(BirdzarrError, BlockingIOError):
+    """Another writer holds the store's lock."""
+
+
+class BadInputError(BirdzarrError, ValueError):
+    """A source file cannot be converted; the message names file, line and a remedy."""
+
+
+class MissingChunkError(BirdzarrError, OSError):
+    """A committed chunk is missing or unreadable (never returned as fill values)."""
+
+
+class ChecksumMismatchError(BirdzarrError, ValueError):
+    """Stored windows do not match the checksum recorded when they were written."""
+
+
+class MissingDependencyError(BirdzarrError, ImportError):
+    """An optional dependency (an extra) is needed for this feature."""

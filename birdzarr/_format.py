@@ -1,0 +1,170 @@
+"""Store format version 1: names, constants and the root-attribute schema (see docs/format.md).
+
+This module is the single place that knows how the format is spelled; everything else imports
+its names. It has no I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from birdzarr._errors import FormatVersionError, NotAStoreError
+
+FORMAT_VERSION = 1
+ATTRS_KEY = "birdzarr"
+
+WINDOW_LENGTH = 20
+CHANNELS = ("imu_x", "imu_y", "imu_z", "gps_speed")
+N_CHANNELS = len(CHANNELS)
+WINDOW_VALUES = WINDOW_LENGTH * N_CHANNELS
+
+GIMU = "gimu"
+DEVICE = "device"
+TIMESTAMP = "timestamp"
+LABEL = "label"
+PER_WINDOW_ARRAYS = (DEVICE, TIMESTAMP, LABEL)
+GIMU_DIMS = ("window", "time", "channel")
+
+# int64 minimum is NaT when read as datetime64, so "unknown time" survives xarray and pandas.
+TIMESTAMP_UNKNOWN = -(2**63)
+LABEL_UNLABELLED = -1
+
+DEFAULT_CHUNK_WINDOWS = 8192
+
+# The window rule, recorded verbatim in every store converted from CSV.
+WINDOW_RULE = (
+    "a burst is a maximal run of consecutive rows with the same (device_id, date_time), "
+    "continuing across the numerically ordered parts of one device; every 20 consecutive rows "
+    "of a burst form one window, a remainder of fewer than 20 rows forms none; the index column "
+    "is ignored; curation drops whole windows, never single rows"
+)
+MIXED_LABEL_POLICY = "majority"  # most frequent label of the 20 rows; ties go to the earliest
+
+
+@dataclass(frozen=True)
+class Curation:
+    """The curation applied to CSV input (the parameters are recorded in the store)."""
+
+    speed_limit: float = 30.0
+    clip_min: float = -2.0
+    clip_max: float = 2.0
+    gps_scale: float = 22.3012351755624
+
+    def to_json(self, *, applied_by: str) -> dict[str, Any]:
+        return {
+            "applied_by": applied_by,
+            "speed_limit": self.speed_limit,
+            "clip": [self.clip_min, self.clip_max],
+            "gps_scale": self.gps_scale,
+            "rule": (
+                "drop a window if any gps_speed is >= speed_limit or not finite; "
+                "clip imu_x/y/z to clip; divide gps_speed by gps_scale"
+            ),
+        }
+
+
+@dataclass(frozen=True)
+class DeviceRange:
+    """A run ``[start, stop)`` of global window indices holding one device's windows."""
+
+    start: int
+    stop: int
+    checksum: str
+
+    def to_json(self) -> list[Any]:
+        return [self.start, self.stop, self.checksum]
+
+    @classmethod
+    def from_json(cls, raw: list[Any]) -> DeviceRange:
+        return cls(int(raw[0]), int(raw[1]), str(raw[2]))
+
+
+@dataclass
+class DeviceEntry:
+    """One row of the device table."""
+
+    device_id: int
+    n_windows: int = 0
+    ranges: list[DeviceRange] = field(default_factory=list)
+    first_time: int = TIMESTAMP_UNKNOWN
+    last_time: int = TIMESTAMP_UNKNOWN
+    sources: list[str] = field(default_factory=list)
+    label_counts: dict[int, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "device_id": self.device_id,
+            "n_windows": self.n_windows,
+            "ranges": [r.to_json() for r in self.ranges],
+            "first_time": self.first_time,
+            "last_time": self.last_time,
+            "sources": list(self.sources),
+            "label_counts": {str(k): v for k, v in sorted(self.label_counts.items())},
+        }
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> DeviceEntry:
+        return cls(
+            device_id=int(raw["device_id"]),
+            n_windows=int(raw["n_windows"]),
+            ranges=[DeviceRange.from_json(r) for r in raw["ranges"]],
+            first_time=int(raw["first_time"]),
+            last_time=int(raw["last_time"]),
+            sources=[str(s) for s in raw["sources"]],
+            label_counts={int(k): int(v) for k, v in raw.get("label_counts", {}).items()},
+        )
+
+
+@dataclass
+class DeviceReport:
+    """What conversion did with one device's input."""
+
+    rows_read: int = 0
+    windows_written: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+    mixed_label_windows: int = 0
+    bad_lines: int = 0
+
+    def drop(self, reason: str, count: int) -> None:
+        if count:
+            self.dropped[reason] = self.dropped.get(reason, 0) + int(count)
+
+    def merge(self, other: DeviceReport) -> None:
+        self.rows_read += other.rows_read
+        self.windows_written += other.windows_written
+        self.mixed_label_windows += other.mixed_label_windows
+        self.bad_lines += other.bad_lines
+        for reason, count in other.dropped.items():
+            self.drop(reason, count)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> DeviceReport:
+        return cls(
+            rows_read=int(raw["rows_read"]),
+            windows_written=int(raw["windows_written"]),
+            dropped={str(k): int(v) for k, v in raw["dropped"].items()},
+            mixed_label_windows=int(raw["mixed_label_windows"]),
+            bad_lines=int(raw["bad_lines"]),
+        )
+
+
+def check_root_attrs(attrs: dict[str, Any], *, where: str) -> dict[str, Any]:
+    """Return the birdzarr section of a group's attributes, or raise a precise error."""
+    meta = attrs.get(ATTRS_KEY)
+    if not isinstance(meta, dict) or "format_version" not in meta:
+        raise NotAStoreError(
+            f"{where} is a Zarr group but not a birdzarr store (no '{ATTRS_KEY}.format_version' "
+            "attribute). Create one with `birdzarr convert SOURCE DEST`."
+        )
+    version = meta["format_version"]
+    if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
+        raise FormatVersionError(
+            f"{where} has birdzarr format version {version!r}; this birdzarr "
+            f"supports version {FORMAT_VERSION}. Upgrade birdzarr (pip install -U birdzarr)."
+        )
+    return meta

@@ -1,0 +1,248 @@
+"""The read-only store handle: ``open_store(url) -> Store``."""
+
+from __future__ import annotations
+
+import json
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from birdzarr._errors import IncompleteStoreError, NotAStoreError, StoreNotFoundError
+from birdzarr._format import (
+    DEVICE,
+    GIMU,
+    LABEL,
+    TIMESTAMP,
+    DeviceEntry,
+    DeviceReport,
+    check_root_attrs,
+)
+from birdzarr._storage import Location, StoreLike, resolve, zarr_store
+from birdzarr.read._chunks import ChunkReader
+
+if TYPE_CHECKING:
+    import pandas as pd
+    import zarr
+
+
+def _read_root(location: Location) -> dict[str, Any]:
+    try:
+        raw = location.fs.cat_file(location.join("zarr.json"))
+    except FileNotFoundError:
+        if location.fs.exists(location.join(".zgroup")) or location.fs.exists(location.join(".zarray")):
+            raise NotAStoreError(
+                f"{location.display} is a Zarr v2 hierarchy, not a birdzarr store (Zarr v3)."
+            ) from None
+        if location.fs.exists(location.path):
+            raise NotAStoreError(
+                f"{location.display} exists but is not a Zarr v3 group (no zarr.json). "
+                "Create a store with `birdzarr convert SOURCE DEST`."
+            ) from None
+        raise StoreNotFoundError(f"no store at {location.display}") from None
+    try:
+        meta = json.loads(raw)
+    except ValueError:
+        raise NotAStoreError(f"{location.display}/zarr.json is not valid JSON") from None
+    if meta.get("node_type") != "group" or meta.get("zarr_format") != 3:
+        raise NotAStoreError(f"{location.display} is not a Zarr v3 group")
+    return dict(meta.get("attributes", {}))
+
+
+class Store:
+    """A committed birdzarr store, opened read-only. Only committed windows are visible."""
+
+    def __init__(self, location: Location, attrs: dict[str, Any]) -> None:
+        self.location = location
+        self.meta = attrs
+        committed = attrs.get("committed")
+        if not committed:
+            raise IncompleteStoreError(
+                f"{location.display}: a conversion started here and never committed (it was "
+                "interrupted or failed). Re-run the same `birdzarr convert` command to finish it, "
+                "or delete the directory."
+            )
+        self.n_windows = int(committed["n_windows"])
+        self.device_table = [DeviceEntry.from_json(d) for d in attrs.get("devices", [])]
+        self.reader = ChunkReader.open(location, self.n_windows)
+
+    # -- basic facts -----------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.n_windows
+
+    @property
+    def url(self) -> str:
+        return self.location.display
+
+    @property
+    def format_version(self) -> int:
+        return int(self.meta["format_version"])
+
+    @property
+    def chunk_windows(self) -> int:
+        return self.reader.chunk_windows
+
+    @property
+    def shuffled(self) -> bool:
+        return bool(self.meta.get("layout", {}).get("shuffled", False))
+
+    @property
+    def report(self) -> dict[int, DeviceReport]:
+        devices = self.meta.get("report", {}).get("devices", {})
+        return {int(k): DeviceReport.from_json(v) for k, v in devices.items()}
+
+    def device(self, device_id: int) -> DeviceEntry:
+        for entry in self.device_table:
+            if entry.device_id == device_id:
+                return entry
+        known = ", ".join(str(e.device_id) for e in self.device_table[:20])
+        raise KeyError(f"device {device_id} is not in {self.url} (devices: {known}...)")
+
+    # -- zarr and tables -------------------------------------------------------------------------
+    @cached_property
+    def group(self) -> zarr.Group:
+        import zarr
+
+        return zarr.open_group(zarr_store(self.location, read_only=True), mode="r", zarr_format=3)
+
+    @property
+    def gimu(self) -> zarr.Array:
+        """The ``gimu`` zarr array. Its shape may exceed ``len(store)`` during an append:
+        windows at or past ``len(store)`` are not committed."""
+        return self.group[GIMU]  # type: ignore[return-value]
+
+    @property
+    def devices(self) -> pd.DataFrame:
+        """The device table as a pandas DataFrame, one row per device."""
+        import pandas as pd
+
+        rows = []
+        for e in self.device_table:
+            rows.append({
+                "device_id": e.device_id,
+                "n_windows": e.n_windows,
+                "first_time": _to_datetime(e.first_time),
+                "last_time": _to_datetime(e.last_time),
+                "n_ranges": len(e.ranges),
+                "label_counts": dict(e.label_counts),
+                "sources": list(e.sources),
+            })
+        columns = ["device_id", "n_windows", "first_time", "last_time", "n_ranges", "label_counts", "sources"]
+        return pd.DataFrame(rows, columns=columns).set_index("device_id", drop=False)
+
+    # -- data ------------------------------------------------------------------------------------
+    def device_windows(self, device_id: int) -> np.ndarray:
+        """All committed windows of one device, float32 ``(n, 20, 4)``, in stored order."""
+        entry = self.device(device_id)
+        if self.shuffled:
+            return self._scattered(device_id)
+        parts = [self.reader.read_range(GIMU, r.start, r.stop) for r in entry.ranges]
+        if not parts:
+            return np.empty((0, 20, 4), dtype=np.float32)
+        return np.concatenate(parts)
+
+    def device_indices(self, device_id: int) -> np.ndarray:
+        """Global window indices of one device, ascending."""
+        entry = self.device(device_id)
+        if self.shuffled:
+            hits = [
+                np.flatnonzero(self.reader.read(DEVICE, i) == device_id) + self.reader.chunk_span(i)[0]
+                for i in range(self.reader.n_chunks)
+            ]
+            return np.concatenate(hits) if hits else np.empty(0, dtype=np.int64)
+        return np.concatenate([np.arange(r.start, r.stop) for r in entry.ranges] or [np.empty(0, np.int64)])
+
+    def _scattered(self, device_id: int) -> np.ndarray:
+        pieces = []
+        for i in range(self.reader.n_chunks):
+            mask = self.reader.read(DEVICE, i) == device_id
+            if mask.any():
+                pieces.append(self.reader.read(GIMU, i)[mask])
+        return np.concatenate(pieces) if pieces else np.empty((0, 20, 4), dtype=np.float32)
+
+    @property
+    def windows(self) -> WindowsView:
+        """Chunk-aware random access by global index: ``store.windows[1000:1016]``."""
+        return WindowsView(self, GIMU)
+
+    @property
+    def labels(self) -> WindowsView:
+        return WindowsView(self, LABEL)
+
+    @property
+    def timestamps(self) -> WindowsView:
+        return WindowsView(self, TIMESTAMP)
+
+    @property
+    def window_devices(self) -> WindowsView:
+        return WindowsView(self, DEVICE)
+
+    def __repr__(self) -> str:
+        return (
+            f"<birdzarr.Store {self.url}: {self.n_windows:,} windows, {len(self.device_table)} devices, "
+            f"format v{self.format_version}, codec {self.meta.get('layout', {}).get('codec')}, "
+            f"chunk {self.chunk_windows} windows>"
+        )
+
+
+class WindowsView:
+    """``view[i]``, ``view[i:j]`` and ``view[index_array]`` over one per-window array."""
+
+    def __init__(self, store: Store, name: str) -> None:
+        self.store = store
+        self.name = name
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    def __getitem__(self, key: int | slice | np.ndarray | list[int]) -> np.ndarray:
+        reader = self.store.reader
+        n = len(self.store)
+        if isinstance(key, slice):
+            start, stop, step = key.indices(n)
+            if step != 1:
+                return self[np.arange(start, stop, step)]
+            return reader.read_range(self.name, start, max(start, stop))
+        if isinstance(key, (int, np.integer)):
+            index = int(key) + n if key < 0 else int(key)
+            if not 0 <= index < n:
+                raise IndexError(f"window {key} out of range for {n} committed windows")
+            return reader.read_range(self.name, index, index + 1)[0]
+        indices = np.asarray(key, dtype=np.int64)
+        indices = np.where(indices < 0, indices + n, indices)
+        if len(indices) and (indices.min() < 0 or indices.max() >= n):
+            raise IndexError(f"window index out of range for {n} committed windows")
+        return gather(reader, self.name, indices)
+
+
+def gather(reader: ChunkReader, name: str, indices: np.ndarray) -> np.ndarray:
+    """Windows at arbitrary global indices, reading each touched chunk once."""
+    chunk_of = indices // reader.chunk_windows
+    order = np.argsort(chunk_of, kind="stable")
+    shape = (len(indices), 20, 4) if name == GIMU else (len(indices),)
+    out = np.empty(shape, dtype=reader.layouts[name].dtype)
+    sorted_chunks = chunk_of[order]
+    bounds = np.flatnonzero(np.diff(sorted_chunks)) + 1
+    for group in np.split(order, bounds):
+        if not len(group):
+            continue
+        chunk = int(chunk_of[group[0]])
+        data = reader.read(name, chunk)
+        out[group] = data[indices[group] - chunk * reader.chunk_windows]
+    return out
+
+
+def _to_datetime(seconds: int) -> Any:
+    from birdzarr._format import TIMESTAMP_UNKNOWN
+
+    if seconds == TIMESTAMP_UNKNOWN:
+        return np.datetime64("NaT", "s")
+    return np.datetime64(seconds, "s")
+
+
+def open_store(store: StoreLike, *, storage_options: dict[str, Any] | None = None) -> Store:
+    """Open a committed store read-only (a path, ``file://``, ``s3://``, ``memory://``, ...)."""
+    location = resolve(store, storage_options)
+    attrs = _read_root(location)
+    meta = check_root_attrs(attrs, where=location.display)
+    return Store(location, meta)

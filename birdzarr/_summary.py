@@ -1,0 +1,91 @@
+"""Store summaries: the facts `birdzarr info` prints and `--json` emits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from birdzarr._format import GIMU
+from birdzarr._store import Store
+
+
+def stored_bytes(store: Store, name: str = GIMU) -> int:
+    """Bytes of one array's chunk files (listing the array's directory once)."""
+    fs = store.location.fs
+    try:
+        sizes = fs.du(store.location.join(name), total=False)
+    except FileNotFoundError:
+        return 0
+    return int(sum(size for path, size in sizes.items() if not path.endswith("zarr.json")))
+
+
+def summary(store: Store) -> dict[str, Any]:
+    meta = store.meta
+    raw = len(store) * 20 * 4 * 4
+    stored = stored_bytes(store)
+    report = meta.get("report", {})
+    dropped: dict[str, int] = {}
+    rows_read = bad_lines = mixed = 0
+    for entry in report.get("devices", {}).values():
+        rows_read += entry["rows_read"]
+        bad_lines += entry["bad_lines"]
+        mixed += entry["mixed_label_windows"]
+        for reason, count in entry["dropped"].items():
+            dropped[reason] = dropped.get(reason, 0) + count
+    return {
+        "url": store.url,
+        "format_version": store.format_version,
+        "converter": meta.get("converter"),
+        "windows": len(store),
+        "devices": len(store.device_table),
+        "bytes_raw": raw,
+        "bytes_stored": stored,
+        "ratio": round(raw / stored, 3) if stored else None,
+        "layout": meta.get("layout"),
+        "source_kind": meta.get("source_kind"),
+        "curation": meta.get("curation"),
+        "window_rule": meta.get("window_rule"),
+        "mixed_label_policy": meta.get("mixed_label_policy"),
+        "committed": meta.get("committed"),
+        "report": {"rows_read": rows_read, "bad_lines": bad_lines, "mixed_label_windows": mixed,
+                   "dropped": dropped, "seconds": report.get("seconds")},
+    }
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def format_summary(info: dict[str, Any]) -> str:
+    layout = info["layout"] or {}
+    curation = info["curation"] or {}
+    report = info["report"]
+    lines = [
+        f"store        {info['url']}",
+        f"format       birdzarr v{info['format_version']} (Zarr v3), written by "
+        f"birdzarr {(info['converter'] or {}).get('version')}",
+        f"windows      {info['windows']:,} from {info['devices']} devices (source: {info['source_kind']})",
+        f"bytes        {_size(info['bytes_raw'])} raw float32, {_size(info['bytes_stored'])} stored "
+        f"(ratio {info['ratio']}x)",
+        f"chunking     {layout.get('chunk_windows')} windows a chunk, codec {layout.get('codec')}, "
+        f"shuffled {layout.get('shuffled')}",
+    ]
+    if curation.get("applied_by") == "birdzarr":
+        lines.append(
+            f"curation     speed < {curation['speed_limit']} m/s per window, imu clipped to "
+            f"{curation['clip']}, gps_speed / {curation['gps_scale']}"
+        )
+    else:
+        lines.append("curation     done before conversion (Parquet source), values copied exactly")
+    dropped = ", ".join(f"{k} {v:,}" for k, v in sorted(report["dropped"].items())) or "none"
+    lines.append(
+        f"report       {report['rows_read']:,} rows read, dropped: {dropped}; bad lines "
+        f"{report['bad_lines']:,}; mixed-label windows {report['mixed_label_windows']:,}"
+    )
+    if report.get("seconds"):
+        rate = info["bytes_raw"] / report["seconds"] / 1e6
+        lines.append(f"conversion   {report['seconds']:.1f} s ({rate:.0f} MB/s of float32 windows)")
+    return "\n".join(lines)

@@ -1,0 +1,72 @@
+"""CLI commands that make and describe stores: demo, convert, info."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from birdzarr._summary import format_summary, summary
+    from birdzarr.convert import convert
+
+    store = convert(
+        args.source, args.dest, overwrite=args.overwrite, codec=args.codec,
+        chunk_windows=args.chunk_windows, on_bad_rows=args.on_bad_rows, workers=args.workers,
+        progress=not args.quiet,
+    )
+    print(format_summary(summary(store)))
+    return 0
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from birdzarr._store import open_store
+    from birdzarr._summary import format_summary, summary
+
+    store = open_store(args.store)
+    info = summary(store)
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+    else:
+        print(format_summary(info))
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from birdzarr._demo import run_demo
+
+    return run_demo(args.directory, windows=args.windows)
+
+
+def add_convert(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("convert", help="convert CSV exports or per-device Parquet files into a store")
+    p.add_argument("source", help="directory, file or fsspec URL of {device}_{part}.csv or {device}.parquet")
+    p.add_argument("dest", help="store path or URL (s3://bucket/x.zarr, ...)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing store at DEST")
+    p.add_argument("--codec", choices=("dict16", "standard"), default="dict16",
+                   help="dict16 (default: smallest, needs birdzarr to read) or standard (blosc only: "
+                        "TensorStore and plain zarr read it)")
+    p.add_argument("--chunk-windows", type=int, default=8192, help="windows per chunk (default 8192)")
+    p.add_argument("--on-bad-rows", choices=("error", "skip"), default="error",
+                   help="stop at the first malformed row (default) or skip and count them")
+    p.add_argument("--workers", type=int, default=None, help="encoding threads (default: all cores)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_convert)
+
+
+def add_info(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("info", help="summarise a store")
+    p.add_argument("store")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_cmd_info)
+
+
+def add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("demo", help="generate small raw data in both formats, convert, summarise")
+    p.add_argument("directory", nargs="?", default="./demo")
+    p.add_argument("--windows", type=int, default=200_000, help="windows of Parquet data to generate")
+    p.set_defaults(func=_cmd_demo)
+
+
+
+COMMANDS = [add_demo, add_convert, add_info]

@@ -1,0 +1,253 @@
+"""Reader of the raw tracker CSV exports (``{device}_{part}.csv``, no header, 8 columns).
+
+Fast path: pyarrow's multi-threaded CSV parser. A file it rejects, or whose values fail
+validation, is parsed again line by line so the error names the exact line and reason (and, with
+``on_bad_rows="skip"``, so each bad line can be skipped and counted without shifting windows).
+"""
+
+from __future__ import annotations
+
+import calendar
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
+
+from birdzarr._errors import BadInputError
+from birdzarr._format import N_CHANNELS, WINDOW_LENGTH, Curation, DeviceReport
+from birdzarr._storage import Location
+from birdzarr.convert._blocks import WindowBlock
+from birdzarr.convert._curation import curate_windows, window_labels, window_rows
+
+COLUMNS = ("device_id", "date_time", "index", "label", "imu_x", "imu_y", "imu_z", "gps_speed")
+_TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
+_INT_LIMIT = 2**31
+
+
+@dataclass
+class _Rows:
+    """Parsed rows of one file (or carried over from the previous part)."""
+
+    device: np.ndarray  # int64
+    time: np.ndarray  # int64 unix seconds
+    label: np.ndarray  # int64
+    values: np.ndarray  # float64 (n, 4)
+    bad: np.ndarray  # bool: row skipped as malformed (kept as a placeholder)
+    bad_lines: int = 0
+
+    def __len__(self) -> int:
+        return len(self.device)
+
+    def take(self, index: np.ndarray | slice) -> _Rows:
+        return _Rows(self.device[index], self.time[index], self.label[index], self.values[index], self.bad[index])
+
+    @staticmethod
+    def concat(parts: list[_Rows]) -> _Rows:
+        return _Rows(
+            np.concatenate([p.device for p in parts]),
+            np.concatenate([p.time for p in parts]),
+            np.concatenate([p.label for p in parts]),
+            np.concatenate([p.values for p in parts]),
+            np.concatenate([p.bad for p in parts]),
+            sum(p.bad_lines for p in parts),
+        )
+
+
+def _empty_rows() -> _Rows:
+    return _Rows(
+        np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64),
+        np.empty((0, N_CHANNELS)), np.empty(0, bool),
+    )
+
+
+def _bad(source: str, line: int, reason: str) -> BadInputError:
+    return BadInputError(
+        f"{source}, line {line}: {reason}. Fix or remove that line, or pass "
+        "--on-bad-rows skip (Python: on_bad_rows='skip') to skip bad lines and count them in "
+        "the report."
+    )
+
+
+def _parse_fast(data: bytes) -> _Rows | None:
+    """Parse with pyarrow; None if anything needs the line-by-line path (errors, NaN, nulls)."""
+    types = {
+        "device_id": pa.int64(), "date_time": pa.timestamp("s"), "index": pa.int64(),
+        "label": pa.int64(), **{c: pa.float64() for c in COLUMNS[4:]},
+    }
+    try:
+        table = pacsv.read_csv(
+            pa.BufferReader(data),
+            read_options=pacsv.ReadOptions(column_names=list(COLUMNS)),
+            parse_options=pacsv.ParseOptions(newlines_in_values=False),
+            convert_options=pacsv.ConvertOptions(
+                column_types=types, timestamp_parsers=[_TIME_FORMAT], strings_can_be_null=False,
+                quoted_strings_can_be_null=False,
+            ),
+        )
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+        return None
+    if any(col.null_count for col in table.columns):
+        return None
+    if table.num_rows != data.count(b"\n") + (0 if data.endswith(b"\n") else 1):
+        return None  # blank lines were skipped: recount line by line so line numbers stay exact
+    device = table["device_id"].to_numpy()
+    values = np.stack([table[c].to_numpy() for c in COLUMNS[4:]], axis=1)
+    if not np.isfinite(values[:, :3]).all():
+        return None
+    if (device < 0).any() or (device >= _INT_LIMIT).any():
+        return None
+    label = table["label"].to_numpy()
+    if (np.abs(label) >= _INT_LIMIT).any():
+        return None
+    return _Rows(
+        device=device,
+        time=table["date_time"].cast(pa.int64()).to_numpy(),
+        label=label,
+        values=values,
+        bad=np.zeros(len(device), dtype=bool),
+    )
+
+
+def _parse_line(fields: list[str]) -> tuple[int, int, int, list[float]]:
+    if len(fields) != len(COLUMNS):
+        raise ValueError(f"expected {len(COLUMNS)} comma-separated fields, found {len(fields)}")
+    try:
+        device = int(fields[0])
+    except ValueError:
+        raise ValueError(f"device_id {fields[0]!r} is not an integer") from None
+    if not 0 <= device < _INT_LIMIT:
+        raise ValueError(f"device_id {device} is outside 0..{_INT_LIMIT - 1}")
+    try:
+        moment = calendar.timegm(time.strptime(fields[1].strip(), _TIME_FORMAT))
+    except ValueError:
+        raise ValueError(f"date_time {fields[1]!r} is not 'YYYY-mm-dd HH:MM:SS'") from None
+    try:
+        int(fields[2])
+        label = int(fields[3])
+    except ValueError:
+        raise ValueError(f"index/label {fields[2]!r}/{fields[3]!r} are not integers") from None
+    if not -_INT_LIMIT < label < _INT_LIMIT:
+        raise ValueError(f"label {label} is out of range")
+    values: list[float] = []
+    for name, text in zip(COLUMNS[4:], fields[4:]):
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"{name} {text!r} is not a number") from None
+        if name != "gps_speed" and not math.isfinite(value):
+            raise ValueError(f"{name} is {text.strip()!r}, not a finite number")
+        values.append(value)
+    return device, moment, label, values
+
+
+def _parse_slow(data: bytes, source: str, on_bad_rows: str) -> _Rows:
+    """Line-by-line parse that locates every bad line; skipped lines stay as placeholders."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        if on_bad_rows != "skip":
+            raise _bad(source, line, "the bytes are not UTF-8 text (is this a CSV export?)") from None
+        text = data.decode("utf-8", errors="replace")
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    n = len(lines)
+    rows = _Rows(
+        np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.int64),
+        np.full((n, N_CHANNELS), np.nan), np.zeros(n, bool),
+    )
+    keep_line = np.ones(n, dtype=bool)
+    for i, line in enumerate(lines):
+        try:
+            device, moment, label, values = _parse_line(line.rstrip("\r").split(","))
+        except ValueError as exc:
+            if on_bad_rows != "skip":
+                raise _bad(source, i + 1, str(exc)) from None
+            rows.bad_lines += 1
+            rows.bad[i] = True
+            if i == 0 or not keep_line[i - 1]:
+                keep_line[i] = False  # no neighbour to borrow a burst key from: drop the line
+            else:
+                # A placeholder in the previous row's burst keeps later windows aligned; its window
+                # is dropped as "bad_rows" by curation.
+                rows.device[i], rows.time[i] = rows.device[i - 1], rows.time[i - 1]
+            continue
+        rows.device[i], rows.time[i], rows.label[i] = device, moment, label
+        rows.values[i] = values
+    return rows.take(keep_line) if not keep_line.all() else rows
+
+
+def parse_csv(data: bytes, source: str, *, on_bad_rows: str = "error") -> _Rows:
+    """Parse one file's bytes into rows (see module docstring for the two paths)."""
+    if not data.strip():
+        if on_bad_rows != "skip":
+            raise BadInputError(
+                f"{source}: the file is empty. Remove it, or pass --on-bad-rows skip to ignore it."
+            )
+        return _empty_rows()
+    rows = _parse_fast(data)
+    return rows if rows is not None else _parse_slow(data, source, on_bad_rows)
+
+
+@dataclass
+class CsvDeviceReader:
+    """Turns the ordered parts of one device into curated :class:`WindowBlock` s."""
+
+    device_id: int
+    parts: list[Location]
+    curation: Curation = field(default_factory=Curation)
+    on_bad_rows: str = "error"
+
+    def blocks(self) -> Iterator[WindowBlock]:
+        carry = _empty_rows()
+        for part in self.parts:
+            data = part.fs.cat_file(part.path)
+            rows = parse_csv(data, part.display, on_bad_rows=self.on_bad_rows)
+            self._check_device(rows, part.display)
+            report = DeviceReport(rows_read=len(rows) + rows.bad_lines - int(rows.bad.sum()), bad_lines=rows.bad_lines)
+            rows = _Rows.concat([carry, rows])
+            burst_ids = _burst_ids(rows)
+            index, trailing = window_rows(burst_ids)
+            report.drop("remainder_rows", len(rows) - len(index) - trailing)
+            carry = rows.take(slice(len(rows) - trailing, None))
+            yield self._curate(rows.take(index), report)
+        report = DeviceReport()
+        report.drop("remainder_rows", len(carry))
+        yield WindowBlock(np.empty((0, WINDOW_LENGTH, N_CHANNELS), np.float32), np.empty(0, np.int64), np.empty(0, np.int32), report)
+
+    def _check_device(self, rows: _Rows, source: str) -> None:
+        if len(rows) == 0:
+            return
+        ids = np.unique(rows.device[~rows.bad]) if (~rows.bad).any() else np.unique(rows.device)
+        expected = self.device_id
+        others = ids[ids != expected]
+        if len(others):
+            line = int(np.flatnonzero(rows.device == others[0])[0]) + 1
+            raise BadInputError(
+                f"{source}, line {line}: device_id {int(others[0])} in a file of device {expected}. "
+                "Each CSV file must hold one device; split the file per device "
+                "({device}_{part}.csv)."
+            )
+
+    def _curate(self, rows: _Rows, report: DeviceReport) -> WindowBlock:
+        n = len(rows) // WINDOW_LENGTH
+        values = rows.values.reshape(n, WINDOW_LENGTH, N_CHANNELS)
+        bad = rows.bad.reshape(n, WINDOW_LENGTH)
+        windows, keep = curate_windows(values, bad, self.curation, report)
+        labels = window_labels(rows.label.reshape(n, WINDOW_LENGTH)[keep], report)
+        timestamps = rows.time.reshape(n, WINDOW_LENGTH)[keep, 0]
+        report.windows_written += len(windows)
+        return WindowBlock(windows, timestamps.astype(np.int64), labels, report)
+
+
+def _burst_ids(rows: _Rows) -> np.ndarray:
+    """A run id per row: it changes wherever (device, time) changes."""
+    if len(rows) == 0:
+        return np.empty(0, dtype=np.int64)
+    change = (rows.device[1:] != rows.device[:-1]) | (rows.time[1:] != rows.time[:-1])
+    return np.concatenate(([0], np.cumsum(change)))

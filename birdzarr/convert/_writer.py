@@ -1,0 +1,257 @@
+"""Writing a store: arrays first, the commit (root attributes) last.
+
+A store whose root attributes lack ``committed`` is an unfinished conversion; readers refuse it
+and a new conversion replaces it. Windows are written in whole-chunk slabs through zarr-python,
+which encodes the chunks of a slab on its thread pool while the caller parses the next input.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import zarr
+
+from birdzarr import __version__
+from birdzarr._codec import gimu_codecs, per_window_codecs
+from birdzarr._errors import NotAStoreError, StoreExistsError
+from birdzarr._format import (
+    ATTRS_KEY,
+    CHANNELS,
+    DEVICE,
+    FORMAT_VERSION,
+    GIMU,
+    GIMU_DIMS,
+    LABEL,
+    LABEL_UNLABELLED,
+    N_CHANNELS,
+    TIMESTAMP,
+    TIMESTAMP_UNKNOWN,
+    WINDOW_LENGTH,
+    DeviceEntry,
+    DeviceRange,
+    DeviceReport,
+)
+from birdzarr._storage import Location, exists, remove_tree, zarr_store
+from birdzarr.convert._blocks import WindowBlock
+
+_PER_WINDOW_DTYPES = {DEVICE: np.int32, TIMESTAMP: np.int64, LABEL: np.int32}
+_FILL = {DEVICE: -1, TIMESTAMP: TIMESTAMP_UNKNOWN, LABEL: LABEL_UNLABELLED}
+
+
+def checksum_hasher() -> Any:
+    """The checksum of a run of curated windows: BLAKE2b-128 of their little-endian float32 bytes."""
+    return hashlib.blake2b(digest_size=16)
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+class StoreWriter:
+    """Context manager that creates a store, takes device after device, and commits once."""
+
+    def __init__(
+        self,
+        location: Location,
+        *,
+        codec: str = "dict16",
+        chunk_windows: int = 8192,
+        overwrite: bool = False,
+        static_attrs: dict[str, Any] | None = None,
+        chunks_per_slab: int = 8,
+        max_pending_slabs: int = 2,
+    ) -> None:
+        self.location = location
+        self.codec = codec
+        self.chunk_windows = chunk_windows
+        self.overwrite = overwrite
+        self.static_attrs = dict(static_attrs or {})
+        self.slab_windows = chunk_windows * chunks_per_slab
+        self.devices: dict[int, DeviceEntry] = {}
+        self.reports: dict[int, DeviceReport] = {}
+        self.n_windows = 0  # windows handed to zarr so far
+        self._buffer: list[tuple[int, WindowBlock]] = []
+        self._buffered = 0
+        self._pool = ThreadPoolExecutor(max_workers=max_pending_slabs, thread_name_prefix="birdzarr-write")
+        self._pending: list[Future[None]] = []
+        self._max_pending = max_pending_slabs
+        self._committed = False
+        self._created = False
+        self.started_at = _now()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def __enter__(self) -> StoreWriter:
+        self._prepare_destination()
+        store = zarr_store(self.location, read_only=False)
+        self.group = zarr.open_group(store, mode="w", zarr_format=3)
+        self._created = True
+        self.group.attrs.put({ATTRS_KEY: self._attrs(committed=None)})
+        self.gimu = self.group.create_array(
+            GIMU, shape=(0, WINDOW_LENGTH, N_CHANNELS), dtype="float32",
+            chunks=(self.chunk_windows, WINDOW_LENGTH, N_CHANNELS), fill_value=0.0,
+            dimension_names=GIMU_DIMS, attributes={"channels": list(CHANNELS)},
+            overwrite=True, **gimu_codecs(self.codec),
+        )
+        self.per_window = {
+            name: self.group.create_array(
+                name, shape=(0,), dtype=dtype, chunks=(self.chunk_windows,), fill_value=_FILL[name],
+                dimension_names=("window",), overwrite=True, **per_window_codecs(),
+            )
+            for name, dtype in _PER_WINDOW_DTYPES.items()
+        }
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        try:
+            self._drain()
+        finally:
+            self._pool.shutdown(wait=True)
+            if exc_type is not None and self._created and not self._committed:
+                remove_tree(self.location)  # a failed conversion leaves nothing behind
+
+    def _prepare_destination(self) -> None:
+        if not exists(self.location):
+            return
+        fs, path = self.location.fs, self.location.path
+        if fs.isfile(path):
+            raise StoreExistsError(f"{self.location.display} is a file; choose another destination.")
+        if not fs.ls(path, detail=False):
+            return
+        if self.overwrite:
+            remove_tree(self.location)
+            return
+        if _is_unfinished_store(self.location):
+            remove_tree(self.location)  # an interrupted conversion: start it again from scratch
+            return
+        raise StoreExistsError(
+            f"{self.location.display} already exists and is not empty. Pass --overwrite "
+            "(Python: overwrite=True) to replace it, or choose another destination."
+        )
+
+    # -- writing ---------------------------------------------------------------------------------
+    def write_device(self, device_id: int, blocks: Iterable[WindowBlock], sources: list[str]) -> DeviceReport:
+        """Append every window of one device; returns what its input produced."""
+        if device_id in self.devices:
+            raise NotAStoreError(f"device {device_id} was given twice in one conversion")
+        entry = DeviceEntry(device_id=device_id, sources=sources)
+        report = DeviceReport()
+        start = self.n_windows + self._buffered
+        hasher = checksum_hasher()
+        times: list[np.ndarray] = []
+        for block in blocks:
+            report.merge(block.report)
+            if not len(block):
+                continue
+            hasher.update(np.ascontiguousarray(block.windows, dtype="<f4").tobytes())
+            labels, counts = np.unique(block.labels, return_counts=True)
+            for label, count in zip(labels.tolist(), counts.tolist()):
+                entry.label_counts[label] = entry.label_counts.get(label, 0) + count
+            known = block.timestamps[block.timestamps != TIMESTAMP_UNKNOWN]
+            if len(known):
+                times.append(np.array([known.min(), known.max()]))
+            self._add(device_id, block)
+        stop = self.n_windows + self._buffered
+        entry.n_windows = stop - start
+        if entry.n_windows:
+            entry.ranges.append(DeviceRange(start, stop, hasher.hexdigest()))
+        if times:
+            stacked = np.concatenate(times)
+            entry.first_time, entry.last_time = int(stacked.min()), int(stacked.max())
+        self.devices[device_id] = entry
+        self.reports[device_id] = report
+        return report
+
+    def _add(self, device_id: int, block: WindowBlock) -> None:
+        self._buffer.append((device_id, block))
+        self._buffered += len(block)
+        while self._buffered >= self.slab_windows:
+            self._flush(self.slab_windows)
+
+    def _take(self, n: int) -> dict[str, np.ndarray]:
+        """Remove the first ``n`` buffered windows and return them as arrays."""
+        parts: dict[str, list[np.ndarray]] = {GIMU: [], DEVICE: [], TIMESTAMP: [], LABEL: []}
+        need = n
+        while need:
+            device_id, block = self._buffer[0]
+            take = min(need, len(block))
+            parts[GIMU].append(block.windows[:take])
+            parts[TIMESTAMP].append(block.timestamps[:take])
+            parts[LABEL].append(block.labels[:take])
+            parts[DEVICE].append(np.full(take, device_id, dtype=np.int32))
+            if take == len(block):
+                self._buffer.pop(0)
+            else:
+                rest = WindowBlock(block.windows[take:], block.timestamps[take:], block.labels[take:], block.report)
+                self._buffer[0] = (device_id, rest)
+            need -= take
+        self._buffered -= n
+        return {name: np.concatenate(arrays) for name, arrays in parts.items()}
+
+    def _flush(self, n: int) -> None:
+        data = self._take(n)
+        start, stop = self.n_windows, self.n_windows + n
+        self._wait(self._max_pending - 1)
+        self.gimu.resize((stop, WINDOW_LENGTH, N_CHANNELS))
+        for array in self.per_window.values():
+            array.resize((stop,))
+        self.n_windows = stop
+        self._pending.append(self._pool.submit(self._write_slab, start, stop, data))
+
+    def _write_slab(self, start: int, stop: int, data: dict[str, np.ndarray]) -> None:
+        self.gimu[start:stop] = data[GIMU]
+        for name, array in self.per_window.items():
+            array[start:stop] = data[name]
+
+    def _wait(self, keep: int) -> None:
+        while len(self._pending) > keep:
+            self._pending.pop(0).result()
+
+    def _drain(self) -> None:
+        if self._buffered:
+            self._flush(self._buffered)
+        self._wait(0)
+
+    # -- commit ----------------------------------------------------------------------------------
+    def commit(self, extra_report: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Make everything written visible: the one write that turns the group into a store."""
+        self._drain()
+        report = {
+            "started_at": self.started_at,
+            "finished_at": _now(),
+            "devices": {str(d): r.to_json() for d, r in sorted(self.reports.items())},
+            **(extra_report or {}),
+        }
+        committed = {"n_windows": self.n_windows, "generation": 1, "committed_at": _now()}
+        attrs = self._attrs(committed=committed)
+        attrs["devices"] = [self.devices[d].to_json() for d in sorted(self.devices)]
+        attrs["report"] = report
+        self.group.attrs.put({ATTRS_KEY: attrs})
+        self._committed = True
+        return attrs
+
+    def _attrs(self, *, committed: dict[str, Any] | None) -> dict[str, Any]:
+        return {
+            "format_version": FORMAT_VERSION,
+            "window_length": WINDOW_LENGTH,
+            "channels": list(CHANNELS),
+            **self.static_attrs,
+            "converter": {"name": "birdzarr", "version": __version__},
+            "committed": committed,
+        }
+
+
+def _is_unfinished_store(location: Location) -> bool:
+    """True if the location holds a birdzarr group that never committed."""
+    import json
+
+    try:
+        raw = json.loads(location.fs.cat_file(location.join("zarr.json")))
+    except (FileNotFoundError, ValueError):
+        return False
+    meta = raw.get("attributes", {}).get(ATTRS_KEY)
+    return isinstance(meta, dict) and meta.get("committed") is None

@@ -1,0 +1,1 @@
+"""Reading: chunk fetching and decoding, epoch planning, and the PyTorch dataset."""

@@ -1,0 +1,29 @@
+"""Shared fixtures: small generated stores (realistic calibrated values, see birdzarr._synthetic)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+import pytest
+
+import birdzarr
+from birdzarr import _synthetic
+
+FIXTURES = pathlib.Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+
+
+@pytest.fixture(scope="session")
+def parquet_source(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, dict[int, np.ndarray]]:
+    """12 devices, 30,000 windows, as per-device Parquet files, with the true windows."""
+    directory = tmp_path_factory.mktemp("parquet")
+    truth = _synthetic.make_parquet_dir(directory, n_devices=12, total_windows=30_000, seed=7)
+    return directory, truth
+
+
+@pytest.fixture(scope="session")
+def small_store(parquet_source, tmp_path_factory) -> birdzarr.Store:  # type: ignore[no-untyped-def]
+    """The parquet_source converted with 1024-window chunks (many chunks, fast tests)."""
+    directory, _ = parquet_source
+    dest = tmp_path_factory.mktemp("stores") / "small.zarr"
+    return birdzarr.convert(directory, dest, chunk_windows=1024, progress=False)
