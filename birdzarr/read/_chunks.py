@@ -92,17 +92,23 @@ class ChunkReader:
         return start, min(start + self.chunk_windows, self.n_windows)
 
     def _fetch(self, layout: ArrayLayout, index: int) -> bytes:
+        """One chunk's bytes: from the opt-in local cache (birdzarr/_cache.py) or the store.
+
+        Transient faults are retried with backoff; a missing chunk raises MissingChunkError and
+        one that still fails raises ChunkFetchError, both naming store and key (_storage.py).
+        """
+        from birdzarr._storage import read_object
+
         key = f"{layout.name}/{layout.key(index)}"
-        try:
-            data = self.location.fs.cat_file(self.location.join(key))
-        except FileNotFoundError:
-            raise MissingChunkError(
-                f"{self.location.display}: committed chunk '{key}' is missing. The store is damaged; "
-                "run `birdzarr verify` on it and re-convert or restore the missing files."
-            ) from None
+        cache = getattr(self, "cache", None)  # set by birdzarr._cache.attach_cache()
+        if cache is not None and (cached := cache.get(key)) is not None:
+            return bytes(cached)
+        data = read_object(self.location, key)
         self.requests += 1
         self.bytes_read += len(data)
-        return bytes(data)
+        if cache is not None:
+            cache.put(key, data)
+        return data
 
     def read(self, name: str, index: int) -> np.ndarray:
         """Chunk ``index`` of array ``name``, trimmed to committed windows."""

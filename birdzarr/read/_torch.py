@@ -1,0 +1,269 @@
+"""``WindowDataset``: shuffled, batched windows for ``torch.utils.data.DataLoader``.
+
+This is the only module that imports torch. The dataset yields whole batches (use
+``DataLoader(ds, batch_size=None)``); each batch is gathered with one vectorised numpy indexing
+per chunk from chunks fetched and decoded ahead on a thread pool. The epoch's order is planned by
+the pure functions in ``_sampling`` and depends on (seed, epoch, world size) only.
+
+Memory per reader (the main process, or each DataLoader worker) is bounded by its settings::
+
+    (chunks per group + prefetch) x chunk_windows x 320 B  +  2 x batch_size x 320 B
+
+plus DataLoader's own ``prefetch_factor x num_workers`` finished batches. It never depends on the
+number of windows in the store.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from birdzarr._format import DEVICE, GIMU, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH
+from birdzarr._storage import StoreLike, resolve
+from birdzarr._store import open_store
+from birdzarr.read._chunks import ChunkReader
+from birdzarr.read._fetch import ChunkData, prefetched
+from birdzarr.read._sampling import EpochPlan, plan_epoch, rank_window_counts, worker_batches
+from birdzarr.read._selection import make_selection
+
+_STATE_VERSION = 1
+Batch = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+def _distributed_defaults() -> tuple[int, int]:
+    """(world_size, rank) from torch.distributed if initialised, else torchrun's environment."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size(), torch.distributed.get_rank()
+    return int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+
+
+class WindowDataset(IterableDataset[Batch]):
+    """Batches of windows from a store, shuffled per epoch, split over workers and ranks.
+
+    Args:
+        store: path or URL of a committed store (``s3://...`` works the same).
+        batch_size: windows per batch; the last batch of an epoch may be shorter unless
+            ``drop_last``.
+        shuffle: a new seeded order every epoch (call :meth:`set_epoch`).
+        seed: the shuffle seed; the order is a pure function of (seed, epoch, world size).
+        drop_last: drop the windows that do not fill a batch on every rank (fewer than
+            ``world_size * batch_size`` a epoch) instead of delivering a short last batch.
+        channel_first: yield ``(B, 4, 20)`` instead of ``(B, 20, 4)``.
+        with_ldt: yield ``(x, ldt)`` with ``ldt`` int64 ``(B, 3)`` = label, device id, unix seconds.
+        devices / exclude_devices: keep only / drop these device ids.
+        split: ``"train"`` or ``"val"`` to take one side of a seeded split; ``split_by`` is
+            ``"device"`` (default: birds stay on one side) or ``"window"`` (per-window, like the
+            old 90/10 code); ``val_fraction`` and ``split_seed`` set it.
+        shuffle_buffer: windows shuffled together (rounded up to whole batches; default one
+            batch). On a pre-shuffled store one batch is enough; larger buffers mix more chunks
+            per batch at the cost of memory and, with several workers, repeated chunk decoding.
+        prefetch: chunks fetched and decoded ahead of use (raise it for object stores).
+        transform: optional callable applied to each batch tensor ``x`` in the reader.
+        world_size / rank: override what torch.distributed or the environment say.
+        storage_options: passed to fsspec (credentials are never stored or printed).
+    """
+
+    def __init__(
+        self,
+        store: StoreLike,
+        *,
+        batch_size: int = 8192,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        channel_first: bool = False,
+        with_ldt: bool = False,
+        devices: Iterable[int] | None = None,
+        exclude_devices: Iterable[int] | None = None,
+        split: str | None = None,
+        split_by: str = "device",
+        val_fraction: float = 0.1,
+        split_seed: int = 0,
+        shuffle_buffer: int | None = None,
+        prefetch: int = 4,
+        transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        world_size: int | None = None,
+        rank: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError("batch_size must be positive")
+        env_world, env_rank = _distributed_defaults()
+        self.world_size = env_world if world_size is None else int(world_size)
+        self.rank = env_rank if rank is None else int(rank)
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside 0..{self.world_size - 1}")
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.channel_first = channel_first
+        self.with_ldt = with_ldt
+        self.prefetch = max(1, prefetch)
+        self.transform = transform
+        self.group_batches = max(1, -(-(shuffle_buffer or batch_size) // batch_size))
+        self.location = resolve(store, storage_options)
+        opened = open_store(self.location)
+        # A snapshot: windows committed later (an append during training) are not seen.
+        self.n_windows = len(opened)
+        self.shuffled_store = opened.shuffled
+        self.selection = make_selection(
+            opened.device_table, shuffled_store=opened.shuffled, devices=devices,
+            exclude_devices=exclude_devices, split=split, split_by=split_by,
+            val_fraction=val_fraction, split_seed=split_seed,
+        )
+        self.counts = self.selection.counts(opened.reader)
+        self._layouts = opened.reader.layouts
+        self.n_selected = int(self.counts.sum())
+        self._per_rank, self._n_batches = rank_window_counts(
+            self.n_selected, self.world_size, batch_size, drop_last
+        )
+        if shuffle and not opened.shuffled and len(opened.device_table) > 1:
+            warnings.warn(
+                f"{opened.url} is stored in device order: a batch mixes only the few devices of "
+                "the chunks in its shuffle buffer. For training, convert with --shuffle "
+                "(docs/training.md#shuffle-quality).",
+                stacklevel=2,
+            )
+        self.epoch = 0
+        self._resume_at = 0  # rank-level batch index the next iteration starts from
+        self._resume_epoch: int | None = None
+        self._yielded = 0
+        self._reader: ChunkReader | None = None
+        self._reader_pid = -1
+
+    # -- sizes and state -------------------------------------------------------------------------
+    def __len__(self) -> int:
+        """Batches this rank yields per epoch."""
+        return self._n_batches
+
+    @property
+    def windows_per_epoch(self) -> int:
+        """Windows this rank yields per epoch."""
+        return int(self._per_rank[self.rank])
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch's order; call before iterating (keeps a resume point of that epoch)."""
+        self.epoch = int(epoch)
+        if self._resume_epoch is not None and self._resume_epoch != self.epoch:
+            self._resume_at, self._resume_epoch = 0, None
+
+    def state_dict(self, batches_seen: int | None = None) -> dict[str, Any]:
+        """Where the epoch stands. With DataLoader workers, pass the batches the loop consumed
+        this epoch (the dataset in the main process does not see workers' progress)."""
+        seen = self._yielded if batches_seen is None else int(batches_seen)
+        return {
+            "version": _STATE_VERSION, "seed": self.seed, "epoch": self.epoch,
+            "world_size": self.world_size, "rank": self.rank, "batch_size": self.batch_size,
+            "next_batch": self._resume_at + seen,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: the next iteration of ``state['epoch']`` starts at its next batch."""
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"unknown WindowDataset state version {state.get('version')!r}")
+        for key in ("seed", "world_size", "batch_size"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"cannot resume: the state was saved with {key}={state[key]!r}, this dataset "
+                    f"has {key}={getattr(self, key)!r}; the order would differ"
+                )
+        self.epoch = int(state["epoch"])
+        self._resume_at = int(state["next_batch"])
+        self._resume_epoch = self.epoch
+        self._yielded = 0
+
+    # -- reading ---------------------------------------------------------------------------------
+    def plan(self) -> EpochPlan:
+        """This rank's plan of the current epoch."""
+        return plan_epoch(
+            self.counts, seed=self.seed, epoch=self.epoch, world_size=self.world_size,
+            rank=self.rank, batch_size=self.batch_size, drop_last=self.drop_last,
+            shuffle=self.shuffle, group_batches=self.group_batches,
+        )
+
+    def batch_indices(self, batch: int, plan: EpochPlan | None = None) -> np.ndarray:
+        """Global window indices of one batch of this rank, in delivery order (for debugging)."""
+        plan = plan or self.plan()
+        reader = self._chunk_reader()
+        chunk_ids, ranks = plan.locate(plan.batch_positions(batch))
+        out = np.empty(len(chunk_ids), dtype=np.int64)
+        for chunk in np.unique(chunk_ids).tolist():
+            where = np.flatnonzero(chunk_ids == chunk)
+            device_ids = reader.read(DEVICE, chunk) if self.selection.reads_device_array else None
+            mask = self.selection.chunk_mask(reader, chunk, device_ids)
+            start, stop = reader.chunk_span(chunk)
+            selected = np.arange(start, stop) if mask is None else start + np.flatnonzero(mask)
+            out[where] = selected[ranks[where]]
+        return out
+
+    def _chunk_reader(self) -> ChunkReader:
+        # Opened per process: nothing (sockets, event loops, threads) crosses a fork.
+        if self._reader is None or self._reader_pid != os.getpid():
+            location = resolve(self.location.url, self.location.storage_options)
+            self._reader = ChunkReader(location, self._layouts, self.n_windows)
+            self._reader_pid = os.getpid()
+        return self._reader
+
+    def _load(self, chunk: int) -> ChunkData:
+        reader = self._chunk_reader()
+        device_ids = reader.read(DEVICE, chunk) if (self.with_ldt or self.selection.reads_device_array) else None
+        mask = self.selection.chunk_mask(reader, chunk, device_ids)
+        names = [GIMU, LABEL, TIMESTAMP] if self.with_ldt else [GIMU]
+        data = {name: reader.read(name, chunk) for name in names}
+        if device_ids is not None and self.with_ldt:
+            data[DEVICE] = device_ids
+        if mask is not None:
+            data = {name: array[mask] for name, array in data.items()}
+        return data
+
+    def __iter__(self) -> Iterator[Batch]:
+        plan = self.plan()
+        info = get_worker_info()
+        worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
+        start = self._resume_at
+        batches = worker_batches(plan.n_batches, start=start, worker=worker, num_workers=num_workers)
+        steps = [plan.group_chunks(plan.group_of(b)) for b in batches]
+        self._yielded = 0
+        for batch, chunks in zip(batches, prefetched(self._load, steps, prefetch=self.prefetch)):
+            assembled = self._assemble(plan, batch, chunks)
+            self._yielded += 1  # counted before handing over: state_dict() then names the next batch
+            yield assembled
+
+    def _assemble(self, plan: EpochPlan, batch: int, chunks: dict[int, ChunkData]) -> Batch:
+        chunk_ids, ranks = plan.locate(plan.batch_positions(batch))
+        size = len(chunk_ids)
+        x = np.empty((size, WINDOW_LENGTH, N_CHANNELS), dtype=np.float32)
+        ldt = np.empty((size, 3), dtype=np.int64) if self.with_ldt else None
+        for chunk, data in chunks.items():
+            where = np.flatnonzero(chunk_ids == chunk)
+            if not len(where):
+                continue
+            rows = ranks[where]
+            x[where] = data[GIMU][rows]
+            if ldt is not None:
+                ldt[where, 0] = data[LABEL][rows]
+                ldt[where, 1] = data[DEVICE][rows]
+                ldt[where, 2] = data[TIMESTAMP][rows]
+        if self.channel_first:
+            x = np.ascontiguousarray(x.transpose(0, 2, 1))
+        tensor = torch.from_numpy(x)
+        if self.transform is not None:
+            tensor = self.transform(tensor)
+        if ldt is not None:
+            return tensor, torch.from_numpy(ldt)
+        return tensor
+
+    def __repr__(self) -> str:
+        return (
+            f"WindowDataset({self.location.display!r}, batch_size={self.batch_size}, "
+            f"shuffle={self.shuffle}, seed={self.seed}, epoch={self.epoch}, rank={self.rank}/"
+            f"{self.world_size}, windows={self.windows_per_epoch:,}, batches={len(self)})"
+        )

@@ -1,0 +1,212 @@
+"""WindowDataset: exactly-once delivery, seeded order, workers, ranks, resume, subsets, values."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader
+
+import birdzarr
+from birdzarr.read._sampling import worker_batches
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*stored in device order")
+
+
+def _dataset(store: birdzarr.Store, **options: object) -> birdzarr.WindowDataset:
+    options.setdefault("batch_size", 1000)
+    return birdzarr.WindowDataset(store.url, **options)  # type: ignore[arg-type]
+
+
+def _epoch_indices(ds: birdzarr.WindowDataset, num_workers: int = 1) -> list[np.ndarray]:
+    """Indices of every batch of one rank, as its workers would produce them, in loader order."""
+    plan = ds.plan()
+    per_worker = [list(worker_batches(plan.n_batches, start=0, worker=w, num_workers=num_workers))
+                  for w in range(num_workers)]
+    order = [b for round_ in zip(*[w + [None] * (plan.n_batches - len(w)) for w in per_worker]) for b in round_
+             if b is not None]
+    return [ds.batch_indices(b, plan) for b in order]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    world_size=st.integers(1, 4),
+    num_workers=st.integers(1, 3),
+    batch_size=st.integers(200, 9000),
+    drop_last=st.booleans(),
+    buffer_batches=st.integers(1, 3),
+    epoch=st.integers(0, 3),
+)
+def test_every_window_exactly_once_per_epoch(
+    small_store: birdzarr.Store, world_size: int, num_workers: int, batch_size: int, drop_last: bool,
+    buffer_batches: int, epoch: int,
+) -> None:
+    n = len(small_store)
+    per_rank_batches = []
+    delivered = []
+    for rank in range(world_size):
+        ds = _dataset(small_store, batch_size=batch_size, drop_last=drop_last, world_size=world_size,
+                      rank=rank, shuffle_buffer=buffer_batches * batch_size, seed=3)
+        ds.set_epoch(epoch)
+        batches = _epoch_indices(ds, num_workers)
+        assert len(batches) == len(ds)
+        assert all(0 < len(b) <= batch_size for b in batches)
+        if drop_last:
+            assert all(len(b) == batch_size for b in batches)
+        per_rank_batches.append(len(batches))
+        delivered.extend(batches)
+    assert len(set(per_rank_batches)) == 1, "every rank must get the same number of batches"
+    flat = np.concatenate(delivered) if delivered else np.empty(0, dtype=np.int64)
+    assert len(np.unique(flat)) == len(flat), "a window was delivered twice"
+    if drop_last:
+        assert len(flat) == (n // (world_size * batch_size)) * world_size * batch_size
+    else:
+        assert np.array_equal(np.sort(flat), np.arange(n))
+
+
+def test_batches_hold_the_stored_values(small_store: birdzarr.Store) -> None:
+    ds = _dataset(small_store, batch_size=777, seed=5)
+    plan = ds.plan()
+    for batch, x in enumerate(ds):
+        expected = small_store.windows[ds.batch_indices(batch, plan)]
+        assert x.dtype == torch.float32 and tuple(x.shape[1:]) == (20, 4)
+        assert np.array_equal(x.numpy(), expected)
+
+
+def test_same_seed_and_epoch_give_the_same_batches_and_epochs_differ(small_store: birdzarr.Store) -> None:
+    a, b = _dataset(small_store, seed=11), _dataset(small_store, seed=11)
+    a.set_epoch(2)
+    b.set_epoch(2)
+    first = [x.clone() for x in a]
+    assert all(torch.equal(x, y) for x, y in zip(first, b, strict=True))
+    b.set_epoch(3)
+    other = _epoch_indices(b)
+    a_idx = _epoch_indices(a)
+    assert not all(np.array_equal(x, y) for x, y in zip(a_idx, other))
+    c = _dataset(small_store, seed=12)
+    c.set_epoch(2)
+    assert not np.array_equal(_epoch_indices(c)[0], a_idx[0])
+
+
+def test_unshuffled_order_is_the_stored_order(small_store: birdzarr.Store) -> None:
+    ds = _dataset(small_store, shuffle=False, batch_size=4096)
+    assert np.array_equal(np.concatenate(_epoch_indices(ds)), np.arange(len(small_store)))
+
+
+def test_forked_workers_yield_the_same_sequence_as_one_process(small_store: birdzarr.Store) -> None:
+    ds = _dataset(small_store, batch_size=1500, seed=2, shuffle_buffer=3000)
+    ds.set_epoch(1)
+    in_process = [x.clone() for x in ds]
+    for workers in (2, 3):
+        loader = DataLoader(ds, batch_size=None, num_workers=workers, multiprocessing_context="fork")
+        got = list(loader)
+        assert len(got) == len(in_process) == len(ds)
+        assert all(torch.equal(x, y) for x, y in zip(got, in_process))
+
+
+def test_resume_mid_epoch_equals_uninterrupted(small_store: birdzarr.Store) -> None:
+    full = _dataset(small_store, batch_size=900, seed=9)
+    full.set_epoch(4)
+    expected = [x.clone() for x in full]
+    first = _dataset(small_store, batch_size=900, seed=9)
+    first.set_epoch(4)
+    iterator = iter(first)
+    head = [next(iterator).clone() for _ in range(7)]
+    state = first.state_dict()
+    assert state["next_batch"] == 7 and state["epoch"] == 4
+    resumed = _dataset(small_store, batch_size=900, seed=9)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(4)  # the usual loop calls set_epoch; the resume point of epoch 4 survives
+    tail = [x.clone() for x in resumed]
+    assert all(torch.equal(x, y) for x, y in zip(head + tail, expected, strict=True))
+    resumed.set_epoch(5)
+    assert len(list(resumed)) == len(resumed), "the next epoch starts from its first batch"
+
+
+def test_resume_with_workers_from_the_loop_count(small_store: birdzarr.Store) -> None:
+    ds = _dataset(small_store, batch_size=1200, seed=1)
+    expected = [x.clone() for x in ds]
+    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
+    seen = 0
+    for _ in loader:
+        seen += 1
+        if seen == 5:
+            break
+    state = ds.state_dict(batches_seen=seen)
+    again = _dataset(small_store, batch_size=1200, seed=1)
+    again.load_state_dict(state)
+    tail = list(DataLoader(again, batch_size=None, num_workers=2, multiprocessing_context="fork"))
+    assert all(torch.equal(x, y) for x, y in zip(tail, expected[5:], strict=True))
+
+
+def test_resume_refuses_a_different_configuration(small_store: birdzarr.Store) -> None:
+    state = _dataset(small_store, seed=1).state_dict()
+    with pytest.raises(ValueError, match="seed"):
+        _dataset(small_store, seed=2).load_state_dict(state)
+
+
+def test_ldt_rows_match_their_windows(tmp_path: object) -> None:
+    from birdzarr import _synthetic
+
+    source = tmp_path / "csv"  # type: ignore[operator]
+    _synthetic.make_csv_dir(source, n_devices=3, bursts_per_device=150, parts=2, seed=4, labelled=True)
+    store = birdzarr.convert(source, tmp_path / "s.zarr", chunk_windows=256, progress=False)  # type: ignore[operator]
+    ds = birdzarr.WindowDataset(store.url, batch_size=300, with_ldt=True, seed=3)
+    plan = ds.plan()
+    for batch, (x, ldt) in enumerate(ds):
+        idx = ds.batch_indices(batch, plan)
+        assert ldt.dtype == torch.int64 and tuple(ldt.shape) == (len(x), 3)
+        assert np.array_equal(x.numpy(), store.windows[idx])
+        assert np.array_equal(ldt[:, 0].numpy(), store.labels[idx])
+        assert np.array_equal(ldt[:, 1].numpy(), store.window_devices[idx])
+        assert np.array_equal(ldt[:, 2].numpy(), store.timestamps[idx])
+    assert (store.labels[:] >= 0).all()
+
+
+def test_channel_first_and_transform(small_store: birdzarr.Store) -> None:
+    plain = next(iter(_dataset(small_store, seed=1)))
+    cf = next(iter(_dataset(small_store, seed=1, channel_first=True)))
+    assert tuple(cf.shape[1:]) == (4, 20) and cf.is_contiguous()
+    assert torch.equal(cf, plain.transpose(1, 2))
+    doubled = next(iter(_dataset(small_store, seed=1, transform=lambda x: x * 2)))
+    assert torch.equal(doubled, plain * 2)
+
+
+def _all_indices(ds: birdzarr.WindowDataset) -> np.ndarray:
+    return np.concatenate(_epoch_indices(ds))
+
+
+def test_device_filters_and_splits_are_disjoint_and_complete(small_store: birdzarr.Store) -> None:
+    window_devices = small_store.window_devices[:]
+    ids = sorted(small_store.devices["device_id"].tolist())
+    some = ids[:3]
+    chosen = _all_indices(_dataset(small_store, devices=some))
+    assert np.array_equal(np.sort(chosen), np.flatnonzero(np.isin(window_devices, some)))
+    rest = _all_indices(_dataset(small_store, exclude_devices=some))
+    assert np.array_equal(np.sort(np.concatenate([chosen, rest])), np.arange(len(small_store)))
+    for split_by in ("device", "window"):
+        train = _all_indices(_dataset(small_store, split="train", split_by=split_by, val_fraction=0.25, split_seed=4))
+        val = _all_indices(_dataset(small_store, split="val", split_by=split_by, val_fraction=0.25, split_seed=4))
+        assert len(np.intersect1d(train, val)) == 0
+        assert np.array_equal(np.sort(np.concatenate([train, val])), np.arange(len(small_store)))
+        if split_by == "device":
+            assert not set(window_devices[train]) & set(window_devices[val])
+        else:
+            assert 0.2 < len(val) / len(small_store) < 0.3
+    other_seed = _all_indices(_dataset(small_store, split="val", val_fraction=0.25, split_seed=5))
+    assert not np.array_equal(np.sort(other_seed), np.sort(val))
+    with pytest.raises(KeyError, match="not in the store"):
+        _dataset(small_store, devices=[123456789])
+
+
+def test_len_and_warning_on_device_ordered_store(small_store: birdzarr.Store) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ds = _dataset(small_store, batch_size=4096)
+    assert any("device order" in str(w.message) for w in caught)
+    assert len(ds) == -(-len(small_store) // 4096)
+    assert len(_dataset(small_store, batch_size=4096, drop_last=True)) == len(small_store) // 4096
