@@ -210,3 +210,21 @@ def test_len_and_warning_on_device_ordered_store(small_store: birdzarr.Store) ->
     assert any("device order" in str(w.message) for w in caught)
     assert len(ds) == -(-len(small_store) // 4096)
     assert len(_dataset(small_store, batch_size=4096, drop_last=True)) == len(small_store) // 4096
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_stateful_dataloader_resumes_exactly(small_store: birdzarr.Store, num_workers: int) -> None:
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    expected = [x.clone() for x in _dataset(small_store, batch_size=1100, seed=8)]
+    loader = stateful.StatefulDataLoader(_dataset(small_store, batch_size=1100, seed=8), batch_size=None,
+                                         num_workers=num_workers)
+    iterator = iter(loader)
+    head = [next(iterator).clone() for _ in range(6)]
+    state = loader.state_dict()
+    del iterator, loader
+    again = stateful.StatefulDataLoader(_dataset(small_store, batch_size=1100, seed=8), batch_size=None,
+                                        num_workers=num_workers)
+    again.load_state_dict(state)
+    tail = [x.clone() for x in again]
+    assert all(torch.equal(x, y) for x, y in zip(head + tail, expected, strict=True))
+    assert len(list(again)) == len(expected), "the epoch after a resume is whole again"

@@ -136,6 +136,7 @@ class WindowDataset(IterableDataset[Batch]):
         self._resume_at = 0  # rank-level batch index the next iteration starts from
         self._resume_epoch: int | None = None
         self._yielded = 0
+        self._skip_own = 0  # batches this worker already yielded before a StatefulDataLoader resume
         self._reader: ChunkReader | None = None
         self._reader_pid = -1
 
@@ -153,17 +154,23 @@ class WindowDataset(IterableDataset[Batch]):
         """Choose the epoch's order; call before iterating (keeps a resume point of that epoch)."""
         self.epoch = int(epoch)
         if self._resume_epoch is not None and self._resume_epoch != self.epoch:
-            self._resume_at, self._resume_epoch = 0, None
+            self._resume_at, self._resume_epoch, self._skip_own = 0, None, 0
 
     def state_dict(self, batches_seen: int | None = None) -> dict[str, Any]:
         """Where the epoch stands. With DataLoader workers, pass the batches the loop consumed
-        this epoch (the dataset in the main process does not see workers' progress)."""
-        seen = self._yielded if batches_seen is None else int(batches_seen)
-        return {
+        this epoch (the dataset in the main process does not see workers' progress), or use
+        torchdata's ``StatefulDataLoader``, which snapshots each worker's own state."""
+        state = {
             "version": _STATE_VERSION, "seed": self.seed, "epoch": self.epoch,
             "world_size": self.world_size, "rank": self.rank, "batch_size": self.batch_size,
-            "next_batch": self._resume_at + seen,
         }
+        info = get_worker_info()
+        if info is not None and batches_seen is None:
+            # inside a worker (StatefulDataLoader): this worker's own progress
+            return {**state, "start": self._resume_at, "worker_yielded": self._yielded,
+                    "num_workers": info.num_workers}
+        seen = self._yielded if batches_seen is None else int(batches_seen)
+        return {**state, "next_batch": self._resume_at + seen}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next iteration of ``state['epoch']`` starts at its next batch."""
@@ -176,9 +183,13 @@ class WindowDataset(IterableDataset[Batch]):
                     f"has {key}={getattr(self, key)!r}; the order would differ"
                 )
         self.epoch = int(state["epoch"])
-        self._resume_at = int(state["next_batch"])
         self._resume_epoch = self.epoch
         self._yielded = 0
+        self._skip_own = 0
+        if "worker_yielded" in state:  # a worker's own snapshot, restored into that worker
+            self._resume_at, self._skip_own = int(state["start"]), int(state["worker_yielded"])
+        else:
+            self._resume_at = int(state["next_batch"])
 
     # -- reading ---------------------------------------------------------------------------------
     def plan(self) -> EpochPlan:
@@ -230,12 +241,17 @@ class WindowDataset(IterableDataset[Batch]):
         worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
         start = self._resume_at
         batches = worker_batches(plan.n_batches, start=start, worker=worker, num_workers=num_workers)
+        batches = batches[self._skip_own :]
         steps = [plan.group_chunks(plan.group_of(b)) for b in batches]
-        self._yielded = 0
+        self._yielded = self._skip_own
+        self._skip_own = 0
         for batch, chunks in zip(batches, prefetched(self._load, steps, prefetch=self.prefetch)):
             assembled = self._assemble(plan, batch, chunks)
             self._yielded += 1  # counted before handing over: state_dict() then names the next batch
             yield assembled
+        if info is None:  # a finished in-process epoch consumes its resume point
+            self._yielded += self._resume_at
+            self._resume_at, self._resume_epoch = 0, None
 
     def _assemble(self, plan: EpochPlan, batch: int, chunks: dict[int, ChunkData]) -> Batch:
         chunk_ids, ranks = plan.locate(plan.batch_positions(batch))
