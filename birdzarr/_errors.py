@@ -49,3 +49,23 @@ class ChecksumMismatchError(BirdzarrError, ValueError):
 
 class MissingDependencyError(BirdzarrError, ImportError):
     """An optional dependency (an extra) is needed for this feature."""
+
+
+class ChunkFetchError(MissingChunkError):
+    """A chunk could not be fetched even after retries (storage unreachable or throttling).
+
+    A subclass of :class:`MissingChunkError` so one ``except`` covers every unreadable chunk; the
+    store itself may be intact, so retrying later can succeed.
+    """
+
+
+class ReadOnlyLocationError(BirdzarrError, PermissionError):
+    """The location can be read but not written (a static ``http(s)://`` server)."""
+
+
+class AppendError(BirdzarrError, ValueError):
+    """The store cannot take this append (another kind of source, a shuffled layout, ...)."""
+
+
+class TransferError(BirdzarrError, OSError):
+    """An object could not be copied even after retries; what was copied is kept for a resume."""

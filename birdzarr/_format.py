@@ -40,6 +40,7 @@ WINDOW_RULE = (
     "of a burst form one window, a remainder of fewer than 20 rows forms none; the index column "
     "is ignored; curation drops whole windows, never single rows"
 )
+MAX_PROBLEMS = 10  # skip messages kept per device in the conversion report
 MIXED_LABEL_POLICY = "majority"  # most frequent label of the 20 rows; ties go to the earliest
 
 
@@ -92,6 +93,9 @@ class DeviceEntry:
     last_time: int = TIMESTAMP_UNKNOWN
     sources: list[str] = field(default_factory=list)
     label_counts: dict[int, int] = field(default_factory=dict)
+    # Shuffled stores have no ranges: this checksum covers the device's windows in ascending
+    # global index order (same hash as DeviceRange.checksum). None in unshuffled stores.
+    scattered_checksum: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -102,6 +106,7 @@ class DeviceEntry:
             "last_time": self.last_time,
             "sources": list(self.sources),
             "label_counts": {str(k): v for k, v in sorted(self.label_counts.items())},
+            "scattered_checksum": self.scattered_checksum,
         }
 
     @classmethod
@@ -114,6 +119,7 @@ class DeviceEntry:
             last_time=int(raw["last_time"]),
             sources=[str(s) for s in raw["sources"]],
             label_counts={int(k): int(v) for k, v in raw.get("label_counts", {}).items()},
+            scattered_checksum=raw.get("scattered_checksum"),
         )
 
 
@@ -125,7 +131,13 @@ class DeviceReport:
     windows_written: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
     mixed_label_windows: int = 0
-    bad_lines: int = 0
+    bad_lines: int = 0  # CSV lines or Parquet rows skipped as malformed (on_bad_rows="skip")
+    bad_files: int = 0  # whole files skipped as unreadable, empty or of the wrong schema
+    problems: list[str] = field(default_factory=list)  # the first MAX_PROBLEMS skip messages
+
+    def note(self, message: str) -> None:
+        if len(self.problems) < MAX_PROBLEMS:
+            self.problems.append(message)
 
     def drop(self, reason: str, count: int) -> None:
         if count:
@@ -136,6 +148,9 @@ class DeviceReport:
         self.windows_written += other.windows_written
         self.mixed_label_windows += other.mixed_label_windows
         self.bad_lines += other.bad_lines
+        self.bad_files += other.bad_files
+        for message in other.problems:
+            self.note(message)
         for reason, count in other.dropped.items():
             self.drop(reason, count)
 
@@ -150,6 +165,8 @@ class DeviceReport:
             dropped={str(k): int(v) for k, v in raw["dropped"].items()},
             mixed_label_windows=int(raw["mixed_label_windows"]),
             bad_lines=int(raw["bad_lines"]),
+            bad_files=int(raw.get("bad_files", 0)),
+            problems=[str(p) for p in raw.get("problems", [])],
         )
 
 

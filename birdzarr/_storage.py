@@ -1,25 +1,69 @@
 """Store locations: one ``StoreLike`` input turned into a filesystem and a Zarr store in one place.
 
-Accepted: a path (``~`` expanded), ``file://``, ``memory://``, ``s3://``, read-only ``https://``,
-and fsspec chains such as ``simplecache::s3://...``. ``storage_options`` go to fsspec untouched;
-they are never logged or stored (see :func:`redact`).
+Accepted: a path (``~`` expanded), ``file://``, ``memory://``, ``s3://`` (and any other fsspec
+protocol whose package is installed), read-only ``http(s)://``, and fsspec chains such as
+``simplecache::s3://...``. ``storage_options`` go to fsspec untouched, so the standard AWS
+credential chain (environment, profile, instance role) applies whenever they hold no keys. For a
+chain, options are nested by protocol as fsspec expects: ``{"s3": {...}, "simplecache": {...}}``.
+
+Credentials never leave this module in clear: every string birdzarr prints, raises or stores goes
+through :func:`redact`, which removes ``user:password@`` parts of URLs and every secret value
+that was ever passed in ``storage_options`` in this process.
+
+Object stores fail transiently (503 SlowDown, connection resets, timeouts). s3fs and botocore
+already retry each request a few times; :func:`read_object` adds a slower outer retry with
+exponential backoff for every filesystem (the HTTP one has none of its own) and turns what still
+fails into an error that names the store and the key.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import re
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, TypeVar, Union
 
 import fsspec
 from fsspec.core import url_to_fs
 
+from birdzarr._errors import ChunkFetchError, MissingChunkError, ReadOnlyLocationError
+
 StoreLike = Union[str, "os.PathLike[str]", "Location"]
+T = TypeVar("T")
 
 # s3fs issues a HEAD before each whole-object GET unless max_concurrency is 1 (CONTEXT.md).
 _PROTOCOL_DEFAULTS: dict[str, dict[str, Any]] = {"s3": {"max_concurrency": 1}}
-_CREDENTIALS_IN_URL = re.compile(r"(?<=://)[^/@]*@")
+_READ_ONLY_PROTOCOLS = frozenset({"http", "https"})
+_CREDENTIALS_IN_URL = re.compile(r"(?<=://)[^/@\s]*@")
+# storage_options keys whose values are secrets, at any nesting depth (client_kwargs, s3={...}).
+_SECRET_KEYS = re.compile(r"(secret|token|password|passwd|key$|key_id|credential|sas|signature)", re.I)
+_SECRETS: set[str] = set()
+_SECRETS_LOCK = threading.Lock()
+_MASK = "***"
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often and how patiently to re-try a read that failed transiently.
+
+    Delays grow ``base_delay * 2**attempt`` up to ``max_delay`` with full jitter, so many
+    DataLoader workers throttled at once do not retry in lock step.
+    """
+
+    attempts: int = 4
+    base_delay: float = 0.25
+    max_delay: float = 8.0
+
+    def delays(self) -> Iterator[float]:
+        for attempt in range(self.attempts - 1):
+            yield random.uniform(0.5, 1.0) * min(self.max_delay, self.base_delay * 2**attempt)
+
+
+DEFAULT_RETRY = RetryPolicy()
 
 
 @dataclass(frozen=True)
@@ -30,15 +74,29 @@ class Location:
     fs: fsspec.AbstractFileSystem
     path: str
     storage_options: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    retry: RetryPolicy = field(default=DEFAULT_RETRY, repr=False, compare=False)
+
+    @property
+    def protocol(self) -> str:
+        """The innermost protocol (``s3`` for ``simplecache::s3://...``; ``file`` for paths)."""
+        return _protocol(self.url)
 
     @property
     def is_local(self) -> bool:
         return _is_local_fs(self.fs)
 
     @property
+    def read_only(self) -> bool:
+        """True where birdzarr can only read (a static HTTP server)."""
+        return self.protocol in _READ_ONLY_PROTOCOLS
+
+    @property
     def display(self) -> str:
-        """The URL safe to print: user/password parts removed."""
+        """The URL safe to print: user/password parts and known secrets removed."""
         return redact(self.url)
+
+    def __repr__(self) -> str:
+        return f"Location({self.display!r})"  # the URL or path may hold credentials
 
     def join(self, *parts: str) -> str:
         """A path inside this location, for ``self.fs``."""
@@ -50,7 +108,13 @@ class Location:
             fs=self.fs,
             path=self.join(name),
             storage_options=self.storage_options,
+            retry=self.retry,
         )
+
+
+def _protocol(url: str) -> str:
+    last = url.split("::")[-1]
+    return last.split("://")[0] if "://" in last else "file"
 
 
 def _is_local_fs(fs: fsspec.AbstractFileSystem) -> bool:
@@ -58,38 +122,100 @@ def _is_local_fs(fs: fsspec.AbstractFileSystem) -> bool:
     return protocol in ("file", "local")
 
 
-def redact(url: str) -> str:
-    """Remove credentials embedded in a URL (``s3://key:secret@bucket`` style)."""
-    return _CREDENTIALS_IN_URL.sub("", url)
+# -- credentials ---------------------------------------------------------------------------------
+def _remember_secrets(options: Any, key: str = "") -> None:
+    if isinstance(options, dict):
+        for name, value in options.items():
+            _remember_secrets(value, str(name))
+    elif isinstance(options, str) and _SECRET_KEYS.search(key) and len(options) >= 4:
+        with _SECRETS_LOCK:
+            _SECRETS.add(options)
 
 
-def resolve(store: StoreLike, storage_options: dict[str, Any] | None = None) -> Location:
+def redact(text: str) -> str:
+    """``text`` without URL credentials (``https://user:pw@host``) or any secret seen in options."""
+    text = _CREDENTIALS_IN_URL.sub("", text)
+    with _SECRETS_LOCK:
+        secrets = sorted(_SECRETS, key=len, reverse=True)
+    for secret in secrets:
+        text = text.replace(secret, _MASK)
+    return text
+
+
+# -- resolving -----------------------------------------------------------------------------------
+def resolve(
+    store: StoreLike, storage_options: dict[str, Any] | None = None, *, retry: RetryPolicy | None = None
+) -> Location:
     """Turn any accepted store or source reference into a :class:`Location`."""
     if isinstance(store, Location):
         return store
     url = os.fspath(store)
     if "://" not in url and "::" not in url:
         url = os.path.abspath(os.path.expanduser(url))
-    options = dict(storage_options or {})
-    protocol = url.split("::")[-1].split("://")[0] if "://" in url else "file"
-    for key, value in _PROTOCOL_DEFAULTS.get(protocol, {}).items():
-        options.setdefault(key, value)
+    options = _with_defaults(url, dict(storage_options or {}))
+    _remember_secrets(options)
+    _remember_secrets_in_url(url)
     fs, path = url_to_fs(url, **options)
-    return Location(url=url.rstrip("/") or url, fs=fs, path=path.rstrip("/") or path, storage_options=options)
+    return Location(
+        url=url.rstrip("/") or url,
+        fs=fs,
+        path=path.rstrip("/") or path,
+        storage_options=options,
+        retry=retry or DEFAULT_RETRY,
+    )
+
+
+def _with_defaults(url: str, options: dict[str, Any]) -> dict[str, Any]:
+    protocol = _protocol(url)
+    defaults = _PROTOCOL_DEFAULTS.get(protocol, {})
+    if not defaults:
+        return options
+    if "::" in url:  # a chain: the innermost filesystem's options sit under its protocol name
+        inner = dict(options.get(protocol, {}))
+        for key, value in defaults.items():
+            inner.setdefault(key, value)
+        return {**options, protocol: inner}
+    for key, value in defaults.items():
+        options.setdefault(key, value)
+    return options
+
+
+def _remember_secrets_in_url(url: str) -> None:
+    for match in re.finditer(r"://([^/@\s]*)@", url):
+        user_info = match.group(1)
+        password = user_info.split(":", 1)[1] if ":" in user_info else ""
+        if len(password) >= 4:
+            with _SECRETS_LOCK:
+                _SECRETS.add(password)
 
 
 def zarr_store(location: Location, *, read_only: bool) -> Any:
     """A zarr-python store for the location (LocalStore on disk: atomic renames, no fsspec cost)."""
     from zarr.storage import FsspecStore, LocalStore
 
+    if not read_only:
+        require_writable(location)
     if location.is_local:
         return LocalStore(location.path, read_only=read_only)
-    fs = location.fs
-    if not getattr(fs, "async_impl", False):
-        from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
+    if "::" not in location.url and location.fs.async_impl:
+        # zarr runs its own event loop: an async filesystem must be created for it (asynchronous=
+        # True) rather than shared with fsspec's loop, or aiohttp fails with "different loop".
+        fs, path = url_to_fs(location.url, **{**location.storage_options, "asynchronous": True})
+        return FsspecStore(fs, path=path.rstrip("/"), read_only=read_only)
+    # Sync filesystems, and chains (whose caching layer hides its target's async methods), are
+    # called from zarr's loop through a thread wrapper.
+    from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
 
-        fs = AsyncFileSystemWrapper(fs)
-    return FsspecStore(fs, path=location.path, read_only=read_only)
+    wrapped = AsyncFileSystemWrapper(location.fs, asynchronous=True)
+    return FsspecStore(wrapped, path=location.path, read_only=read_only)
+
+
+def require_writable(location: Location) -> None:
+    if location.read_only:
+        raise ReadOnlyLocationError(
+            f"{location.display} is served over {location.protocol}://, which birdzarr reads but "
+            "cannot write. Write to a path or a bucket (s3://...) and serve that instead."
+        )
 
 
 def exists(location: Location) -> bool:
@@ -98,5 +224,67 @@ def exists(location: Location) -> bool:
 
 def remove_tree(location: Location) -> None:
     """Delete everything under the location (used for ``--overwrite`` and failed conversions)."""
+    require_writable(location)
     if location.fs.exists(location.path):
         location.fs.rm(location.path, recursive=True)
+
+
+# -- reading with retries ------------------------------------------------------------------------
+# Errors that are answers, not accidents: retrying cannot change them.
+_FINAL_ERRORS: tuple[type[BaseException], ...] = (
+    FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError,
+    MissingChunkError, ReadOnlyLocationError,
+)
+_TRANSIENT_MODULES = ("botocore", "aiobotocore", "aiohttp", "urllib3", "requests", "http", "ssl")
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether an error from a filesystem may go away on retry (throttling, resets, timeouts)."""
+    if isinstance(exc, _FINAL_ERRORS):
+        return False
+    status = getattr(exc, "status", None)  # aiohttp's ClientResponseError (the HTTP filesystem)
+    if isinstance(status, int) and 400 <= status < 500 and status not in (408, 429):
+        return False  # the server's answer (403, 404, 416, ...) will not change on retry
+    if isinstance(exc, (OSError, TimeoutError, ConnectionError)):
+        return True
+    return type(exc).__module__.split(".")[0] in _TRANSIENT_MODULES
+
+
+def with_retries(call: Callable[[], T], policy: RetryPolicy) -> T:
+    """``call()``, re-tried with backoff while it fails transiently; the last error propagates."""
+    delays = policy.delays()
+    while True:
+        try:
+            return call()
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            delay = next(delays, None)
+            if delay is None:
+                raise
+            time.sleep(delay)
+
+
+def read_object(location: Location, key: str) -> bytes:
+    """The bytes of ``key`` under the location, with retries.
+
+    A missing object raises :class:`MissingChunkError` (a committed chunk must never read as fill
+    values); one that still fails after the retries raises :class:`ChunkFetchError`. Both name the
+    store and the key, never a credential.
+    """
+    path = location.join(key)
+    try:
+        return bytes(with_retries(lambda: location.fs.cat_file(path), location.retry))
+    except FileNotFoundError:
+        raise MissingChunkError(
+            f"{location.display}: committed chunk '{key}' is missing. The store is damaged; "
+            "run `birdzarr verify` on it and re-convert or restore the missing files."
+        ) from None
+    except Exception as exc:
+        if not is_transient(exc):
+            raise
+        raise ChunkFetchError(
+            f"{location.display}: chunk '{key}' could not be read after {location.retry.attempts} "
+            f"attempts ({type(exc).__name__}: {redact(str(exc))[:300]}). The storage is unreachable "
+            "or throttling; the store itself may be fine. Try again later."
+        ) from None

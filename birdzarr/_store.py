@@ -23,7 +23,11 @@ from birdzarr.read._chunks import ChunkReader
 
 if TYPE_CHECKING:
     import pandas as pd
+    import xarray as xr
     import zarr
+    from matplotlib.figure import Figure
+
+    from birdzarr.explore._stats import StoreStats
 
 
 def _read_root(location: Location) -> dict[str, Any]:
@@ -33,6 +37,12 @@ def _read_root(location: Location) -> dict[str, Any]:
         if location.fs.exists(location.join(".zgroup")) or location.fs.exists(location.join(".zarray")):
             raise NotAStoreError(
                 f"{location.display} is a Zarr v2 hierarchy, not a birdzarr store (Zarr v3)."
+            ) from None
+        if location.fs.exists(location.join(".birdzarr.lock")):  # birdzarr/_lock.py LOCK_NAME
+            raise IncompleteStoreError(
+                f"{location.display}: a conversion started here and never wrote its first metadata "
+                "(it was interrupted, or is still starting). Re-run the same `birdzarr convert` "
+                "command to finish it, or `birdzarr repair` to see who holds the lock."
             ) from None
         if location.fs.exists(location.path):
             raise NotAStoreError(
@@ -178,11 +188,50 @@ class Store:
         return WindowsView(self, DEVICE)
 
     def __repr__(self) -> str:
-        return (
-            f"<birdzarr.Store {self.url}: {self.n_windows:,} windows, {len(self.device_table)} devices, "
-            f"format v{self.format_version}, codec {self.meta.get('layout', {}).get('codec')}, "
-            f"chunk {self.chunk_windows} windows>"
-        )
+        from birdzarr.explore._html import text_repr
+
+        return text_repr(self)
+
+    # -- exploration (birdzarr.explore; matplotlib and xarray come with the `explore` extra) ----
+    def _repr_html_(self) -> str:
+        from birdzarr.explore._html import html_repr
+
+        return html_repr(self)
+
+    def to_xarray(self) -> xr.Dataset:
+        """A lazy ``xarray.Dataset``: ``gimu(window, time, channel)`` with coordinates ``device``,
+        ``time`` (datetime64, NaT when unknown), ``label`` and ``channel``. Nothing is read until
+        values are asked for; then only the chunks holding them."""
+        from birdzarr.explore._xarray import to_xarray
+
+        return to_xarray(self)
+
+    def plot_window(self, index: int) -> Figure:
+        """A matplotlib Figure of window ``index``: imu x/y/z (g) and GPS speed (m/s) over its 20 samples."""
+        from birdzarr.explore._plots import plot_window
+
+        return plot_window(self, index)
+
+    def plot_device(self, device_id: int, max_windows: int = 500) -> Figure:
+        """A matplotlib Figure of one device over time: each channel's per-window mean coloured by
+        label and its min..max, for at most ``max_windows`` windows spread over the device."""
+        from birdzarr.explore._plots import plot_device
+
+        return plot_device(self, device_id, max_windows=max_windows)
+
+    def stats(
+        self, *, bins: int = 64, cache: bool = True, persist: bool = True, progress: bool = True
+    ) -> StoreStats:
+        """Per-channel count, mean, std, min, max and histograms over all committed windows.
+
+        Computed chunk by chunk (one chunk in memory) with a progress bar. Reused while the store
+        is unchanged: from memory, else from the store's ``stats`` group. ``cache=False`` forces
+        a recomputation; ``persist=True`` saves the result in the store when its location is
+        writable (a read-only location keeps it in memory only).
+        """
+        from birdzarr.explore._stats import store_stats
+
+        return store_stats(self, bins=bins, cache=cache, persist=persist, progress=progress)
 
 
 class WindowsView:

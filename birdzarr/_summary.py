@@ -24,10 +24,11 @@ def summary(store: Store) -> dict[str, Any]:
     stored = stored_bytes(store)
     report = meta.get("report", {})
     dropped: dict[str, int] = {}
-    rows_read = bad_lines = mixed = 0
+    rows_read = bad_lines = bad_files = mixed = 0
     for entry in report.get("devices", {}).values():
         rows_read += entry["rows_read"]
         bad_lines += entry["bad_lines"]
+        bad_files += entry.get("bad_files", 0)
         mixed += entry["mixed_label_windows"]
         for reason, count in entry["dropped"].items():
             dropped[reason] = dropped.get(reason, 0) + count
@@ -46,8 +47,8 @@ def summary(store: Store) -> dict[str, Any]:
         "window_rule": meta.get("window_rule"),
         "mixed_label_policy": meta.get("mixed_label_policy"),
         "committed": meta.get("committed"),
-        "report": {"rows_read": rows_read, "bad_lines": bad_lines, "mixed_label_windows": mixed,
-                   "dropped": dropped, "seconds": report.get("seconds")},
+        "report": {"rows_read": rows_read, "bad_lines": bad_lines, "bad_files": bad_files,
+                   "mixed_label_windows": mixed, "dropped": dropped, "seconds": report.get("seconds")},
     }
 
 
@@ -71,7 +72,8 @@ def format_summary(info: dict[str, Any]) -> str:
         f"bytes        {_size(info['bytes_raw'])} raw float32, {_size(info['bytes_stored'])} stored "
         f"(ratio {info['ratio']}x)",
         f"chunking     {layout.get('chunk_windows')} windows a chunk, codec {layout.get('codec')}, "
-        f"shuffled {layout.get('shuffled')}",
+        f"shuffled {layout.get('shuffled')}"
+        + (f" (seed {layout.get('shuffle_seed')})" if layout.get("shuffled") else ""),
     ]
     if curation.get("applied_by") == "birdzarr":
         lines.append(
@@ -83,7 +85,8 @@ def format_summary(info: dict[str, Any]) -> str:
     dropped = ", ".join(f"{k} {v:,}" for k, v in sorted(report["dropped"].items())) or "none"
     lines.append(
         f"report       {report['rows_read']:,} rows read, dropped: {dropped}; bad lines "
-        f"{report['bad_lines']:,}; mixed-label windows {report['mixed_label_windows']:,}"
+        f"{report['bad_lines']:,}, bad files {report.get('bad_files', 0):,}; mixed-label windows "
+        f"{report['mixed_label_windows']:,}"
     )
     if report.get("seconds"):
         rate = info["bytes_raw"] / report["seconds"] / 1e6

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 
 from birdzarr._format import WINDOW_LENGTH, Curation
 
-_EPOCH = int(dt.datetime(2012, 5, 15, tzinfo=dt.timezone.utc).timestamp())
+_EPOCH = int(dt.datetime(2012, 5, 15, tzinfo=dt.UTC).timestamp())
 
 
 def device_sizes(n_devices: int, total_windows: int, *, seed: int = 0) -> np.ndarray:
@@ -79,10 +79,7 @@ def raw_device(device_id: int, n_bursts: int, *, seed: int, labelled: bool = Fal
     speed = np.round(rng.lognormal(0.0, 1.0, n_bursts), 2)
     speed[rng.random(n_bursts) < 0.03] = 35.0  # GPS glitches the curation must drop
     values[:, 3] = np.repeat(speed, lengths)
-    if labelled:
-        label = np.repeat(rng.integers(0, 10, n_bursts), lengths)
-    else:
-        label = np.full(rows, -1)
+    label = np.repeat(rng.integers(0, 10, n_bursts), lengths) if labelled else np.full(rows, -1)
     return RawDevice(device_id, time, label.astype(np.int64), values)
 
 
@@ -107,18 +104,24 @@ def write_parquet(windows: np.ndarray, path: str | os.PathLike[str]) -> None:
     pq.write_table(pa.table({"gimu": pa.ListArray.from_arrays(offsets, flat)}), path)
 
 
-def make_parquet_dir(directory: str | os.PathLike[str], *, n_devices: int, total_windows: int, seed: int = 0) -> dict[int, np.ndarray]:
+def make_parquet_dir(
+    directory: str | os.PathLike[str], *, n_devices: int, total_windows: int, seed: int = 0
+) -> dict[int, np.ndarray]:
     """A directory of ``{device}.parquet`` files; returns the windows per device (the truth)."""
     os.makedirs(directory, exist_ok=True)
     truth = {}
-    for device, size in zip(device_ids(n_devices).tolist(), device_sizes(n_devices, total_windows, seed=seed).tolist()):
+    sizes = device_sizes(n_devices, total_windows, seed=seed)
+    for device, size in zip(device_ids(n_devices).tolist(), sizes.tolist(), strict=True):
         windows = curated_windows(size, seed=seed * 100_003 + device)
         write_parquet(windows, os.path.join(directory, f"{device}.parquet"))
         truth[device] = windows
     return truth
 
 
-def make_csv_dir(directory: str | os.PathLike[str], *, n_devices: int, bursts_per_device: int, parts: int = 2, seed: int = 0, labelled: bool = True) -> dict[int, RawDevice]:
+def make_csv_dir(
+    directory: str | os.PathLike[str], *, n_devices: int, bursts_per_device: int, parts: int = 2,
+    seed: int = 0, labelled: bool = True,
+) -> dict[int, RawDevice]:
     """A directory of ``{device}_{part}.csv`` exports; returns the raw rows per device."""
     os.makedirs(directory, exist_ok=True)
     raws = {}

@@ -7,10 +7,10 @@ import sys
 from collections.abc import Sequence
 
 from birdzarr._errors import BirdzarrError
-from birdzarr.cli import _store_cmds
+from birdzarr.cli import _cloud_cmds, _explore_cmds, _reliability_cmds, _store_cmds
 
 # One module per group of subcommands; each exposes COMMANDS, a list of add_<name>(subparsers).
-_MODULES = [_store_cmds]
+_MODULES = [_store_cmds, _cloud_cmds, _explore_cmds, _reliability_cmds]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,11 +10,19 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from birdzarr._summary import format_summary, summary
     from birdzarr.convert import convert
 
+    client = None
+    if args.dask_scheduler:  # read, curate and write on a Dask cluster (docs/scaling.md#dask)
+        from birdzarr.convert._dask import connect
+
+        client = connect(args.dask_scheduler)
     store = convert(
         args.source, args.dest, overwrite=args.overwrite, codec=args.codec,
         chunk_windows=args.chunk_windows, on_bad_rows=args.on_bad_rows, workers=args.workers,
-        progress=not args.quiet,
+        progress=not args.quiet, shuffle=args.shuffle, seed=args.seed, shuffle_tmp=args.shuffle_tmp,
+        client=client,
     )
+    if client is not None:
+        client.close()
     print(format_summary(summary(store)))
     return 0
 
@@ -24,6 +32,11 @@ def _cmd_info(args: argparse.Namespace) -> int:
     from birdzarr._summary import format_summary, summary
 
     store = open_store(args.store)
+    if args.devices:
+        from birdzarr.explore._html import device_records, device_table_text
+
+        print(json.dumps(device_records(store), indent=2) if args.json else device_table_text(store))
+        return 0
     info = summary(store)
     if args.json:
         print(json.dumps(info, indent=2, default=str))
@@ -49,8 +62,16 @@ def add_convert(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument("--chunk-windows", type=int, default=8192, help="windows per chunk (default 8192)")
     p.add_argument("--on-bad-rows", choices=("error", "skip"), default="error",
                    help="stop at the first malformed row (default) or skip and count them")
-    p.add_argument("--workers", type=int, default=None, help="encoding threads (default: all cores)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="encoding threads (default: all cores); the store is identical for any count")
+    p.add_argument("--shuffle", action="store_true",
+                   help="store windows in one global seeded random order (docs/conversion.md#shuffle)")
+    p.add_argument("--seed", type=int, default=None, help="seed of --shuffle (default: random, recorded)")
+    p.add_argument("--shuffle-tmp", default=None, metavar="DIR",
+                   help="where --shuffle spills its temporary bucket files (default: $TMPDIR); removed after")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--dask-scheduler", default=None, metavar="ADDRESS",
+                   help="run on a Dask cluster (tcp://host:8786); needs birdzarr[dask]")
     p.set_defaults(func=_cmd_convert)
 
 
@@ -58,6 +79,7 @@ def add_info(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("info", help="summarise a store")
     p.add_argument("store")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--devices", action="store_true", help="the device table: one line per device")
     p.set_defaults(func=_cmd_info)
 
 

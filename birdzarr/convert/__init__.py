@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -10,18 +11,20 @@ from typing import TYPE_CHECKING, Any
 
 import zarr
 
+from birdzarr._codec import DEFAULT_CLEVEL, DEFAULT_CNAME
 from birdzarr._errors import BadInputError
 from birdzarr._format import MIXED_LABEL_POLICY, WINDOW_RULE, Curation
 from birdzarr._progress import progress_bar
 from birdzarr._storage import StoreLike, resolve
 from birdzarr.convert._blocks import WindowBlock
+from birdzarr.convert._shuffle import bucket_count, write_shuffled
 from birdzarr.convert._sources import DeviceSource, discover
 from birdzarr.convert._writer import StoreWriter
 
 if TYPE_CHECKING:
     from birdzarr._store import Store
 
-__all__ = ["convert"]
+__all__ = ["append", "convert"]
 
 ON_BAD_ROWS = ("error", "skip")
 _READAHEAD_BLOCKS = 4
@@ -76,12 +79,23 @@ def convert(
     progress: bool = True,
     storage_options: dict[str, Any] | None = None,
     source_storage_options: dict[str, Any] | None = None,
+    shuffle: bool = False,
+    seed: int | None = None,
+    shuffle_tmp: str | None = None,
+    client: Any = None,
 ) -> Store:
     """Convert a directory (or file, or fsspec URL) of CSV exports or Parquet files into a store.
 
     CSV input is curated per window (see docs/conversion.md); Parquet input is already curated
     and copied exactly. Returns the committed store, opened read-only. On any error nothing is
     committed at ``dest`` and what was written is removed.
+
+    ``shuffle=True`` stores the windows in one global random order drawn from ``seed`` (a random
+    seed, recorded, if None), spilling them through temporary bucket files in ``shuffle_tmp``
+    (default ``$TMPDIR``); see docs/conversion.md#shuffle for what that costs and buys.
+    ``workers`` is the number of encoding threads (default: all cores); it never changes the
+    stored bytes. ``client`` (a ``distributed.Client``) runs the reading, curation and chunk
+    writing on a Dask cluster instead, with a byte-identical result (docs/scaling.md).
     """
     from birdzarr._store import open_store
 
@@ -98,30 +112,77 @@ def convert(
         if kind == "csv"
         else {"applied_by": "source", "note": "Parquet input holds windows curated before conversion"}
     )
+    layout: dict[str, Any] = {
+        "codec": codec, "compressor": {"cname": DEFAULT_CNAME, "clevel": DEFAULT_CLEVEL},
+        "chunk_windows": chunk_windows, "shuffled": False,
+    }
     static = {
         "source_kind": kind,
         "window_rule": WINDOW_RULE if kind == "csv" else "one Parquet row is one window",
         "mixed_label_policy": MIXED_LABEL_POLICY,
         "curation": curation_attrs,
-        "layout": {"codec": codec, "chunk_windows": chunk_windows, "shuffled": False},
+        "layout": layout,
     }
+    buckets = 0
+    if shuffle:
+        if seed is None:
+            seed = secrets.randbits(63)
+        buckets = bucket_count(_estimated_windows(kind, devices))
+        layout["shuffled"], layout["shuffle_seed"], layout["shuffle_buckets"] = True, int(seed), buckets
+    if client is not None:  # a distributed.Client: read, curate and write on its workers
+        if shuffle:
+            raise ValueError("shuffle=True is not supported with a Dask client yet; convert locally")
+        from birdzarr.convert._dask import convert_on_cluster
+
+        convert_on_cluster(client, src, dst, devices, kind=kind, curation=curation, on_bad_rows=on_bad_rows,
+                           codec=codec, chunk_windows=chunk_windows, overwrite=overwrite, static=static,
+                           workers=workers, progress=progress)
+        return open_store(dst)
     started = time.perf_counter()
     config = {"threading.max_workers": workers} if workers else {}
     with zarr.config.set(config), StoreWriter(
-        dst, codec=codec, chunk_windows=chunk_windows, overwrite=overwrite, static_attrs=static
+        dst, codec=codec, chunk_windows=chunk_windows, overwrite=overwrite, static_attrs=static,
+        workers=workers,
     ) as writer, progress_bar(progress, desc=f"convert {kind}", unit=" windows") as bar:
-        seen: set[int] = set()
-        for device in devices:
-            sources = [f.display.rsplit("/", 1)[-1] for f in device.files]
-            blocks = _counted(_read_ahead(device, curation, on_bad_rows), bar)
-            device_id = device.device_id
-            if device_id in seen:
-                raise BadInputError(f"{src.display}: device {device_id} appears in more than one input.")
-            seen.add(device_id)
-            writer.write_device(device_id, blocks, sources)
+        inputs = _device_inputs(src.display, devices, curation, on_bad_rows, bar)
+        extra: dict[str, Any] = {}
+        if shuffle:
+            assert seed is not None
+
+            def second_pass(name: str) -> None:
+                bar.set_description(f"convert {kind}: {name} shuffled")
+                bar.reset(total=sum(e.n_windows for e in writer.devices.values()))
+
+            shuffled = write_shuffled(writer, inputs, seed=seed, buckets=buckets, tmp_dir=shuffle_tmp,
+                                      on_pass=second_pass)
+            extra["shuffle"] = {"buckets": shuffled["buckets"], "spill_bytes": shuffled["spill_bytes"]}
+        else:
+            for device_id, sources, blocks in inputs:
+                writer.write_device(device_id, blocks, sources)
         seconds = time.perf_counter() - started
-        writer.commit({"source": src.display, "seconds": round(seconds, 3)})
+        writer.commit({"source": src.display, "seconds": round(seconds, 3), **extra})
     return open_store(dst)
+
+
+def _device_inputs(
+    where: str, devices: list[DeviceSource], curation: Curation, on_bad_rows: str, bar: Any
+) -> Iterator[tuple[int, list[str], Iterator[WindowBlock]]]:
+    """(device id, source file names, curated blocks) per device, in device order."""
+    seen: set[int] = set()
+    for device in devices:
+        if device.device_id in seen:
+            raise BadInputError(f"{where}: device {device.device_id} appears in more than one input.")
+        seen.add(device.device_id)
+        sources = [f.display.rsplit("/", 1)[-1] for f in device.files]
+        yield device.device_id, sources, _counted(_read_ahead(device, curation, on_bad_rows), bar)
+
+
+def _estimated_windows(kind: str, devices: list[DeviceSource]) -> int:
+    """An over-estimate of the windows in the input, from file sizes (sizes the shuffle's buckets)."""
+    total = sum(f.fs.size(f.path) or 0 for d in devices for f in d.files)
+    # Parquet of calibrated windows compresses ~2.2x (320 bytes a window); a CSV window is 20
+    # lines of 50-80 bytes. Over-estimating only makes more, smaller buckets.
+    return int(total * 3 / 320) if kind == "parquet" else int(total / 1000)
 
 
 def _counted(blocks: Iterator[WindowBlock], bar: Any) -> Iterator[WindowBlock]:
@@ -129,3 +190,6 @@ def _counted(blocks: Iterator[WindowBlock], bar: Any) -> Iterator[WindowBlock]:
         bar.update(len(block))
         yield block
 
+
+# Last: _append imports helpers defined above (_read_ahead, _counted).
+from birdzarr.convert._append import append  # noqa: E402

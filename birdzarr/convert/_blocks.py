@@ -11,12 +11,30 @@ from birdzarr._format import DeviceReport
 
 @dataclass
 class WindowBlock:
-    """Curated windows of one device, in source order, with their per-window metadata."""
+    """Curated windows in store order, with their per-window metadata.
+
+    Readers yield blocks of one device (``devices`` is None: the writer knows the device). The
+    shuffle yields blocks that mix devices and carry a device id per window in ``devices``.
+    """
 
     windows: np.ndarray  # float32 (n, 20, 4)
     timestamps: np.ndarray  # int64 (n,)
     labels: np.ndarray  # int32 (n,)
     report: DeviceReport  # what producing this block read, wrote and dropped
+    devices: np.ndarray | None = None  # int32 (n,), only in blocks that mix devices
 
     def __len__(self) -> int:
         return int(self.windows.shape[0])
+
+    def device_column(self, device_id: int) -> np.ndarray:
+        """The device id of each window: ``devices``, or ``device_id`` repeated."""
+        if self.devices is not None:
+            return self.devices
+        return np.full(len(self), device_id, dtype=np.int32)
+
+    def tail(self, start: int) -> WindowBlock:
+        """The windows from ``start`` on (views, no copies)."""
+        devices = None if self.devices is None else self.devices[start:]
+        return WindowBlock(
+            self.windows[start:], self.timestamps[start:], self.labels[start:], self.report, devices
+        )

@@ -38,12 +38,15 @@ class _Rows:
     values: np.ndarray  # float64 (n, 4)
     bad: np.ndarray  # bool: row skipped as malformed (kept as a placeholder)
     bad_lines: int = 0
+    problems: list[str] = field(default_factory=list)  # messages of skipped lines
 
     def __len__(self) -> int:
         return len(self.device)
 
     def take(self, index: np.ndarray | slice) -> _Rows:
-        return _Rows(self.device[index], self.time[index], self.label[index], self.values[index], self.bad[index])
+        return _Rows(
+            self.device[index], self.time[index], self.label[index], self.values[index], self.bad[index]
+        )
 
     @staticmethod
     def concat(parts: list[_Rows]) -> _Rows:
@@ -133,7 +136,7 @@ def _parse_line(fields: list[str]) -> tuple[int, int, int, list[float]]:
     if not -_INT_LIMIT < label < _INT_LIMIT:
         raise ValueError(f"label {label} is out of range")
     values: list[float] = []
-    for name, text in zip(COLUMNS[4:], fields[4:]):
+    for name, text in zip(COLUMNS[4:], fields[4:], strict=True):
         try:
             value = float(text)
         except ValueError:
@@ -149,9 +152,9 @@ def _parse_slow(data: bytes, source: str, on_bad_rows: str) -> _Rows:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        line = data[: exc.start].count(b"\n") + 1
+        line_number = data[: exc.start].count(b"\n") + 1
         if on_bad_rows != "skip":
-            raise _bad(source, line, "the bytes are not UTF-8 text (is this a CSV export?)") from None
+            raise _bad(source, line_number, "the bytes are not UTF-8 text (is this a CSV export?)") from None
         text = data.decode("utf-8", errors="replace")
     lines = text.split("\n")
     if lines and lines[-1] == "":
@@ -169,6 +172,7 @@ def _parse_slow(data: bytes, source: str, on_bad_rows: str) -> _Rows:
             if on_bad_rows != "skip":
                 raise _bad(source, i + 1, str(exc)) from None
             rows.bad_lines += 1
+            rows.problems.append(f"{source}, line {i + 1}: {exc} (skipped)")
             rows.bad[i] = True
             if i == 0 or not keep_line[i - 1]:
                 keep_line[i] = False  # no neighbour to borrow a burst key from: drop the line
@@ -179,7 +183,11 @@ def _parse_slow(data: bytes, source: str, on_bad_rows: str) -> _Rows:
             continue
         rows.device[i], rows.time[i], rows.label[i] = device, moment, label
         rows.values[i] = values
-    return rows.take(keep_line) if not keep_line.all() else rows
+    if keep_line.all():
+        return rows
+    kept = rows.take(keep_line)
+    kept.bad_lines, kept.problems = rows.bad_lines, rows.problems
+    return kept
 
 
 def parse_csv(data: bytes, source: str, *, on_bad_rows: str = "error") -> _Rows:
@@ -209,16 +217,24 @@ class CsvDeviceReader:
             data = part.fs.cat_file(part.path)
             rows = parse_csv(data, part.display, on_bad_rows=self.on_bad_rows)
             self._check_device(rows, part.display)
-            report = DeviceReport(rows_read=len(rows) + rows.bad_lines - int(rows.bad.sum()), bad_lines=rows.bad_lines)
+            report = DeviceReport(
+                rows_read=len(rows) + rows.bad_lines - int(rows.bad.sum()), bad_lines=rows.bad_lines
+            )
+            if not data.strip():  # parse_csv raised unless skipping
+                report.bad_files += 1
+                report.note(f"{part.display}: the file is empty (skipped)")
+            for message in rows.problems:
+                report.note(message)
             rows = _Rows.concat([carry, rows])
             burst_ids = _burst_ids(rows)
             index, trailing = window_rows(burst_ids)
-            report.drop("remainder_rows", len(rows) - len(index) - trailing)
+            report.drop("remainder_rows", int(len(rows) - len(index) - trailing))
             carry = rows.take(slice(len(rows) - trailing, None))
             yield self._curate(rows.take(index), report)
         report = DeviceReport()
         report.drop("remainder_rows", len(carry))
-        yield WindowBlock(np.empty((0, WINDOW_LENGTH, N_CHANNELS), np.float32), np.empty(0, np.int64), np.empty(0, np.int32), report)
+        no_windows = np.empty((0, WINDOW_LENGTH, N_CHANNELS), np.float32)
+        yield WindowBlock(no_windows, np.empty(0, np.int64), np.empty(0, np.int32), report)
 
     def _check_device(self, rows: _Rows, source: str) -> None:
         if len(rows) == 0:

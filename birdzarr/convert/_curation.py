@@ -14,7 +14,7 @@ import numpy as np
 from birdzarr._format import WINDOW_LENGTH, Curation, DeviceReport
 
 
-def window_rows(burst_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def window_rows(burst_ids: np.ndarray) -> tuple[np.ndarray, int]:
     """Row indices that form complete windows, and the number of rows left in the last burst.
 
     ``burst_ids`` gives each row's burst (non-decreasing run ids). Returns the indices of rows

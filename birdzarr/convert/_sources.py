@@ -98,6 +98,13 @@ def _group(source: Location, names: list[str], kind: Kind, *, single: bool) -> l
     devices = []
     for device in sorted(by_device):
         parts = sorted(by_device[device])
+        for (part, name), (next_part, other) in zip(parts, parts[1:], strict=False):
+            if part == next_part:  # "12.parquet" and "012.parquet", or "5_0.csv" and "05_0.csv"
+                what = "the same device" if kind == "parquet" else f"the same device and part ({part})"
+                raise BadInputError(
+                    f"{base.display}: {name!r} and {other!r} both name {what} {device}; keep one "
+                    "file per device (and part), or rename one."
+                )
         devices.append(DeviceSource(device, kind, [base.child(n) for _, n in parts]))
     return devices
 

@@ -11,6 +11,7 @@ import datetime as dt
 import hashlib
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -36,11 +37,16 @@ from birdzarr._format import (
     DeviceRange,
     DeviceReport,
 )
-from birdzarr._storage import Location, exists, remove_tree, zarr_store
+from birdzarr._lock import LOCK_NAME, StoreLock, clear_except_lock, release_and_tidy
+from birdzarr._storage import Location, exists, zarr_store
 from birdzarr.convert._blocks import WindowBlock
+from birdzarr.convert._chunkwrite import ChunkSink
 
 _PER_WINDOW_DTYPES = {DEVICE: np.int32, TIMESTAMP: np.int64, LABEL: np.int32}
 _FILL = {DEVICE: -1, TIMESTAMP: TIMESTAMP_UNKNOWN, LABEL: LABEL_UNLABELLED}
+# Every committed chunk is written, even one equal to the fill value (an all-unlabelled label
+# chunk): readers treat a missing chunk as damage, never as fill values.
+_EVERY_CHUNK: Any = {"write_empty_chunks": True}
 
 
 def checksum_hasher() -> Any:
@@ -49,7 +55,7 @@ def checksum_hasher() -> Any:
 
 
 def _now() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
 
 
 class StoreWriter:
@@ -65,8 +71,12 @@ class StoreWriter:
         static_attrs: dict[str, Any] | None = None,
         chunks_per_slab: int = 8,
         max_pending_slabs: int = 2,
+        lock_command: str | None = None,
+        workers: int | None = None,
     ) -> None:
+        self.workers = workers  # encoding threads of the fast write path (default: all cores)
         self.location = location
+        self.lock = StoreLock(location, lock_command)  # one writer per store (birdzarr/_lock.py)
         self.codec = codec
         self.chunk_windows = chunk_windows
         self.overwrite = overwrite
@@ -86,21 +96,32 @@ class StoreWriter:
 
     # -- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> StoreWriter:
+        self.lock.acquire()
+        try:
+            return self._open()
+        except BaseException:
+            if self._created:
+                clear_except_lock(self.location)
+            release_and_tidy(self.lock, remove_root=True)
+            raise
+
+    def _open(self) -> StoreWriter:
         self._prepare_destination()
         store = zarr_store(self.location, read_only=False)
-        self.group = zarr.open_group(store, mode="w", zarr_format=3)
+        # mode "a", not "w": "w" would delete the lock file; _prepare_destination emptied the root.
+        self.group = zarr.open_group(store, mode="a", zarr_format=3)
         self._created = True
         self.group.attrs.put({ATTRS_KEY: self._attrs(committed=None)})
         self.gimu = self.group.create_array(
             GIMU, shape=(0, WINDOW_LENGTH, N_CHANNELS), dtype="float32",
             chunks=(self.chunk_windows, WINDOW_LENGTH, N_CHANNELS), fill_value=0.0,
             dimension_names=GIMU_DIMS, attributes={"channels": list(CHANNELS)},
-            overwrite=True, **gimu_codecs(self.codec),
+            overwrite=True, config=_EVERY_CHUNK, **gimu_codecs(self.codec),
         )
         self.per_window = {
             name: self.group.create_array(
                 name, shape=(0,), dtype=dtype, chunks=(self.chunk_windows,), fill_value=_FILL[name],
-                dimension_names=("window",), overwrite=True, **per_window_codecs(),
+                dimension_names=("window",), overwrite=True, config=_EVERY_CHUNK, **per_window_codecs(),
             )
             for name, dtype in _PER_WINDOW_DTYPES.items()
         }
@@ -111,8 +132,10 @@ class StoreWriter:
             self._drain()
         finally:
             self._pool.shutdown(wait=True)
-            if exc_type is not None and self._created and not self._committed:
-                remove_tree(self.location)  # a failed conversion leaves nothing behind
+            failed = exc_type is not None and self._created and not self._committed
+            if failed:
+                clear_except_lock(self.location)  # a failed conversion leaves nothing behind
+            release_and_tidy(self.lock, remove_root=failed)
 
     def _prepare_destination(self) -> None:
         if not exists(self.location):
@@ -120,13 +143,13 @@ class StoreWriter:
         fs, path = self.location.fs, self.location.path
         if fs.isfile(path):
             raise StoreExistsError(f"{self.location.display} is a file; choose another destination.")
-        if not fs.ls(path, detail=False):
+        if not [p for p in fs.ls(path, detail=False) if not p.rstrip("/").endswith(LOCK_NAME)]:
             return
         if self.overwrite:
-            remove_tree(self.location)
+            clear_except_lock(self.location)
             return
         if _is_unfinished_store(self.location):
-            remove_tree(self.location)  # an interrupted conversion: start it again from scratch
+            clear_except_lock(self.location)  # an interrupted conversion: start it again from scratch
             return
         raise StoreExistsError(
             f"{self.location.display} already exists and is not empty. Pass --overwrite "
@@ -147,9 +170,9 @@ class StoreWriter:
             report.merge(block.report)
             if not len(block):
                 continue
-            hasher.update(np.ascontiguousarray(block.windows, dtype="<f4").tobytes())
+            hasher.update(np.ascontiguousarray(block.windows, dtype="<f4").data.cast("B"))
             labels, counts = np.unique(block.labels, return_counts=True)
-            for label, count in zip(labels.tolist(), counts.tolist()):
+            for label, count in zip(labels.tolist(), counts.tolist(), strict=False):
                 entry.label_counts[label] = entry.label_counts.get(label, 0) + count
             known = block.timestamps[block.timestamps != TIMESTAMP_UNKNOWN]
             if len(known):
@@ -169,8 +192,13 @@ class StoreWriter:
     def _add(self, device_id: int, block: WindowBlock) -> None:
         self._buffer.append((device_id, block))
         self._buffered += len(block)
-        while self._buffered >= self.slab_windows:
-            self._flush(self.slab_windows)
+        while self._buffered >= self._slab_room():
+            self._flush(self._slab_room())
+
+    def _slab_room(self) -> int:
+        """Windows to the next slab boundary: an append that starts inside a chunk first fills
+        that chunk, so no two slabs in flight ever rewrite the same chunk."""
+        return self.slab_windows - self.n_windows % self.chunk_windows
 
     def _take(self, n: int) -> dict[str, np.ndarray]:
         """Remove the first ``n`` buffered windows and return them as arrays."""
@@ -182,12 +210,11 @@ class StoreWriter:
             parts[GIMU].append(block.windows[:take])
             parts[TIMESTAMP].append(block.timestamps[:take])
             parts[LABEL].append(block.labels[:take])
-            parts[DEVICE].append(np.full(take, device_id, dtype=np.int32))
+            parts[DEVICE].append(block.device_column(device_id)[:take])
             if take == len(block):
                 self._buffer.pop(0)
             else:
-                rest = WindowBlock(block.windows[take:], block.timestamps[take:], block.labels[take:], block.report)
-                self._buffer[0] = (device_id, rest)
+                self._buffer[0] = (device_id, block.tail(take))
             need -= take
         self._buffered -= n
         return {name: np.concatenate(arrays) for name, arrays in parts.items()}
@@ -202,7 +229,14 @@ class StoreWriter:
         self.n_windows = stop
         self._pending.append(self._pool.submit(self._write_slab, start, stop, data))
 
+    @cached_property
+    def chunk_sink(self) -> ChunkSink:
+        return ChunkSink(self.location, {GIMU: self.gimu, **self.per_window}, workers=self.workers)
+
     def _write_slab(self, start: int, stop: int, data: dict[str, np.ndarray]) -> None:
+        if self.chunk_sink.can_write(start):
+            self.chunk_sink.write(start, stop, data)  # whole chunks, no zarr overhead: _chunkwrite.py
+            return
         self.gimu[start:stop] = data[GIMU]
         for name, array in self.per_window.items():
             array[start:stop] = data[name]

@@ -8,6 +8,7 @@ it, and never hold more than ``prefetch`` chunks beyond the current batch. Memor
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -16,10 +17,46 @@ import numpy as np
 ChunkData = dict[str, np.ndarray]
 
 
+class BufferPool:
+    """Recycled chunk buffers of one shape (thread-safe); holds only buffers given back.
+
+    Fresh multi-megabyte arrays cost a page fault per 4 KiB page on first touch (much slower than
+    decoding on some virtual machines); reusing a few buffers keeps the hot path fault-free. It
+    never holds more buffers than were in use at once, so the memory bound is unchanged.
+    """
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype | type = np.float32) -> None:
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def __reduce__(self) -> tuple[type, tuple[tuple[int, ...], np.dtype]]:
+        return (BufferPool, (self.shape, self.dtype))  # pickled (spawned workers) empty, lock-free
+
+    def get(self) -> np.ndarray:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return np.empty(self.shape, dtype=self.dtype)
+
+    def put(self, array: np.ndarray | None) -> None:
+        """Give back a buffer from :meth:`get` (or a view of one); anything else is ignored."""
+        base = array if array is None or array.base is None else array.base
+        if base is not None and base.shape == self.shape and base.dtype == self.dtype:
+            with self._lock:
+                self._free.append(base)
+
+
 def prefetched(
-    load: Callable[[int], ChunkData], steps: Sequence[np.ndarray], *, prefetch: int
+    load: Callable[[int], ChunkData], steps: Sequence[np.ndarray], *, prefetch: int,
+    release: Callable[[ChunkData], None] | None = None,
 ) -> Iterator[dict[int, ChunkData]]:
-    """For each step (the chunks one batch needs), yield those chunks' data, loaded ahead."""
+    """For each step (the chunks one batch needs), yield those chunks' data, loaded ahead.
+
+    ``release`` is called with a chunk's data after the step that used it last, once the consumer
+    has asked for the next step (so it may recycle the buffers).
+    """
     first_use: dict[int, int] = {}
     last_use: dict[int, int] = {}
     for step, chunks in enumerate(steps):
@@ -43,7 +80,9 @@ def prefetched(
             yield {chunk: loaded[chunk].result() for chunk in chunks.tolist()}
             for chunk in chunks.tolist():
                 if last_use[chunk] == step:
-                    loaded.pop(chunk, None)
+                    done = loaded.pop(chunk, None)
+                    if release is not None and done is not None:
+                        release(done.result())
     finally:
         for future in loaded.values():
             future.cancel()

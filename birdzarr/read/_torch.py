@@ -28,12 +28,19 @@ from birdzarr._format import DEVICE, GIMU, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_
 from birdzarr._storage import StoreLike, resolve
 from birdzarr._store import open_store
 from birdzarr.read._chunks import ChunkReader
-from birdzarr.read._fetch import ChunkData, prefetched
+from birdzarr.read._fetch import BufferPool, ChunkData, prefetched
 from birdzarr.read._sampling import EpochPlan, plan_epoch, rank_window_counts, worker_batches
 from birdzarr.read._selection import make_selection
 
 _STATE_VERSION = 1
 Batch = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+def _new_batch(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Tensor:
+    """An uninitialised tensor, in shared memory when ``shared`` (inside a DataLoader worker)."""
+    if shared:
+        return torch.empty(shape, dtype=dtype).share_memory_()
+    return torch.empty(shape, dtype=dtype)
 
 
 def _distributed_defaults() -> tuple[int, int]:
@@ -223,17 +230,46 @@ class WindowDataset(IterableDataset[Batch]):
             self._reader_pid = os.getpid()
         return self._reader
 
+    def _buffers(self) -> BufferPool:
+        # Per process, like the reader: recycled decoded-chunk buffers (see BufferPool).
+        pool = getattr(self, "_pool", None)
+        if pool is None or self._pool_pid != os.getpid():
+            pool = self._pool = BufferPool((self._chunk_reader().chunk_windows, WINDOW_LENGTH, N_CHANNELS))
+            self._pool_pid = os.getpid()
+        return pool
+
     def _load(self, chunk: int) -> ChunkData:
         reader = self._chunk_reader()
         device_ids = reader.read(DEVICE, chunk) if (self.with_ldt or self.selection.reads_device_array) else None
         mask = self.selection.chunk_mask(reader, chunk, device_ids)
         names = [GIMU, LABEL, TIMESTAMP] if self.with_ldt else [GIMU]
-        data = {name: reader.read(name, chunk) for name in names}
+        pool = self._buffers()
+        buffer = pool.get()
+        data = {name: reader.read(name, chunk, out=buffer) if name == GIMU else reader.read(name, chunk)
+                for name in names}
         if device_ids is not None and self.with_ldt:
             data[DEVICE] = device_ids
         if mask is not None:
             data = {name: array[mask] for name, array in data.items()}
+            pool.put(buffer)  # the masked copy no longer refers to it
+        elif data[GIMU].base is not buffer and data[GIMU] is not buffer:
+            pool.put(buffer)  # decoded elsewhere (another codec chain): the buffer is unused
         return data
+
+    def _release(self, data: ChunkData) -> None:
+        self._buffers().put(data.get(GIMU))
+
+    def _scratch(self, name: str, size: int) -> np.ndarray:
+        """A reused per-process (batch_size, 20, 4) float32 buffer, first ``size`` windows.
+
+        Only _assemble uses it, on the iterating thread; reusing it avoids page faults on a fresh
+        temporary for every batch."""
+        buffers = getattr(self, "_scratch_buffers", None)
+        if buffers is None or buffers[0] != os.getpid():
+            buffers = self._scratch_buffers = (os.getpid(), {})
+        if name not in buffers[1]:
+            buffers[1][name] = np.empty((self.batch_size, WINDOW_LENGTH, N_CHANNELS), np.float32)
+        return buffers[1][name][:size]
 
     def __iter__(self) -> Iterator[Batch]:
         plan = self.plan()
@@ -245,7 +281,8 @@ class WindowDataset(IterableDataset[Batch]):
         steps = [plan.group_chunks(plan.group_of(b)) for b in batches]
         self._yielded = self._skip_own
         self._skip_own = 0
-        for batch, chunks in zip(batches, prefetched(self._load, steps, prefetch=self.prefetch)):
+        loads = prefetched(self._load, steps, prefetch=self.prefetch, release=self._release)
+        for batch, chunks in zip(batches, loads, strict=False):
             assembled = self._assemble(plan, batch, chunks)
             self._yielded += 1  # counted before handing over: state_dict() then names the next batch
             yield assembled
@@ -256,25 +293,37 @@ class WindowDataset(IterableDataset[Batch]):
     def _assemble(self, plan: EpochPlan, batch: int, chunks: dict[int, ChunkData]) -> Batch:
         chunk_ids, ranks = plan.locate(plan.batch_positions(batch))
         size = len(chunk_ids)
-        x = np.empty((size, WINDOW_LENGTH, N_CHANNELS), dtype=np.float32)
-        ldt = np.empty((size, 3), dtype=np.int64) if self.with_ldt else None
-        for chunk, data in chunks.items():
-            where = np.flatnonzero(chunk_ids == chunk)
-            if not len(where):
-                continue
+        # In a DataLoader worker the batch is built in shared memory, so handing it to the main
+        # process sends a handle instead of copying it into a fresh shared segment.
+        shared = get_worker_info() is not None
+        shape = (size, N_CHANNELS, WINDOW_LENGTH) if self.channel_first else (size, WINDOW_LENGTH, N_CHANNELS)
+        tensor = _new_batch(shape, torch.float32, shared)
+        x = self._scratch("channel_last", size) if self.channel_first else tensor.numpy()
+        ldt_tensor = _new_batch((size, 3), torch.int64, shared) if self.with_ldt else None
+        ldt = None if ldt_tensor is None else ldt_tensor.numpy()
+        # one stable sort groups the batch's windows by chunk (no per-chunk scan of the batch)
+        order = np.argsort(chunk_ids, kind="stable")
+        cuts = np.flatnonzero(np.diff(chunk_ids[order])) + 1
+        for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), size], strict=True):
+            where = order[lo:hi]
+            data = chunks[int(chunk_ids[where[0]])]
             rows = ranks[where]
-            x[where] = data[GIMU][rows]
+            if hi - lo == size:  # the whole batch comes from one chunk: gather straight into x
+                np.take(data[GIMU], rows, axis=0, out=x)
+            else:  # gather into a warm scratch buffer, then scatter
+                part = self._scratch("part", hi - lo)
+                np.take(data[GIMU], rows, axis=0, out=part)
+                x[where] = part
             if ldt is not None:
                 ldt[where, 0] = data[LABEL][rows]
                 ldt[where, 1] = data[DEVICE][rows]
                 ldt[where, 2] = data[TIMESTAMP][rows]
         if self.channel_first:
-            x = np.ascontiguousarray(x.transpose(0, 2, 1))
-        tensor = torch.from_numpy(x)
+            tensor.numpy()[:] = x.transpose(0, 2, 1)
         if self.transform is not None:
             tensor = self.transform(tensor)
-        if ldt is not None:
-            return tensor, torch.from_numpy(ldt)
+        if ldt_tensor is not None:
+            return tensor, ldt_tensor
         return tensor
 
     def __repr__(self) -> str:

@@ -1,0 +1,420 @@
+"""Training loader benchmark: shuffled batches of 8192 windows, 2 DataLoader workers, one run.
+
+    python benchmarks/loader.py                      # 186 devices, 2.5 M windows, + 2x scale check
+    python benchmarks/loader.py --windows 500000 --no-scale-check   # quicker
+
+Generates realistic data (186 devices as skewed as the real set, calibrated values) into
+--workdir (under /tmp, removed at the end unless --keep), writes it as the old per-device Parquet
+files, one ``.npy`` of all windows and one ``.npy`` per device, converts it with birdzarr (device
+order, and pre-shuffled when ``birdzarr.convert`` has ``shuffle=``), then compares:
+
+  (a) the old in-RAM BirdDataset + DataLoader with a shuffled sampler (per-item, default collate)
+  (b) one memory-mapped .npy, per-item __getitem__
+  (c) per-device .npy memmaps, per-item __getitem__
+  (d) a block-random sampler over the memmap (shuffled block order, blocks read sequentially)
+  (e) an ideal in-RAM numpy gather of sorted random indices (no DataLoader: the upper limit)
+  (f) birdzarr.WindowDataset, default settings and shuffle_buffer of 1, 4, 16 batches, on the
+      device-ordered and the pre-shuffled store
+
+Every case runs in its own process. Reported: windows/s after the first batch (a full epoch, or
+the first --item-batches batches for the slow per-item loaders (b)-(d)), time to the first batch
+(from creating the DataLoader iterator, so it includes starting the workers), peak private RAM of
+the process tree (sum of USS of the process and its workers, sampled every 0.2 s from outside),
+and the shuffle quality ratio of the first --quality-batches batches (birdzarr: device ids from
+``with_ldt=True``; the others: the known device of each index the sampler handed out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import psutil
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _util import machine, table  # noqa: E402
+
+BATCH = 8192
+WORKERS = 2
+SEED = 1234
+MB = 1e6
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# -- data ----------------------------------------------------------------------------------------
+def prepare(workdir: str, n_windows: int, n_devices: int, *, scale_check: bool, log: Any) -> dict[str, Any]:
+    """Generate the data once (reused when --keep left a matching one behind)."""
+    import pyarrow.parquet as pq  # noqa: F401  (fail early if missing)
+
+    import birdzarr
+    from birdzarr import _synthetic
+
+    meta_path = os.path.join(workdir, "meta.json")
+    wanted = {"windows": n_windows, "devices": n_devices, "scale_check": scale_check}
+    if os.path.exists(meta_path):
+        with open(meta_path) as handle:
+            meta = json.load(handle)
+        if meta["params"] == wanted:
+            log(f"reusing the data in {workdir}")
+            return meta
+        shutil.rmtree(workdir)
+    os.makedirs(workdir, exist_ok=True)
+    ids = _synthetic.device_ids(n_devices).tolist()
+    sizes = _synthetic.device_sizes(n_devices, n_windows, seed=0).tolist()
+    paths = {name: os.path.join(workdir, name) for name in ("parquet", "npy", "parquet2x")}
+    for path in paths.values():
+        os.makedirs(path, exist_ok=True)
+    all_npy = os.path.join(workdir, "all.npy")
+    everything = np.lib.format.open_memmap(all_npy, mode="w+", dtype=np.float32, shape=(n_windows, 20, 4))
+    started = time.perf_counter()
+    at = 0
+    for device, size in zip(ids, sizes, strict=True):
+        windows = _synthetic.curated_windows(size, seed=device)
+        _synthetic.write_parquet(windows, os.path.join(paths["parquet"], f"{device}.parquet"))
+        np.save(os.path.join(paths["npy"], f"{device}.npy"), windows)
+        everything[at : at + size] = windows
+        at += size
+        if scale_check:  # 2x the data with the same skew: every device's windows twice
+            doubled = np.concatenate([windows, windows])
+            _synthetic.write_parquet(doubled, os.path.join(paths["parquet2x"], f"{device}.parquet"))
+    everything.flush()
+    del everything
+    log(f"generated {n_windows:,} windows of {n_devices} devices in {time.perf_counter() - started:.0f} s "
+        f"(largest device {max(sizes):,}, smallest {min(sizes):,})")
+    has_shuffle = "shuffle" in inspect.signature(birdzarr.convert).parameters
+    stores: dict[str, str] = {}
+    conversions = [("device", "parquet", False), ("shuffled", "parquet", True)]
+    if scale_check:
+        conversions += [("device2x", "parquet2x", False), ("shuffled2x", "parquet2x", True)]
+    for name, source, shuffled in conversions:
+        if shuffled and not has_shuffle:
+            continue
+        dest = os.path.join(workdir, f"{name}.zarr")
+        started = time.perf_counter()
+        options = {"shuffle": True, "seed": 0} if shuffled else {}
+        birdzarr.convert(paths[source], dest, overwrite=True, progress=False, **options)
+        stores[name] = dest
+        log(f"converted {name} store in {time.perf_counter() - started:.0f} s")
+    if not has_shuffle:
+        log("birdzarr.convert has no shuffle= yet: the pre-shuffled store is skipped")
+    meta = {"params": wanted, "device_ids": ids, "sizes": sizes, "stores": stores, "all_npy": all_npy,
+            "parquet": paths["parquet"], "npy": paths["npy"]}
+    with open(meta_path, "w") as handle:
+        json.dump(meta, handle)
+    return meta
+
+
+# -- one case, in its own process ----------------------------------------------------------------
+def _iterate(batches: Any, *, max_batches: int | None, quality_batches: int,
+             ids_of: Any = None) -> dict[str, Any]:
+    """Consume batches; time the first one and the rest; keep the device ids of the first ones."""
+    started = time.perf_counter()
+    first_at = None
+    n = n_first = count = 0
+    kept: list[np.ndarray] = []
+    for batch in batches:
+        x = batch[0] if isinstance(batch, tuple | list) else batch
+        count += 1
+        n += len(x)
+        if first_at is None:
+            first_at, n_first = time.perf_counter(), len(x)
+        if ids_of is not None and len(kept) < quality_batches:
+            kept.append(ids_of(batch))
+        if max_batches and count >= max_batches:
+            break
+    ended = time.perf_counter()
+    assert first_at is not None, "no batch"
+    rest = ended - first_at
+    return {"windows": n, "batches": count, "first_batch_s": first_at - started, "seconds": ended - started,
+            "windows_per_s": (n - n_first) / rest if rest > 0 else float("nan"), "kept": kept}
+
+
+def _quality(kept: list[np.ndarray], meta: dict[str, Any]) -> float:
+    from birdzarr.read._quality import quality_ratio
+
+    return quality_ratio(kept, np.asarray(meta["device_ids"]), np.asarray(meta["sizes"]))
+
+
+def run_case(spec: dict[str, Any]) -> dict[str, Any]:
+    import _loader_baselines as base
+    from torch.utils.data import DataLoader
+
+    meta = spec["meta"]
+    kind, q = spec["kind"], spec["quality_batches"]
+    ids, sizes = np.asarray(meta["device_ids"]), np.asarray(meta["sizes"])
+    starts = np.concatenate(([0], np.cumsum(sizes)))
+    n_total = int(starts[-1])
+    result: dict[str, Any] = {}
+
+    def devices_of(indices: np.ndarray) -> np.ndarray:
+        return ids[np.searchsorted(starts, indices, side="right") - 1]
+
+    def by_index(sampler: base.RecordingSampler, batches: int) -> list[np.ndarray]:
+        recorded = sampler.recorded[: batches * BATCH]
+        return [devices_of(recorded[i : i + BATCH]) for i in range(0, len(recorded), BATCH)]
+
+    if kind == "ideal":
+        started = time.perf_counter()
+        data = np.load(meta["all_npy"])  # fully into RAM
+        result["load_s"] = time.perf_counter() - started
+        out = _iterate(base.ideal_gather(data, BATCH, seed=SEED), max_batches=None, quality_batches=q,
+                       ids_of=lambda batch: devices_of(batch[1]))
+    elif kind == "birdzarr":
+        import warnings
+
+        import birdzarr
+
+        started = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the device-order warning is what is being measured
+            ds = birdzarr.WindowDataset(meta["stores"][spec["store"]], batch_size=BATCH, seed=SEED,
+                                        shuffle_buffer=spec.get("buffer"), with_ldt=spec["ldt"])
+        result["open_s"] = time.perf_counter() - started
+        plan = ds.plan()
+        groups = -(-plan.n_batches // plan.group_batches)
+        result["chunks_per_group"] = float(np.mean([len(plan.group_chunks(g)) for g in range(groups)]))
+        loader = DataLoader(ds, batch_size=None, num_workers=WORKERS)
+        if spec["ldt"]:
+            out = _iterate(loader, max_batches=None, quality_batches=q,
+                           ids_of=lambda batch: batch[1][:, 1].numpy().copy())
+        else:
+            out = _iterate(loader, max_batches=None, quality_batches=q)  # same order as with ldt
+    else:
+        started = time.perf_counter()
+        if kind == "old":
+            files = [os.path.join(meta["parquet"], f"{d}.parquet") for d in meta["device_ids"]]
+            ds = base.BirdDataset(files)
+        elif kind == "memmap":
+            ds = base.MemmapDataset(meta["all_npy"])
+        elif kind == "perdevice":
+            ds = base.PerDeviceMemmapDataset(
+                [os.path.join(meta["npy"], f"{d}.npy") for d in meta["device_ids"]], meta["sizes"])
+        else:  # block-random sampler over the memmap
+            ds = base.MemmapDataset(meta["all_npy"])
+        result["load_s"] = time.perf_counter() - started
+        assert len(ds) == n_total
+        if kind == "block":
+            sampler = base.BlockRandomSampler(n_total, block=BATCH, seed=SEED, keep=q * BATCH)
+        else:
+            sampler = base.RecordingSampler(n_total, seed=SEED, keep=q * BATCH)
+        loader = DataLoader(ds, batch_size=BATCH, sampler=sampler, num_workers=WORKERS)
+        out = _iterate(loader, max_batches=spec.get("max_batches"), quality_batches=q)
+        out["kept"] = by_index(sampler, min(q, out["batches"]))
+    kept = out.pop("kept")
+    result.update(out)
+    result["quality"] = _quality(kept, meta) if kept else None
+    result["quality_batches"] = len(kept)
+    result["self_maxrss_mb"] = _maxrss() / MB
+    return result
+
+
+def _maxrss() -> int:
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def measure(spec: dict[str, Any], *, interval: float = 0.2) -> dict[str, Any]:
+    """Run one case in a child process; sample the USS/PSS of its process tree from here."""
+    argv = [sys.executable, os.path.abspath(__file__), "--run-case", json.dumps(spec)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    peak = {"uss": 0, "pss": 0}
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            try:
+                root = psutil.Process(proc.pid)
+                procs = [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                return
+            uss = pss = 0
+            for child in procs:
+                try:
+                    info = child.memory_full_info()
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    continue
+                uss, pss = uss + info.uss, pss + info.pss
+            peak["uss"], peak["pss"] = max(peak["uss"], uss), max(peak["pss"], pss)
+            done.wait(interval)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    out, _ = proc.communicate()
+    done.set()
+    sampler.join()
+    if proc.returncode:
+        raise RuntimeError(f"case {spec['label']} failed (exit {proc.returncode})")
+    result = json.loads(out.strip().splitlines()[-1])
+    result["peak_uss_mb"], result["peak_pss_mb"] = peak["uss"] / MB, peak["pss"] / MB
+    return result
+
+
+# -- the run -------------------------------------------------------------------------------------
+def cases(meta: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
+    common = {"meta": meta, "quality_batches": args.quality_batches}
+    items = {"max_batches": args.item_batches}
+    out: list[dict[str, Any]] = [
+        {"label": "(a) old in-RAM BirdDataset", "kind": "old", "max_batches": None},
+        {"label": "(b) one .npy memmap, per item", "kind": "memmap", **items},
+        {"label": "(c) per-device .npy memmaps", "kind": "perdevice", **items},
+        {"label": "(d) block-random sampler", "kind": "block", **items},
+        {"label": "(e) ideal in-RAM gather", "kind": "ideal"},
+    ]
+    for store, tag in (("device", "device order"), ("shuffled", "pre-shuffled")):
+        if store not in meta["stores"]:
+            continue
+        # the default shuffle_buffer is one batch, so "default" is also the 1-batch buffer
+        for buffer, name in ((None, "default (buffer 1 batch)"), (4 * BATCH, "buffer 4 batches"),
+                             (16 * BATCH, "buffer 16 batches")):
+            out.append({"label": f"(f) WindowDataset {name}, {tag}", "kind": "birdzarr", "store": store,
+                        "buffer": buffer, "ldt": True})
+    main_store = "shuffled" if "shuffled" in meta["stores"] else "device"
+    tag = "pre-shuffled" if main_store == "shuffled" else "device order"
+    out.append({"label": f"(f) WindowDataset default, x only, {tag}", "kind": "birdzarr", "store": main_store,
+                "buffer": None, "ldt": False})
+    for store in ("device2x", "shuffled2x"):
+        if store in meta["stores"]:
+            tag = "pre-shuffled" if store.startswith("shuffled") else "device order"
+            out.append({"label": f"(f) WindowDataset default, {tag}, 2x data", "kind": "birdzarr",
+                        "store": store, "buffer": None, "ldt": True, "scale": 2})
+    return [{**common, **case} for case in out]
+
+
+def predicted_device_order(meta: dict[str, Any], chunks_per_group: float) -> float:
+    """Quality ratio of a batch holding only K independent device draws (K chunks of one device
+    each): TV of K multinomial draws over TV of B draws, ~sqrt(B/K) until it saturates."""
+    from birdzarr.read._quality import uniform_tv_distance
+
+    sizes = np.asarray(meta["sizes"], dtype=float)
+    proportions = sizes / sizes.sum()
+    k = max(1, round(chunks_per_group))
+    return uniform_tv_distance(proportions, k) / uniform_tv_distance(proportions, BATCH)
+
+
+def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [r["loader"] for r in rows][::-1]
+    speed = [r["M windows/s"] for r in rows][::-1]
+    ram = [r["peak private MB"] for r in rows][::-1]
+    quality = [r["quality"] if isinstance(r["quality"], float) else np.nan for r in rows][::-1]
+    colours = ["#1f77b4" if label.startswith("(f)") else ("#2ca02c" if label.startswith("(e)") else "#7f7f7f")
+               for label in labels]
+    fig, axes = plt.subplots(1, 3, figsize=(17, 0.42 * len(rows) + 2.2), sharey=True,
+                             gridspec_kw={"width_ratios": [1.4, 1, 1]})
+    y = np.arange(len(labels))
+    xlabels = ("million windows / s (higher is better)", "peak private RAM, MB (process tree)",
+               "shuffle quality ratio (1.0 = uniform; lower is better)")
+    for ax, values, xlabel in zip(axes, (speed, ram, quality), xlabels, strict=True):
+        ax.barh(y, values, color=colours)
+        ax.set_xlabel(xlabel, fontsize=10)
+        ax.grid(axis="x", alpha=0.3)
+        for yi, v in zip(y, values, strict=True):
+            if np.isfinite(v):
+                ax.text(v, yi, f" {v:.2f}" if v < 100 else f" {v:,.0f}", va="center", fontsize=8)
+    axes[0].set_yticks(y, labels, fontsize=9)
+    axes[1].axvline(1000, color="red", ls="--", lw=1)
+    axes[1].text(1000, len(labels) - 0.4, " 1 GB target", color="red", fontsize=8)
+    axes[2].set_xscale("log")
+    axes[2].axvline(1.3, color="red", ls="--", lw=1)
+    axes[2].text(1.3, len(labels) - 0.4, " 1.3 target", color="red", fontsize=8)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--windows", type=int, default=2_500_000)
+    parser.add_argument("--devices", type=int, default=186)
+    parser.add_argument("--workdir", default="/tmp/birdzarr-loader-bench")
+    parser.add_argument("--keep", action="store_true", help="keep the generated data (reused next time)")
+    parser.add_argument("--no-scale-check", dest="scale_check", action="store_false",
+                        help="skip WindowDataset on 2x the data")
+    parser.add_argument("--item-batches", type=int, default=30,
+                        help="batches timed for the slow per-item loaders (b)-(d)")
+    parser.add_argument("--quality-batches", type=int, default=100)
+    parser.add_argument("--only", default=None, help="run only cases whose label contains this")
+    parser.add_argument("--plot", default=os.path.join(REPO, "benchmarks", "out", "loader.png"))
+    parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--run-case", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.run_case:
+        print(json.dumps(run_case(json.loads(args.run_case))))
+        return 0
+
+    workdir = os.path.abspath(args.workdir)
+    if workdir == REPO or workdir.startswith(REPO + os.sep):
+        parser.error("--workdir must be outside the repository (generated data never goes there)")
+
+    def log(message: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+    started = time.perf_counter()
+    try:
+        meta = prepare(workdir, args.windows, args.devices, scale_check=args.scale_check, log=log)
+        results = []
+        for spec in cases(meta, args):
+            if args.only and args.only not in spec["label"]:
+                continue
+            result = measure(spec)
+            result["label"] = spec["label"]
+            results.append((spec, result))
+            log(f"{spec['label']}: {result['windows_per_s'] / MB:.3f} M windows/s, first batch "
+                f"{result['first_batch_s']:.2f} s, peak private {result['peak_uss_mb']:.0f} MB, quality "
+                f"{result['quality'] if result['quality'] is None else round(result['quality'], 2)}")
+    finally:
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    reference = {spec["kind"]: r["windows_per_s"] for spec, r in results if spec["kind"] in ("old", "ideal")}
+    nan = float("nan")
+    rows = []
+    for spec, r in results:
+        row = {
+            "loader": spec["label"],
+            "M windows/s": r["windows_per_s"] / MB,
+            "x (a)": r["windows_per_s"] / reference["old"] if "old" in reference else nan,
+            "% of (e)": 100 * r["windows_per_s"] / reference["ideal"] if "ideal" in reference else nan,
+            "first batch s": r["first_batch_s"],
+            "peak private MB": r["peak_uss_mb"],
+            "quality": r["quality"] if r["quality"] is not None else "",
+            "timed over": (f"{r['batches']} batches" if spec.get("max_batches") else "1 epoch")
+                          + ("" if "load_s" not in r else f"; load {r['load_s']:.1f} s"),
+        }
+        if spec["kind"] == "birdzarr" and spec["store"].startswith("device"):
+            row["timed over"] += (f"; K={r['chunks_per_group']:.1f} chunks/group, predicted quality "
+                                  f"{predicted_device_order(meta, r['chunks_per_group']):.1f}")
+        rows.append(row)
+    print()
+    print(f"{args.windows:,} windows, {args.devices} devices, batch {BATCH}, {WORKERS} workers; {machine()}; "
+          f"total {time.perf_counter() - started:.0f} s")
+    print(table(rows))
+    if args.plot:
+        os.makedirs(os.path.dirname(args.plot), exist_ok=True)
+        plot(rows, args.plot, f"Training loader, {args.windows / 1e6:.1f} M windows, batch {BATCH}, "
+                              f"{WORKERS} DataLoader workers ({machine()})")
+        print(f"plot: {args.plot}")
+    if args.json:
+        with open(args.json, "w") as handle:
+            records = [{"spec": {k: v for k, v in s.items() if k != "meta"}, "result": r} for s, r in results]
+            json.dump({"rows": rows, "records": records}, handle, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

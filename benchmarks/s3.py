@@ -1,0 +1,254 @@
+"""Training reads from S3 against reads from local disk, with cloud-like latency added.
+
+The same read as a training loop: ``WindowDataset(url, batch_size, shuffle=True)`` in a
+``DataLoader(batch_size=None, num_workers=W)``, one full epoch, timed from the first ``iter()`` to
+the last batch. Sources, in one run:
+
+- the store on local disk;
+- the same store uploaded (``birdzarr copy``) to moto's S3 server on loopback (its own process);
+- the same endpoint behind an HTTP proxy (its own process) adding 10 ms and 25 ms each way, i.e.
+  20 ms and 50 ms round trips (this kernel has no netem).
+
+Requests per epoch and bytes per request are counted by a zero-delay proxy for the loopback run and by
+the delay proxies for theirs. A second part compares whole-chunk reads of a ``codec="standard"``
+store: birdzarr's fsspec path (``ChunkReader`` on a thread pool) against TensorStore's reader.
+
+    python benchmarks/s3.py                                  # defaults: 1M windows, 8192/chunk
+    python benchmarks/s3.py --windows 300000 --prefetch 16   # smaller, more fetches in flight
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+from s3_support import REGION, s3_options  # noqa: E402
+
+import birdzarr  # noqa: E402
+from birdzarr import _synthetic  # noqa: E402
+from birdzarr._copy import copy_store  # noqa: E402
+from birdzarr._storage import resolve  # noqa: E402
+from birdzarr.read._chunks import ChunkReader  # noqa: E402
+
+
+class Server:
+    """``tests/s3_support.py moto|proxy`` in its own process (no shared interpreter lock)."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE.parent / "tests" / "s3_support.py"), *args],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        assert self.proc.stdout is not None
+        self.port = int(self.proc.stdout.readline())
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stats(self) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("stats\n")
+        self.proc.stdin.flush()
+        return dict(json.loads(self.proc.stdout.readline()))
+
+    def stop(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+def epoch(url: str, options: dict[str, Any] | None, args: argparse.Namespace) -> dict[str, float]:
+    """One shuffled epoch through DataLoader; windows/s from the first iter() to the last batch."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    torch.set_num_threads(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "stored in device order": irrelevant to throughput
+        dataset = birdzarr.WindowDataset(url, batch_size=args.batch_size, shuffle=True, seed=0,
+                                         prefetch=args.prefetch, storage_options=options)
+    loader = DataLoader(dataset, batch_size=None, num_workers=args.workers,
+                        multiprocessing_context="fork" if args.workers else None)
+    started = time.perf_counter()
+    windows = 0
+    for batch in loader:
+        windows += len(batch)
+    seconds = time.perf_counter() - started
+    return {"windows": windows, "seconds": seconds, "windows_per_s": windows / seconds}
+
+
+def chunk_reads(url: str, options: dict[str, Any] | None, threads: int) -> dict[str, float]:
+    """Every gimu chunk read and decoded once, ``threads`` at a time, by birdzarr's fsspec path."""
+    store = birdzarr.open_store(url, storage_options=options)
+    reader = ChunkReader(resolve(url, options), store.reader.layouts, len(store))
+    started = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        total = sum(len(a) for a in pool.map(lambda i: reader.read("gimu", i), range(reader.n_chunks)))
+    seconds = time.perf_counter() - started
+    return {"windows_per_s": total / seconds, "seconds": seconds, "requests": reader.requests}
+
+
+def tensorstore_reads(
+    spec_kvstore: dict[str, Any], n_windows: int, chunk: int, threads: int
+) -> dict[str, float]:
+    """The same whole-chunk reads through TensorStore: all at once, and ``threads`` chunks in flight."""
+    import tensorstore as ts
+
+    context = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+    array = ts.open({"driver": "zarr3", "kvstore": spec_kvstore}, read=True, context=context).result()
+    started = time.perf_counter()
+    whole = array[:n_windows].read().result()
+    whole_s = time.perf_counter() - started
+    starts = list(range(0, n_windows, chunk))
+    started = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        total = sum(len(a) for a in pool.map(
+            lambda s: array[s : min(s + chunk, n_windows)].read().result(), starts))
+    chunked_s = time.perf_counter() - started
+    assert len(whole) == total == n_windows
+    return {"whole_array_windows_per_s": n_windows / whole_s,
+            "per_chunk_windows_per_s": n_windows / chunked_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--windows", type=int, default=1_000_000)
+    parser.add_argument("--devices", type=int, default=40)
+    parser.add_argument("--chunk-windows", type=int, default=8192)
+    parser.add_argument("--batch-size", type=int, default=8192)
+    parser.add_argument("--workers", type=int, default=2, help="DataLoader workers")
+    parser.add_argument("--prefetch", type=int, default=4, help="WindowDataset prefetch (its default is 4)")
+    parser.add_argument("--delays-ms", type=float, nargs="*", default=[10.0, 25.0], help="added each way")
+    parser.add_argument("--skip-tensorstore", action="store_true")
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args()
+
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="birdzarr-s3-bench-"))
+    settings = {k: v for k, v in vars(args).items() if k not in ("json", "workdir")}
+    results: dict[str, Any] = {"settings": settings}
+    servers: list[Server] = []
+    try:
+        source = workdir / "parquet"
+        if not source.exists():
+            _synthetic.make_parquet_dir(source, n_devices=args.devices, total_windows=args.windows, seed=1)
+        local = birdzarr.convert(source, workdir / "dict16.zarr", chunk_windows=args.chunk_windows,
+                                 overwrite=True, progress=False)
+        moto = Server("moto")
+        servers.append(moto)
+        options = s3_options(moto.url)
+        import boto3
+
+        boto3.client("s3", endpoint_url=moto.url, region_name=REGION, aws_access_key_id=options["key"],
+                     aws_secret_access_key=options["secret"]).create_bucket(Bucket="bench")
+        copied = copy_store(local.location, "s3://bench/dict16.zarr", progress=False,
+                            dest_storage_options=options)
+        results["upload"] = {"mb": copied.bytes_copied / 1e6, "seconds": copied.seconds,
+                             "mb_per_s": copied.bytes_copied / 1e6 / copied.seconds,
+                             "objects": copied.objects}
+        print(f"upload: {copied.summary()}", flush=True)
+
+        rows: list[dict[str, Any]] = []
+        local_url = str(workdir / "dict16.zarr")
+        epoch(local_url, None, args)  # warm-up: the page cache holds the store
+        rows.append({"source": "local disk", "rtt_ms": 0.0, **epoch(local_url, None, args)})
+        for delay in [0.0, *args.delays_ms]:
+            proxy = Server("proxy", "--upstream", str(moto.port), "--delay", str(delay / 1000))
+            servers.append(proxy)
+            if delay == 0.0:  # the loopback endpoint itself, then a zero-delay proxy to count requests
+                direct = epoch("s3://bench/dict16.zarr", options, args)
+                counted = epoch("s3://bench/dict16.zarr", s3_options(proxy.url), args)
+                stats = proxy.stats()
+                row = {"source": "moto S3, loopback", "rtt_ms": 0.0, **direct,
+                       "windows_per_s_via_counting_proxy": counted["windows_per_s"]}
+            else:
+                measured = epoch("s3://bench/dict16.zarr", s3_options(proxy.url), args)
+                stats = proxy.stats()
+                row = {"source": f"moto S3 +{delay:g} ms each way", "rtt_ms": 2 * delay, **measured}
+            row.update(requests=stats["requests"], methods=stats["methods"],
+                       bytes_per_request=stats["get_bytes"] / max(1, stats["methods"].get("GET", 1)))
+            rows.append(row)
+            proxy.stop()
+            servers.remove(proxy)
+            print(json.dumps(row), flush=True)
+        local_ws = rows[0]["windows_per_s"]
+        for row in rows:
+            row["vs_local"] = row["windows_per_s"] / local_ws
+        results["epochs"] = rows
+
+        if not args.skip_tensorstore:
+            results["tensorstore"] = compare_tensorstore(source, workdir, moto, args)
+    finally:
+        for server in servers:
+            server.stop()
+        if not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print_table(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+def compare_tensorstore(
+    source: Path, workdir: Path, moto: Server, args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """Whole-chunk reads of a standard-codec store: fsspec path vs TensorStore, local and +10 ms."""
+    standard = birdzarr.convert(source, workdir / "standard.zarr", codec="standard",
+                                chunk_windows=args.chunk_windows, overwrite=True, progress=False)
+    options = s3_options(moto.url)
+    copy_store(standard.location, "s3://bench/standard.zarr", progress=False, dest_storage_options=options)
+    os.environ.update(AWS_ACCESS_KEY_ID=options["key"], AWS_SECRET_ACCESS_KEY=options["secret"])
+    n, chunk, threads = len(standard), args.chunk_windows, max(args.prefetch, 8)
+    rows = []
+    proxy = Server("proxy", "--upstream", str(moto.port), "--delay", "0.01")
+    try:
+        for label, url, opts, kvstore in (
+            ("local disk", str(workdir / "standard.zarr"), None,
+             {"driver": "file", "path": str(workdir / "standard.zarr" / "gimu") + "/"}),
+            ("moto S3 +10 ms each way", "s3://bench/standard.zarr", s3_options(proxy.url),
+             {"driver": "s3", "bucket": "bench", "path": "standard.zarr/gimu/", "endpoint": proxy.url,
+              "aws_region": REGION, "aws_credentials": {"type": "environment"}}),
+        ):
+            ours = chunk_reads(url, opts, threads)
+            theirs = tensorstore_reads(kvstore, n, chunk, threads)
+            rows.append({"source": label, "threads": threads, "fsspec_windows_per_s": ours["windows_per_s"],
+                         **{f"tensorstore_{k}": v for k, v in theirs.items()}})
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        proxy.stop()
+    return rows
+
+
+def print_table(results: dict[str, Any]) -> None:
+    s = results["settings"]
+    print(f"\n{s['windows']:,} windows, chunk {s['chunk_windows']}, batch {s['batch_size']}, "
+          f"{s['workers']} DataLoader workers, prefetch {s['prefetch']}")
+    print("| source | RTT | windows/s | vs local | requests/epoch | bytes/request |")
+    print("|---|---|---|---|---|---|")
+    for r in results["epochs"]:
+        requests = r.get("requests", "-")
+        size = f"{r['bytes_per_request'] / 1e3:,.0f} kB" if "bytes_per_request" in r else "-"
+        print(f"| {r['source']} | {r['rtt_ms']:g} ms | {r['windows_per_s'] / 1e6:.2f} M | "
+              f"{r['vs_local']:.0%} | {requests} | {size} |")
+    for r in results.get("tensorstore", []):
+        print(f"whole-chunk reads, {r['source']}, {r['threads']} in flight: fsspec path "
+              f"{r['fsspec_windows_per_s'] / 1e6:.2f} M windows/s; TensorStore whole array "
+              f"{r['tensorstore_whole_array_windows_per_s'] / 1e6:.2f} M, per chunk "
+              f"{r['tensorstore_per_chunk_windows_per_s'] / 1e6:.2f} M")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,304 @@
+"""``birdzarr copy SRC DEST``: upload or download a whole store, resumable, verified, committed last.
+
+Objects are copied concurrently (object stores answer in tens of milliseconds per request), every
+object but the root ``zarr.json`` first. The root is what makes a birdzarr store a store (it holds
+the commit), so it is written only after every other object has been verified: a copy that is
+interrupted, or fails verification, is never mistaken for a complete store by a reader, and
+running the same command again resumes it.
+
+Resuming skips an object already at the destination when its size and MD5 match the source's.
+MD5s come for free from S3 listings (the ETag of a single-part upload) and are computed for local
+and in-memory files; where neither side's MD5 is cheap (a multipart or KMS-encrypted ETag, an HTTP
+server) the object is copied again. Verification at the end compares every destination object's
+size and MD5 with the source's, reading the destination back only where its listing has no usable
+ETag.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+from birdzarr._errors import ChecksumMismatchError, StoreExistsError, TransferError
+from birdzarr._progress import progress_bar
+from birdzarr._storage import (
+    Location,
+    StoreLike,
+    is_transient,
+    redact,
+    require_writable,
+    resolve,
+    with_retries,
+)
+
+ROOT = "zarr.json"
+# The writer's lock belongs to the source's writer; a copy must not carry it to the destination.
+_NOT_COPIED = frozenset({".birdzarr.lock"})
+_PARTIAL_SUFFIX = ".birdzarr-partial"
+# Whole objects up to this size are copied in memory; larger ones (shards) are streamed.
+_IN_MEMORY_LIMIT = 64 * 2**20
+_STREAM_BLOCK = 8 * 2**20
+_MD5_ETAG = re.compile(r'^"?([0-9a-f]{32})"?$')
+
+
+@dataclass
+class CopyResult:
+    """What a copy did. ``skipped`` objects were already at the destination, identical."""
+
+    objects: int = 0
+    copied: int = 0
+    skipped: int = 0
+    deleted: int = 0
+    bytes_total: int = 0
+    bytes_copied: int = 0
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        mb = self.bytes_copied / 1e6
+        rate = mb / self.seconds if self.seconds else 0.0
+        return (
+            f"{self.objects} objects ({self.bytes_total / 1e6:,.1f} MB): {self.copied} copied "
+            f"({mb:,.1f} MB, {rate:,.1f} MB/s), {self.skipped} already present and identical, "
+            f"{self.deleted} stale removed; checksums verified; committed in {self.seconds:.1f} s"
+        )
+
+
+@dataclass(frozen=True)
+class _Object:
+    key: str  # relative to the store root, "/"-separated
+    size: int
+    etag_md5: str | None  # from the listing, when it is a plain MD5
+
+
+def copy_store(
+    source: StoreLike,
+    dest: StoreLike,
+    *,
+    overwrite: bool = False,
+    workers: int = 16,
+    progress: bool = True,
+    storage_options: dict[str, Any] | None = None,
+    dest_storage_options: dict[str, Any] | None = None,
+) -> CopyResult:
+    """Copy the committed store at ``source`` to ``dest`` (any two URLs or paths); see module doc.
+
+    ``dest`` may be empty, a partial copy (resumed) or the same store (verified, nothing copied).
+    A different committed store there is replaced only with ``overwrite=True``: it is un-committed
+    first, objects that are identical are kept, stale ones removed, and the new root written last.
+    """
+    from birdzarr._store import open_store
+
+    started = time.perf_counter()
+    src = resolve(source, storage_options)
+    dst = resolve(dest, dest_storage_options)
+    require_writable(dst)
+    if src.url == dst.url:
+        raise ValueError(f"source and destination are the same: {src.display}")
+    open_store(src)  # a committed birdzarr store of a supported version, or a clear error
+    root = with_retries(lambda: bytes(src.fs.cat_file(src.join(ROOT))), src.retry)
+    wanted = {o.key: o for o in _listing(src) if o.key != ROOT and _basename(o.key) not in _NOT_COPIED}
+    present = {o.key: o for o in _listing(dst)}
+    for leftover in [key for key in present if key.endswith(_PARTIAL_SUFFIX)]:
+        dst.fs.rm_file(dst.join(leftover))  # written aside by a copy that was killed
+        del present[leftover]
+    result = CopyResult(objects=len(wanted) + 1, bytes_total=sum(o.size for o in wanted.values()) + len(root))
+
+    if ROOT in present:
+        current = with_retries(lambda: bytes(dst.fs.cat_file(dst.join(ROOT))), dst.retry)
+        if current != root:
+            if not overwrite:
+                raise StoreExistsError(
+                    f"{dst.display} already holds a different store. Pass --overwrite (Python: "
+                    "overwrite=True) to replace it; identical objects are kept."
+                )
+            dst.fs.rm_file(dst.join(ROOT))  # un-commit first: readers now see no store there
+        del present[ROOT]
+
+    md5s: dict[str, str] = {}
+    tally = threading.Lock()
+    with progress_bar(progress, desc="copy", total=result.bytes_total, unit="B", unit_divisor=1024) as bar:
+
+        def one(obj: _Object) -> None:
+            have = present.get(obj.key)
+            if have is not None and have.size == obj.size:
+                theirs, ours = _cheap_md5(src, obj), _cheap_md5(dst, have)
+                if theirs is not None and theirs == ours:
+                    with tally:
+                        md5s[obj.key] = theirs
+                        result.skipped += 1
+                        bar.update(obj.size)
+                    return
+            md5 = _transfer(src, dst, obj.key, obj.size)
+            with tally:
+                md5s[obj.key] = md5
+                result.copied += 1
+                result.bytes_copied += obj.size
+                bar.update(obj.size)
+
+        _run_all(one, list(wanted.values()), workers)
+        stale = [key for key in present if key not in wanted]
+        if overwrite and stale:
+            dst.fs.rm([dst.join(key) for key in stale])
+            result.deleted = len(stale)
+        _verify(src, dst, wanted, md5s, workers)
+        with_retries(lambda: dst.fs.pipe_file(dst.join(ROOT), root), dst.retry)
+        if with_retries(lambda: bytes(dst.fs.cat_file(dst.join(ROOT))), dst.retry) != root:
+            raise ChecksumMismatchError(f"{dst.display}/{ROOT} does not read back as written")
+        bar.update(len(root))
+    result.copied += 1
+    result.bytes_copied += len(root)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _listing(location: Location) -> list[_Object]:
+    """Every object under the location with its size (and MD5, where the listing holds one)."""
+    location.fs.invalidate_cache()
+    try:
+        found = location.fs.find(location.path, detail=True)
+    except FileNotFoundError:
+        return []
+    prefix = location.path.rstrip("/") + "/"
+    objects = []
+    for path, info in found.items():
+        if info.get("type") == "directory" or not path.startswith(prefix):
+            continue
+        etag = _MD5_ETAG.match(str(info.get("ETag", info.get("etag", ""))))
+        objects.append(_Object(path[len(prefix):], int(info["size"]), etag.group(1) if etag else None))
+    return objects
+
+
+def _basename(key: str) -> str:
+    return key.rsplit("/", 1)[-1]
+
+
+def _hashable_locally(location: Location) -> bool:
+    return location.is_local or location.protocol == "memory"
+
+
+def _cheap_md5(location: Location, obj: _Object) -> str | None:
+    """The object's MD5 if the listing gave it or reading it costs no network."""
+    if obj.etag_md5 is not None:
+        return obj.etag_md5
+    if _hashable_locally(location):
+        return _md5_of(location, obj.key)
+    return None
+
+
+def _md5_of(location: Location, key: str) -> str:
+    digest = hashlib.md5(usedforsecurity=False)
+    with location.fs.open(location.join(key), "rb", block_size=_STREAM_BLOCK) as f:
+        while block := f.read(_STREAM_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _transfer(src: Location, dst: Location, key: str, size: int) -> str:
+    """Copy one object (with retries); returns the MD5 of the bytes written."""
+
+    def attempt() -> str:
+        if size > _IN_MEMORY_LIMIT:
+            return _stream(src, dst, key)
+        data = bytes(src.fs.cat_file(src.join(key)))
+        _write(dst, key, data)
+        return hashlib.md5(data, usedforsecurity=False).hexdigest()
+
+    try:
+        return with_retries(attempt, dst.retry)
+    except Exception as exc:
+        if not is_transient(exc):
+            raise
+        raise TransferError(
+            f"copying '{key}' from {src.display} to {dst.display} failed after {dst.retry.attempts} "
+            f"attempts ({type(exc).__name__}: {redact(str(exc))[:300]}). What was copied is kept: run "
+            "the same command again to resume."
+        ) from None
+
+
+def _write(dst: Location, key: str, data: bytes) -> None:
+    path = dst.join(key)
+    if not dst.is_local:
+        dst.fs.pipe_file(path, data)  # one PUT: an object store never shows half an object
+        return
+    # On disk, write aside and rename, so a killed copy leaves no file that looks complete.
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    partial = f"{path}.{uuid.uuid4().hex[:8]}{_PARTIAL_SUFFIX}"
+    try:
+        with open(partial, "wb") as f:
+            f.write(data)
+        os.replace(partial, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(partial)
+
+
+def _stream(src: Location, dst: Location, key: str) -> str:
+    digest = hashlib.md5(usedforsecurity=False)
+    target = dst.join(key)
+    partial = f"{target}.{uuid.uuid4().hex[:8]}{_PARTIAL_SUFFIX}" if dst.is_local else target
+    if dst.is_local:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+    with (
+        src.fs.open(src.join(key), "rb", block_size=_STREAM_BLOCK) as fin,
+        dst.fs.open(partial, "wb") as fout,
+    ):
+        while block := fin.read(_STREAM_BLOCK):
+            digest.update(block)
+            fout.write(block)
+    if dst.is_local:
+        os.replace(partial, target)
+    return digest.hexdigest()
+
+
+def _run_all(work: Callable[[_Object], None], objects: list[_Object], workers: int) -> None:
+    """``work(obj)`` for every object on a thread pool; the first error stops the rest."""
+    if not objects:
+        return
+    pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="birdzarr-copy")
+    try:
+        futures: list[Future[None]] = [pool.submit(work, obj) for obj in objects]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        for future in done:
+            future.result()
+    finally:
+        # On an error or Ctrl-C, queued objects are dropped; what was written stays for a resume.
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _verify(
+    src: Location, dst: Location, wanted: dict[str, _Object], md5s: dict[str, str], workers: int
+) -> None:
+    """Every destination object has the source's size and MD5, or ChecksumMismatchError."""
+    present = {o.key: o for o in _listing(dst)}
+    bad: list[str] = []
+
+    def check(obj: _Object) -> None:
+        have = present.get(obj.key)
+        if have is None or have.size != obj.size:
+            bad.append(obj.key)
+            return
+        expected = obj.etag_md5 or md5s[obj.key]
+        actual = _cheap_md5(dst, have)
+        if actual is None:  # no MD5 in the listing (multipart, KMS): read it back
+            actual = with_retries(lambda: _md5_of(dst, obj.key), dst.retry)
+        if actual != expected:
+            bad.append(obj.key)
+
+    _run_all(check, list(wanted.values()), workers)
+    if bad:
+        shown = ", ".join(sorted(bad)[:5])
+        raise ChecksumMismatchError(
+            f"copy to {dst.display}: {len(bad)} objects differ from {redact(src.display)} "
+            f"({shown}{', ...' if len(bad) > 5 else ''}). The copy is not committed; run the same "
+            "command again to re-copy them."
+        )
+

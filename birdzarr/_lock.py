@@ -1,0 +1,253 @@
+"""One writer per store: the lock file ``.birdzarr.lock`` at the store's root.
+
+On local disk the lock is created with ``O_CREAT | O_EXCL``, which the kernel makes atomic: of two
+writers exactly one succeeds. The file holds who took it (host, pid, command, time, a random
+token) so a refusal can name the holder. A lock whose holder ran on this host and whose process
+no longer exists is *stale* (the writer was killed): the next writer takes it over, and
+``birdzarr repair`` removes it.
+
+On object stores the lock is created with an exclusive write (``fs.open(path, "xb")``: S3's
+``If-None-Match: *`` conditional PUT with s3fs). Where the filesystem cannot do an exclusive
+create, birdzarr falls back to check-then-write plus a read-back of its token, which narrows but
+does not close the race; docs/reliability.md says what is guaranteed where. A lock on another host
+is never judged stale automatically: only its own host can tell whether the process is alive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import os
+import socket
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from birdzarr._errors import StoreExistsError, StoreLockedError
+from birdzarr._storage import Location, redact
+
+LOCK_NAME = ".birdzarr.lock"
+
+
+@dataclass(frozen=True)
+class LockHolder:
+    """What the lock file says about the writer that holds it."""
+
+    host: str
+    pid: int
+    command: str
+    started_at: str
+    token: str
+
+    def describe(self) -> str:
+        return f"{self.command!r} (pid {self.pid} on {self.host}, since {self.started_at})"
+
+    def is_stale(self) -> bool:
+        """True if the holder ran on this host and its process is gone (it was killed)."""
+        return self.host == socket.gethostname() and not _pid_alive(self.pid)
+
+    @classmethod
+    def parse(cls, raw: bytes) -> LockHolder | None:
+        try:
+            data = json.loads(raw)
+            return cls(str(data["host"]), int(data["pid"]), str(data["command"]),
+                       str(data["started_at"]), str(data["token"]))
+        except (ValueError, KeyError, TypeError):
+            return None  # an empty or torn lock file: its writer died while creating it
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False  # os.kill(0 or -1) would address process groups, not one process
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by another user
+    return True
+
+
+def _command_line() -> str:
+    # argv may hold URLs with credentials; the lock file is readable by everyone who can list.
+    return redact(" ".join([os.path.basename(sys.argv[0] or "python"), *sys.argv[1:]]))[:500]
+
+
+def lock_path(location: Location) -> str:
+    return location.join(LOCK_NAME)
+
+
+def read_holder(location: Location) -> LockHolder | None:
+    """The current holder, or None if the store is not locked (a torn lock reads as a dead holder)."""
+    try:
+        raw = location.fs.cat_file(lock_path(location))
+    except FileNotFoundError:
+        return None
+    holder = LockHolder.parse(raw)
+    if holder is None:
+        return LockHolder(host=socket.gethostname(), pid=-1, command="unknown (torn lock file)",
+                          started_at="?", token="")
+    return holder
+
+
+class StoreLock:
+    """The store's writer lock; use as a context manager or ``acquire()`` / ``release()``."""
+
+    def __init__(self, location: Location, command: str | None = None) -> None:
+        self.location = location
+        self.holder = LockHolder(
+            host=socket.gethostname(), pid=os.getpid(), command=command or _command_line(),
+            started_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            token=uuid.uuid4().hex,
+        )
+        self.held = False
+        self.took_over: LockHolder | None = None  # the stale holder replaced, if any
+
+    def __enter__(self) -> StoreLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    @property
+    def path(self) -> str:
+        return lock_path(self.location)
+
+    def acquire(self) -> StoreLock:
+        """Take the lock or raise :class:`StoreLockedError` naming the live holder."""
+        self._make_root()
+        for attempt in range(10):  # a stale lock is taken over, then creation is retried
+            if self._create():
+                self.held = True
+                return self
+            current = read_holder(self.location)
+            if current is None:
+                continue  # released between our attempt and the read: try again
+            if not current.token and attempt < 5:
+                time.sleep(0.1)  # torn: its writer may be between creating and filling it
+                continue
+            if not current.is_stale():
+                raise StoreLockedError(
+                    f"{self.location.display} is locked by {current.describe()}. Wait for it to "
+                    "finish. If that process is gone (for instance it ran on another machine that "
+                    f"was shut down), run `birdzarr repair {self.location.display} --break-lock`."
+                )
+            if break_lock(self.location, expected=current):
+                self.took_over = current
+        raise StoreLockedError(
+            f"{self.location.display}: could not take the lock {LOCK_NAME} (another writer keeps "
+            "taking it). Try again."
+        )
+
+    def release(self) -> None:
+        """Remove the lock file if it is still ours (never someone else's)."""
+        if not self.held:
+            return
+        self.held = False
+        current = read_holder(self.location)
+        if current is not None and current.token == self.holder.token:
+            with contextlib.suppress(FileNotFoundError):
+                self.location.fs.rm_file(self.path)
+
+    def _make_root(self) -> None:
+        fs, path = self.location.fs, self.location.path
+        if fs.isfile(path):
+            raise StoreExistsError(f"{self.location.display} is a file; choose another destination.")
+        if self.location.is_local:
+            os.makedirs(path, exist_ok=True)
+        # object stores have no directories: the lock object's key is all there is
+
+    def _payload(self) -> bytes:
+        return json.dumps(asdict(self.holder)).encode()
+
+    def _create(self) -> bool:
+        """Create the lock file only if absent; True on success."""
+        if self.location.is_local:
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                return False
+            try:
+                os.write(fd, self._payload())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            return True
+        fs = self.location.fs
+        try:
+            with fs.open(self.path, "xb") as handle:
+                handle.write(self._payload())
+        except FileExistsError:
+            return False
+        except (ValueError, NotImplementedError, TypeError):
+            # no exclusive create on this filesystem: check, then write (a race remains)
+            if fs.exists(self.path):
+                return False
+            fs.pipe_file(self.path, self._payload())
+        # Read back: a server that ignores If-None-Match lets the last writer win; only the
+        # writer whose token is there goes on.
+        current = read_holder(self.location)
+        return current is not None and current.token == self.holder.token
+
+
+def break_lock(location: Location, *, expected: LockHolder | None = None) -> bool:
+    """Remove the lock file; with ``expected``, only if it still names that holder.
+
+    Locally the file is first renamed aside, so that of two writers breaking the same stale lock
+    only one removes it, and a fresh lock taken meanwhile by a third is put back, not deleted.
+    """
+    path = lock_path(location)
+    if not location.is_local:
+        current = read_holder(location)
+        if current is None or (expected is not None and current.token != expected.token):
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            location.fs.rm_file(path)
+        return True
+    aside = f"{path}.{uuid.uuid4().hex}.broken"
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return False
+    with open(aside, "rb") as handle:
+        moved = LockHolder.parse(handle.read())
+    if expected is not None and expected.token and (moved is None or moved.token != expected.token):
+        with contextlib.suppress(FileExistsError):
+            os.link(aside, path)  # put back the live lock we moved by mistake (only if still free)
+        os.unlink(aside)
+        return False
+    os.unlink(aside)
+    return True
+
+
+def lock_info(location: Location) -> dict[str, Any] | None:
+    """The lock as JSON-able facts (for repair and info), or None if unlocked."""
+    holder = read_holder(location)
+    if holder is None:
+        return None
+    return {**asdict(holder), "stale": holder.is_stale()}
+
+
+def clear_except_lock(location: Location) -> None:
+    """Delete everything in the store except the lock file (the writer holding it keeps it)."""
+    fs = location.fs
+    if not fs.exists(location.path):
+        return
+    for entry in fs.ls(location.path, detail=False):
+        name = entry.rstrip("/").rsplit("/", 1)[-1]
+        if name != LOCK_NAME:
+            fs.rm(entry, recursive=True)
+
+
+def release_and_tidy(lock: StoreLock, *, remove_root: bool) -> None:
+    """Release the lock; with ``remove_root``, also remove the store's directory if now empty."""
+    lock.release()
+    if not remove_root:
+        return
+    fs, path = lock.location.fs, lock.location.path
+    with contextlib.suppress(FileNotFoundError, OSError):
+        if fs.exists(path) and not fs.ls(path, detail=False):
+            fs.rmdir(path)

@@ -1,0 +1,424 @@
+"""``birdzarr verify``: prove that a store still holds exactly what was written, and what its
+sources say.
+
+Checks, in one pass over the committed chunks (each chunk file is read once):
+
+- every chunk of every array below the committed count exists and decodes (zarr would return
+  fill values for a missing chunk; birdzarr's reader raises :class:`MissingChunkError`);
+- every device range's checksum (BLAKE2b-128 of the little-endian float32 bytes of its windows,
+  as written by the converter) matches; shuffled stores check each device's scattered checksum
+  (its windows in ascending global index order) instead;
+- every window's ``device`` id is the one the device table says;
+- the device table is consistent: ranges inside the committed windows, not overlapping, covering
+  all of them, window counts adding up.
+
+With ``source``, the windows, times and labels are derived again from the source files (with the
+store's recorded curation) and compared window by window. Uncommitted leftovers of an
+interrupted writer are listed as notes: they are invisible to readers, and ``birdzarr repair``
+removes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from birdzarr._errors import BirdzarrError, MissingChunkError
+from birdzarr._format import DEVICE, GIMU, LABEL, TIMESTAMP, DeviceEntry
+from birdzarr._lock import read_holder
+from birdzarr._repair import leftovers
+from birdzarr._storage import StoreLike, resolve
+from birdzarr._store import Store, open_store
+from birdzarr.convert._writer import checksum_hasher
+
+_ARRAYS = (GIMU, DEVICE, TIMESTAMP, LABEL)
+_MAX_LISTED = 50  # problems listed one by one; beyond that they are counted
+_PIECE = 8192  # windows compared at a time against the source
+
+
+@dataclass
+class VerifyResult:
+    """What verify checked and every difference it found (``ok`` is True when there are none)."""
+
+    url: str
+    n_windows: int
+    generation: int
+    chunks_checked: int = 0
+    checksums_checked: int = 0
+    devices_compared: int = 0
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    more_problems: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and not self.more_problems
+
+    def problem(self, message: str) -> None:
+        if len(self.problems) < _MAX_LISTED:
+            self.problems.append(message)
+        else:
+            self.more_problems += 1
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "url": self.url, "ok": self.ok, "n_windows": self.n_windows, "generation": self.generation,
+            "chunks_checked": self.chunks_checked, "checksums_checked": self.checksums_checked,
+            "devices_compared": self.devices_compared, "problems": self.problems,
+            "more_problems": self.more_problems, "notes": self.notes,
+        }
+
+    def format(self) -> str:
+        checked = (f"{self.n_windows:,} committed windows (generation {self.generation}): "
+                   f"{self.chunks_checked} chunks, {self.checksums_checked} checksums")
+        if self.devices_compared:
+            checked += f", {self.devices_compared} devices compared with the source"
+        lines = [f"{self.url}: {'OK' if self.ok else 'FAILED'}, checked {checked}"]
+        if not self.ok:
+            lines.append(f"{len(self.problems) + self.more_problems} difference(s):")
+            lines += [f"  - {p}" for p in self.problems]
+            if self.more_problems:
+                lines.append(f"  ... and {self.more_problems} more")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+@dataclass
+class _RangeCheck:
+    device_id: int
+    start: int
+    stop: int
+    checksum: str
+    hasher: Any = field(default_factory=checksum_hasher)
+    wrong_device: int = 0
+    unreadable: bool = False
+
+
+def verify(
+    store: StoreLike,
+    *,
+    source: StoreLike | None = None,
+    storage_options: dict[str, Any] | None = None,
+    source_storage_options: dict[str, Any] | None = None,
+    progress: bool = False,
+) -> VerifyResult:
+    """Check a committed store (and, with ``source``, compare it with its sources)."""
+    opened = open_store(store, storage_options=storage_options)
+    committed = opened.meta.get("committed") or {}
+    generation = int(committed.get("generation", 0))
+    result = VerifyResult(url=opened.url, n_windows=len(opened), generation=generation)
+    ranges = _check_table(opened, result)
+    _check_chunks(opened, ranges, result, progress=progress)
+    if source is not None:
+        _compare_with_source(opened, resolve(source, source_storage_options), result)
+    result.notes += [f"uncommitted leftover: {item} (invisible to readers; `birdzarr repair` removes it)"
+                     for item in leftovers(opened.location, len(opened)) if "stale lock" not in item]
+    holder = read_holder(opened.location)
+    if holder is not None:
+        state = "stale: its process is gone" if holder.is_stale() else "a writer may be running"
+        result.notes.append(f"the store is locked by {holder.describe()} ({state})")
+    return result
+
+
+def _check_table(store: Store, result: VerifyResult) -> list[_RangeCheck]:
+    n = len(store)
+    total = sum(e.n_windows for e in store.device_table)
+    if total != n:
+        result.problem(f"device table: its window counts add up to {total:,}, but {n:,} windows are "
+                       "committed")
+    if store.shuffled:
+        return []
+    ranges = []
+    for entry in store.device_table:
+        in_ranges = sum(r.stop - r.start for r in entry.ranges)
+        if in_ranges != entry.n_windows:
+            result.problem(f"device {entry.device_id}: n_windows is {entry.n_windows:,} but its ranges "
+                           f"hold {in_ranges:,} windows")
+        for r in entry.ranges:
+            if not 0 <= r.start <= r.stop <= n:
+                result.problem(f"device {entry.device_id}: range [{r.start}, {r.stop}) lies outside "
+                               f"the {n:,} committed windows")
+                continue
+            ranges.append(_RangeCheck(entry.device_id, r.start, r.stop, r.checksum))
+    ranges.sort(key=lambda r: r.start)
+    for before, after in zip(ranges, ranges[1:], strict=False):
+        if after.start < before.stop:
+            result.problem(f"devices {before.device_id} and {after.device_id}: ranges "
+                           f"[{before.start}, {before.stop}) and [{after.start}, {after.stop}) overlap")
+    return ranges
+
+
+def _check_chunks(store: Store, ranges: list[_RangeCheck], result: VerifyResult, *, progress: bool) -> None:
+    from birdzarr._progress import progress_bar
+
+    reader = store.reader
+    known = {e.device_id for e in store.device_table}
+    scattered = {e.device_id: checksum_hasher() for e in store.device_table}
+    counts = dict.fromkeys(known, 0)
+    first = 0  # index of the first range not yet fully hashed
+    with progress_bar(progress, desc="verify", total=reader.n_chunks, unit=" chunks") as bar:
+        for index in range(reader.n_chunks):
+            chunk_start, chunk_stop = reader.chunk_span(index)
+            data: dict[str, np.ndarray] = {}
+            for name in _ARRAYS:
+                try:
+                    data[name] = reader.read(name, index)
+                except MissingChunkError as exc:
+                    result.problem(str(exc))
+            result.chunks_checked += 1
+            bar.update(1)
+            windows, devices = data.get(GIMU), data.get(DEVICE)
+            if devices is not None:
+                unknown = np.setdiff1d(np.unique(devices), np.fromiter(known, dtype=np.int64))
+                if len(unknown):
+                    result.problem(f"windows {chunk_start:,}..{chunk_stop - 1:,}: device ids "
+                                   f"{unknown[:5].tolist()} are not in the device table")
+            if store.shuffled:
+                _hash_scattered(windows, devices, scattered, counts, chunk_start, result)
+                continue
+            position = first
+            while position < len(ranges) and ranges[position].start < chunk_stop:
+                check = ranges[position]
+                lo = max(check.start, chunk_start) - chunk_start
+                hi = min(check.stop, chunk_stop) - chunk_start
+                if hi > lo:
+                    if windows is None:
+                        check.unreadable = True
+                    else:
+                        check.hasher.update(np.ascontiguousarray(windows[lo:hi], dtype="<f4").tobytes())
+                    if devices is not None:
+                        check.wrong_device += int((devices[lo:hi] != check.device_id).sum())
+                if check.stop > chunk_stop:
+                    break  # continues in the next chunk
+                position += 1
+            first = position
+    if store.shuffled:
+        _finish_scattered(store.device_table, scattered, counts, result)
+        return
+    for check in ranges:
+        where = f"device {check.device_id}, windows [{check.start:,}, {check.stop:,})"
+        if check.wrong_device:
+            result.problem(f"{where}: {check.wrong_device:,} window(s) carry another device id in "
+                           "the 'device' array")
+        if check.unreadable:
+            result.problem(f"{where}: checksum cannot be checked, a chunk is missing or damaged (above)")
+            continue
+        result.checksums_checked += 1
+        digest = check.hasher.hexdigest()
+        if digest != check.checksum:
+            chunk = reader.chunk_windows
+            result.problem(f"{where}: checksum {digest} differs from the {check.checksum} recorded at "
+                           f"write time: the windows changed after they were written (chunks "
+                           f"{check.start // chunk}..{(check.stop - 1) // chunk} of 'gimu')")
+
+
+def _hash_scattered(
+    windows: np.ndarray | None, devices: np.ndarray | None, hashers: dict[int, Any],
+    counts: dict[int, int], chunk_start: int, result: VerifyResult,
+) -> None:
+    if windows is None or devices is None:
+        for device in hashers:
+            counts[device] = -(10**18)  # mark: cannot be checked
+        return
+    for device in np.unique(devices).tolist():
+        if device in hashers:
+            mine = windows[devices == device]
+            hashers[device].update(np.ascontiguousarray(mine, dtype="<f4").tobytes())
+            counts[device] += len(mine)
+
+
+def _finish_scattered(table: list[DeviceEntry], hashers: dict[int, Any], counts: dict[int, int],
+                      result: VerifyResult) -> None:
+    for entry in table:
+        expected = getattr(entry, "scattered_checksum", None)
+        if counts[entry.device_id] < 0:
+            result.problem(f"device {entry.device_id}: checksum cannot be checked, a chunk is missing "
+                           "or damaged (above)")
+            continue
+        if counts[entry.device_id] != entry.n_windows:
+            result.problem(f"device {entry.device_id}: {counts[entry.device_id]:,} windows carry its id, "
+                           f"the device table says {entry.n_windows:,}")
+        if expected is None:
+            continue
+        result.checksums_checked += 1
+        digest = hashers[entry.device_id].hexdigest()
+        if digest != expected:
+            result.problem(f"device {entry.device_id}: scattered checksum {digest} differs from the "
+                           f"{expected} recorded at write time: its windows changed after writing")
+
+
+# -- comparison with the sources ---------------------------------------------------------------
+
+
+def _batches(store: Store, entry: DeviceEntry) -> list[list[str]]:
+    """The device's source file names grouped as they were read: the conversion, then each append."""
+    appends = store.meta.get("report", {}).get("appends", [])
+    appended = [a.get("files", {}).get(str(entry.device_id), []) for a in appends]
+    later = {name for files in appended for name in files}
+    first = [name for name in entry.sources if name not in later]
+    return [batch for batch in [first, *appended] if batch]
+
+
+def _compare_with_source(store: Store, src: Any, result: VerifyResult) -> None:
+    from birdzarr.convert._append import store_curation
+    from birdzarr.convert._sources import DeviceSource, discover
+
+    try:
+        kind, devices = discover(src)
+    except BirdzarrError as exc:
+        result.problem(f"source {src.display} cannot be read: {exc}")
+        return
+    if kind != store.meta.get("source_kind"):
+        result.problem(f"source {src.display} holds {kind} files; the store was converted from "
+                       f"{store.meta.get('source_kind')} input")
+        return
+    curation = store_curation(store.meta)
+    reports = store.report
+    in_source = {d.device_id: d for d in devices}
+    for entry in store.device_table:
+        if entry.device_id not in in_source:
+            result.problem(f"device {entry.device_id} ({entry.n_windows:,} windows) has no source files in "
+                           f"{src.display}")
+    for device in devices:
+        found = next((e for e in store.device_table if e.device_id == device.device_id), None)
+        if found is None:
+            result.problem(f"device {device.device_id} is in {src.display} but not in the store "
+                           "(add it with `birdzarr append`)")
+            continue
+        entry = found
+        files = {f.display.rsplit("/", 1)[-1]: f for f in device.files}
+        missing = [name for name in entry.sources if name not in files]
+        extra = [name for name in files if name not in entry.sources]
+        if extra:
+            result.problem(f"device {device.device_id}: source file(s) {extra[:5]} are not in the store "
+                           "(add them with `birdzarr append`)")
+        if missing:
+            result.problem(f"device {device.device_id}: the store was made from {missing[:5]}, which "
+                           f"{src.display} does not hold; cannot compare this device")
+            continue
+        report = reports.get(device.device_id)
+        skipped = report is not None and (report.bad_lines > 0 or getattr(report, "bad_files", 0) > 0)
+        batches = [DeviceSource(device.device_id, kind, [files[n] for n in batch])
+                   for batch in _batches(store, entry)]
+
+        def derived(
+            batches: list[DeviceSource] = batches, skip: bool = skipped
+        ) -> Iterator[tuple[np.ndarray, ...]]:
+            for batch in batches:
+                for block in batch.blocks(curation=curation, on_bad_rows="skip" if skip else "error"):
+                    yield block.windows, block.timestamps, block.labels
+
+        try:
+            _compare_device(store, entry, derived(), result)
+        except MissingChunkError:
+            result.problem(f"device {device.device_id}: cannot be compared, a chunk is missing or damaged")
+        except BirdzarrError as exc:
+            result.problem(f"device {device.device_id}: its source cannot be read again: {exc}")
+        result.devices_compared += 1
+
+
+def _stored(store: Store, entry: DeviceEntry) -> Iterator[tuple[np.ndarray, ...]]:
+    if store.shuffled:
+        indices = store.device_indices(entry.device_id)
+        for lo in range(0, len(indices), _PIECE):
+            part = indices[lo : lo + _PIECE]
+            yield store.windows[part], store.timestamps[part], store.labels[part]
+        return
+    reader = store.reader
+    for r in entry.ranges:
+        for lo in range(r.start, r.stop, _PIECE):
+            hi = min(lo + _PIECE, r.stop)
+            yield tuple(reader.read_range(name, lo, hi) for name in (GIMU, TIMESTAMP, LABEL))
+
+
+def _pieces(parts: Iterator[tuple[np.ndarray, ...]]) -> Iterator[tuple[np.ndarray, ...]]:
+    """Regroup a stream of (windows, times, labels) into pieces of exactly _PIECE windows."""
+    held: list[tuple[np.ndarray, ...]] = []
+    count = 0
+    for part in parts:
+        held.append(part)
+        count += len(part[0])
+        while count >= _PIECE:
+            joined = tuple(np.concatenate(column) for column in zip(*held, strict=True))
+            yield tuple(column[:_PIECE] for column in joined)
+            held = [tuple(column[_PIECE:] for column in joined)]
+            count -= _PIECE
+    if count:
+        yield tuple(np.concatenate(column) for column in zip(*held, strict=True))
+
+
+def _sorted_rows(parts: Iterator[tuple[np.ndarray, ...]]) -> np.ndarray:
+    """Each (window, time, label) as one opaque row of bytes, sorted: an order-free comparison."""
+    columns = [list(c) for c in zip(*parts, strict=True)] or [[], [], []]
+    if not columns[0]:
+        return np.empty(0, dtype="V332")
+    windows, times, labels = (np.concatenate(c) for c in columns)
+    n = len(windows)
+    raw = np.concatenate([
+        np.ascontiguousarray(windows, dtype="<f4").reshape(n, -1).view(np.uint8),
+        np.ascontiguousarray(times, dtype="<i8").reshape(n, 1).view(np.uint8),
+        np.ascontiguousarray(labels, dtype="<i4").reshape(n, 1).view(np.uint8),
+    ], axis=1)
+    return np.sort(np.ascontiguousarray(raw).view(f"V{raw.shape[1]}").ravel())
+
+
+def _compare_shuffled_device(store: Store, entry: DeviceEntry, derived: Iterator[tuple[np.ndarray, ...]],
+                             result: VerifyResult) -> None:
+    """A shuffled store keeps a device's windows in a random order: compare them as multisets
+    (memory: twice the device's windows)."""
+    mine, theirs = _sorted_rows(_stored(store, entry)), _sorted_rows(derived)
+    device = f"device {entry.device_id}"
+    if len(mine) != len(theirs):
+        result.problem(f"{device}: the store holds {len(mine):,} windows, its sources give {len(theirs):,}")
+        return
+    differing = int((mine != theirs).sum())
+    if differing:
+        result.problem(f"{device}: {differing:,} window(s) (with their times and labels) are in the "
+                       "store but not in the sources, or the other way round")
+
+
+def _compare_device(store: Store, entry: DeviceEntry, derived: Iterator[tuple[np.ndarray, ...]],
+                    result: VerifyResult) -> None:
+    if store.shuffled:
+        _compare_shuffled_device(store, entry, derived, result)
+        return
+    stored_n = derived_n = 0
+    differing = {"windows": 0, "timestamps": 0, "labels": 0}
+    first_difference: int | None = None
+    stored_pieces, derived_pieces = _pieces(_stored(store, entry)), _pieces(derived)
+    for mine, theirs in _zip_longest(stored_pieces, derived_pieces):
+        stored_n += len(mine[0]) if mine else 0
+        derived_n += len(theirs[0]) if theirs else 0
+        if not mine or not theirs:
+            continue
+        n = min(len(mine[0]), len(theirs[0]))
+        base = stored_n - len(mine[0])
+        for name, a, b in zip(differing, mine, theirs, strict=True):
+            if name == "windows":
+                bits_a = np.ascontiguousarray(a[:n], dtype="<f4").reshape(n, -1).view(np.uint32)
+                bits_b = np.ascontiguousarray(b[:n], dtype="<f4").reshape(n, -1).view(np.uint32)
+                unequal = (bits_a != bits_b).any(axis=1)  # bitwise, so NaN equals NaN
+            else:
+                unequal = a[:n] != b[:n]
+            differing[name] += int(unequal.sum())
+            if unequal.any():
+                where = base + int(np.flatnonzero(unequal)[0])
+                first_difference = where if first_difference is None else min(first_difference, where)
+    device = f"device {entry.device_id}"
+    if stored_n != derived_n:
+        result.problem(f"{device}: the store holds {stored_n:,} windows, its sources give {derived_n:,}")
+    for name, count in differing.items():
+        if count:
+            result.problem(f"{device}: {count:,} window(s) differ in {name} from the sources "
+                           f"(first at the device's window {first_difference})")
+
+
+def _zip_longest(a: Iterator[Any], b: Iterator[Any]) -> Iterator[tuple[Any, Any]]:
+    while True:
+        x, y = next(a, None), next(b, None)
+        if x is None and y is None:
+            return
+        yield x, y

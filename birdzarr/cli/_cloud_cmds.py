@@ -1,0 +1,39 @@
+"""CLI commands for stores in buckets and on other machines: copy."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _cmd_copy(args: argparse.Namespace) -> int:
+    from birdzarr._copy import copy_store
+    from birdzarr._storage import redact
+
+    result = copy_store(
+        args.source, args.dest, overwrite=args.overwrite, workers=args.workers, progress=not args.quiet
+    )
+    print(f"{redact(args.dest)}: {result.summary()}")
+    return 0
+
+
+def add_copy(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "copy",
+        help="upload or download a whole store (resumable, checksums verified, committed last)",
+        description="Copy a committed store between any two locations (path, s3://, memory://, ...). "
+        "Objects already at DEST with the same size and MD5 are skipped, so re-running an "
+        "interrupted copy resumes it. The root zarr.json is written last, after every object is "
+        "verified: DEST becomes a store only when the copy is complete. Credentials come from the "
+        "standard AWS chain (AWS_* variables, profile, instance role); AWS_ENDPOINT_URL or "
+        "FSSPEC_S3_ENDPOINT_URL point s3:// at MinIO or another S3-compatible server.",
+    )
+    p.add_argument("source", help="committed store: path or URL")
+    p.add_argument("dest", help="destination path or URL (s3://bucket/prefix/store.zarr, /scratch/x.zarr)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a different store at DEST (identical objects are kept)")
+    p.add_argument("--workers", type=int, default=16, help="objects in flight at once (default 16)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_copy)
+
+
+COMMANDS = [add_copy]

@@ -1,0 +1,60 @@
+"""CLI commands for looking at a store without a notebook: plot, stats."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from birdzarr._store import open_store
+
+    store = open_store(args.store)
+    if args.window is not None:
+        figure = store.plot_window(args.window)
+        out = args.out or f"window_{args.window}.png"
+    else:
+        figure = store.plot_device(args.device, max_windows=args.max_windows)
+        out = args.out or f"device_{args.device}.png"
+    figure.savefig(out, dpi=args.dpi)
+    print(out)
+    return 0
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    from birdzarr._store import open_store
+
+    store = open_store(args.store)
+    stats = store.stats(cache=not args.recompute, progress=not args.quiet and sys.stderr.isatty())
+    if args.json:
+        print(json.dumps(stats.to_json(), indent=2))
+    else:
+        print(stats)
+    return 0
+
+
+def add_plot(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("plot", help="save a PNG of one device's windows over time, or of one window")
+    p.add_argument("store", help="store path or URL")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--device", type=int, help="device id: channels over time, coloured by label")
+    what.add_argument("--window", type=int, help="global window index: the 20 samples of the window")
+    p.add_argument("--out", help="output file, format from its extension "
+                                   "(default device_ID.png or window_N.png)")
+    p.add_argument("--max-windows", type=int, default=500,
+                   help="with --device: windows spread over the device to show (default 500)")
+    p.add_argument("--dpi", type=int, default=110, help="resolution of the image (default 110)")
+    p.set_defaults(func=_cmd_plot)
+
+
+def add_stats(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("stats", help="per-channel mean/std/min/max and histograms (cached in the store)")
+    p.add_argument("store", help="store path or URL")
+    p.add_argument("--json", action="store_true", help="machine-readable output, histograms included")
+    p.add_argument("--recompute", action="store_true", help="ignore cached statistics")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_stats)
+
+
+COMMANDS = [add_plot, add_stats]

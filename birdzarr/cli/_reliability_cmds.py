@@ -1,0 +1,71 @@
+"""CLI commands that keep a store whole: append, verify, repair."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def _cmd_append(args: argparse.Namespace) -> int:
+    from birdzarr._summary import format_summary, summary
+    from birdzarr.convert._append import append_detailed
+
+    result = append_detailed(
+        args.store, args.source, on_bad_rows=args.on_bad_rows, workers=args.workers,
+        progress=not args.quiet,
+    )
+    print(format_summary(summary(result.store)))
+    print(result.format())
+    if result.skipped_files:
+        shown = ", ".join(result.skipped_files[:10]) + (" ..." if len(result.skipped_files) > 10 else "")
+        print(f"already in the store (skipped by file name): {shown}. New data for an existing device "
+              "needs a new file name, e.g. a new part number {device}_{part}.csv.")
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from birdzarr._verify import verify
+
+    result = verify(args.store, source=args.source, progress=not args.quiet and not args.json)
+    print(json.dumps(result.to_json(), indent=2) if args.json else result.format())
+    return 0 if result.ok else 1
+
+
+def _cmd_repair(args: argparse.Namespace) -> int:
+    from birdzarr._repair import repair
+
+    print(repair(args.store, force_unlock=args.break_lock).format())
+    return 0
+
+
+def add_append(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("append", help="add new devices or new CSV parts to a store (atomic commit)")
+    p.add_argument("store", help="an existing store (path or URL)")
+    p.add_argument("source", help="directory, file or fsspec URL of {device}_{part}.csv or {device}.parquet")
+    p.add_argument("--on-bad-rows", choices=("error", "skip"), default="error",
+                   help="stop at the first malformed row (default) or skip and count them")
+    p.add_argument("--workers", type=int, default=None, help="encoding threads (default: all cores)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_append)
+
+
+def add_verify(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("verify", help="recompute checksums, find missing chunks, compare with sources")
+    p.add_argument("store")
+    p.add_argument("--source", default=None,
+                   help="also derive the windows again from these sources and compare")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_verify)
+
+
+def add_repair(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("repair", help="remove what an interrupted convert or append left behind")
+    p.add_argument("store")
+    p.add_argument("--break-lock", action="store_true",
+                   help="also remove a lock whose holder cannot be checked (another host); only when "
+                        "you know no writer is running")
+    p.set_defaults(func=_cmd_repair)
+
+
+COMMANDS = [add_append, add_verify, add_repair]

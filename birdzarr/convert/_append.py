@@ -1,0 +1,262 @@
+"""Appending new devices, or new parts of existing devices, to a committed store.
+
+The store stays readable throughout: new windows are written past the committed count, and one
+final write of the root attributes (committed count, device table, merged report) commits them.
+A killed append leaves the previous commit in place; the next append (or ``birdzarr repair``)
+first cuts the arrays back to the committed count.
+
+Idempotence: a source file is identified by its file name within its device. Files already in a
+device's ``sources`` are skipped, so re-running an interrupted or finished append adds exactly
+what is missing and nothing twice. CSV bursts do not continue across an append: a burst split
+between a committed part and a new part loses its remainder rows, as at the end of any export.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import zarr
+
+from birdzarr._errors import AppendError, IncompleteStoreError
+from birdzarr._format import (
+    ATTRS_KEY,
+    DEVICE,
+    GIMU,
+    LABEL,
+    TIMESTAMP,
+    TIMESTAMP_UNKNOWN,
+    Curation,
+    DeviceEntry,
+    DeviceReport,
+    check_root_attrs,
+)
+from birdzarr._repair import discard_uncommitted
+from birdzarr._storage import Location, StoreLike, resolve, zarr_store
+from birdzarr.convert._blocks import WindowBlock
+from birdzarr.convert._sources import DeviceSource, discover
+from birdzarr.convert._writer import StoreWriter, _now
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from birdzarr._store import Store
+
+_NOT_STATIC = ("format_version", "window_length", "channels", "converter", "committed", "devices", "report")
+
+
+def _file_name(file: Location) -> str:
+    return file.display.rsplit("/", 1)[-1]
+
+
+def store_curation(meta: dict[str, Any]) -> Curation:
+    """The curation a store was converted with (CSV input), so appends curate the same way."""
+    raw = meta.get("curation", {})
+    if raw.get("applied_by") != "birdzarr":
+        return Curation()
+    low, high = raw["clip"]
+    return Curation(speed_limit=float(raw["speed_limit"]), clip_min=float(low), clip_max=float(high),
+                    gps_scale=float(raw["gps_scale"]))
+
+
+class AppendWriter(StoreWriter):
+    """A :class:`StoreWriter` that opens a committed store and writes past its committed count."""
+
+    def __enter__(self) -> AppendWriter:
+        super().__enter__()
+        return self
+
+    def _open(self) -> AppendWriter:
+        from birdzarr._store import _read_root
+
+        meta = check_root_attrs(_read_root(self.location), where=self.location.display)
+        committed = meta.get("committed")
+        if not committed:
+            raise IncompleteStoreError(
+                f"{self.location.display}: a conversion started here and never committed, so there "
+                "is nothing to append to. Re-run the same `birdzarr convert` command first."
+            )
+        if meta.get("layout", {}).get("shuffled"):
+            raise AppendError(
+                f"{self.location.display} was converted with --shuffle; appended windows would sit "
+                "unshuffled at the end. Convert all sources again with --shuffle instead."
+            )
+        self.meta = meta
+        self.previous_windows = int(committed["n_windows"])
+        group = zarr.open_group(zarr_store(self.location, read_only=False), mode="r+", zarr_format=3)
+        self.group = group
+        self.cleaned = discard_uncommitted(self.location, group, self.previous_windows)
+        # Committed chunks are always written, even when equal to the fill value (see _writer.py).
+        config: Any = {"write_empty_chunks": True}
+        arrays: dict[str, Any] = {name: group[name] for name in (GIMU, DEVICE, TIMESTAMP, LABEL)}
+        self.gimu = arrays[GIMU].with_config(config)
+        self.per_window = {name: arrays[name].with_config(config) for name in (DEVICE, TIMESTAMP, LABEL)}
+        slab_chunks = max(self.slab_windows // self.chunk_windows, 1)
+        self.chunk_windows = int(self.gimu.chunks[0])
+        self.slab_windows = self.chunk_windows * slab_chunks
+        self.codec = str(meta.get("layout", {}).get("codec", self.codec))
+        self.n_windows = self.previous_windows
+        self.devices = {e.device_id: e for e in (DeviceEntry.from_json(d) for d in meta.get("devices", []))}
+        report = meta.get("report", {}).get("devices", {})
+        self.reports = {int(k): DeviceReport.from_json(v) for k, v in report.items()}
+        self.static_attrs = {k: v for k, v in meta.items() if k not in _NOT_STATIC}
+        self.appended: dict[int, list[str]] = {}
+        return self
+
+    def write_device(self, device_id: int, blocks: Iterable[WindowBlock], sources: list[str]) -> DeviceReport:
+        """Write one device's new windows as a new range; merge its table entry and report."""
+        if device_id in self.appended:
+            raise AppendError(f"device {device_id} was given twice in one append")
+        previous = self.devices.pop(device_id, None)
+        previous_report = self.reports.pop(device_id, None)
+        report = super().write_device(device_id, blocks, sources)
+        self.appended[device_id] = list(sources)
+        if previous is not None:
+            self.devices[device_id] = _merge_entries(previous, self.devices[device_id])
+        if previous_report is not None:
+            merged = DeviceReport.from_json(previous_report.to_json())
+            merged.merge(report)
+            self.reports[device_id] = merged
+        return report
+
+    def commit(self, extra_report: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The one write that makes the appended windows visible (generation + 1)."""
+        self._drain()
+        meta = dict(self.meta)
+        previous = meta["committed"]
+        report = dict(meta.get("report", {}))
+        report["devices"] = {str(d): r.to_json() for d, r in sorted(self.reports.items())}
+        report["appends"] = [*report.get("appends", []), {
+            "started_at": self.started_at,
+            "finished_at": _now(),
+            "first_window": self.previous_windows,
+            "windows": self.n_windows - self.previous_windows,
+            "files": {str(d): files for d, files in sorted(self.appended.items())},
+            "converter_version": _version(),
+            **(extra_report or {}),
+        }]
+        meta["committed"] = {
+            "n_windows": self.n_windows,
+            "generation": int(previous.get("generation", 1)) + 1,
+            "committed_at": _now(),
+        }
+        meta["devices"] = [self.devices[d].to_json() for d in sorted(self.devices)]
+        meta["report"] = report
+        self.group.attrs.put({ATTRS_KEY: meta})
+        self._committed = True
+        return meta
+
+
+def _version() -> str:
+    from birdzarr import __version__
+
+    return __version__
+
+
+def _merge_entries(old: DeviceEntry, new: DeviceEntry) -> DeviceEntry:
+    bounds = (old.first_time, old.last_time, new.first_time, new.last_time)
+    times = [t for t in bounds if t != TIMESTAMP_UNKNOWN]
+    labels = dict(old.label_counts)
+    for label, count in new.label_counts.items():
+        labels[label] = labels.get(label, 0) + count
+    return DeviceEntry(
+        device_id=old.device_id,
+        n_windows=old.n_windows + new.n_windows,
+        ranges=[*old.ranges, *new.ranges],
+        first_time=min(times) if times else TIMESTAMP_UNKNOWN,
+        last_time=max(times) if times else TIMESTAMP_UNKNOWN,
+        sources=[*old.sources, *new.sources],
+        label_counts=labels,
+    )
+
+
+@dataclass
+class AppendResult:
+    """What an append did: windows added, devices touched, files skipped as already present."""
+
+    store: Store
+    windows_added: int = 0
+    devices_added: list[int] = field(default_factory=list)
+    devices_extended: list[int] = field(default_factory=list)
+    skipped_files: list[str] = field(default_factory=list)
+    cleaned: list[str] = field(default_factory=list)
+
+    def format(self) -> str:
+        lines = [f"appended {self.windows_added:,} windows: {len(self.devices_added)} new device(s), "
+                 f"{len(self.devices_extended)} extended"]
+        if self.skipped_files:
+            lines.append(f"skipped {len(self.skipped_files)} file(s) already in the store")
+        lines += [f"cleaned up first: {c}" for c in self.cleaned]
+        return "\n".join(lines)
+
+
+def plan_append(
+    devices: list[DeviceSource], table: dict[int, DeviceEntry]
+) -> tuple[list[DeviceSource], list[str]]:
+    """Keep only the source files not already in the store; returns (work, skipped file names)."""
+    work, skipped = [], []
+    for device in devices:
+        known = set(table[device.device_id].sources) if device.device_id in table else set()
+        fresh = [f for f in device.files if _file_name(f) not in known]
+        skipped += [_file_name(f) for f in device.files if _file_name(f) in known]
+        if fresh:
+            work.append(DeviceSource(device.device_id, device.kind, fresh))
+    return work, skipped
+
+
+def append_detailed(
+    store: StoreLike,
+    source: StoreLike,
+    *,
+    on_bad_rows: str = "error",
+    workers: int | None = None,
+    progress: bool = True,
+    storage_options: dict[str, Any] | None = None,
+    source_storage_options: dict[str, Any] | None = None,
+) -> AppendResult:
+    """:func:`append`, returning what was done as well as the store."""
+    from birdzarr._progress import progress_bar
+    from birdzarr._store import open_store
+    from birdzarr.convert import ON_BAD_ROWS, _counted, _read_ahead
+
+    if on_bad_rows not in ON_BAD_ROWS:
+        raise ValueError(f"on_bad_rows must be one of {ON_BAD_ROWS}, got {on_bad_rows!r}")
+    src = resolve(source, source_storage_options)
+    dst = resolve(store, storage_options)
+    open_store(dst)  # a clear error (not a store, unfinished, newer format) before taking the lock
+    kind, devices = discover(src)
+    started = time.perf_counter()
+    config = {"threading.max_workers": workers} if workers else {}
+    with zarr.config.set(config), AppendWriter(dst, lock_command=f"birdzarr append {src.display}") as writer:
+        if kind != writer.meta.get("source_kind"):
+            raise AppendError(
+                f"{dst.display} was converted from {writer.meta.get('source_kind')} input and "
+                f"{src.display} holds {kind} files; append sources of the same kind, or convert "
+                "everything again into a new store."
+            )
+        curation = store_curation(writer.meta)
+        work, skipped = plan_append(devices, writer.devices)
+        extended = [d.device_id for d in work if d.device_id in writer.devices]
+        added = [d.device_id for d in work if d.device_id not in writer.devices]
+        with progress_bar(progress and bool(work), desc=f"append {kind}", unit=" windows") as bar:
+            for device in work:
+                blocks = _counted(_read_ahead(device, curation, on_bad_rows), bar)
+                writer.write_device(device.device_id, blocks, [_file_name(f) for f in device.files])
+        if work:
+            seconds = round(time.perf_counter() - started, 3)
+            writer.commit({"source": src.display, "seconds": seconds, "skipped_files": len(skipped)})
+        windows_added = writer.n_windows - writer.previous_windows
+        cleaned = writer.cleaned
+    return AppendResult(open_store(dst), windows_added, added, extended, skipped, cleaned)
+
+
+def append(store: StoreLike, source: StoreLike, **options: Any) -> Store:
+    """Add the windows of ``source`` (new devices, or new CSV parts of existing ones) to ``store``.
+
+    Same curation (the store's recorded parameters) and validation as :func:`birdzarr.convert`.
+    Files already in the store are skipped, so re-running an interrupted append completes it.
+    Options: ``on_bad_rows``, ``workers``, ``progress``, ``storage_options``,
+    ``source_storage_options``. Returns the store, opened read-only, at its new commit.
+    """
+    return append_detailed(store, source, **options).store

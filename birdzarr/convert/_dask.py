@@ -1,0 +1,359 @@
+"""Conversion on a Dask cluster: workers read and curate the input and write whole chunks.
+
+``convert(..., client=distributed.Client(...))`` and ``birdzarr convert SRC DEST --dask-scheduler
+tcp://host:8786`` use this module. The store is byte-identical to a local conversion (every chunk
+file; the device table too): the layout is the same (devices in id order, windows in source
+order, ``chunk_windows`` per chunk) and chunks are encoded by the same code.
+
+The plan, in three steps:
+
+1. **Count** (on the workers, one task per device): windows per device. Parquet files read with
+   ``on_bad_rows="error"`` are counted from their footers (any bad row fails the conversion
+   later anyway); otherwise the device is read and curated once just to count it.
+2. **Allocate** (here): every device gets its global window range; the arrays are resized to the
+   final length once. Chunk ``c`` is *owned* by the device holding window ``c x chunk_windows``;
+   each device that owns chunks becomes one task that writes exactly its chunks (its own
+   windows from its first owned chunk on, then the first windows of the devices that follow, up
+   to the next owned chunk boundary). No two tasks write the same chunk: writes are chunk-aligned
+   and conflict-free, straight to a local path or a bucket (each chunk is one object PUT).
+3. **Write** (on the workers): each task streams its devices through the reader, writes slabs of
+   whole chunks with :class:`~birdzarr.convert._chunkwrite.ChunkSink` (the local writer's fast
+   path; zarr-python otherwise), and summarises every device it reads to the end (row count,
+   checksum, labels, times, the reader's report) for the device table. Devices no task read to
+   the end (empty ones) are summarised by small extra tasks.
+
+Only then does the driver commit (root attributes last), so a failure anywhere leaves an
+uncommitted store that the next conversion replaces. The driver holds the store's lock.
+
+Costs: step 1 reads CSV input (and Parquet with ``on_bad_rows="skip"``) twice overall; each
+writing task also reads the head of the next device (at most ``chunk_windows`` windows). The
+largest device bounds the time of one task: on a large cluster, split such devices (a device is
+one task today).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from birdzarr._errors import BadInputError
+from birdzarr._format import (
+    DEVICE,
+    GIMU,
+    LABEL,
+    N_CHANNELS,
+    TIMESTAMP,
+    TIMESTAMP_UNKNOWN,
+    WINDOW_LENGTH,
+    Curation,
+    DeviceEntry,
+    DeviceRange,
+    DeviceReport,
+)
+from birdzarr._progress import progress_bar
+from birdzarr._storage import Location, resolve
+from birdzarr.convert._blocks import WindowBlock
+from birdzarr.convert._sources import DeviceSource
+from birdzarr.convert._writer import StoreWriter, checksum_hasher
+
+SLAB_CHUNKS = 8  # chunks written at a time by a task (bounds a worker's memory)
+
+
+# -- on the workers ------------------------------------------------------------------------------
+def count_device(device: DeviceSource, curation: Curation, on_bad_rows: str) -> int:
+    """Windows the device will produce (step 1)."""
+    if device.kind == "parquet" and on_bad_rows == "error":
+        try:
+            import pyarrow.parquet as pq
+
+            total = 0
+            for file in device.files:
+                with file.fs.open(file.path, "rb") as handle:
+                    total += pq.ParquetFile(handle).metadata.num_rows
+            return total
+        except Exception:  # noqa: BLE001 - unreadable: the reader below raises the proper error
+            pass
+    return sum(len(block) for block in device.blocks(curation=curation, on_bad_rows=on_bad_rows))
+
+
+@dataclass
+class _Summary:
+    """What StoreWriter.write_device records about one device, computed on a worker."""
+
+    entry: DeviceEntry
+    report: DeviceReport = field(default_factory=DeviceReport)
+
+
+class _Summarizer:
+    """Mirrors StoreWriter.write_device (checksum, label counts, time range, report)."""
+
+    def __init__(self, device: DeviceSource, start: int) -> None:
+        self.entry = DeviceEntry(device_id=device.device_id, sources=_source_names(device))
+        self.report = DeviceReport()
+        self.start = start
+        self.hasher = checksum_hasher()
+        self.times: list[np.ndarray] = []
+
+    def add(self, block: WindowBlock) -> None:
+        self.report.merge(block.report)
+        if not len(block):
+            return
+        self.hasher.update(np.ascontiguousarray(block.windows, dtype="<f4").data.cast("B"))
+        labels, counts = np.unique(block.labels, return_counts=True)
+        for label, count in zip(labels.tolist(), counts.tolist(), strict=True):
+            self.entry.label_counts[label] = self.entry.label_counts.get(label, 0) + count
+        known = block.timestamps[block.timestamps != TIMESTAMP_UNKNOWN]
+        if len(known):
+            self.times.append(np.array([known.min(), known.max()]))
+        self.entry.n_windows += len(block)
+
+    def finish(self) -> _Summary:
+        if self.entry.n_windows:
+            self.entry.ranges.append(
+                DeviceRange(self.start, self.start + self.entry.n_windows, self.hasher.hexdigest())
+            )
+        if self.times:
+            stacked = np.concatenate(self.times)
+            self.entry.first_time, self.entry.last_time = int(stacked.min()), int(stacked.max())
+        return _Summary(self.entry, self.report)
+
+
+def summarize_device(device: DeviceSource, start: int, curation: Curation, on_bad_rows: str) -> _Summary:
+    """Read a device to the end only to summarise it (devices no write task finished)."""
+    summary = _Summarizer(device, start)
+    for block in device.blocks(curation=curation, on_bad_rows=on_bad_rows):
+        summary.add(block)
+    return summary.finish()
+
+
+@dataclass(frozen=True)
+class Span:
+    """One write task: global windows ``[start, stop)`` (``start`` on a chunk boundary)."""
+
+    start: int
+    stop: int
+    devices: list[tuple[DeviceSource, int, int]]  # (device, its global start, its window count)
+
+
+def _span_blocks(span: Span, curation: Curation, on_bad_rows: str,
+                 summaries: dict[int, _Summary]) -> Iterator[tuple[int, WindowBlock]]:
+    """(device id, block) for the span's windows, in order; summarises devices read to the end."""
+    from birdzarr.convert import _read_ahead
+
+    for device, first, count in span.devices:
+        lo, hi = max(span.start, first) - first, min(span.stop, first + count) - first
+        to_end = first + count <= span.stop  # this task reads the device to its end: summarise it
+        summary = _Summarizer(device, first) if to_end else None
+        position = 0
+        for block in _read_ahead(device, curation, on_bad_rows):
+            if summary is not None:
+                summary.add(block)
+            n = len(block)
+            a, b = max(lo, position), min(hi, position + n)
+            if a < b:
+                yield device.device_id, _slice(block, a - position, b - position)
+            position += n
+            if summary is None and position >= hi:
+                break  # the rest belongs to the next task
+        if summary is not None:
+            if position != count:
+                raise BadInputError(
+                    f"device {device.device_id}: produced {position} windows, counted {count} before; "
+                    "did the input change during the conversion?"
+                )
+            summaries[device.device_id] = summary.finish()
+        elif position < hi:
+            raise BadInputError(
+                f"device {device.device_id}: produced {position} windows, expected at least {hi}; "
+                "did the input change during the conversion?"
+            )
+
+
+def _slice(block: WindowBlock, a: int, b: int) -> WindowBlock:
+    devices = None if block.devices is None else block.devices[a:b]
+    return WindowBlock(block.windows[a:b], block.timestamps[a:b], block.labels[a:b], block.report, devices)
+
+
+def write_span(span: Span, dest_url: str, dest_options: dict[str, Any], curation: Curation,
+               on_bad_rows: str, chunk_windows: int, encode_threads: int) -> dict[int, _Summary]:
+    """Write every chunk of a span (step 3); returns the summaries of the devices it finished."""
+    import zarr
+
+    from birdzarr._storage import zarr_store
+    from birdzarr.convert._chunkwrite import ChunkSink
+
+    location = resolve(dest_url, dest_options)
+    store = zarr_store(location, read_only=False)
+    arrays = {
+        name: zarr.open_array(store, path=name, mode="r+", zarr_format=3).with_config(
+            {"write_empty_chunks": True}
+        )
+        for name in (GIMU, DEVICE, TIMESTAMP, LABEL)
+    }
+    sink = ChunkSink(location, arrays, workers=encode_threads)
+    summaries: dict[int, _Summary] = {}
+    slab = SLAB_CHUNKS * chunk_windows
+    parts: list[tuple[int, WindowBlock]] = []
+    buffered, position = 0, span.start
+
+    def flush(n: int) -> None:
+        nonlocal parts, buffered, position
+        take: dict[str, list[np.ndarray]] = {GIMU: [], DEVICE: [], TIMESTAMP: [], LABEL: []}
+        need, rest = n, []
+        for device_id, block in parts:
+            k = min(need, len(block))
+            if k:
+                take[GIMU].append(block.windows[:k])
+                take[DEVICE].append(block.device_column(device_id)[:k])
+                take[TIMESTAMP].append(block.timestamps[:k])
+                take[LABEL].append(block.labels[:k])
+                need -= k
+            if k < len(block):
+                rest.append((device_id, _slice(block, k, len(block))))
+        data = {name: np.concatenate(chunks) for name, chunks in take.items()}
+        data[GIMU] = data[GIMU].reshape(-1, WINDOW_LENGTH, N_CHANNELS)
+        stop = position + n
+        if sink.can_write(position):
+            sink.write(position, stop, data)
+        else:  # an encoder the fast path lacks: zarr-python writes the same bytes
+            for name, array in arrays.items():
+                array[position:stop] = data[name]
+        parts, buffered, position = rest, buffered - n, stop
+
+    for device_id, block in _span_blocks(span, curation, on_bad_rows, summaries):
+        parts.append((device_id, block))
+        buffered += len(block)
+        while buffered >= slab:
+            flush(slab)
+    if buffered:
+        flush(buffered)
+    if position != span.stop:
+        raise BadInputError(f"windows {span.start}-{span.stop}: wrote up to {position}; input changed?")
+    return summaries
+
+
+# -- on the driver -------------------------------------------------------------------------------
+def plan_spans(
+    devices: list[DeviceSource], counts: list[int], chunk_windows: int
+) -> tuple[list[int], list[Span]]:
+    """Global start of each device and the write tasks (one per device that owns a chunk)."""
+    starts = [0, *np.cumsum(counts, dtype=np.int64).tolist()]
+    total = starts[-1]
+    spans = []
+    for i in range(len(devices)):
+        first, end = starts[i], starts[i + 1]
+        c0, c1 = -(-first // chunk_windows), -(-end // chunk_windows)  # owned chunks: [c0, c1)
+        if c0 >= c1:
+            continue
+        lo, hi = c0 * chunk_windows, min(c1 * chunk_windows, total)
+        members = []
+        for j in range(i, len(devices)):
+            if starts[j] >= hi:
+                break
+            if counts[j] > 0:
+                members.append((devices[j], starts[j], int(counts[j])))
+        spans.append(Span(lo, hi, members))
+    return starts[:-1], spans
+
+
+def convert_on_cluster(
+    client: Any,
+    src: Location,
+    dst: Location,
+    devices: list[DeviceSource],
+    *,
+    kind: str,
+    curation: Curation,
+    on_bad_rows: str,
+    codec: str,
+    chunk_windows: int,
+    overwrite: bool,
+    static: dict[str, Any],
+    workers: int | None,
+    progress: bool,
+) -> None:
+    """Convert ``devices`` into ``dst`` using the cluster behind ``client``; commits at the end."""
+    try:
+        from distributed import as_completed, wait
+    except ImportError as exc:  # pragma: no cover - a Client exists, so distributed does too
+        raise ImportError("Dask conversion needs `pip install 'birdzarr[dask]'`") from exc
+
+    ids = [d.device_id for d in devices]
+    if len(set(ids)) != len(ids):
+        raise BadInputError(f"{src.display}: a device appears in more than one input.")
+    started = time.perf_counter()
+    with StoreWriter(dst, codec=codec, chunk_windows=chunk_windows, overwrite=overwrite,
+                     static_attrs=static, workers=workers) as writer, progress_bar(
+        progress, desc=f"convert {kind} on dask", unit=" windows"
+    ) as bar:
+        counts = client.gather(client.map(count_device, devices, curation=curation,
+                                          on_bad_rows=on_bad_rows, pure=False))
+        starts, spans = plan_spans(devices, counts, chunk_windows)
+        total = int(sum(counts))
+        bar.reset(total=total)
+        writer.gimu.resize((total, WINDOW_LENGTH, N_CHANNELS))
+        for array in writer.per_window.values():
+            array.resize((total,))
+        futures = client.map(
+            write_span, spans, dest_url=dst.url, dest_options=dst.storage_options, curation=curation,
+            on_bad_rows=on_bad_rows, chunk_windows=chunk_windows, encode_threads=workers or 1, pure=False,
+        )
+        sizes = {f.key: s.stop - s.start for f, s in zip(futures, spans, strict=True)}
+        summaries: dict[int, _Summary] = {}
+        try:
+            for future in as_completed(futures):
+                summaries.update(future.result())
+                bar.update(sizes[future.key])
+        except BaseException:
+            # Let running tasks finish before the writer removes what was written, so none
+            # writes a chunk after the clean-up; then report the first error.
+            wait(futures)
+            raise
+        missing = [i for i, d in enumerate(devices) if d.device_id not in summaries]
+        if missing:
+            extra = client.gather(client.map(
+                summarize_device, [devices[i] for i in missing], [starts[i] for i in missing],
+                curation=curation, on_bad_rows=on_bad_rows, pure=False,
+            ))
+            summaries.update({devices[i].device_id: s for i, s in zip(missing, extra, strict=True)})
+        for device, count in zip(devices, counts, strict=True):
+            summary = summaries[device.device_id]
+            if summary.entry.n_windows != count:
+                raise BadInputError(f"device {device.device_id}: {summary.entry.n_windows} windows, "
+                                    f"counted {count}; did the input change during the conversion?")
+            writer.devices[device.device_id] = summary.entry
+            writer.reports[device.device_id] = summary.report
+        writer.n_windows = total
+        writer.commit({
+            "source": src.display, "seconds": round(time.perf_counter() - started, 3),
+            "dask": {"scheduler": _scheduler_address(client), "tasks": len(spans),
+                     "workers": len(client.scheduler_info()["workers"])},
+        })
+
+
+def _scheduler_address(client: Any) -> str:
+    try:
+        return str(client.scheduler.address)
+    except AttributeError:  # pragma: no cover
+        return "unknown"
+
+
+def _source_names(device: DeviceSource) -> list[str]:
+    return [f.display.rsplit("/", 1)[-1] for f in device.files]
+
+
+def connect(address: str) -> Any:
+    """A ``distributed.Client`` for ``--dask-scheduler``; a clear error without the extra."""
+    try:
+        from distributed import Client
+    except ImportError:
+        from birdzarr._errors import MissingDependencyError
+
+        raise MissingDependencyError(
+            "--dask-scheduler needs Dask's distributed scheduler: pip install 'birdzarr[dask]'"
+        ) from None
+    return Client(address)

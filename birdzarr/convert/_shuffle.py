@@ -1,0 +1,166 @@
+"""Global seeded pre-shuffle at conversion, with memory bounded by one bucket (an external shuffle).
+
+Pass 1 reads every device as usual and sends each window to one of K bucket files, the bucket
+drawn uniformly by a generator seeded with ``seed``. Pass 2 loads one bucket at a time, permutes
+it with a generator seeded with ``(seed, bucket)`` and appends it to the store. A uniform bucket
+per window followed by a uniform permutation inside each bucket is a uniform permutation of all
+windows, and the same input and seed give the same store.
+
+Where the bytes go: the bucket files live in a fresh ``birdzarr-shuffle-*`` directory under
+``tmp_dir`` (default: the system temporary directory, ``$TMPDIR``), hold every window once,
+compressed with blosc lz4 (about a third of the float32 size on calibrated data), and are
+removed when the conversion ends, whether it succeeds or fails.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import struct
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, BinaryIO
+
+import numpy as np
+from numcodecs import Blosc
+
+from birdzarr._format import (
+    N_CHANNELS,
+    TIMESTAMP_UNKNOWN,
+    WINDOW_LENGTH,
+    DeviceEntry,
+    DeviceReport,
+)
+from birdzarr.convert._blocks import WindowBlock
+from birdzarr.convert._writer import StoreWriter, checksum_hasher
+
+BUCKET_WINDOWS = 262_144  # target windows per bucket: ~84 MB of float32 in memory in pass 2
+MAX_BUCKETS = 512  # open files in pass 1
+RECORD = np.dtype([
+    ("window", "<f4", (WINDOW_LENGTH, N_CHANNELS)), ("device", "<i4"), ("label", "<i4"), ("timestamp", "<i8"),
+])
+_FRAME = struct.Struct("<Q")
+_SPILL_CODEC = Blosc(cname="lz4", clevel=5, shuffle=Blosc.BITSHUFFLE)
+
+
+def bucket_count(estimated_windows: int) -> int:
+    """Buckets for an input of about this many windows (an over-estimate only costs files)."""
+    return max(1, min(MAX_BUCKETS, math.ceil(estimated_windows / BUCKET_WINDOWS)))
+
+
+class _Buckets:
+    """K append-only spill files of compressed window records."""
+
+    def __init__(self, directory: str, count: int) -> None:
+        self.paths = [os.path.join(directory, f"bucket-{i:04d}.bin") for i in range(count)]
+        self.files: list[BinaryIO] = [open(p, "wb") for p in self.paths]  # noqa: SIM115 (closed in close())
+        self.bytes_written = 0
+
+    def add(self, bucket: int, records: np.ndarray) -> None:
+        frame = _SPILL_CODEC.encode(records.view(np.uint8))
+        self.files[bucket].write(_FRAME.pack(len(frame)) + frame)
+        self.bytes_written += _FRAME.size + len(frame)
+
+    def close(self) -> None:
+        for handle in self.files:
+            handle.close()
+
+    def load(self, bucket: int) -> np.ndarray:
+        parts = []
+        with open(self.paths[bucket], "rb") as handle:
+            while header := handle.read(_FRAME.size):
+                (size,) = _FRAME.unpack(header)
+                parts.append(np.frombuffer(_SPILL_CODEC.decode(handle.read(size)), dtype=RECORD))
+        os.remove(self.paths[bucket])  # free the disk as pass 2 goes
+        return np.concatenate(parts) if parts else np.empty(0, dtype=RECORD)
+
+
+def _records(device_id: int, block: WindowBlock) -> np.ndarray:
+    records = np.empty(len(block), dtype=RECORD)
+    records["window"] = block.windows
+    records["device"] = device_id
+    records["label"] = block.labels
+    records["timestamp"] = block.timestamps
+    return records
+
+
+def _account(entry: DeviceEntry, block: WindowBlock) -> None:
+    labels, counts = np.unique(block.labels, return_counts=True)
+    for label, count in zip(labels.tolist(), counts.tolist(), strict=True):
+        entry.label_counts[label] = entry.label_counts.get(label, 0) + count
+    known = block.timestamps[block.timestamps != TIMESTAMP_UNKNOWN]
+    if len(known):
+        low, high = int(known.min()), int(known.max())
+        entry.first_time = low if entry.first_time == TIMESTAMP_UNKNOWN else min(entry.first_time, low)
+        entry.last_time = high if entry.last_time == TIMESTAMP_UNKNOWN else max(entry.last_time, high)
+    entry.n_windows += len(block)
+
+
+def write_shuffled(
+    writer: StoreWriter,
+    devices: Iterable[tuple[int, list[str], Iterator[WindowBlock]]],
+    *,
+    seed: int,
+    buckets: int,
+    tmp_dir: str | None = None,
+    on_pass: Callable[[str], Any] | None = None,
+) -> dict[str, Any]:
+    """Write every device's windows to ``writer`` in one seeded global random order.
+
+    Fills ``writer.devices`` (no ranges; ``scattered_checksum`` set) and ``writer.reports``;
+    returns facts for the conversion report (buckets, spill bytes).
+    """
+    directory = tempfile.mkdtemp(prefix="birdzarr-shuffle-", dir=tmp_dir)
+    try:
+        spill = _Buckets(directory, buckets)
+        draw = np.random.default_rng(seed)
+        for device_id, sources, blocks in devices:
+            entry = DeviceEntry(device_id=device_id, sources=sources)
+            report = DeviceReport()
+            for block in blocks:
+                report.merge(block.report)
+                if not len(block):
+                    continue
+                _account(entry, block)
+                target = draw.integers(0, buckets, size=len(block))
+                order = np.argsort(target, kind="stable")
+                records = _records(device_id, block)[order]
+                bounds = np.searchsorted(target[order], np.arange(buckets + 1))
+                for bucket in np.flatnonzero(np.diff(bounds)).tolist():
+                    spill.add(bucket, records[bounds[bucket] : bounds[bucket + 1]])
+            writer.devices[device_id] = entry
+            writer.reports[device_id] = report
+        spill.close()
+        spill_bytes = spill.bytes_written
+        if on_pass is not None:
+            on_pass("write")
+        hashers = {device_id: checksum_hasher() for device_id in writer.devices}
+        for bucket in range(buckets):
+            records = spill.load(bucket)
+            records = records[np.random.default_rng([seed, bucket]).permutation(len(records))]
+            _hash_in_order(hashers, records)
+            columns = {name: np.ascontiguousarray(records[name]) for name in RECORD.names}
+            block = WindowBlock(
+                columns["window"], columns["timestamp"], columns["label"], DeviceReport(), columns["device"]
+            )
+            if len(block):
+                writer._add(-1, block)  # the block carries its own device ids
+            del records, block
+        for device_id, entry in writer.devices.items():
+            entry.scattered_checksum = hashers[device_id].hexdigest()
+        return {"buckets": buckets, "spill_bytes": spill_bytes, "spill_dir": directory}
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _hash_in_order(hashers: dict[int, Any], records: np.ndarray) -> None:
+    """Feed each device's windows of this (already permuted) bucket in ascending store order."""
+    by_device = np.argsort(records["device"], kind="stable")
+    ids = records["device"][by_device]
+    if not len(ids):
+        return
+    starts = np.flatnonzero(np.concatenate(([True], ids[1:] != ids[:-1])))
+    for start, stop in zip(starts.tolist(), [*starts[1:].tolist(), len(ids)], strict=True):
+        windows = np.ascontiguousarray(records["window"][by_device[start:stop]], dtype="<f4")
+        hashers[int(ids[start])].update(windows.tobytes())

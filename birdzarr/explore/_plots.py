@@ -1,0 +1,165 @@
+"""matplotlib figures of one window and of one device's windows over time.
+
+Figures are made with ``matplotlib.figure.Figure``, not pyplot: nothing is registered globally,
+so loops and servers do not leak figures, and Jupyter shows a returned figure exactly once.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from birdzarr._format import CHANNELS, LABEL_UNLABELLED, TIMESTAMP_UNKNOWN, WINDOW_LENGTH
+from birdzarr.explore._deps import require
+from birdzarr.explore._html import format_time
+from birdzarr.explore._units import CHANNEL_UNITS, gps_scale
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from birdzarr._store import Store
+
+IMU_COLOURS = ("tab:red", "tab:green", "tab:blue")
+GPS_COLOUR = "tab:purple"
+UNLABELLED_COLOUR = "0.6"
+RANGE_COLOUR = "0.82"
+
+
+def _figure(**kwargs: Any) -> Figure:
+    require("matplotlib", "Plotting")
+    from matplotlib.figure import Figure
+
+    _show_figures_in_ipython(Figure)
+    return Figure(layout="constrained", **kwargs)
+
+
+def _show_figures_in_ipython(figure_class: type) -> None:
+    """Let Jupyter render a returned Figure as an image even if pyplot was never imported.
+
+    IPython learns to draw figures only when pyplot activates the inline backend; without this a
+    notebook that just calls ``store.plot_window(i)`` would print ``<Figure size ...>``. A format
+    the user already chose (``%config InlineBackend.figure_formats``) is left alone.
+    """
+    ipython_module = sys.modules.get("IPython")
+    shell = ipython_module.get_ipython() if ipython_module is not None else None
+    if shell is None:
+        return
+    formatters = shell.display_formatter.formatters
+    for mime in ("image/png", "image/svg+xml", "image/jpeg", "application/pdf"):
+        try:
+            formatters[mime].lookup_by_type(figure_class)
+            return
+        except KeyError:
+            continue
+    from IPython.core.pylabtools import select_figure_formats
+
+    select_figure_formats(shell, {"png"})
+
+
+def _label_text(label: int) -> str:
+    return "unlabelled" if label == LABEL_UNLABELLED else f"label {label}"
+
+
+def plot_window(store: Store, index: int) -> Figure:
+    """The 20 samples of window ``index``: imu x/y/z in g above, GPS speed in m/s below."""
+    index = int(index) + len(store) if index < 0 else int(index)
+    window = store.windows[index]
+    device = int(store.window_devices[index])
+    timestamp = int(store.timestamps[index])
+    label = int(store.labels[index])
+    samples = np.arange(WINDOW_LENGTH)
+
+    fig = _figure(figsize=(8, 5.5))
+    imu_ax, gps_ax = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1.4])
+    for channel, colour in enumerate(IMU_COLOURS):
+        imu_ax.plot(samples, window[:, channel], marker=".", color=colour, label=CHANNELS[channel])
+    imu_ax.set_ylabel("acceleration (g)")
+    imu_ax.set_title("IMU")
+    imu_ax.legend(loc="upper right", ncols=3, fontsize="small")
+    imu_ax.grid(alpha=0.3)
+
+    gps_ax.plot(samples, window[:, 3] * gps_scale(store), marker=".", color=GPS_COLOUR, label="gps_speed")
+    gps_ax.set_ylabel("speed (m/s)")
+    gps_ax.set_xlabel("sample within the window")
+    gps_ax.set_title("GPS speed")
+    gps_ax.legend(loc="upper right", fontsize="small")
+    gps_ax.grid(alpha=0.3)
+    gps_ax.set_xticks(samples[::2])
+    gps_ax.set_xlim(-0.5, WINDOW_LENGTH - 0.5)
+    # A speed that is constant over the burst would get a meaningless 1e-7 axis offset.
+    gps_ax.ticklabel_format(axis="y", useOffset=False)
+
+    when = "time unknown" if timestamp == TIMESTAMP_UNKNOWN else f"{format_time(timestamp)} UTC"
+    fig.suptitle(f"window {index:,}: device {device}, {when}, {_label_text(label)}")
+    return fig
+
+
+def _spread(n: int, k: int) -> np.ndarray:
+    """``k`` positions spread evenly over ``range(n)``, first and last included."""
+    if not n:
+        return np.empty(0, np.int64)
+    return np.unique(np.linspace(0, n - 1, num=min(n, k)).round().astype(np.int64))
+
+
+def label_colours(labels: np.ndarray) -> dict[int, Any]:
+    """A colour per label, stable for a given set of labels; grey for unlabelled."""
+    import matplotlib
+
+    known = sorted(int(v) for v in np.unique(labels) if v != LABEL_UNLABELLED)
+    # Grey means unlabelled, so the palettes' own greys are replaced (tab10) or left out (tab20).
+    if len(known) <= 10:
+        tab10 = matplotlib.colormaps["tab10"]
+        palette = [tab10(i) if i != 7 else (0.0, 0.0, 0.0, 1.0) for i in range(10)]
+    else:
+        tab20 = matplotlib.colormaps["tab20"]
+        palette = [tab20(i) for i in range(20) if i not in (14, 15)]
+    colours: dict[int, Any] = {label: palette[i % len(palette)] for i, label in enumerate(known)}
+    colours[LABEL_UNLABELLED] = UNLABELLED_COLOUR
+    return colours
+
+
+def plot_device(store: Store, device_id: int, max_windows: int = 500) -> Figure:
+    """One bird over time: per-window mean of each channel coloured by label, min..max as a bar.
+
+    At most ``max_windows`` windows, spread evenly over the device, are read (by chunk, one read
+    per touched chunk); the x axis is the burst time, or the window's position within the
+    device when the source had no timestamps.
+    """
+    if max_windows < 1:
+        raise ValueError(f"max_windows must be at least 1, not {max_windows}")
+    require("matplotlib", "Plotting")
+    all_indices = store.device_indices(device_id)
+    positions = _spread(len(all_indices), max_windows)
+    indices = all_indices[positions]
+    windows = store.windows[indices]
+    times = store.timestamps[indices]
+    labels = store.labels[indices]
+
+    values = windows.astype(np.float64)
+    values[:, :, 3] *= gps_scale(store)
+    means, lows, highs = values.mean(axis=1), values.min(axis=1), values.max(axis=1)
+    timed = bool(len(times)) and bool(np.all(times != TIMESTAMP_UNKNOWN))
+    x: np.ndarray = times.astype("datetime64[s]") if timed else positions
+
+    colours = label_colours(labels)
+    fig = _figure(figsize=(10, 8))
+    axes = fig.subplots(len(CHANNELS), 1, sharex=True)
+    for channel, (ax, name) in enumerate(zip(axes, CHANNELS, strict=True)):
+        ax.vlines(x, lows[:, channel], highs[:, channel], color=RANGE_COLOUR, linewidth=1,
+                  label="min..max of the 20 samples")
+        for label, colour in colours.items():
+            mask = labels == label
+            if mask.any():
+                ax.scatter(x[mask], means[mask, channel], s=10, color=colour, zorder=3,
+                           label=_label_text(label))
+        ax.set_ylabel(f"{name} ({CHANNEL_UNITS[name]})")
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("burst time (UTC)" if timed else "window number within the device (no timestamps)")
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="outside right center", fontsize="small", title="window mean")
+
+    span = f", {format_time(int(times.min()))} .. {format_time(int(times.max()))} UTC" if timed else ""
+    fig.suptitle(f"device {device_id}: {len(indices):,} of {len(all_indices):,} windows{span}")
+    return fig

@@ -1,0 +1,199 @@
+"""Append: new devices and new CSV parts go to the end, committed windows never change, readers
+see one committed snapshot or the next, and re-running an append adds nothing twice."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import birdzarr
+from birdzarr import _synthetic
+from birdzarr._errors import AppendError, BirdzarrError, IncompleteStoreError
+from birdzarr._verify import verify
+from birdzarr.cli import main
+from birdzarr.convert import append
+from birdzarr.convert._append import append_detailed
+from birdzarr.convert._writer import StoreWriter, checksum_hasher
+
+CHUNK = 100  # small and not a divisor of the stores' sizes: appends start inside a chunk
+
+
+@pytest.fixture(scope="module")
+def csv_parts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
+    """Four devices in two parts; 'base' holds part 0 of three, 'more' the rest."""
+    root = tmp_path_factory.mktemp("append")
+    raws = _synthetic.make_csv_dir(root / "all", n_devices=4, bursts_per_device=25, parts=2, seed=11)
+    last = max(raws)
+    for name in ("base", "more"):
+        (root / name).mkdir()
+    for path in sorted((root / "all").iterdir()):
+        device, part = (int(x) for x in path.stem.split("_"))
+        shutil.copy(path, root / ("base" if part == 0 and device != last else "more") / path.name)
+    return {"all": root / "all", "base": root / "base", "more": root / "more", "root": root}
+
+
+def _windows_of(source: pathlib.Path, device: int) -> np.ndarray:
+    """The windows a conversion of ``source`` alone gives a device (the independent truth)."""
+    from birdzarr._format import Curation
+    from birdzarr._storage import resolve
+    from birdzarr.convert._sources import discover
+
+    _, devices = discover(resolve(source))
+    blocks = [b.windows for d in devices if d.device_id == device
+              for b in d.blocks(curation=Curation(), on_bad_rows="error")]
+    return np.concatenate(blocks) if blocks else np.empty((0, 20, 4), np.float32)
+
+
+def test_append_adds_devices_and_parts_at_the_end(
+    csv_parts: dict[str, pathlib.Path], tmp_path: pathlib.Path
+) -> None:
+    dest = tmp_path / "s.zarr"
+    base = birdzarr.convert(csv_parts["base"], dest, chunk_windows=CHUNK, progress=False)
+    n0 = len(base)
+    assert n0 % CHUNK  # the append starts inside the last chunk
+    committed_before = {p.name: (p / "0" / "0").read_bytes() for p in (dest / "gimu" / "c").iterdir()}
+    old = {e.device_id: base.device_windows(e.device_id) for e in base.device_table}
+
+    result = append_detailed(dest, csv_parts["more"], progress=False)
+    store = result.store
+    assert store.meta["committed"]["generation"] == 2
+    assert result.windows_added == len(store) - n0 > 0
+    assert len(result.devices_added) == 1 and len(result.devices_extended) == 3
+    # committed windows did not move; full chunks before the append are byte-identical
+    assert np.array_equal(store.windows[:n0], base.windows[:n0])
+    for index in range(n0 // CHUNK):
+        assert (dest / "gimu" / "c" / str(index) / "0" / "0").read_bytes() == committed_before[str(index)]
+    for entry in store.device_table:
+        new_part = _windows_of(csv_parts["more"], entry.device_id)
+        expected = np.concatenate([old.get(entry.device_id, np.empty((0, 20, 4), np.float32)), new_part])
+        assert np.array_equal(store.device_windows(entry.device_id), expected)
+        if entry.device_id in old:
+            assert len(entry.ranges) == 2 and entry.ranges[1].start >= n0
+            assert entry.sources[-1].endswith("_1.csv")
+        for r in entry.ranges:  # each range has its own checksum
+            hasher = checksum_hasher()
+            hasher.update(np.ascontiguousarray(store.windows[r.start:r.stop], dtype="<f4").tobytes())
+            assert hasher.hexdigest() == r.checksum
+        assert (store.window_devices[entry.ranges[-1].start:entry.ranges[-1].stop] == entry.device_id).all()
+    report = store.meta["report"]
+    assert report["appends"][0]["first_window"] == n0
+    assert sum(d["windows_written"] for d in report["devices"].values()) == len(store)
+    assert verify(dest).ok
+    assert verify(dest, source=csv_parts["all"]).ok
+
+
+def test_append_is_idempotent(csv_parts: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
+    dest = tmp_path / "s.zarr"
+    birdzarr.convert(csv_parts["base"], dest, chunk_windows=CHUNK, progress=False)
+    once = append(dest, csv_parts["more"], progress=False)
+    again = append_detailed(dest, csv_parts["more"], progress=False)
+    assert again.windows_added == 0 and len(again.skipped_files) == len(list(csv_parts["more"].iterdir()))
+    assert again.store.meta["committed"] == once.meta["committed"]
+    # the whole export directory: only what is missing is added (here: nothing)
+    assert append_detailed(dest, csv_parts["all"], progress=False).windows_added == 0
+
+
+def test_append_refuses_what_it_cannot_do_cleanly(
+    csv_parts: dict[str, pathlib.Path], tmp_path: pathlib.Path
+) -> None:
+    dest = tmp_path / "s.zarr"
+    birdzarr.convert(csv_parts["base"], dest, chunk_windows=CHUNK, progress=False)
+    before = (dest / "zarr.json").read_bytes()
+    parquet = tmp_path / "pq"
+    _synthetic.make_parquet_dir(parquet, n_devices=2, total_windows=300, seed=1)
+    with pytest.raises(AppendError, match="converted from csv input"):
+        append(dest, parquet, progress=False)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "9999_0.csv").write_text("9999,not a time,0,-1,0,0,0,0\n")
+    with pytest.raises(BirdzarrError, match="9999_0.csv, line 1"):
+        append(dest, bad, progress=False)
+    assert (dest / "zarr.json").read_bytes() == before  # nothing committed
+    assert not (dest / ".birdzarr.lock").exists()
+    assert verify(dest).ok and len(birdzarr.open_store(dest)) == len(birdzarr.open_store(dest))
+    # a shuffled store cannot take unshuffled windows at its end
+    meta = json.loads(before)
+    meta["attributes"]["birdzarr"]["layout"]["shuffled"] = True
+    shuffled = tmp_path / "shuffled.zarr"
+    shutil.copytree(dest, shuffled)
+    (shuffled / "zarr.json").write_text(json.dumps(meta))
+    with pytest.raises(AppendError, match="--shuffle"):
+        append(shuffled, csv_parts["more"], progress=False)
+    # an unfinished conversion has nothing to append to
+    meta["attributes"]["birdzarr"]["committed"] = None
+    (shuffled / "zarr.json").write_text(json.dumps(meta))
+    with pytest.raises(IncompleteStoreError):
+        append(shuffled, csv_parts["more"], progress=False)
+
+
+def test_readers_during_an_append_see_one_committed_snapshot(
+    csv_parts: dict[str, pathlib.Path], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    final = tmp_path / "final.zarr"
+    birdzarr.convert(csv_parts["base"], final, chunk_windows=CHUNK, progress=False)
+    dest = tmp_path / "live.zarr"
+    shutil.copytree(final, dest)
+    truth = append(final, csv_parts["more"], progress=False).windows[:]
+    n0 = len(birdzarr.open_store(dest))
+
+    original = StoreWriter._write_slab
+
+    def slow(self: StoreWriter, start: int, stop: int, data: dict[str, np.ndarray]) -> None:
+        time.sleep(0.05)  # widen the window in which readers overlap the writer
+        original(self, start, stop, data)
+
+    monkeypatch.setattr(StoreWriter, "_write_slab", slow)
+    done = threading.Event()
+    seen: list[int] = []
+    errors: list[BaseException] = []
+
+    def reader() -> None:
+        try:
+            while not done.is_set():
+                store = birdzarr.open_store(dest)
+                n = len(store)
+                assert n in (n0, len(truth)), n
+                assert sum(e.n_windows for e in store.device_table) == n
+                assert np.array_equal(store.windows[:], truth[:n])
+                seen.append(n)
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        append(dest, csv_parts["more"], progress=False, workers=1)
+        time.sleep(0.2)  # readers also open the new commit
+    finally:
+        done.set()
+        for t in threads:
+            t.join()
+    assert not errors, errors[0]
+    assert n0 in seen and len(truth) in seen, sorted(set(seen))
+    assert len(seen) >= 4
+
+
+def test_cli_append_verify_repair(csv_parts: dict[str, pathlib.Path], tmp_path: pathlib.Path,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    dest = tmp_path / "s.zarr"
+    birdzarr.convert(csv_parts["base"], dest, chunk_windows=CHUNK, progress=False)
+    assert main(["append", str(dest), str(csv_parts["more"]), "--quiet"]) == 0
+    assert "appended" in capsys.readouterr().out
+    assert main(["append", str(dest), str(csv_parts["more"]), "--quiet"]) == 0
+    assert "already in the store" in capsys.readouterr().out
+    assert main(["verify", str(dest), "--source", str(csv_parts["all"]), "--quiet"]) == 0
+    assert "OK" in capsys.readouterr().out
+    assert main(["verify", str(dest), "--source", str(csv_parts["base"]), "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert not out["ok"] and any("not in" in p or "does not hold" in p for p in out["problems"])
+    assert main(["repair", str(dest)]) == 0
+    assert "nothing to repair" in capsys.readouterr().out
+    assert main(["append", str(tmp_path / "nowhere.zarr"), str(csv_parts["more"])]) == 2
+    assert "no store at" in capsys.readouterr().err

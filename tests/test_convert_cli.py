@@ -1,0 +1,68 @@
+"""The convert, info and demo commands through ``birdzarr.cli.main``."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+import birdzarr
+from birdzarr.cli import main
+
+
+def test_convert_then_info(
+    parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]],
+    tmp_path: pathlib.Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    directory, truth = parquet_source
+    dest = tmp_path / "s.zarr"
+    assert main(["convert", str(directory), str(dest), "--quiet", "--chunk-windows", "2048"]) == 0
+    out = capsys.readouterr().out
+    assert "30,000 from 12 devices" in out and "ratio" in out
+    assert len(birdzarr.open_store(dest)) == 30_000
+
+    assert main(["info", str(dest)]) == 0
+    assert "birdzarr v1" in capsys.readouterr().out
+    assert main(["info", str(dest), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["windows"] == 30_000 and info["devices"] == 12
+    assert info["format_version"] == 1
+    assert info["layout"]["chunk_windows"] == 2048 and info["layout"]["codec"] == "dict16"
+    assert info["bytes_raw"] == 30_000 * 320
+    assert 0 < info["bytes_stored"] < info["bytes_raw"] / 2  # calibrated data compresses > 2x
+
+    # a second convert to the same place is refused with the hint, exit code 2
+    assert main(["convert", str(directory), str(dest), "--quiet"]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert main(["convert", str(directory), str(dest), "--quiet", "--overwrite", "--codec", "standard"]) == 0
+    assert birdzarr.open_store(dest).meta["layout"]["codec"] == "standard"
+
+
+def test_convert_bad_rows_skip(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = tmp_path / "src"
+    source.mkdir()
+    lines = [f"3,2014-01-01 10:00:00,{i},-1,0.1,0.2,0.3,1.0\n" for i in range(40)]
+    lines[4] = "3,2014-01-01 10:00:00,4,-1,0.1,oops,0.3,1.0\n"
+    (source / "3_0.csv").write_text("".join(lines))
+    assert main(["convert", str(source), str(tmp_path / "a.zarr"), "--quiet"]) == 2
+    assert "line 5" in capsys.readouterr().err
+    assert main(["convert", str(source), str(tmp_path / "a.zarr"), "--quiet", "--on-bad-rows", "skip"]) == 0
+    assert "bad lines 1" in capsys.readouterr().out
+
+
+def test_info_errors(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["info", str(tmp_path / "nothing")]) == 2
+    assert "no store at" in capsys.readouterr().err
+
+
+def test_demo(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", str(tmp_path / "demo"), "--windows", "3000"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("store        ") == 2  # the Parquet and the CSV store summaries
+    assert "3,000 from 24 devices" in out
+    assert (
+        birdzarr.open_store(tmp_path / "demo" / "from_csv.zarr").meta["curation"]["applied_by"] == "birdzarr"
+    )

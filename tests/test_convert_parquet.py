@@ -1,0 +1,142 @@
+"""Parquet input: an exact copy, streamed; identical stores whatever the worker count."""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import birdzarr
+from birdzarr import TIMESTAMP_UNKNOWN, _synthetic
+
+
+def _write(windows: np.ndarray, path: pathlib.Path, **options: object) -> None:
+    """Written here with pyarrow directly, not with birdzarr's helper."""
+    column = pa.array(
+        [row.tolist() for row in windows.reshape(len(windows), 80)], type=pa.list_(pa.float32())
+    )
+    pq.write_table(pa.table({"gimu": column}), path, **options)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def truth_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, dict[int, np.ndarray]]:
+    """Three devices; one spans several row groups and batches; special float values included."""
+    directory = tmp_path_factory.mktemp("pq")
+    rng = np.random.default_rng(11)
+    truth = {
+        4: rng.standard_normal((5000, 20, 4)).astype(np.float32),
+        12: _synthetic.curated_windows(37, seed=2),
+        300: rng.integers(-3, 3, (2500, 20, 4)).astype(np.float32),
+    }
+    truth[4][0, 0] = [-0.0, np.float32(1e-45), np.float32(3.4e38), np.float32(-3.4e38)]
+    for device, windows in truth.items():
+        _write(windows, directory / f"{device}.parquet", row_group_size=1700)
+    return directory, truth
+
+
+def test_parquet_round_trip_is_bit_exact(
+    truth_dir: tuple[pathlib.Path, dict[int, np.ndarray]], tmp_path: pathlib.Path
+) -> None:
+    directory, truth = truth_dir
+    store = birdzarr.convert(directory, tmp_path / "s.zarr", chunk_windows=1000, progress=False)
+    assert len(store) == sum(len(w) for w in truth.values())
+    assert store.devices["device_id"].tolist() == [4, 12, 300]
+    expected = np.concatenate([truth[d] for d in (4, 12, 300)])
+    assert np.array_equal(store.windows[:].view(np.uint32), expected.view(np.uint32))
+    for device, windows in truth.items():
+        got = store.device_windows(device)
+        assert np.array_equal(got.view(np.uint32), windows.view(np.uint32))
+        entry = store.device(device)
+        assert entry.n_windows == len(windows)
+        assert entry.first_time == TIMESTAMP_UNKNOWN
+        assert entry.sources == [f"{device}.parquet"]
+    assert (store.timestamps[:] == TIMESTAMP_UNKNOWN).all()
+    assert (store.labels[:] == -1).all()
+    assert store.gimu.shape == (len(store), 20, 4)
+    assert store.gimu.metadata.dimension_names == ("window", "time", "channel")
+    # plain zarr-python reads the same values through the registered dict16 codec
+    assert np.array_equal(store.gimu[:].view(np.uint32), expected.view(np.uint32))
+
+
+def test_standard_codec_is_readable_without_birdzarr_codecs(
+    truth_dir: tuple[pathlib.Path, dict[int, np.ndarray]], tmp_path: pathlib.Path
+) -> None:
+    directory, truth = truth_dir
+    store = birdzarr.convert(
+        directory, tmp_path / "s.zarr", codec="standard", chunk_windows=1000, progress=False
+    )
+    ts = pytest.importorskip("tensorstore")
+    array = ts.open(
+        {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path / "s.zarr" / "gimu")}}
+    ).result()
+    got = array[: len(store)].read().result()
+    expected = np.concatenate([truth[d] for d in (4, 12, 300)])
+    assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
+
+
+def _chunk_files(root: pathlib.Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != "zarr.json" and not p.name.startswith(".")
+    }
+
+
+@pytest.mark.parametrize("codec", ["dict16", "standard"])
+def test_worker_count_does_not_change_the_store(
+    parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]], tmp_path: pathlib.Path, codec: str
+) -> None:
+    directory, _ = parquet_source
+    one = birdzarr.convert(
+        directory, tmp_path / "one.zarr", workers=1, codec=codec, chunk_windows=2048, progress=False
+    )
+    two = birdzarr.convert(
+        directory, tmp_path / "two.zarr", workers=2, codec=codec, chunk_windows=2048, progress=False
+    )
+    files_one, files_two = _chunk_files(tmp_path / "one.zarr"), _chunk_files(tmp_path / "two.zarr")
+    assert len(files_one) > 4 * 10
+    assert files_one == files_two
+    assert one.meta["devices"] == two.meta["devices"]
+    for name in ("gimu", "device", "timestamp", "label"):
+        assert (tmp_path / "one.zarr" / name / "zarr.json").read_bytes() == (
+            tmp_path / "two.zarr" / name / "zarr.json"
+        ).read_bytes()
+
+
+def test_fast_write_path_matches_zarr(
+    parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]], tmp_path: pathlib.Path
+) -> None:
+    """Chunks the converter writes itself are byte-identical to zarr-python writing the same data."""
+    import zarr
+
+    directory, _ = parquet_source
+    store = birdzarr.convert(directory, tmp_path / "s.zarr", chunk_windows=4096, progress=False)
+    data = store.gimu[:]
+    copy = zarr.open_group(str(tmp_path / "s.zarr"), mode="r+", zarr_format=3)["gimu"]
+    copy[:] = data  # rewrite every chunk through zarr-python
+    for i in range(-(-len(store) // 4096)):
+        path = tmp_path / "s.zarr" / "gimu" / "c" / str(i) / "0" / "0"
+        assert path.exists()
+    rewritten = _chunk_files(tmp_path / "s.zarr" / "gimu")
+    again = birdzarr.convert(directory, tmp_path / "t.zarr", chunk_windows=4096, progress=False)
+    assert _chunk_files(tmp_path / "t.zarr" / "gimu") == rewritten
+    assert len(again) == len(store)
+
+
+def test_device_table_and_report(
+    small_store: birdzarr.Store, parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]]
+) -> None:
+    _, truth = parquet_source
+    start = 0
+    for device in sorted(truth):
+        entry = small_store.device(device)
+        assert [(r.start, r.stop) for r in entry.ranges] == [(start, start + len(truth[device]))]
+        start += len(truth[device])
+        report = small_store.report[device]
+        assert report.rows_read == report.windows_written == len(truth[device])
+    assert small_store.meta["committed"]["n_windows"] == len(small_store)
+    assert small_store.meta["format_version"] == birdzarr.FORMAT_VERSION
+    assert small_store.meta["layout"]["chunk_windows"] == 1024

@@ -1,0 +1,111 @@
+"""Global seeded pre-shuffle: deterministic, a permutation of the unshuffled store, bounded memory."""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+import pytest
+
+import birdzarr
+from birdzarr.cli import main
+from birdzarr.convert import _shuffle
+
+
+@pytest.fixture()
+def small_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several buckets even on test-sized data, so the two-pass path is really exercised."""
+    monkeypatch.setattr(_shuffle, "BUCKET_WINDOWS", 4000)
+
+
+def _rows(store: birdzarr.Store) -> np.ndarray:
+    """One bytes row per window: its values, device, label and time (order-free comparison)."""
+    windows = store.windows[:].reshape(len(store), -1).view(np.uint32)
+    extra = np.stack([store.window_devices[:], store.labels[:], store.timestamps[:]], axis=1).astype(np.int64)
+    return np.concatenate([windows.astype(np.int64), extra], axis=1)
+
+
+def _sorted_rows(rows: np.ndarray) -> np.ndarray:
+    """Rows as opaque byte strings, sorted: equal multisets of rows give equal results."""
+    rows = np.ascontiguousarray(rows)
+    return np.sort(rows.view(np.dtype((np.void, rows.dtype.itemsize * rows.shape[1]))).ravel())
+
+
+def test_shuffled_store_is_a_seeded_permutation(
+    parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]],
+    small_store: birdzarr.Store,
+    tmp_path: pathlib.Path,
+    small_buckets: None,
+) -> None:
+    directory, truth = parquet_source
+    a = birdzarr.convert(
+        directory, tmp_path / "a.zarr", shuffle=True, seed=5, chunk_windows=1024, progress=False
+    )
+    b = birdzarr.convert(
+        directory, tmp_path / "b.zarr", shuffle=True, seed=5, chunk_windows=1024, progress=False
+    )
+    c = birdzarr.convert(
+        directory, tmp_path / "c.zarr", shuffle=True, seed=6, chunk_windows=1024, progress=False
+    )
+    layout = a.meta["layout"]
+    assert layout["shuffled"] is True and layout["shuffle_seed"] == 5 and layout["shuffle_buckets"] > 1
+    same = np.array_equal(a.windows[:].view(np.uint32), b.windows[:].view(np.uint32))
+    assert same and np.array_equal(a.window_devices[:], b.window_devices[:])
+    assert not np.array_equal(a.window_devices[:], c.window_devices[:])
+    # every window exactly once: the sorted rows equal the unshuffled store's sorted rows
+    ours, plain = _rows(a), _rows(small_store)
+    assert len(ours) == len(plain) == 30_000
+    assert np.array_equal(_sorted_rows(ours), _sorted_rows(plain))
+    assert len(np.unique(_sorted_rows(ours))) == len(ours)
+    # really mixed: devices alternate far more often than in device order
+    assert (np.diff(a.window_devices[:]) != 0).sum() > 10_000
+    for device, windows in truth.items():
+        entry = a.device(device)
+        assert entry.n_windows == len(windows) and entry.ranges == []
+        assert entry.scattered_checksum is not None
+        got = a.device_windows(device)  # stored order: same multiset as the truth
+        assert np.array_equal(
+            _sorted_rows(got.reshape(len(got), -1)),
+            _sorted_rows(windows.reshape(len(windows), -1)),
+        )
+        from birdzarr.convert._writer import checksum_hasher
+
+        hasher = checksum_hasher()
+        hasher.update(got.astype("<f4").tobytes())
+        assert hasher.hexdigest() == entry.scattered_checksum
+    assert small_store.device(sorted(truth)[0]).scattered_checksum is None
+
+
+def test_shuffle_csv_counts_and_cli(
+    tmp_path: pathlib.Path, small_buckets: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from birdzarr import _synthetic
+
+    _synthetic.make_csv_dir(tmp_path / "csv", n_devices=3, bursts_per_device=300, parts=2, seed=2)
+    plain = birdzarr.convert(tmp_path / "csv", tmp_path / "plain.zarr", progress=False)
+    assert (
+        main(
+            [
+                "convert",
+                str(tmp_path / "csv"),
+                str(tmp_path / "s.zarr"),
+                "--quiet",
+                "--shuffle",
+                "--seed",
+                "9",
+                "--shuffle-tmp",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
+    assert "shuffled True" in capsys.readouterr().out
+    store = birdzarr.open_store(tmp_path / "s.zarr")
+    assert len(store) == len(plain)
+    counts = dict(zip(*np.unique(store.window_devices[:], return_counts=True), strict=True))
+    for entry in store.device_table:
+        assert counts[entry.device_id] == entry.n_windows == plain.device(entry.device_id).n_windows
+        assert entry.label_counts == plain.device(entry.device_id).label_counts
+        assert entry.first_time == plain.device(entry.device_id).first_time
+    assert store.report == plain.report
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("birdzarr-shuffle-")] == []  # tmp removed

@@ -1,0 +1,109 @@
+"""Conversion on a real Dask cluster (scheduler and worker processes) equals a local conversion."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import numpy as np
+import pytest
+
+import birdzarr
+from birdzarr import _synthetic
+from birdzarr.cli import main as cli_main
+
+distributed = pytest.importorskip("distributed")
+
+
+@pytest.fixture(scope="module")
+def cluster_client():  # type: ignore[no-untyped-def]
+    cluster = distributed.LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None, silence_logs=40,
+    )
+    client = distributed.Client(cluster)
+    try:
+        yield client
+    finally:
+        client.close()
+        cluster.close()
+
+
+def _files(root: pathlib.Path) -> dict[str, bytes]:
+    out = {}
+    for directory, _, names in os.walk(root):
+        for name in names:
+            path = pathlib.Path(directory) / name
+            out[str(path.relative_to(root))] = path.read_bytes()
+    return out
+
+
+def assert_identical(local: pathlib.Path, remote: pathlib.Path) -> None:
+    """Every chunk and array metadata file byte for byte; the root attributes but for timings."""
+    a, b = _files(local), _files(remote)
+    assert sorted(a) == sorted(b)
+    chunks = [k for k in a if k != "zarr.json"]
+    assert len(chunks) > 4
+    for key in chunks:
+        assert a[key] == b[key], key
+    meta_a = json.loads(a["zarr.json"])["attributes"]
+    meta_b = json.loads(b["zarr.json"])["attributes"]
+    (key,) = [k for k in meta_a if isinstance(meta_a[k], dict) and "devices" in meta_a[k]]
+    attrs_a, attrs_b = meta_a[key], meta_b[key]
+    assert attrs_a["devices"] == attrs_b["devices"]
+    assert attrs_a["report"]["devices"] == attrs_b["report"]["devices"]
+    assert attrs_a["committed"]["n_windows"] == attrs_b["committed"]["n_windows"]
+    for name in ("layout", "curation", "source_kind", "window_rule", "format_version"):
+        assert attrs_a[name] == attrs_b[name], name
+    assert "dask" in attrs_b["report"] and "dask" not in attrs_a["report"]
+
+
+@pytest.mark.parametrize("chunk_windows", [1024, 4096])
+def test_parquet_on_cluster_equals_local(cluster_client, tmp_path: pathlib.Path, chunk_windows: int) -> None:  # type: ignore[no-untyped-def]
+    src = tmp_path / "src"
+    _synthetic.make_parquet_dir(src, n_devices=9, total_windows=20_000, seed=4)
+    _synthetic.write_parquet(np.empty((0, 20, 4), np.float32), src / "9000.parquet")  # an empty device
+    local = birdzarr.convert(src, tmp_path / "local.zarr", chunk_windows=chunk_windows, progress=False)
+    remote = birdzarr.convert(src, tmp_path / "dask.zarr", chunk_windows=chunk_windows, progress=False,
+                              client=cluster_client)
+    assert len(remote) == len(local) == 20_000
+    assert_identical(tmp_path / "local.zarr", tmp_path / "dask.zarr")
+    np.testing.assert_array_equal(remote.windows[:], local.windows[:])
+
+
+def test_csv_on_cluster_equals_local_via_cli(cluster_client, tmp_path: pathlib.Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """CSV: curation drops windows (counted by a first pass), labels and timestamps are kept."""
+    src = tmp_path / "csv"
+    _synthetic.make_csv_dir(src, n_devices=5, bursts_per_device=150, parts=2, seed=2)
+    local = birdzarr.convert(src, tmp_path / "local.zarr", chunk_windows=256, progress=False)
+    address = cluster_client.scheduler.address
+    rc = cli_main(["convert", str(src), str(tmp_path / "dask.zarr"), "--chunk-windows", "256", "--quiet",
+                   "--dask-scheduler", address])
+    assert rc == 0
+    remote = birdzarr.open_store(tmp_path / "dask.zarr")
+    assert len(remote) == len(local) > 256 * 4
+    assert_identical(tmp_path / "local.zarr", tmp_path / "dask.zarr")
+    np.testing.assert_array_equal(remote.labels[:], local.labels[:])
+
+
+def _bad_row_file(path: pathlib.Path) -> None:
+    """Readable Parquet whose footer counts its rows, but one row has 79 values: fails while writing."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [list(map(float, range(80)))] * 3000 + [list(map(float, range(79)))]
+    pq.write_table(pa.table({"gimu": pa.array(rows, type=pa.list_(pa.float32()))}), path)
+
+
+@pytest.mark.parametrize("damage", ["not parquet", "bad row"])
+def test_failure_on_cluster_leaves_no_store(cluster_client, tmp_path: pathlib.Path, damage: str) -> None:  # type: ignore[no-untyped-def]
+    src = tmp_path / "src"
+    _synthetic.make_parquet_dir(src, n_devices=4, total_windows=6_000, seed=1)
+    if damage == "not parquet":
+        (src / "7777.parquet").write_bytes(b"not parquet at all")  # fails while counting
+    else:
+        _bad_row_file(src / "7777.parquet")  # counted from the footer, fails while writing
+    dest = tmp_path / "dask.zarr"
+    with pytest.raises(birdzarr.BadInputError):
+        birdzarr.convert(src, dest, chunk_windows=1024, progress=False, client=cluster_client)
+    assert not dest.exists() or not any(dest.iterdir())

@@ -1,0 +1,407 @@
+"""Exploration: summaries, device table, window access, the xarray view, plots, stats and CLI.
+
+Truth is computed here from the generated raw data, independently of the converter: the CSV
+window rule (20 consecutive rows of one burst, a whole window dropped when any speed >= 30 m/s,
+imu clipped to [-2, 2], gps_speed / 22.3012351755624) and the exact Parquet windows.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import pathlib
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+from s3_support import moto, new_bucket, s3_options  # noqa: F401  (moto is a fixture)
+
+import birdzarr
+from birdzarr import _storage, _synthetic
+from birdzarr._format import TIMESTAMP_UNKNOWN
+from birdzarr.cli import main
+from birdzarr.explore import _stats
+
+pytest.importorskip("matplotlib")
+pytest.importorskip("xarray")
+
+GPS_SCALE = 22.3012351755624
+
+
+@dataclass
+class DeviceTruth:
+    windows: np.ndarray  # float32 (n, 20, 4), curated
+    labels: np.ndarray  # int (n,)
+    times: np.ndarray  # int64 unix seconds (n,)
+    sources: list[str]
+
+
+def csv_truth(raw: _synthetic.RawDevice, parts: int) -> DeviceTruth:
+    """Window-level curation of one device's raw rows, as the CONTEXT.md rule states it."""
+    # The CSV text holds 8 decimals for imu and 6 for speed: start from what the file says.
+    values = np.column_stack([np.round(raw.values[:, :3], 8), np.round(raw.values[:, 3], 6)])
+    windows, labels, times = [], [], []
+    burst_starts = np.flatnonzero(np.r_[True, raw.time[1:] != raw.time[:-1]])
+    burst_stops = np.r_[burst_starts[1:], len(raw.time)]
+    for start, stop in zip(burst_starts, burst_stops, strict=True):
+        for w in range(start, stop - 19, 20):
+            rows = values[w : w + 20]
+            if not np.all(np.isfinite(rows[:, 3])) or np.any(rows[:, 3] >= 30.0):
+                continue
+            curated = np.empty((20, 4))
+            curated[:, :3] = np.clip(rows[:, :3], -2.0, 2.0)
+            curated[:, 3] = rows[:, 3] / GPS_SCALE
+            windows.append(curated)
+            labels.append(raw.label[w])
+            times.append(raw.time[w])
+    return DeviceTruth(
+        windows=np.asarray(windows, dtype=np.float32), labels=np.asarray(labels), times=np.asarray(times),
+        sources=[f"{raw.device_id}_{p}.csv" for p in range(parts)],
+    )
+
+
+@pytest.fixture(scope="module")
+def csv_case(tmp_path_factory: pytest.TempPathFactory) -> tuple[birdzarr.Store, dict[int, DeviceTruth]]:
+    """A labelled CSV store with timestamps, 128-window chunks so devices span several chunks."""
+    root = tmp_path_factory.mktemp("explore_csv")
+    raws = _synthetic.make_csv_dir(root / "csv", n_devices=4, bursts_per_device=120, parts=2, seed=5)
+    store = birdzarr.convert(root / "csv", root / "csv.zarr", chunk_windows=128, progress=False)
+    return store, {device: csv_truth(raw, parts=2) for device, raw in raws.items()}
+
+
+@pytest.fixture(scope="module")
+def parquet_case(parquet_source, tmp_path_factory) -> tuple[birdzarr.Store, dict[int, np.ndarray]]:  # type: ignore[no-untyped-def]
+    """The shared Parquet source in a store of our own (stats() writes into it)."""
+    directory, truth = parquet_source
+    dest = tmp_path_factory.mktemp("explore_pq") / "pq.zarr"
+    return birdzarr.convert(directory, dest, chunk_windows=1024, progress=False), truth
+
+
+class ReadCounter:
+    """Counts chunk decodes of one store (every chunk read goes through ChunkReader.read)."""
+
+    def __init__(self, store: birdzarr.Store, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[tuple[str, int]] = []
+        original = store.reader.read
+
+        def counted(name: str, index: int) -> np.ndarray:
+            self.calls.append((name, index))
+            return original(name, index)
+
+        monkeypatch.setattr(store.reader, "read", counted)
+
+
+def fresh(store: birdzarr.Store) -> birdzarr.Store:
+    return birdzarr.open_store(store.location.path)
+
+
+# -- summaries -------------------------------------------------------------------------------
+
+
+def test_text_and_html_summaries_name_the_facts_without_reading_chunks(csv_case, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    store, truth = csv_case
+    reads = ReadCounter(store, monkeypatch)
+    text = repr(store)
+    page = store._repr_html_()
+    assert reads.calls == []
+    n = sum(len(t.windows) for t in truth.values())
+    first = min(int(t.times.min()) for t in truth.values())
+    last = max(int(t.times.max()) for t in truth.values())
+    first_text = str(np.datetime64(first, "s")).replace("T", " ")
+    last_text = str(np.datetime64(last, "s")).replace("T", " ")
+    assert text.splitlines()[0] == f"<birdzarr.Store {store.url}: {n:,} windows, {len(truth)} devices>"
+    for fact in (first_text, last_text, "codec dict16", "128 windows", "format v1", "gps_speed >= 30 m/s",
+                 f"{n:,} windows labelled (10 classes)"):
+        assert fact in text
+        assert html.escape(fact) in page
+    for device in truth:
+        assert f"{device} (" in text
+        assert f"<td class='num'>{device}</td>" in page
+    assert page.count("<table>") == 2 and "<details>" in page
+
+
+def test_summary_of_a_parquet_store_says_times_and_labels_are_unknown(parquet_case) -> None:  # type: ignore[no-untyped-def]
+    store, truth = parquet_case
+    text = repr(store)
+    assert "unknown (the source has no timestamps)" in text
+    assert f"none ({len(store):,} windows unlabelled)" in text
+    assert "... 4 more" in text  # 12 devices, 8 named inline
+    assert "curated before conversion" in store._repr_html_()
+
+
+# -- device table and window access ------------------------------------------------------------
+
+
+def test_device_table_matches_converter_report_and_truth(csv_case) -> None:  # type: ignore[no-untyped-def]
+    store, truth = csv_case
+    table = store.devices
+    report = store.report
+    assert list(table["device_id"]) == sorted(truth)
+    for device, t in truth.items():
+        row = table.loc[device]
+        assert row["n_windows"] == len(t.windows) == report[device].windows_written
+        assert row["first_time"] == np.datetime64(int(t.times.min()), "s")
+        assert row["last_time"] == np.datetime64(int(t.times.max()), "s")
+        labels, counts = np.unique(t.labels, return_counts=True)
+        assert row["label_counts"] == dict(zip(labels.tolist(), counts.tolist(), strict=True))
+        assert row["sources"] == t.sources
+    assert table["n_windows"].sum() == len(store)
+
+
+def test_device_windows_and_global_slices_equal_the_truth(csv_case, parquet_case) -> None:  # type: ignore[no-untyped-def]
+    store, truth = csv_case
+    for device, t in truth.items():
+        np.testing.assert_allclose(store.device_windows(device), t.windows, rtol=1e-6, atol=1e-7)
+    # Global order is device order: concatenated truth, sliced across chunk boundaries (128).
+    ordered = [truth[d] for d in sorted(truth)]
+    windows = np.concatenate([t.windows for t in ordered])
+    labels = np.concatenate([t.labels for t in ordered])
+    times = np.concatenate([t.times for t in ordered])
+    for start, stop in ((0, 16), (120, 260), (len(store) - 5, len(store))):
+        np.testing.assert_allclose(store.windows[start:stop], windows[start:stop], rtol=1e-6, atol=1e-7)
+        assert np.array_equal(store.labels[start:stop], labels[start:stop])
+        assert np.array_equal(store.timestamps[start:stop], times[start:stop])
+    picks = np.array([300, 3, 129, 3])
+    np.testing.assert_allclose(store.windows[picks], windows[picks], rtol=1e-6, atol=1e-7)
+
+    pq_store, pq_truth = parquet_case
+    pq_windows = np.concatenate([pq_truth[d] for d in sorted(pq_truth)])
+    for device, expected in pq_truth.items():
+        assert np.array_equal(pq_store.device_windows(device).view(np.uint32), expected.view(np.uint32))
+    assert np.array_equal(pq_store.windows[1000:1016].view(np.uint32), pq_windows[1000:1016].view(np.uint32))
+    assert np.all(pq_store.timestamps[:100] == TIMESTAMP_UNKNOWN)
+
+
+# -- xarray --------------------------------------------------------------------------------------
+
+
+def test_to_xarray_dims_coords_and_values(csv_case) -> None:  # type: ignore[no-untyped-def]
+    store, truth = csv_case
+    ds = store.to_xarray()
+    assert ds.gimu.dims == ("window", "time", "channel")
+    assert dict(ds.sizes) == {"window": len(store), "time": 20, "channel": 4}
+    assert list(ds.channel.values) == ["imu_x", "imu_y", "imu_z", "gps_speed"]
+    assert ds.time.dims == ("window",) and ds.time.dtype == np.dtype("datetime64[s]")
+    assert ds.gimu.dtype == np.float32
+    ordered = [truth[d] for d in sorted(truth)]
+    devices = np.concatenate([np.full(len(truth[d].windows), d) for d in sorted(truth)])
+    assert np.array_equal(ds.device.values, devices)
+    assert np.array_equal(ds.time.values, np.concatenate([t.times for t in ordered]).astype("datetime64[s]"))
+    assert np.array_equal(ds.label.values, np.concatenate([t.labels for t in ordered]))
+    assert np.array_equal(ds.gimu.values, store.windows[:])
+    # Outer indexing along every axis, including a scattered window vector.
+    picked = ds.gimu.isel(window=[5, 300, 129], time=slice(2, 6), channel=[0, 3]).values
+    assert np.array_equal(picked, store.windows[np.array([5, 300, 129])][:, 2:6][:, :, [0, 3]])
+    assert np.array_equal(ds.gimu[7, :, 1].values, store.windows[7][:, 1])
+    one_device = ds.where(ds.device == sorted(truth)[1], drop=True)
+    np.testing.assert_allclose(one_device.gimu.values, ordered[1].windows, rtol=1e-6, atol=1e-7)
+
+
+def test_to_xarray_is_lazy_and_reads_only_touched_chunks(csv_case, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    store = fresh(csv_case[0])
+    reads = ReadCounter(store, monkeypatch)
+    ds = store.to_xarray()
+    repr(ds)
+    ds._repr_html_()
+    subset = ds.isel(window=slice(250, 260))
+    assert reads.calls == []  # building, displaying and selecting read nothing
+    window_values = subset.gimu.variable.values  # the data variable alone, not its coordinates
+    assert window_values.shape == (10, 20, 4)
+    assert reads.calls == [("gimu", 1), ("gimu", 2)]  # windows 250..259 span chunks 1 and 2 (128 each)
+    reads.calls.clear()
+    assert not np.isnat(ds.time[700].values)
+    assert reads.calls == [("timestamp", 700 // 128)]
+
+
+def test_parquet_store_times_are_nat(parquet_case) -> None:  # type: ignore[no-untyped-def]
+    ds = parquet_case[0].to_xarray()
+    assert np.all(np.isnat(ds.time[:50].values))
+    assert np.all(ds.label[:50].values == -1)
+
+
+# -- plots ---------------------------------------------------------------------------------------
+
+
+def test_plot_window_draws_the_window_in_physical_units(csv_case) -> None:  # type: ignore[no-untyped-def]
+    store, _ = csv_case
+    index = 131
+    window = store.windows[index]
+    fig = store.plot_window(index)
+    imu_ax, gps_ax = fig.axes
+    assert [line.get_label() for line in imu_ax.lines] == ["imu_x", "imu_y", "imu_z"]
+    for channel, line in enumerate(imu_ax.lines):
+        assert np.array_equal(line.get_xdata(), np.arange(20))
+        assert np.array_equal(line.get_ydata(), window[:, channel])
+    np.testing.assert_allclose(gps_ax.lines[0].get_ydata(), window[:, 3] * GPS_SCALE, rtol=1e-6)
+    assert imu_ax.get_ylabel() == "acceleration (g)" and gps_ax.get_ylabel() == "speed (m/s)"
+    assert gps_ax.get_xlabel() == "sample within the window"
+    assert [t.get_text() for t in imu_ax.get_legend().get_texts()] == ["imu_x", "imu_y", "imu_z"]
+    device, label = int(store.window_devices[index]), int(store.labels[index])
+    title = fig.get_suptitle()
+    assert title.startswith(f"window {index}: device {device}, 2012-") and title.endswith(f"label {label}")
+    assert store.plot_window(-1).get_suptitle().startswith(f"window {len(store) - 1:,}:")
+
+
+def test_plot_device_shows_means_by_label_and_spread(csv_case) -> None:  # type: ignore[no-untyped-def]
+    store, truth = csv_case
+    device = sorted(truth)[2]
+    t = truth[device]
+    fig = store.plot_device(device, max_windows=40)
+    axes = fig.axes
+    assert [ax.get_ylabel() for ax in axes] == ["imu_x (g)", "imu_y (g)", "imu_z (g)", "gps_speed (m/s)"]
+    assert axes[-1].get_xlabel() == "burst time (UTC)"
+    assert fig.get_suptitle().startswith(f"device {device}: 40 of {len(t.windows):,} windows")
+    positions = np.unique(np.linspace(0, len(t.windows) - 1, 40).round().astype(int))
+    expected = t.windows[positions].astype(np.float64).mean(axis=1)
+    expected[:, 3] *= GPS_SCALE
+    for channel, ax in enumerate(axes):
+        points = np.concatenate([c.get_offsets() for c in ax.collections[1:]])  # [0] is the min..max bars
+        assert len(points) == 40
+        np.testing.assert_allclose(np.sort(points[:, 1]), np.sort(expected[:, channel]), rtol=1e-5, atol=1e-6)
+    legend = [text.get_text() for text in fig.legends[0].get_texts()]
+    assert legend[0] == "min..max of the 20 samples"
+    assert set(legend[1:]) == {f"label {v}" for v in np.unique(t.labels[positions])}
+
+
+def test_plot_device_without_timestamps_uses_window_numbers(parquet_case) -> None:  # type: ignore[no-untyped-def]
+    store, truth = parquet_case
+    device = min(truth, key=lambda d: len(truth[d]))
+    fig = store.plot_device(device, max_windows=10_000)
+    assert fig.axes[-1].get_xlabel() == "window number within the device (no timestamps)"
+    points = fig.axes[0].collections[1].get_offsets()
+    assert np.array_equal(np.asarray(points[:, 0]), np.arange(len(truth[device])))
+
+
+# -- statistics ------------------------------------------------------------------------------------
+
+
+def test_stats_equal_numpy(parquet_case) -> None:  # type: ignore[no-untyped-def]
+    store, truth = parquet_case
+    stats = store.stats(progress=False, cache=False, persist=False)
+    values = np.concatenate([truth[d] for d in sorted(truth)]).reshape(-1, 4).astype(np.float64)
+    assert stats.count == len(values)
+    np.testing.assert_allclose(stats.mean, values.mean(axis=0), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(stats.std, values.std(axis=0), rtol=1e-10)
+    assert np.array_equal(stats.min, values.min(axis=0)) and np.array_equal(stats.max, values.max(axis=0))
+    for c in range(4):
+        counts, _ = np.histogram(values[:, c], bins=stats.edges[c])
+        assert np.array_equal(stats.counts[c], counts)
+        assert stats.counts[c].sum() + stats.below[c] + stats.above[c] == len(values)
+    frame = stats.to_dataframe()
+    assert list(frame.index) == ["imu_x", "imu_y", "imu_z", "gps_speed"]
+    assert frame.loc["imu_z", "mean"] == stats.mean[2]
+    assert len(stats.plot().axes) == 4
+
+
+def test_stats_are_cached_in_memory_and_in_the_store(parquet_case, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    store = fresh(parquet_case[0])
+    reads = ReadCounter(store, monkeypatch)
+    first = store.stats(progress=False, cache=False)
+    assert len(reads.calls) == store.reader.n_chunks
+    reads.calls.clear()
+    assert store.stats(progress=False) is first
+    assert reads.calls == []
+
+    reopened = fresh(store)  # a new process would see the same: the numbers live in stats/zarr.json
+    reads = ReadCounter(reopened, monkeypatch)
+    again = reopened.stats(progress=False)
+    assert reads.calls == []
+    assert np.array_equal(again.mean, first.mean) and np.array_equal(again.counts, first.counts)
+    assert (store.location.fs.exists(store.location.join("stats", "zarr.json")))
+    assert len(list(store.group.arrays())) == 4  # the stats group is a valid (empty) Zarr group
+
+    # A store that changed (new generation) recomputes.
+    changed = fresh(store)
+    changed.meta["committed"] = {**changed.meta["committed"], "generation": 99}
+    reads = ReadCounter(changed, monkeypatch)
+    changed.stats(progress=False, persist=False)
+    assert len(reads.calls) == changed.reader.n_chunks
+
+
+def test_stats_on_a_read_only_location_stay_in_memory(csv_case, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    store = fresh(csv_case[0])
+
+    def read_only(*args: Any, **kwargs: Any) -> None:
+        raise PermissionError("read-only file system")
+
+    monkeypatch.setattr(_stats.tempfile, "NamedTemporaryFile", read_only)
+    store.stats(progress=False, cache=False)
+    assert _stats.load_saved(store) is None
+    reads = ReadCounter(store, monkeypatch)
+    store.stats(progress=False)
+    assert reads.calls == []
+
+
+# -- optional dependencies and CLI ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("module", "call"), [
+    ("matplotlib", lambda s: s.plot_window(0)),
+    ("xarray", lambda s: s.to_xarray()),
+])
+def test_missing_extra_names_the_install_command(csv_case, monkeypatch, module, call) -> None:  # type: ignore[no-untyped-def]
+    for name in [m for m in sys.modules if m == module or m.startswith(module + ".")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(birdzarr.MissingDependencyError, match=r'pip install "birdzarr\[explore\]"'):
+        call(csv_case[0])
+
+
+def test_cli_plot_and_info_devices(csv_case, tmp_path: pathlib.Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    store, truth = csv_case
+    device = sorted(truth)[0]
+    out = tmp_path / "bird.png"
+    assert main(["plot", store.location.path, "--device", str(device), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["plot", store.location.path, "--window", "5", "--out", str(tmp_path / "w.svg")]) == 0
+    assert (tmp_path / "w.svg").read_text().lstrip().startswith("<?xml")
+    capsys.readouterr()
+
+    assert main(["info", store.location.path, "--devices"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:2] == ["device", "windows"]
+    assert [int(line.split()[0]) for line in lines[1:]] == sorted(truth)
+    counts = [int(line.split()[1].replace(",", "")) for line in lines[1:]]
+    assert counts == [len(truth[d].windows) for d in sorted(truth)]
+
+    assert main(["info", store.location.path, "--devices", "--json"]) == 0
+    records = json.loads(capsys.readouterr().out)
+    assert [r["n_windows"] for r in records] == [len(truth[d].windows) for d in sorted(truth)]
+    assert records[0]["sources"] == truth[device].sources
+
+    assert main(["stats", store.location.path, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["n_windows"] == len(store)
+
+
+# -- the same over S3 (moto's real S3 endpoint on loopback) ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint(request: pytest.FixtureRequest) -> Any:
+    """The session's moto server (shared with tests/test_s3.py), or a skip without the s3 extras."""
+    pytest.importorskip("moto")
+    pytest.importorskip("s3fs")
+    return request.getfixturevalue("moto")
+
+
+def test_views_and_stats_cache_over_s3(csv_case, s3_endpoint) -> None:  # type: ignore[no-untyped-def]
+    local, _ = csv_case
+    url = f"s3://{new_bucket(s3_endpoint)}/birds.zarr"
+    options = s3_options(s3_endpoint.url)
+    remote = _storage.resolve(url, options)
+    remote.fs.put(local.location.path + "/", remote.path, recursive=True)  # a store is plain objects
+    store = birdzarr.open_store(url, storage_options=options)
+    assert repr(store).startswith(f"<birdzarr.Store {url}: {len(local):,} windows")
+
+    ds = store.to_xarray()
+    before = store.reader.requests
+    window_values = ds.gimu.isel(window=slice(250, 260)).variable.values
+    assert store.reader.requests - before == 2  # two chunk GETs, nothing else
+    assert np.array_equal(window_values, local.windows[250:260])
+
+    first = store.stats(progress=False, cache=False)  # computed, then written to the bucket
+    reopened = birdzarr.open_store(url, storage_options=options)
+    again = reopened.stats(progress=False)
+    assert reopened.reader.requests == 0  # read from the bucket's stats/zarr.json
+    assert np.array_equal(again.counts, first.counts)

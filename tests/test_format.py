@@ -1,0 +1,72 @@
+"""The format's schema objects: JSON round trips and the version/identity checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from birdzarr import FormatVersionError, NotAStoreError
+from birdzarr._format import (
+    FORMAT_VERSION,
+    TIMESTAMP_UNKNOWN,
+    Curation,
+    DeviceEntry,
+    DeviceRange,
+    DeviceReport,
+    check_root_attrs,
+)
+
+
+def test_timestamp_unknown_is_nat() -> None:
+    import numpy as np
+
+    assert np.isnat(np.array([TIMESTAMP_UNKNOWN], dtype="datetime64[s]"))[0]
+
+
+def test_device_entry_round_trip() -> None:
+    entry = DeviceEntry(
+        device_id=298,
+        n_windows=30,
+        ranges=[DeviceRange(0, 10, "ab"), DeviceRange(50, 70, "cd")],
+        first_time=1,
+        last_time=2,
+        sources=["298_0.csv"],
+        label_counts={-1: 20, 3: 10},
+    )
+    raw = entry.to_json()
+    assert raw["scattered_checksum"] is None
+    assert DeviceEntry.from_json(raw) == entry
+    shuffled = DeviceEntry(device_id=1, n_windows=3, scattered_checksum="00ff")
+    assert DeviceEntry.from_json(shuffled.to_json()) == shuffled
+    del raw["scattered_checksum"]  # written before the field existed
+    assert DeviceEntry.from_json(raw).scattered_checksum is None
+
+
+def test_device_report_merge_and_round_trip() -> None:
+    a = DeviceReport(rows_read=10, windows_written=2, bad_lines=1, problems=["x"])
+    a.drop("speed_limit", 1)
+    b = DeviceReport(rows_read=5, bad_files=1, problems=["y"])
+    b.drop("speed_limit", 2)
+    b.drop("remainder_rows", 0)  # zero counts are not recorded
+    a.merge(b)
+    assert a.dropped == {"speed_limit": 3} and a.bad_files == 1 and a.problems == ["x", "y"]
+    assert DeviceReport.from_json(a.to_json()) == a
+    for i in range(50):
+        a.note(str(i))
+    assert len(a.problems) == 10
+
+
+def test_curation_record() -> None:
+    record = Curation().to_json(applied_by="birdzarr")
+    assert record["speed_limit"] == 30.0 and record["clip"] == [-2.0, 2.0]
+    assert record["gps_scale"] == 22.3012351755624
+
+
+def test_check_root_attrs() -> None:
+    meta = check_root_attrs({"birdzarr": {"format_version": FORMAT_VERSION}}, where="s")
+    assert meta["format_version"] == FORMAT_VERSION
+    with pytest.raises(NotAStoreError, match="not a birdzarr store"):
+        check_root_attrs({}, where="s")
+    with pytest.raises(FormatVersionError, match=f"version 7.*supports version {FORMAT_VERSION}"):
+        check_root_attrs({"birdzarr": {"format_version": 7}}, where="s")
+    with pytest.raises(FormatVersionError):
+        check_root_attrs({"birdzarr": {"format_version": "1"}}, where="s")

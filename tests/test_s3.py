@@ -1,0 +1,286 @@
+"""The same code on a bucket: convert, info, open, copy, train against moto's real S3 HTTP endpoint.
+
+Nothing is mocked below HTTP: s3fs/botocore talk to moto's server on loopback, directly or
+through the fault-injecting proxy of s3_support.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from s3_support import (  # noqa: F401  (moto, proxy are fixtures)
+    ACCESS_KEY,
+    SECRET_KEY,
+    MotoEndpoint,
+    moto,
+    new_bucket,
+    proxy,
+    s3_env,
+    s3_options,
+)
+
+import birdzarr
+from birdzarr._cache import attach_cache
+from birdzarr._copy import copy_store
+from birdzarr._errors import (
+    ChunkFetchError,
+    MissingChunkError,
+    NotAStoreError,
+    StoreExistsError,
+    StoreNotFoundError,
+    TransferError,
+)
+from birdzarr._storage import RetryPolicy, resolve
+
+CHUNK = 4096
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).view(np.uint32)
+
+
+@pytest.fixture(scope="module")
+def bucket(moto: MotoEndpoint) -> str:  # noqa: F811
+    return new_bucket(moto)
+
+
+@pytest.fixture(scope="module")
+def s3_store(parquet_source: Any, moto: MotoEndpoint, bucket: str) -> birdzarr.Store:  # noqa: F811
+    """parquet_source converted straight into the bucket, credentials in storage_options."""
+    directory, _ = parquet_source
+    return birdzarr.convert(
+        directory, f"s3://{bucket}/small.zarr", chunk_windows=CHUNK, progress=False,
+        storage_options=s3_options(moto.url),
+    )
+
+
+def test_convert_to_bucket_reads_back_exactly(s3_store: birdzarr.Store, parquet_source: Any) -> None:
+    _, truth = parquet_source
+    assert len(s3_store) == sum(len(w) for w in truth.values())
+    for device, windows in truth.items():
+        assert np.array_equal(bits(s3_store.device_windows(device)), bits(windows))
+    # zarr-python on the same store: opened as v3 through the FsspecStore birdzarr builds
+    assert np.array_equal(bits(np.asarray(s3_store.gimu[:100])), bits(s3_store.windows[:100]))
+
+
+def test_credentials_never_stored_or_printed(
+    s3_store: birdzarr.Store, moto: MotoEndpoint, bucket: str  # noqa: F811
+) -> None:
+    client = moto.client()
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"]]
+    assert any(k.endswith("small.zarr/zarr.json") for k in keys)
+    for key in keys:
+        body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+        assert SECRET_KEY.encode() not in body and ACCESS_KEY.encode() not in body, key
+    assert SECRET_KEY not in json.dumps(s3_store.meta) and ACCESS_KEY not in json.dumps(s3_store.meta)
+    texts = [repr(s3_store), repr(s3_store.location), s3_store.url]
+    options = s3_options(moto.url)
+    for bad in (f"s3://{bucket}/nothing-here.zarr", "s3://no-such-bucket-birdzarr/x.zarr"):
+        with pytest.raises(birdzarr.BirdzarrError) as caught:
+            birdzarr.open_store(bad, storage_options=options)
+        texts.append(str(caught.value))
+    # a URL with the secret in it (http user:password@) is redacted wherever it is shown
+    location = resolve(f"http://{ACCESS_KEY}:{SECRET_KEY}@127.0.0.1:1/x.zarr")
+    texts += [location.display, repr(location)]
+    for text in texts:
+        assert SECRET_KEY not in text and ACCESS_KEY not in text, text
+
+
+def test_no_head_and_no_v2_probe_per_read(s3_store: birdzarr.Store, proxy: Any, bucket: str) -> None:  # noqa: F811
+    store = birdzarr.open_store(f"s3://{bucket}/small.zarr", storage_options=s3_options(proxy.url))
+    opened = [(r.method, r.path.rsplit("small.zarr/", 1)[-1]) for r in proxy.requests()]
+    # the root and the four arrays' metadata, one GET each: no HEAD, no .zgroup/.zarray probing
+    arrays = ("gimu", "device", "timestamp", "label")
+    assert opened == [("GET", "zarr.json")] + [("GET", f"{a}/zarr.json") for a in arrays], opened
+    proxy.clear()
+    windows = store.windows[: 3 * CHUNK]
+    assert np.array_equal(bits(windows), bits(s3_store.windows[: 3 * CHUNK]))
+    log = proxy.requests()
+    assert Counter(r.method for r in log) == {"GET": 3}
+    assert [r.path.rsplit("small.zarr/", 1)[-1] for r in log] == [f"gimu/c/{i}/0/0" for i in range(3)]
+    assert store.reader.requests == 3 and store.reader.bytes_read == sum(r.body_bytes for r in log)
+
+
+def test_transient_faults_are_retried(s3_store: birdzarr.Store, proxy: Any, bucket: str) -> None:  # noqa: F811
+    options = s3_options(proxy.url, config_kwargs={"read_timeout": 0.5, "connect_timeout": 0.5})
+    store = birdzarr.open_store(f"s3://{bucket}/small.zarr", storage_options=options)
+    proxy.stall_seconds = 1.5
+    for kind, count in (("503", 2), ("reset", 1), ("reset_mid_body", 1), ("stall", 1)):
+        proxy.inject(kind, count, path_contains="/gimu/c/")
+    got = store.windows[: 2 * CHUNK]
+    assert np.array_equal(bits(got), bits(s3_store.windows[: 2 * CHUNK]))
+    faults = Counter(r.fault for r in proxy.requests() if r.fault)
+    assert faults == {"503": 2, "reset": 1, "reset_mid_body": 1, "stall": 1}
+
+
+@pytest.fixture
+def no_library_retries(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """s3fs's and botocore's own retries off, so a test sees only birdzarr's (and runs fast)."""
+    import s3fs
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
+    return {"config_kwargs": {"retries": {"total_max_attempts": 1}}}
+
+
+def test_persistent_failure_names_store_and_key(
+    s3_store: birdzarr.Store, proxy: Any, bucket: str, no_library_retries: dict[str, Any]  # noqa: F811
+) -> None:
+    options = s3_options(proxy.url, **no_library_retries)
+    location = resolve(f"s3://{bucket}/small.zarr", options, retry=RetryPolicy(attempts=2, base_delay=0.01))
+    store = birdzarr.open_store(location)
+    proxy.inject("503", 1000, path_contains="/gimu/c/2/")
+    with pytest.raises(ChunkFetchError) as caught:
+        store.windows[2 * CHUNK + 5]
+    message = str(caught.value)
+    assert f"s3://{bucket}/small.zarr" in message and "gimu/c/2/0/0" in message
+    assert SECRET_KEY not in message
+    assert sum(r.fault == "503" for r in proxy.requests()) == 2  # our two attempts
+    assert isinstance(caught.value, MissingChunkError)  # one except clause covers both
+
+
+def test_missing_committed_chunk_raises_never_zeros(
+    s3_store: birdzarr.Store, moto: MotoEndpoint, bucket: str  # noqa: F811
+) -> None:
+    options = s3_options(moto.url)
+    damaged = f"s3://{bucket}/damaged.zarr"
+    copy_store(s3_store.location, damaged, progress=False, dest_storage_options=options)
+    moto.client().delete_object(Bucket=bucket, Key="damaged.zarr/gimu/c/4/0/0")
+    store = birdzarr.open_store(damaged, storage_options=options)
+    assert np.array_equal(bits(store.windows[: 4 * CHUNK]), bits(s3_store.windows[: 4 * CHUNK]))
+    with pytest.raises(MissingChunkError, match=r"damaged\.zarr: committed chunk 'gimu/c/4/0/0' is missing"):
+        store.windows[4 * CHUNK : 5 * CHUNK]
+
+
+def test_copy_upload_download_and_resume(
+    small_store: birdzarr.Store, moto: MotoEndpoint, tmp_path: Any  # noqa: F811
+) -> None:
+    bucket = new_bucket(moto)
+    options = s3_options(moto.url)
+    remote = f"s3://{bucket}/up.zarr"
+    up = copy_store(small_store.location, remote, progress=False, dest_storage_options=options)
+    assert up.copied == up.objects and up.skipped == 0
+    down = copy_store(remote, tmp_path / "down.zarr", progress=False, storage_options=options)
+    assert down.copied == down.objects
+    local = birdzarr.open_store(tmp_path / "down.zarr")
+    assert np.array_equal(bits(local.windows[:]), bits(small_store.windows[:]))
+    assert local.meta["committed"] == small_store.meta["committed"]
+
+    # An interrupted upload: the root (written last) and some chunks missing, one chunk torn.
+    client = moto.client()
+    client.delete_object(Bucket=bucket, Key="up.zarr/zarr.json")
+    with pytest.raises((StoreNotFoundError, NotAStoreError)):  # not committed: not a store
+        birdzarr.open_store(remote, storage_options=options)
+    for i in (3, 7, 11):
+        client.delete_object(Bucket=bucket, Key=f"up.zarr/gimu/c/{i}/0/0")
+    size = client.head_object(Bucket=bucket, Key="up.zarr/gimu/c/5/0/0")["ContentLength"]
+    client.put_object(Bucket=bucket, Key="up.zarr/gimu/c/5/0/0", Body=b"\0" * size)
+    resumed = copy_store(small_store.location, remote, progress=False, dest_storage_options=options)
+    assert resumed.copied == 5 and resumed.skipped == resumed.objects - 5  # 3 missing + 1 torn + root
+    again = birdzarr.open_store(remote, storage_options=options)
+    assert np.array_equal(bits(again.windows[:]), bits(small_store.windows[:]))
+
+    # A different store at the destination is replaced only on request.
+    # (the local copy with its commit time changed stands for a newer store)
+    root = json.loads((tmp_path / "down.zarr" / "zarr.json").read_text())
+    root["attributes"]["birdzarr"]["committed"]["committed_at"] = "2000-01-01T00:00:00+00:00"
+    (tmp_path / "down.zarr" / "zarr.json").write_text(json.dumps(root))
+    with pytest.raises(StoreExistsError, match="--overwrite"):
+        copy_store(tmp_path / "down.zarr", remote, progress=False, dest_storage_options=options)
+    replaced = copy_store(tmp_path / "down.zarr", remote, overwrite=True, progress=False,
+                          dest_storage_options=options)
+    assert replaced.copied == 1  # only the root differs
+
+
+def test_copy_interrupted_by_faults_resumes(
+    small_store: birdzarr.Store, moto: MotoEndpoint, proxy: Any, no_library_retries: dict[str, Any]  # noqa: F811
+) -> None:
+    bucket = new_bucket(moto)
+    remote = f"s3://{bucket}/flaky.zarr"
+    flaky = resolve(remote, s3_options(proxy.url, **no_library_retries), retry=RetryPolicy(attempts=2))
+    proxy.inject("reset", 1000, method="PUT", path_contains="/gimu/c/9/")
+    with pytest.raises(TransferError, match=r"gimu/c/9/0/0.*same command"):
+        copy_store(small_store.location, flaky, workers=4, progress=False)
+    with pytest.raises((StoreNotFoundError, NotAStoreError)):  # never committed
+        birdzarr.open_store(remote, storage_options=s3_options(moto.url))
+    resumed = copy_store(small_store.location, remote, progress=False,
+                         dest_storage_options=s3_options(moto.url))
+    assert resumed.skipped > 0 and resumed.copied < resumed.objects
+    store = birdzarr.open_store(remote, storage_options=s3_options(moto.url))
+    assert np.array_equal(bits(store.windows[:]), bits(small_store.windows[:]))
+
+
+def test_cli_convert_info_copy_with_standard_aws_environment(
+    parquet_source: Any, moto: MotoEndpoint, tmp_path: Any  # noqa: F811
+) -> None:
+    """The CLI takes no credentials: AWS_* variables (the standard chain) and AWS_ENDPOINT_URL."""
+    directory, truth = parquet_source
+    bucket = new_bucket(moto)
+    env = s3_env(moto.url)
+    url = f"s3://{bucket}/cli.zarr"
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run([str(Path(sys.executable).parent / "birdzarr"), *args], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert SECRET_KEY not in done.stdout + done.stderr and ACCESS_KEY not in done.stdout + done.stderr
+        return done
+
+    done = cli("convert", str(directory), url, "--chunk-windows", "4096", "--quiet")
+    assert done.returncode == 0, done.stderr
+    info = cli("info", url, "--json")
+    assert info.returncode == 0, info.stderr
+    assert json.loads(info.stdout)["windows"] == sum(len(w) for w in truth.values())
+    copied = cli("copy", url, str(tmp_path / "staged.zarr"), "--quiet")
+    assert copied.returncode == 0, copied.stderr
+    assert "checksums verified" in copied.stdout
+    assert len(birdzarr.open_store(tmp_path / "staged.zarr")) == sum(len(w) for w in truth.values())
+    missing = cli("info", f"s3://{bucket}/missing.zarr")
+    assert missing.returncode == 2 and "no store at s3://" in missing.stderr
+
+
+def test_local_cache_serves_the_second_epoch(s3_store: birdzarr.Store, bucket: str, moto: MotoEndpoint,  # noqa: F811
+                                             tmp_path: Any) -> None:
+    store = birdzarr.open_store(f"s3://{bucket}/small.zarr", storage_options=s3_options(moto.url))
+    cache = attach_cache(store, tmp_path / "cache", max_bytes=10**9)
+    first = store.windows[:]
+    fetched = store.reader.requests
+    assert fetched == store.reader.n_chunks and cache.hits == 0
+    second = store.windows[:]
+    assert store.reader.requests == fetched and cache.hits == store.reader.n_chunks
+    assert np.array_equal(bits(first), bits(second))
+    assert np.array_equal(bits(first), bits(s3_store.windows[:]))
+
+    # A cap of three chunks: three are kept, the rest read from the bucket every time, no eviction.
+    capped_store = birdzarr.open_store(f"s3://{bucket}/small.zarr", storage_options=s3_options(moto.url))
+    chunk_bytes = sorted(store.location.fs.du(store.location.join("gimu"), total=False).values())[-1]
+    capped = attach_cache(capped_store, tmp_path / "capped", max_bytes=3 * chunk_bytes)
+    for _ in range(2):
+        assert np.array_equal(bits(capped_store.windows[:]), bits(first))
+    assert capped.full and capped.used_bytes <= 3 * chunk_bytes
+    assert capped.hits == 3 and capped_store.reader.requests == 2 * store.reader.n_chunks - 3
+
+
+@pytest.mark.filterwarnings("ignore:.*stored in device order")
+def test_window_dataset_full_epoch_on_s3(s3_store: birdzarr.Store, bucket: str, moto: MotoEndpoint) -> None:  # noqa: F811
+    dataset = birdzarr.WindowDataset(
+        f"s3://{bucket}/small.zarr", batch_size=1000, shuffle=True, seed=3, prefetch=8,
+        storage_options=s3_options(moto.url),
+    )
+    from torch.utils.data import DataLoader
+
+    # two worker processes, each with its own S3 connections (nothing crosses the fork)
+    batches = [np.asarray(b) for b in DataLoader(dataset, batch_size=None, num_workers=2)]
+    got = np.concatenate(batches)
+    truth = s3_store.windows[:]
+    assert got.shape == truth.shape and len(batches) == -(-len(truth) // 1000)
+    # every window exactly once: the same multiset of 80-value rows, in a shuffled order
+    rows_got, rows_truth = bits(got).reshape(len(got), -1), bits(truth).reshape(len(truth), -1)
+    order_got, order_truth = np.lexsort(rows_got.T[::-1]), np.lexsort(rows_truth.T[::-1])
+    assert np.array_equal(rows_got[order_got], rows_truth[order_truth])
+    assert not np.array_equal(rows_got, rows_truth)
