@@ -91,8 +91,13 @@ def main() -> int:
     )
     parser.add_argument("--devices", type=int, default=186)
     parser.add_argument("--windows", type=int, default=2_500_000)
-    parser.add_argument("--big-device", type=int, default=1_500_000, help="windows of the single big device")
-    parser.add_argument("--small-device", type=int, default=9_296)
+    parser.add_argument(
+        "--device-sizes",
+        type=int,
+        nargs="+",
+        default=[9_296, 150_000, 1_500_000],
+        help="windows of the single-device conversions of the memory test",
+    )
     parser.add_argument("--workers", type=int, nargs="*", default=[0], help="0 = default (all cores)")
     parser.add_argument("--skip-memory", action="store_true", help="skip the big-vs-small device test")
     parser.add_argument("--skip-shuffle", action="store_true", help="skip the --shuffle conversion")
@@ -136,7 +141,8 @@ def main() -> int:
             results["corpus"].append(row)
             print(table([row]), flush=True)
         if not args.skip_memory:
-            for name, size in (("small device", args.small_device), ("big device", args.big_device)):
+            for size in args.device_sizes:
+                name = "one device"
                 source = os.path.join(workdir, f"one_{size}")
                 make_parquet(source, {900 + size % 97: size}, seed=1)
                 row = {

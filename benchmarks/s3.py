@@ -9,9 +9,10 @@ the last batch. Sources, in one run:
 - the same endpoint behind an HTTP proxy (its own process) adding 10 ms and 25 ms each way, i.e.
   20 ms and 50 ms round trips (this kernel has no netem).
 
-Requests per epoch and bytes per request are counted by a zero-delay proxy for the loopback run and by
-the delay proxies for theirs. A second part compares whole-chunk reads of a ``codec="standard"``
-store: birdzarr's fsspec path (``ChunkReader`` on a thread pool) against TensorStore's reader.
+Requests per epoch and bytes per request are counted by a zero-delay proxy for the loopback run
+and by the delay proxies for theirs. Then: raw chunk-object fetches at +10 ms, s3fs (birdzarr's
+path) against obstore (if installed); and whole-chunk reads of a ``codec="standard"`` store,
+birdzarr's fsspec path (``ChunkReader`` on a thread pool) against TensorStore's reader.
 
     python benchmarks/s3.py                                  # defaults: 1M windows, 8192/chunk
     python benchmarks/s3.py --windows 300000 --prefetch 16   # smaller, more fetches in flight
@@ -122,6 +123,31 @@ def tensorstore_reads(
             "per_chunk_windows_per_s": n_windows / chunked_s}
 
 
+def raw_fetches(proxy_url: str, n_chunks: int, threads: int) -> dict[str, float]:
+    """MB/s of fetching every gimu chunk object (no decoding): s3fs (birdzarr's path) vs obstore."""
+    from birdzarr._storage import read_object
+
+    location = resolve("s3://bench/dict16.zarr", s3_options(proxy_url))
+    keys = [f"gimu/c/{i}/0/0" for i in range(n_chunks)]
+    started = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        total = sum(len(b) for b in pool.map(lambda k: read_object(location, k), keys))
+    out = {"mb": total / 1e6, "s3fs_mb_per_s": total / 1e6 / (time.perf_counter() - started)}
+    try:
+        import obstore
+        from obstore.store import S3Store
+    except ImportError:
+        return out
+    options = s3_options(proxy_url)
+    store = S3Store("bench", endpoint=proxy_url, access_key_id=options["key"], region=REGION,
+                    secret_access_key=options["secret"], client_options={"allow_http": True})
+    started = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        total = sum(pool.map(lambda k: len(obstore.get(store, f"dict16.zarr/{k}").bytes()), keys))
+    out["obstore_mb_per_s"] = total / 1e6 / (time.perf_counter() - started)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -190,6 +216,12 @@ def main() -> None:
             row["vs_local"] = row["windows_per_s"] / local_ws
         results["epochs"] = rows
 
+        proxy = Server("proxy", "--upstream", str(moto.port), "--delay", "0.01")
+        try:
+            results["raw_fetch_10ms"] = raw_fetches(proxy.url, local.reader.n_chunks, max(args.prefetch, 8))
+        finally:
+            proxy.stop()
+        print(json.dumps(results["raw_fetch_10ms"]), flush=True)
         if not args.skip_tensorstore:
             results["tensorstore"] = compare_tensorstore(source, workdir, moto, args)
     finally:
@@ -243,6 +275,11 @@ def print_table(results: dict[str, Any]) -> None:
         size = f"{r['bytes_per_request'] / 1e3:,.0f} kB" if "bytes_per_request" in r else "-"
         print(f"| {r['source']} | {r['rtt_ms']:g} ms | {r['windows_per_s'] / 1e6:.2f} M | "
               f"{r['vs_local']:.0%} | {requests} | {size} |")
+    raw = results.get("raw_fetch_10ms")
+    if raw:
+        obstore_rate = raw.get("obstore_mb_per_s", float("nan"))
+        print(f"fetching all gimu chunk objects at +10 ms each way ({raw['mb']:.0f} MB, no decoding): "
+              f"s3fs {raw['s3fs_mb_per_s']:.1f} MB/s, obstore {obstore_rate:.1f} MB/s")
     for r in results.get("tensorstore", []):
         print(f"whole-chunk reads, {r['source']}, {r['threads']} in flight: fsspec path "
               f"{r['fsspec_windows_per_s'] / 1e6:.2f} M windows/s; TensorStore whole array "

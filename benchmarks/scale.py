@@ -88,6 +88,13 @@ def generate(directory: str, n_devices: int, n_windows: int, *, seed: int, proce
     }
 
 
+def _children_cpu() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 # -- 2. conversion ---------------------------------------------------------------------------------
 def convert_measured(source: str, dest: str, workers: int, extra: list[str]) -> dict[str, Any]:
     import birdzarr
@@ -95,14 +102,17 @@ def convert_measured(source: str, dest: str, workers: int, extra: list[str]) -> 
     cli = "import sys; from birdzarr.cli import main; sys.exit(main(sys.argv[1:]))"
     argv = [sys.executable, "-c", cli, "convert", source, dest, "--overwrite", "--quiet",
             "--workers", str(workers), *extra]
+    cpu_before = _children_cpu()
     wall, peak, _ = run_measured(argv, interval=0.2)
+    cpu = _children_cpu() - cpu_before  # user + system seconds: robust to other load on the machine
     store = birdzarr.open_store(dest)
     seconds = float(store.meta["report"]["seconds"])
     raw = len(store) * WINDOW_BYTES
     stored = dir_bytes(dest)
     return {
         "workers": workers, "windows": len(store), "convert s": seconds, "wall s": wall,
-        "MB/s": raw / seconds / 1e6, "store GB": stored / 1e9, "ratio vs float32": raw / stored,
+        "MB/s": raw / seconds / 1e6, "cpu s": cpu, "MB per cpu s": raw / cpu / 1e6,
+        "store GB": stored / 1e9, "ratio vs float32": raw / stored,
         "chunk files": sum(len(f) for _, _, f in os.walk(dest)), "peak RSS MB": peak / 1e6,
         "load avg": round(os.getloadavg()[1], 1),  # 5-minute load average: others' work on the machine
         "command": " ".join(["birdzarr convert SRC DEST --overwrite --quiet --workers",
@@ -119,12 +129,14 @@ def dask_measured(source: str, dest: str, local_dest: str, n_workers: int) -> di
 
     import birdzarr
 
+    cpu_before = _children_cpu()
     with distributed.LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True,
                                   dashboard_address=None, silence_logs=40) as cluster:
         cli = "import sys; from birdzarr.cli import main; sys.exit(main(sys.argv[1:]))"
         argv = [sys.executable, "-c", cli, "convert", source, dest, "--overwrite", "--quiet",
                 "--dask-scheduler", cluster.scheduler_address]
         wall, _, _ = run_measured(argv, interval=0.5)
+    cpu = _children_cpu() - cpu_before  # the CLI client plus the worker processes, once they exit
     store = birdzarr.open_store(dest)
     seconds = float(store.meta["report"]["seconds"])
     differing, compared = [], 0
@@ -141,7 +153,8 @@ def dask_measured(source: str, dest: str, local_dest: str, n_workers: int) -> di
     same_table = [e.to_json() for e in local.device_table] == [e.to_json() for e in store.device_table]
     return {
         "dask workers": n_workers, "windows": len(store), "convert s": seconds, "wall s": wall,
-        "MB/s": len(store) * WINDOW_BYTES / seconds / 1e6, "files compared": compared,
+        "MB/s": len(store) * WINDOW_BYTES / seconds / 1e6, "cpu s": cpu,
+        "MB per cpu s": len(store) * WINDOW_BYTES / cpu / 1e6, "files compared": compared,
         "files differing": len(differing), "same device table": same_table,
         "load avg": round(os.getloadavg()[1], 1),
     }
@@ -167,12 +180,18 @@ def epoch_child(store: str, batch_size: int, workers: int, seed: int, quality_ba
     from birdzarr.read._quality import quality_ratio
 
     me = psutil.Process()
-    peak = [0]
+    peak = [0, 0]  # whole tree, main process alone
+    series: list[tuple[float, int]] = []
     done = threading.Event()
 
     def sample() -> None:
+        t0 = time.perf_counter()
         while not done.is_set():
-            peak[0] = max(peak[0], _tree_uss(me))
+            total = _tree_uss(me)
+            with contextlib.suppress(psutil.NoSuchProcess):
+                peak[1] = max(peak[1], me.memory_full_info().uss)
+            peak[0] = max(peak[0], total)
+            series.append((round(time.perf_counter() - t0, 1), total))
             done.wait(0.2)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -194,6 +213,10 @@ def epoch_child(store: str, batch_size: int, workers: int, seed: int, quality_ba
     seconds = time.perf_counter() - started
     done.set()
     sampler.join()
+    import resource
+
+    cpu = sum(getattr(resource.getrusage(who), f)
+              for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN) for f in ("ru_utime", "ru_stime"))
     peak_uss = max(peak[0], _tree_uss(me))
 
     # Shuffle quality from a sample of this epoch's batches (global indices -> device via the table).
@@ -216,15 +239,19 @@ def epoch_child(store: str, batch_size: int, workers: int, seed: int, quality_ba
         "windows": windows, "batches": batches, "epoch s": seconds, "first batch s": first,
         "windows/s": windows / seconds, "MB/s": windows * WINDOW_BYTES / seconds / 1e6,
         "peak USS MB": peak_uss / 1e6, "quality": quality_ratio(sampled, devices, counts),
+        "cpu s": cpu, "windows per cpu s": windows / cpu, "peak main USS MB": peak[1] / 1e6,
+        "USS MB at 10/50/90% of the run": [round(series[int(f * (len(series) - 1))][1] / 1e6)
+                                           for f in (0.1, 0.5, 0.9)] if series else None,
         "complete": windows == len(opened), "loader workers": workers, "batch": batch_size,
         "load avg": round(os.getloadavg()[1], 1),
     }
 
 
-def epoch_measured(store: str, batch_size: int, workers: int, seed: int) -> dict[str, Any]:
+def epoch_measured(store: str, batch_size: int, workers: int, seed: int,
+                   extra_env: dict[str, str] | None = None) -> dict[str, Any]:
     argv = [sys.executable, os.path.abspath(__file__), "_epoch", store,
             str(batch_size), str(workers), str(seed)]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", **(extra_env or {})}
     out = subprocess.run(argv, check=True, capture_output=True, text=True, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -264,6 +291,8 @@ def main() -> int:
                              "compare every chunk file with the local store (needs birdzarr[dask])")
     parser.add_argument("--batch-size", type=int, default=8192)
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers")
+    parser.add_argument("--epoch-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="run one more epoch with this environment variable (e.g. MALLOC_ARENA_MAX=2)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
@@ -287,6 +316,11 @@ def main() -> int:
             print(table([row]), flush=True)
         results["epoch"] = epoch_measured(dest, args.batch_size, args.workers, args.seed)
         print(table([results["epoch"]]), flush=True)
+        for item in args.epoch_env:
+            key, _, value = item.partition("=")
+            row = epoch_measured(dest, args.batch_size, args.workers, args.seed, {key: value})
+            results.setdefault("epoch_env", []).append({"env": item, **row})
+            print(table([{"env": item, **row}]), flush=True)
         ok = results["epoch"]["peak USS MB"] < 1000 and results["epoch"]["complete"]
         results["under 1 GB"] = ok
         print(f"\npeak private RAM of the loader tree {results['epoch']['peak USS MB']:.0f} MB "

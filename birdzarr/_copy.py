@@ -145,7 +145,7 @@ def copy_store(
                 bar.update(obj.size)
 
         _run_all(one, list(wanted.values()), workers)
-        stale = [key for key in present if key not in wanted]
+        stale = [key for key in present if key not in wanted and _basename(key) not in _NOT_COPIED]
         if overwrite and stale:
             dst.fs.rm([dst.join(key) for key in stale])
             result.deleted = len(stale)

@@ -177,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                 if rank == 0:
                     print(f"stopping at epoch {epoch}, batch {first_batch + consumed}, step {global_step}; "
                           f"resume with --resume", flush=True)
+                if log is not None:
+                    log.close()
                 if dist.is_initialized():
                     dist.destroy_process_group()
                 return 0

@@ -15,6 +15,7 @@ import pytest
 import birdzarr
 from birdzarr import _synthetic
 from birdzarr._errors import AppendError, BirdzarrError, IncompleteStoreError
+from birdzarr._repair import leftovers
 from birdzarr._verify import verify
 from birdzarr.cli import main
 from birdzarr.convert import append
@@ -110,13 +111,15 @@ def test_append_refuses_what_it_cannot_do_cleanly(
     with pytest.raises(AppendError, match="converted from csv input"):
         append(dest, parquet, progress=False)
     bad = tmp_path / "bad"
-    bad.mkdir()
+    shutil.copytree(csv_parts["more"], bad)  # good new windows are written first, then:
     (bad / "9999_0.csv").write_text("9999,not a time,0,-1,0,0,0,0\n")
     with pytest.raises(BirdzarrError, match="9999_0.csv, line 1"):
         append(dest, bad, progress=False)
     assert (dest / "zarr.json").read_bytes() == before  # nothing committed
     assert not (dest / ".birdzarr.lock").exists()
-    assert verify(dest).ok and len(birdzarr.open_store(dest)) == len(birdzarr.open_store(dest))
+    store = birdzarr.open_store(dest)
+    assert leftovers(store.location, len(store)) == []  # the failed append cleaned up after itself
+    assert verify(dest).ok
     # a shuffled store cannot take unshuffled windows at its end
     meta = json.loads(before)
     meta["attributes"]["birdzarr"]["layout"]["shuffled"] = True

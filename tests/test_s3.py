@@ -231,7 +231,7 @@ def test_cli_convert_info_copy_with_standard_aws_environment(
         assert SECRET_KEY not in done.stdout + done.stderr and ACCESS_KEY not in done.stdout + done.stderr
         return done
 
-    done = cli("convert", str(directory), url, "--chunk-windows", "4096", "--quiet")
+    done = cli("convert", str(directory), url, "--chunk-windows", "8192", "--quiet")
     assert done.returncode == 0, done.stderr
     info = cli("info", url, "--json")
     assert info.returncode == 0, info.stderr

@@ -64,9 +64,9 @@ def test_a_flipped_byte_is_found(store_copy: pathlib.Path) -> None:
 def test_a_flipped_header_byte_is_refused_by_the_loader(store_copy: pathlib.Path) -> None:
     path = _chunk(store_copy, "gimu", 1)
     raw = bytearray(path.read_bytes())
-    raw[12] ^= 0xFF  # blosc header (compressed size): always detected when decoding
+    raw[6] ^= 0xFF  # blosc header, uncompressed size: decoding must fail
     path.write_bytes(bytes(raw))
-    assert not verify(store_copy).ok
+    assert "gimu/c/1/0/0' cannot be decoded" in verify(store_copy).format()
     _iterate_loader_expecting_damage(store_copy)
 
 
@@ -133,3 +133,25 @@ def test_cli_verify_exit_status_and_listing(
     out = capsys.readouterr().out
     assert "FAILED" in out and "timestamp/c/2' is missing" in out
     assert main(["verify", str(store_copy / "nope")]) == 2
+
+
+def test_a_shuffled_store_checks_its_scattered_checksums(
+    tmp_path: pathlib.Path, parquet_source: tuple[pathlib.Path, dict]
+) -> None:
+    dest = tmp_path / "shuffled.zarr"
+    birdzarr.convert(parquet_source[0], dest, chunk_windows=1024, shuffle=True, seed=1, progress=False)
+    result = verify(dest, source=parquet_source[0])
+    assert result.ok, result.format()
+    assert result.checksums_checked == len(parquet_source[1])
+    source = tmp_path / "src"
+    shutil.copytree(parquet_source[0], source)
+    device = sorted(parquet_source[1])[1]
+    windows = parquet_source[1][device].copy()
+    windows[3, 0, 0] += np.float32(1.0)
+    _synthetic.write_parquet(windows, source / f"{device}.parquet")
+    assert f"device {device}: 1 window(s)" in verify(dest, source=source).format()
+    a, b = _chunk(dest, "gimu", 1), _chunk(dest, "gimu", 4)
+    data_a, data_b = a.read_bytes(), b.read_bytes()
+    a.write_bytes(data_b)
+    b.write_bytes(data_a)
+    assert "scattered checksum" in verify(dest).format()

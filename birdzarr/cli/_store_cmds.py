@@ -56,9 +56,9 @@ def add_convert(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument("source", help="directory, file or fsspec URL of {device}_{part}.csv or {device}.parquet")
     p.add_argument("dest", help="store path or URL (s3://bucket/x.zarr, ...)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing store at DEST")
-    p.add_argument("--codec", choices=("dict16", "standard"), default="dict16",
+    p.add_argument("--codec", choices=("dict16", "standard"), default=None,
                    help="dict16 (default: smallest, needs birdzarr to read) or standard (blosc only: "
-                        "TensorStore and plain zarr read it)")
+                        "TensorStore and plain zarr read it; the default with --shuffle)")
     p.add_argument("--chunk-windows", type=int, default=8192, help="windows per chunk (default 8192)")
     p.add_argument("--on-bad-rows", choices=("error", "skip"), default="error",
                    help="stop at the first malformed row (default) or skip and count them")

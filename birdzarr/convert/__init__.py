@@ -71,7 +71,7 @@ def convert(
     dest: StoreLike,
     *,
     overwrite: bool = False,
-    codec: str = "dict16",
+    codec: str | None = None,
     chunk_windows: int = 8192,
     on_bad_rows: str = "error",
     curation: Curation | None = None,
@@ -93,7 +93,9 @@ def convert(
     ``shuffle=True`` stores the windows in one global random order drawn from ``seed`` (a random
     seed, recorded, if None), spilling them through temporary bucket files in ``shuffle_tmp``
     (default ``$TMPDIR``); see docs/conversion.md#shuffle for what that costs and buys.
-    ``workers`` is the number of encoding threads (default: all cores); it never changes the
+    ``codec`` is ``"dict16"`` (default) or ``"standard"``; shuffled stores default to
+    ``"standard"``, because a chunk mixing all devices holds too many distinct values for dict16
+    (measured: docs/conversion.md#shuffle). ``workers`` is the number of encoding threads (default: all cores); it never changes the
     stored bytes. ``client`` (a ``distributed.Client``) runs the reading, curation and chunk
     writing on a Dask cluster instead, with a byte-identical result (docs/scaling.md).
     """
@@ -103,6 +105,8 @@ def convert(
         raise ValueError(f"on_bad_rows must be one of {ON_BAD_ROWS}, got {on_bad_rows!r}")
     if chunk_windows < 1:
         raise ValueError("chunk_windows must be positive")
+    if codec is None:
+        codec = "standard" if shuffle else "dict16"
     curation = curation or Curation()
     src = resolve(source, source_storage_options)
     dst = resolve(dest, storage_options)

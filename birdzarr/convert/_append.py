@@ -13,6 +13,7 @@ between a committed part and a new part loses its remainder rows, as at the end 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -103,6 +104,13 @@ class AppendWriter(StoreWriter):
         self.static_attrs = {k: v for k, v in meta.items() if k not in _NOT_STATIC}
         self.appended: dict[int, list[str]] = {}
         return self
+
+    def _abandon(self) -> None:
+        """A failed append leaves its previous commit exactly as it was, leftovers removed."""
+        if hasattr(self, "group"):
+            # the append's own error is the one to report; `birdzarr repair` can finish this
+            with contextlib.suppress(Exception):
+                discard_uncommitted(self.location, self.group, self.previous_windows)
 
     def write_device(self, device_id: int, blocks: Iterable[WindowBlock], sources: list[str]) -> DeviceReport:
         """Write one device's new windows as a new range; merge its table entry and report."""

@@ -132,10 +132,15 @@ class StoreWriter:
             self._drain()
         finally:
             self._pool.shutdown(wait=True)
-            failed = exc_type is not None and self._created and not self._committed
+            failed = exc_type is not None and not self._committed
             if failed:
-                clear_except_lock(self.location)  # a failed conversion leaves nothing behind
-            release_and_tidy(self.lock, remove_root=failed)
+                self._abandon()
+            release_and_tidy(self.lock, remove_root=failed and self._created)
+
+    def _abandon(self) -> None:
+        """Undo an uncommitted write, under the lock: a failed conversion leaves nothing behind."""
+        if self._created:
+            clear_except_lock(self.location)
 
     def _prepare_destination(self) -> None:
         if not exists(self.location):
