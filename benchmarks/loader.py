@@ -146,6 +146,7 @@ def _quality(kept: list[np.ndarray], meta: dict[str, Any]) -> float:
 
 def run_case(spec: dict[str, Any]) -> dict[str, Any]:
     import _loader_baselines as base
+    import torch
     from torch.utils.data import DataLoader
 
     meta = spec["meta"]
@@ -182,7 +183,9 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
         plan = ds.plan()
         groups = -(-plan.n_batches // plan.group_batches)
         result["chunks_per_group"] = float(np.mean([len(plan.group_chunks(g)) for g in range(groups)]))
-        loader = DataLoader(ds, batch_size=None, num_workers=WORKERS)
+        if spec.get("sharing"):
+            torch.multiprocessing.set_sharing_strategy(spec["sharing"])
+        loader = DataLoader(ds, batch_size=None, num_workers=spec.get("workers", WORKERS))
         if spec["ldt"]:
             out = _iterate(loader, max_batches=None, quality_batches=q,
                            ids_of=lambda batch: batch[1][:, 1].numpy().copy())
@@ -280,8 +283,12 @@ def cases(meta: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]
                         "buffer": buffer, "ldt": True})
     main_store = "shuffled" if "shuffled" in meta["stores"] else "device"
     tag = "pre-shuffled" if main_store == "shuffled" else "device order"
-    out.append({"label": f"(f) WindowDataset default, x only, {tag}", "kind": "birdzarr", "store": main_store,
-                "buffer": None, "ldt": False})
+    x_only = {"kind": "birdzarr", "store": main_store, "buffer": None, "ldt": False}
+    out.append({"label": f"(f) WindowDataset default, x only, {tag}", **x_only})
+    # the same, with what a training script can change: torch's sharing strategy, or no workers
+    out.append({"label": f"(f) WindowDataset default, x only, {tag}, file_system sharing", **x_only,
+                "sharing": "file_system"})
+    out.append({"label": f"(f) WindowDataset default, x only, {tag}, num_workers=0", **x_only, "workers": 0})
     for store in ("device2x", "shuffled2x"):
         if store in meta["stores"]:
             tag = "pre-shuffled" if store.startswith("shuffled") else "device order"
@@ -291,14 +298,16 @@ def cases(meta: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]
 
 
 def predicted_device_order(meta: dict[str, Any], chunks_per_group: float) -> float:
-    """Quality ratio of a batch holding only K independent device draws (K chunks of one device
-    each): TV of K multinomial draws over TV of B draws, ~sqrt(B/K) until it saturates."""
+    """Quality ratio of a batch whose windows come from K chunks of one device each: the device
+    mix then has only K independent draws (TV of K multinomial draws, ~sqrt(B/K) times that of B
+    draws until it saturates) plus the batch's own sampling noise, so about sqrt(1 + B/K)."""
     from birdzarr.read._quality import uniform_tv_distance
 
     sizes = np.asarray(meta["sizes"], dtype=float)
     proportions = sizes / sizes.sum()
     k = max(1, round(chunks_per_group))
-    return uniform_tv_distance(proportions, k) / uniform_tv_distance(proportions, BATCH)
+    ratio = uniform_tv_distance(proportions, k) / uniform_tv_distance(proportions, BATCH)
+    return float(np.sqrt(1 + ratio**2))
 
 
 def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
@@ -404,6 +413,10 @@ def main() -> int:
     print(f"{args.windows:,} windows, {args.devices} devices, batch {BATCH}, {WORKERS} workers; {machine()}; "
           f"total {time.perf_counter() - started:.0f} s")
     print(table(rows))
+    chunks = -(-args.windows // 8192)
+    print(f"device-ordered store: predicted quality ratio with a buffer of all {chunks} chunks (the whole "
+          f"data set in RAM): {predicted_device_order(meta, chunks):.1f}; 1.3 needs ~{BATCH / 0.69:,.0f} "
+          "independent chunk draws per batch")
     if args.plot:
         os.makedirs(os.path.dirname(args.plot), exist_ok=True)
         plot(rows, args.plot, f"Training loader, {args.windows / 1e6:.1f} M windows, batch {BATCH}, "

@@ -41,7 +41,7 @@ from s3_support import REGION, s3_options  # noqa: E402
 import birdzarr  # noqa: E402
 from birdzarr import _synthetic  # noqa: E402
 from birdzarr._copy import copy_store  # noqa: E402
-from birdzarr._storage import resolve  # noqa: E402
+from birdzarr._storage import FETCHER_ENV, resolve  # noqa: E402
 from birdzarr.read._chunks import ChunkReader  # noqa: E402
 
 
@@ -68,6 +68,14 @@ class Server:
         self.proc.stdin.close()
         self.proc.terminate()
         self.proc.wait(10)
+
+
+def _has_obstore() -> bool:
+    try:
+        import obstore  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def epoch(url: str, options: dict[str, Any] | None, args: argparse.Namespace) -> dict[str, float]:
@@ -208,6 +216,20 @@ def main() -> None:
             row.update(requests=stats["requests"], methods=stats["methods"],
                        bytes_per_request=stats["get_bytes"] / max(1, stats["methods"].get("GET", 1)))
             rows.append(row)
+            if delay and _has_obstore():
+                # The same epoch with the optional obstore fetcher (DataLoader workers use it; this
+                # process must not have started obstore before they fork).
+                os.environ[FETCHER_ENV] = "obstore"
+                try:
+                    fast = epoch("s3://bench/dict16.zarr", s3_options(proxy.url), args)
+                finally:
+                    del os.environ[FETCHER_ENV]
+                stats = proxy.stats()
+                rows.append({"source": f"moto S3 +{delay:g} ms each way, obstore fetcher",
+                             "rtt_ms": 2 * delay, **fast, "requests": stats["requests"],
+                             "methods": stats["methods"],
+                             "bytes_per_request": stats["get_bytes"] / max(1, stats["requests"])})
+                print(json.dumps(rows[-1]), flush=True)
             proxy.stop()
             servers.remove(proxy)
             print(json.dumps(row), flush=True)

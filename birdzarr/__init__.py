@@ -3,6 +3,7 @@
 Public API (everything else is private and may change)::
 
     birdzarr.convert(source, dest, **options)   # CSV exports or per-device Parquet -> store
+    birdzarr.append(store, source, **options)   # new devices or parts, committed atomically
     birdzarr.open_store(url) -> Store            # read-only handle for notebooks and scripts
     birdzarr.WindowDataset(url, batch_size=...)  # shuffled batches for torch DataLoader
 """
@@ -14,6 +15,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 from birdzarr._errors import (  # noqa: E402
+    AppendError,
     BadInputError,
     BirdzarrError,
     ChecksumMismatchError,
@@ -28,12 +30,13 @@ from birdzarr._errors import (  # noqa: E402
 )
 from birdzarr._format import CHANNELS, FORMAT_VERSION, TIMESTAMP_UNKNOWN, Curation  # noqa: E402
 from birdzarr._store import Store, open_store  # noqa: E402
-from birdzarr.convert import convert  # noqa: E402
+from birdzarr.convert import append, convert  # noqa: E402
 
 __all__ = [
     "CHANNELS",
     "FORMAT_VERSION",
     "TIMESTAMP_UNKNOWN",
+    "AppendError",
     "BadInputError",
     "BirdzarrError",
     "ChecksumMismatchError",
@@ -49,6 +52,7 @@ __all__ = [
     "StoreNotFoundError",
     "WindowDataset",
     "__version__",
+    "append",
     "convert",
     "open_store",
 ]

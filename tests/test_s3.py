@@ -7,6 +7,7 @@ through the fault-injecting proxy of s3_support.py.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -284,3 +285,28 @@ def test_window_dataset_full_epoch_on_s3(s3_store: birdzarr.Store, bucket: str, 
     order_got, order_truth = np.lexsort(rows_got.T[::-1]), np.lexsort(rows_truth.T[::-1])
     assert np.array_equal(rows_got[order_got], rows_truth[order_truth])
     assert not np.array_equal(rows_got, rows_truth)
+
+
+def test_optional_obstore_fetcher(
+    s3_store: birdzarr.Store, proxy: Any, bucket: str, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+) -> None:
+    """BIRDZARR_S3_FETCHER=obstore: same bytes, one GET per chunk, throttling retried, and never
+    used in a process forked after its runtime started (it would hang there)."""
+    pytest.importorskip("obstore")
+    from birdzarr import _storage
+
+    monkeypatch.setenv(_storage.FETCHER_ENV, "obstore")
+    monkeypatch.setattr(_storage, "_obstore_pid", None)
+    store = birdzarr.open_store(f"s3://{bucket}/small.zarr", storage_options=s3_options(proxy.url))
+    assert _storage._uses_obstore(store.location)
+    proxy.clear()
+    proxy.inject("503", 2, path_contains="/gimu/c/1/")
+    assert np.array_equal(bits(store.windows[: 3 * CHUNK]), bits(s3_store.windows[: 3 * CHUNK]))
+    log = proxy.requests()
+    assert Counter(r.method for r in log) == {"GET": 5} and sum(r.fault == "503" for r in log) == 2
+    assert _storage._obstore_pid == os.getpid()
+    with pytest.raises(MissingChunkError, match="gimu/c/99/0/0"):
+        _storage.read_object(store.location, "gimu/c/99/0/0")
+    monkeypatch.setattr(_storage, "_obstore_pid", os.getpid() + 1)  # as seen in a forked child
+    assert not _storage._uses_obstore(store.location)
+    assert np.array_equal(bits(store.windows[:CHUNK]), bits(s3_store.windows[:CHUNK]))  # via s3fs

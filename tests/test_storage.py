@@ -60,14 +60,20 @@ def test_redaction_of_urls_and_option_secrets() -> None:
     assert redact("the password hunter22 leaked") == "the password *** leaked"
 
 
+class HttpStatusError(OSError):
+    """Carries ``status`` as aiohttp's ClientResponseError does (the HTTP filesystem's errors)."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(f"HTTP {status}")
+        self.status = status
+
+
 def test_transient_errors_are_retried_and_answers_are_not() -> None:
     assert is_transient(ConnectionResetError()) and is_transient(TimeoutError())
     assert is_transient(OSError(5, "EIO"))
     assert not is_transient(FileNotFoundError()) and not is_transient(PermissionError())
     assert not is_transient(ValueError()) and not is_transient(MissingChunkError("x"))
-    forbidden, throttled = OSError("403"), OSError("503")
-    forbidden.status, throttled.status = 403, 503  # type: ignore[attr-defined]  (as aiohttp's errors)
-    assert not is_transient(forbidden) and is_transient(throttled)
+    assert not is_transient(HttpStatusError(403)) and is_transient(HttpStatusError(503))
     calls: list[int] = []
 
     def flaky() -> str:

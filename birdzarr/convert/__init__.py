@@ -95,9 +95,10 @@ def convert(
     (default ``$TMPDIR``); see docs/conversion.md#shuffle for what that costs and buys.
     ``codec`` is ``"dict16"`` (default) or ``"standard"``; shuffled stores default to
     ``"standard"``, because a chunk mixing all devices holds too many distinct values for dict16
-    (measured: docs/conversion.md#shuffle). ``workers`` is the number of encoding threads (default: all cores); it never changes the
-    stored bytes. ``client`` (a ``distributed.Client``) runs the reading, curation and chunk
-    writing on a Dask cluster instead, with a byte-identical result (docs/scaling.md).
+    (measured: docs/conversion.md#shuffle). ``workers`` is the number of encoding threads
+    (default: all cores); it never changes the stored bytes. ``client`` (a
+    ``distributed.Client``) runs the reading, curation and chunk writing on a Dask cluster
+    instead, with a byte-identical result (docs/scaling.md).
     """
     from birdzarr._store import open_store
 

@@ -8,8 +8,9 @@ windows, and the same input and seed give the same store.
 
 Where the bytes go: the bucket files live in a fresh ``birdzarr-shuffle-*`` directory under
 ``tmp_dir`` (default: the system temporary directory, ``$TMPDIR``), hold every window once,
-compressed with blosc lz4 (about a third of the float32 size on calibrated data), and are
-removed when the conversion ends, whether it succeeds or fails.
+compressed with the store's own dict16 + lz4 chain (each spilled piece comes from one device,
+so it compresses about 3x, like an unshuffled store), and are removed when the conversion ends,
+whether it succeeds or fails.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any, BinaryIO
 import numpy as np
 from numcodecs import Blosc
 
+from birdzarr._codec import decode_dict16, encode_dict16
 from birdzarr._format import (
     N_CHANNELS,
     TIMESTAMP_UNKNOWN,
@@ -40,8 +42,12 @@ MAX_BUCKETS = 512  # open files in pass 1
 RECORD = np.dtype([
     ("window", "<f4", (WINDOW_LENGTH, N_CHANNELS)), ("device", "<i4"), ("label", "<i4"), ("timestamp", "<i8"),
 ])
-_FRAME = struct.Struct("<Q")
-_SPILL_CODEC = Blosc(cname="lz4", clevel=5, shuffle=Blosc.BITSHUFFLE)
+_FRAME = struct.Struct("<QQQ")  # records, bytes of the windows blob, bytes of the metadata blob
+_WINDOWS_CODEC = Blosc(cname="lz4", clevel=5, shuffle=Blosc.BITSHUFFLE)  # after dict16
+_META_CODEC = Blosc(cname="lz4", clevel=5, shuffle=Blosc.SHUFFLE)
+_META = np.dtype([("device", "<i4"), ("label", "<i4"), ("timestamp", "<i8")])
+_META_FIELDS = ("device", "label", "timestamp")
+_RECORD_FIELDS = ("window", *_META_FIELDS)
 
 
 def bucket_count(estimated_windows: int) -> int:
@@ -58,9 +64,13 @@ class _Buckets:
         self.bytes_written = 0
 
     def add(self, bucket: int, records: np.ndarray) -> None:
-        frame = _SPILL_CODEC.encode(records.view(np.uint8))
-        self.files[bucket].write(_FRAME.pack(len(frame)) + frame)
-        self.bytes_written += _FRAME.size + len(frame)
+        windows = _WINDOWS_CODEC.encode(encode_dict16(np.ascontiguousarray(records["window"])))
+        meta = np.empty(len(records), dtype=_META)
+        for name in _META_FIELDS:
+            meta[name] = records[name]
+        packed = _META_CODEC.encode(meta.view(np.uint8))
+        self.files[bucket].write(_FRAME.pack(len(records), len(windows), len(packed)) + windows + packed)
+        self.bytes_written += _FRAME.size + len(windows) + len(packed)
 
     def close(self) -> None:
         for handle in self.files:
@@ -70,8 +80,14 @@ class _Buckets:
         parts = []
         with open(self.paths[bucket], "rb") as handle:
             while header := handle.read(_FRAME.size):
-                (size,) = _FRAME.unpack(header)
-                parts.append(np.frombuffer(_SPILL_CODEC.decode(handle.read(size)), dtype=RECORD))
+                n, windows_size, meta_size = _FRAME.unpack(header)
+                part = np.empty(n, dtype=RECORD)
+                raw = _WINDOWS_CODEC.decode(handle.read(windows_size))
+                part["window"] = decode_dict16(raw, (n, WINDOW_LENGTH, N_CHANNELS))
+                meta = np.frombuffer(_META_CODEC.decode(handle.read(meta_size)), dtype=_META)
+                for name in _META_FIELDS:
+                    part[name] = meta[name]
+                parts.append(part)
         os.remove(self.paths[bucket])  # free the disk as pass 2 goes
         return np.concatenate(parts) if parts else np.empty(0, dtype=RECORD)
 
@@ -140,7 +156,7 @@ def write_shuffled(
             records = spill.load(bucket)
             records = records[np.random.default_rng([seed, bucket]).permutation(len(records))]
             _hash_in_order(hashers, records)
-            columns = {name: np.ascontiguousarray(records[name]) for name in RECORD.names}
+            columns = {name: np.ascontiguousarray(records[name]) for name in _RECORD_FIELDS}
             block = WindowBlock(
                 columns["window"], columns["timestamp"], columns["label"], DeviceReport(), columns["device"]
             )

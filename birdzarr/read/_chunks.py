@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from numcodecs import Blosc
 
-from birdzarr._codec import _MODE_DICT, DICT16, MAGIC, decode_dict16
+from birdzarr._codec import _MODE_DICT, _MODE_RAW, DICT16, MAGIC, decode_dict16
 from birdzarr._errors import MissingChunkError, NotAStoreError
 from birdzarr._format import DEVICE, GIMU, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH
 from birdzarr._storage import Location
@@ -41,14 +41,21 @@ def _blosc_decode_scratch(raw: bytes) -> np.ndarray:
 
 
 def _decode_dict16_into(decoded: np.ndarray, out: np.ndarray) -> bool:
-    """Decode a dict16 body straight into ``out`` (channel-last); False if it must take the
-    general path (raw mode, or a shape that does not match)."""
+    """Decode a dict16 body (either mode) straight into ``out`` (channel-last); False if it must
+    take the general path (a header or shape that does not match)."""
     header = decoded[:16].view("<u4")
     n_per_channel, n_channels = int(header[2]), int(header[3])
-    if bytes(decoded[:4]) != MAGIC or int(header[1]) != _MODE_DICT or n_channels != out.shape[-1] or (
-        n_per_channel * n_channels != out.size or not out.flags.c_contiguous
+    if bytes(decoded[:4]) != MAGIC or int(header[1]) not in (_MODE_DICT, _MODE_RAW) or (
+        n_channels != out.shape[-1] or n_per_channel * n_channels != out.size or not out.flags.c_contiguous
     ):
         return False
+    flat = out.reshape(n_per_channel, n_channels)
+    if int(header[1]) == _MODE_RAW:  # channel-major float32 (chunks with too many distinct values)
+        body = decoded[16 : 16 + 4 * n_per_channel * n_channels]
+        if len(body) != 4 * n_per_channel * n_channels:
+            raise ValueError("dict16 chunk is truncated")
+        flat[:] = body.view("<f4").reshape(n_channels, n_per_channel).T
+        return True
     sizes = decoded[16 : 16 + 4 * n_channels].view("<u4").astype(np.int64)
     offset = 16 + 4 * n_channels
     dictionaries = []
@@ -59,9 +66,12 @@ def _decode_dict16_into(decoded: np.ndarray, out: np.ndarray) -> bool:
     if len(codes) != n_per_channel * n_channels:
         raise ValueError("dict16 chunk is truncated")
     codes = codes.reshape(n_channels, n_per_channel)
-    flat = out.reshape(n_per_channel, n_channels)
     for c in range(n_channels):
-        flat[:, c] = dictionaries[c][codes[c]]  # raises IndexError on a corrupt code
+        if len(codes[c]) and int(codes[c].max()) >= len(dictionaries[c]):
+            raise ValueError(f"dict16 code out of range in channel {c}")
+        # mode="clip" (codes checked above) writes straight into the strided column; the default
+        # mode="raise" would go through a temporary array
+        np.take(dictionaries[c], codes[c], out=flat[:, c], mode="clip")
     return True
 
 
@@ -155,7 +165,8 @@ class ChunkReader:
     def read(self, name: str, index: int, out: np.ndarray | None = None) -> np.ndarray:
         """Chunk ``index`` of array ``name``, trimmed to committed windows.
 
-        ``out`` (dict16 ``gimu`` only): a C-contiguous float32 ``(chunk_windows, 20, 4)`` buffer
+        ``out`` (``gimu`` of the dict16 and standard chains): a C-contiguous float32
+        ``(chunk_windows, 20, 4)`` buffer
         to decode into, so a reader can recycle chunk buffers instead of faulting in fresh pages.
         """
         layout = self.layouts[name]
@@ -166,9 +177,13 @@ class ChunkReader:
             return self._read_with_zarr(name, start, stop)
         raw = self._fetch(layout, index)
         try:
-            if layout.chain == "dict16" and out is not None:
+            if out is not None and layout.chain in ("dict16", "standard"):
                 decoded = _blosc_decode_scratch(raw)
-                if _decode_dict16_into(decoded, out):
+                if layout.chain == "dict16" and _decode_dict16_into(decoded, out):
+                    return out[: stop - start]
+                if layout.chain == "standard" and len(decoded) == out.nbytes and out.flags.c_contiguous:
+                    channel_major = decoded.view("<f4").reshape(N_CHANNELS, self.chunk_windows, WINDOW_LENGTH)
+                    out[:] = channel_major.transpose(1, 2, 0)
                     return out[: stop - start]
             decoded = _BLOSC.decode(raw)
             if layout.chain == "dict16":

@@ -39,7 +39,14 @@ Batch = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 def _new_batch(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Tensor:
     """An uninitialised tensor, in shared memory when ``shared`` (inside a DataLoader worker)."""
     if shared:
-        return torch.empty(shape, dtype=dtype).share_memory_()
+        # Straight into a new shared segment, as default_collate does in workers;
+        # ``share_memory_()`` would allocate, then copy into the segment (twice the page faults).
+        nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+        try:
+            storage = torch.UntypedStorage._new_shared(nbytes)
+        except (AttributeError, RuntimeError):  # a torch without it: the public way
+            return torch.empty(shape, dtype=dtype).share_memory_()
+        return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
     return torch.empty(shape, dtype=dtype)
 
 
