@@ -16,10 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import google_crc32c
 import numpy as np
 from numcodecs import Blosc
 from zarr.abc.codec import ArrayBytesCodec
-from zarr.codecs import BloscCodec, BytesCodec, TransposeCodec
+from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, TransposeCodec
 from zarr.registry import register_codec
 
 if TYPE_CHECKING:
@@ -156,18 +157,30 @@ def gimu_codecs(codec: str, *, clevel: int = DEFAULT_CLEVEL, cname: Any = DEFAUL
         return {
             "filters": (),
             "serializer": Dict16Codec(),
-            "compressors": (BloscCodec(cname=cname, clevel=clevel, shuffle="bitshuffle", typesize=2),),
+            "compressors": (BloscCodec(cname=cname, clevel=clevel, shuffle="bitshuffle", typesize=2), Crc32cCodec()),
         }
     if codec == "standard":
         return {
             "filters": (TransposeCodec(order=(2, 0, 1)),),
             "serializer": BytesCodec(endian="little"),
-            "compressors": (BloscCodec(cname=cname, clevel=clevel, shuffle="bitshuffle", typesize=4),),
+            "compressors": (BloscCodec(cname=cname, clevel=clevel, shuffle="bitshuffle", typesize=4), Crc32cCodec()),
         }
     raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
 
 
 _SHUFFLES = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
+
+
+def with_crc32c(data: bytes) -> bytes:
+    """Append the zarr v3 ``crc32c`` codec's checksum: CRC-32C of ``data``, 4 bytes little-endian."""
+    return data + google_crc32c.value(data).to_bytes(4, "little")
+
+
+def strip_crc32c(data: bytes) -> bytes:
+    """Check and remove the trailing CRC-32C written by :func:`with_crc32c`."""
+    if len(data) < 4 or google_crc32c.value(data[:-4]) != int.from_bytes(data[-4:], "little"):
+        raise ValueError("crc32c checksum mismatch: the chunk's bytes were changed or truncated")
+    return data[:-4]
 
 
 def chunk_encoder(codecs: list[dict[str, Any]]) -> Callable[[np.ndarray], bytes] | None:
@@ -178,6 +191,11 @@ def chunk_encoder(codecs: list[dict[str, Any]]) -> Callable[[np.ndarray], bytes]
     (the caller then writes through zarr-python). tests/test_codec.py checks the bytes equal
     zarr-python's own.
     """
+    if codecs and codecs[-1]["name"] == "crc32c":
+        inner = chunk_encoder(codecs[:-1])
+        if inner is None:
+            return None
+        return lambda chunk: with_crc32c(inner(chunk))
     names = [c["name"] for c in codecs]
     if names[-1:] != ["blosc"]:
         return None
@@ -205,5 +223,5 @@ def per_window_codecs() -> dict[str, Any]:
     return {
         "filters": (),
         "serializer": BytesCodec(endian="little"),
-        "compressors": (BloscCodec(cname="zstd", clevel=3, shuffle="shuffle"),),
+        "compressors": (BloscCodec(cname="zstd", clevel=3, shuffle="shuffle"), Crc32cCodec()),
     }

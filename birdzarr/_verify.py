@@ -5,7 +5,7 @@ Checks, in one pass over the committed chunks (each chunk file is read once):
 
 - every chunk of every array below the committed count exists and decodes (zarr would return
   fill values for a missing chunk; birdzarr's reader raises :class:`MissingChunkError`);
-- every device range's checksum (BLAKE2b-128 of the little-endian float32 bytes of its windows,
+- every device range's checksum (CRC-32C of the little-endian float32 bytes of its windows,
   as written by the converter) matches; shuffled stores check each device's scattered checksum
   (its windows in ascending global index order) instead;
 - every window's ``device`` id is the one the device table says;

@@ -107,3 +107,38 @@ def test_failure_on_cluster_leaves_no_store(cluster_client, tmp_path: pathlib.Pa
     with pytest.raises(birdzarr.BadInputError):
         birdzarr.convert(src, dest, chunk_windows=1024, progress=False, client=cluster_client)
     assert not dest.exists() or not any(dest.iterdir())
+
+
+def test_write_task_abandons_the_next_device_part_way(tmp_path: pathlib.Path) -> None:
+    """A task stops reading the following device after its last chunk; the read-ahead thread must
+    let go (a reader blocked on a full queue once hung a 25 M-window conversion)."""
+    import threading
+    import time
+
+    from birdzarr._format import Curation
+    from birdzarr._storage import resolve
+    from birdzarr.convert._dask import _span_blocks, count_device, plan_spans
+    from birdzarr.convert._sources import discover
+
+    src = tmp_path / "src"
+    src.mkdir()
+    _synthetic.write_parquet(_synthetic.curated_windows(1_000, seed=1), src / "1.parquet")
+    _synthetic.write_parquet(_synthetic.curated_windows(70_000, seed=2), src / "2.parquet")  # 5 blocks
+    _, devices = discover(resolve(src))
+    counts = [count_device(d, Curation(), "error") for d in devices]
+    _, spans = plan_spans(devices, counts, 1024)
+    got: list[int] = []
+
+    def run() -> None:
+        n = 0
+        for device_id, block in _span_blocks(spans[0], Curation(), "error", {}):
+            n += len(block)
+            if device_id == 2:
+                time.sleep(2)  # a slow writer: the reader finishes the device and waits on the queue
+        got.append(n)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "the task hung after leaving the second device part way"
+    assert got == [1024]

@@ -8,12 +8,12 @@ which encodes the chunks of a slab on its thread pool while the caller parses th
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cached_property
 from typing import Any
 
+import google_crc32c
 import numpy as np
 import zarr
 
@@ -49,9 +49,26 @@ _FILL = {DEVICE: -1, TIMESTAMP: TIMESTAMP_UNKNOWN, LABEL: LABEL_UNLABELLED}
 _EVERY_CHUNK: Any = {"write_empty_chunks": True}
 
 
-def checksum_hasher() -> Any:
-    """The checksum of a run of curated windows: BLAKE2b-128 of their little-endian float32 bytes."""
-    return hashlib.blake2b(digest_size=16)
+class WindowChecksum:
+    """CRC-32C (Castagnoli) of windows' little-endian float32 bytes, fed in order.
+
+    Hardware CRC-32C runs at several GB/s, over ten times BLAKE2b, which cost a fifth of the
+    conversion's CPU; the checksums guard against damage, not against an adversary.
+    """
+
+    def __init__(self) -> None:
+        self._crc = 0
+
+    def update(self, data: bytes | memoryview) -> None:
+        self._crc = google_crc32c.extend(self._crc, data if isinstance(data, bytes) else bytes(data))
+
+    def hexdigest(self) -> str:
+        return f"{self._crc:08x}"
+
+
+def checksum_hasher() -> WindowChecksum:
+    """The checksum of a run of curated windows (see :class:`WindowChecksum`)."""
+    return WindowChecksum()
 
 
 def _now() -> str:

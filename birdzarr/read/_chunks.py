@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from numcodecs import Blosc
 
-from birdzarr._codec import _MODE_DICT, _MODE_RAW, DICT16, MAGIC, decode_dict16
+from birdzarr._codec import _MODE_DICT, _MODE_RAW, DICT16, MAGIC, decode_dict16, strip_crc32c
 from birdzarr._errors import MissingChunkError, NotAStoreError
 from birdzarr._format import DEVICE, GIMU, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH
 from birdzarr._storage import Location
@@ -85,6 +85,7 @@ class ArrayLayout:
     chain: str  # "dict16" | "standard" | "per_window" | "zarr" (anything else)
     separator: str
     fill_value: Any
+    crc32c: bool = False  # chunks end with the zarr v3 crc32c codec's checksum
 
     @classmethod
     def from_metadata(cls, name: str, meta: dict[str, Any]) -> ArrayLayout:
@@ -94,6 +95,9 @@ class ArrayLayout:
         if encoding.get("name", "default") != "default":
             separator = ""  # v2-style keys: let zarr-python read it
         codecs = [c["name"] for c in meta["codecs"]]
+        crc32c = codecs[-1:] == ["crc32c"]
+        if crc32c:
+            codecs = codecs[:-1]
         dtype = np.dtype(meta["data_type"])
         blosc_last = codecs[-1:] == ["blosc"]
         if codecs == [DICT16, "blosc"]:
@@ -107,7 +111,7 @@ class ArrayLayout:
         bytes_codec = next((c for c in meta["codecs"] if c["name"] == "bytes"), {})
         if bytes_codec.get("configuration", {}).get("endian", "little") != "little":
             chain = "zarr"
-        return cls(name, int(chunk_shape[0]), dtype, chain, separator, meta.get("fill_value"))
+        return cls(name, int(chunk_shape[0]), dtype, chain, separator, meta.get("fill_value"), crc32c)
 
     def key(self, index: int) -> str:
         tail = ["0", "0"] if self.name == GIMU else []
@@ -177,6 +181,8 @@ class ChunkReader:
             return self._read_with_zarr(name, start, stop)
         raw = self._fetch(layout, index)
         try:
+            if layout.crc32c:
+                raw = strip_crc32c(raw)
             if out is not None and layout.chain in ("dict16", "standard"):
                 decoded = _blosc_decode_scratch(raw)
                 if layout.chain == "dict16" and _decode_dict16_into(decoded, out):
