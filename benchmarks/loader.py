@@ -342,8 +342,8 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
     axes[0].set_yticks(y, labels, fontsize=9)
     axes[0].set_xscale("log")
     axes[0].set_xlim(min(v for v in speed if v > 0) / 2, max(speed) * 3)
-    for yi, v in zip(y, quality, strict=True):
-        if not np.isfinite(v):
+    for yi, v, label in zip(y, quality, labels, strict=True):
+        if not np.isfinite(v) and label.startswith("(f)"):
             axes[2].text(1.0, yi, " same order as with ldt", va="center", fontsize=8, color="#555555")
     axes[1].axvline(1000, color="red", ls="--", lw=1)
     axes[1].text(1000, -0.9, " 1 GB target", color="red", fontsize=8)

@@ -148,7 +148,7 @@ def cache_for(store: Store, directory: str | os.PathLike[str], max_bytes: int) -
 def attach_cache(store: Store, directory: str | os.PathLike[str], max_bytes: int) -> ChunkCache:
     """Make ``store``'s chunk reads go through a local cache; returns the cache (for its stats)."""
     cache = cache_for(store, directory, max_bytes)
-    store.reader.cache = cache  # type: ignore[attr-defined]
+    store.reader.cache = cache
     return cache
 
 

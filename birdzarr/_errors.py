@@ -69,3 +69,7 @@ class AppendError(BirdzarrError, ValueError):
 
 class TransferError(BirdzarrError, OSError):
     """An object could not be copied even after retries; what was copied is kept for a resume."""
+
+
+class StoreAccessError(BirdzarrError, PermissionError):
+    """The store exists but the credentials in use may not read (or write) it."""

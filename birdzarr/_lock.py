@@ -166,15 +166,20 @@ class StoreLock:
     def _create(self) -> bool:
         """Create the lock file only if absent; True on success."""
         if self.location.is_local:
+            # Written aside, then hard-linked into place: link() fails if the lock exists and
+            # never exposes a half-written lock file (an O_EXCL create followed by a write did,
+            # and a slow write then looked like a writer that died while creating it).
+            aside = f"{self.path}.{self.holder.token}.tmp"
+            with open(aside, "wb") as handle:
+                handle.write(self._payload())
+                handle.flush()
+                os.fsync(handle.fileno())
             try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                os.link(aside, self.path)
             except FileExistsError:
                 return False
-            try:
-                os.write(fd, self._payload())
-                os.fsync(fd)
             finally:
-                os.close(fd)
+                os.unlink(aside)
             return True
         fs = self.location.fs
         try:

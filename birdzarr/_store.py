@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from birdzarr._errors import IncompleteStoreError, NotAStoreError, StoreNotFoundError
+from birdzarr._errors import IncompleteStoreError, NotAStoreError, StoreAccessError, StoreNotFoundError
 from birdzarr._format import (
     DEVICE,
     GIMU,
@@ -47,9 +47,16 @@ def _read_root(location: Location) -> dict[str, Any]:
         if location.fs.exists(location.path):
             raise NotAStoreError(
                 f"{location.display} exists but is not a Zarr v3 group (no zarr.json). "
-                "Create a store with `birdzarr convert SOURCE DEST`."
+                "Create a store with `birdzarr convert SOURCE DEST`; if it is an unfinished "
+                "`birdzarr copy`, run the same copy again (the root zarr.json is copied last)."
             ) from None
         raise StoreNotFoundError(f"no store at {location.display}") from None
+    except PermissionError as exc:
+        raise StoreAccessError(
+            f"{location.display}: access denied ({type(exc).__name__}). Check the credentials "
+            "(the AWS_* environment, profile or instance role, or storage_options) and that they "
+            "may read this bucket and prefix."
+        ) from None
     try:
         meta = json.loads(raw)
     except ValueError:

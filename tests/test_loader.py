@@ -242,3 +242,13 @@ def test_damaged_chunks_raise_during_training(parquet_source, tmp_path) -> None:
     chunk.unlink()
     with pytest.raises(birdzarr.MissingChunkError, match=r"gimu/c/3/0/0.*missing"):
         list(_dataset(store, batch_size=4096))
+
+
+def test_local_chunk_cache_serves_the_second_epoch(small_store: birdzarr.Store, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    first = _dataset(small_store, seed=4, cache_dir=tmp_path / "cache", cache_max_bytes=2**30)
+    epoch0 = [x.clone() for x in first]
+    assert first._cache is not None and first._cache.misses > 0 and first._cache.hits == 0
+    second = _dataset(small_store, seed=4, cache_dir=tmp_path / "cache", cache_max_bytes=2**30)
+    epoch0_again = [x.clone() for x in second]
+    assert second._cache is not None and second._cache.hits > 0 and second._cache.misses == 0
+    assert all(torch.equal(x, y) for x, y in zip(epoch0, epoch0_again, strict=True))

@@ -15,7 +15,7 @@ from birdzarr._codec import DEFAULT_CLEVEL, DEFAULT_CNAME
 from birdzarr._errors import BadInputError
 from birdzarr._format import MIXED_LABEL_POLICY, WINDOW_RULE, Curation
 from birdzarr._progress import progress_bar
-from birdzarr._storage import StoreLike, resolve
+from birdzarr._storage import StoreLike, require_writable, resolve
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._shuffle import bucket_count, write_shuffled
 from birdzarr.convert._sources import DeviceSource, discover
@@ -111,6 +111,7 @@ def convert(
     curation = curation or Curation()
     src = resolve(source, source_storage_options)
     dst = resolve(dest, storage_options)
+    require_writable(dst)
     kind, devices = discover(src)
     curation_attrs = (
         curation.to_json(applied_by="birdzarr")

@@ -129,6 +129,7 @@ class ChunkReader:
         self.n_chunks = -(-n_windows // self.chunk_windows)
         self.requests = 0
         self.bytes_read = 0
+        self.cache: Any = None  # an opt-in local chunk cache (birdzarr._cache.ChunkCache)
         self._zarr_arrays: dict[str, Any] = {}
 
     @classmethod
@@ -156,7 +157,7 @@ class ChunkReader:
         from birdzarr._storage import read_object
 
         key = f"{layout.name}/{layout.key(index)}"
-        cache = getattr(self, "cache", None)  # set by birdzarr._cache.attach_cache()
+        cache = self.cache
         if cache is not None and (cached := cache.get(key)) is not None:
             return bytes(cached)
         data = read_object(self.location, key)

@@ -81,6 +81,8 @@ class WindowDataset(IterableDataset[Batch]):
         transform: optional callable applied to each batch tensor ``x`` in the reader.
         world_size / rank: override what torch.distributed or the environment say.
         storage_options: passed to fsspec (credentials are never stored or printed).
+        cache_dir / cache_max_bytes: opt-in local disk cache of a remote store's chunks, so later
+            epochs read local disk; at the cap it stops admitting chunks (docs/cloud.md).
     """
 
     def __init__(
@@ -105,6 +107,8 @@ class WindowDataset(IterableDataset[Batch]):
         world_size: int | None = None,
         rank: int | None = None,
         storage_options: dict[str, Any] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_max_bytes: int = 50 * 2**30,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -135,6 +139,11 @@ class WindowDataset(IterableDataset[Batch]):
         )
         self.counts = self.selection.counts(opened.reader)
         self._layouts = opened.reader.layouts
+        self._cache = None
+        if cache_dir is not None:
+            from birdzarr._cache import cache_for
+
+            self._cache = cache_for(opened, cache_dir, cache_max_bytes)
         self.n_selected = int(self.counts.sum())
         self._per_rank, self._n_batches = rank_window_counts(
             self.n_selected, self.world_size, batch_size, drop_last
@@ -234,6 +243,7 @@ class WindowDataset(IterableDataset[Batch]):
         if self._reader is None or self._reader_pid != os.getpid():
             location = resolve(self.location.url, self.location.storage_options)
             self._reader = ChunkReader(location, self._layouts, self.n_windows)
+            self._reader.cache = self._cache
             self._reader_pid = os.getpid()
         return self._reader
 
