@@ -25,10 +25,16 @@ def _dataset(store: birdzarr.Store, **options: object) -> birdzarr.WindowDataset
 def _epoch_indices(ds: birdzarr.WindowDataset, num_workers: int = 1) -> list[np.ndarray]:
     """Indices of every batch of one rank, as its workers would produce them, in loader order."""
     plan = ds.plan()
-    per_worker = [list(worker_batches(plan.n_batches, start=0, worker=w, num_workers=num_workers))
-                  for w in range(num_workers)]
-    order = [b for round_ in zip(*[w + [None] * (plan.n_batches - len(w)) for w in per_worker]) for b in round_
-             if b is not None]
+    per_worker = [
+        list(worker_batches(plan.n_batches, start=0, worker=w, num_workers=num_workers))
+        for w in range(num_workers)
+    ]
+    order = [
+        b
+        for round_ in zip(*[w + [None] * (plan.n_batches - len(w)) for w in per_worker], strict=True)
+        for b in round_
+        if b is not None
+    ]
     return [ds.batch_indices(b, plan) for b in order]
 
 
@@ -42,15 +48,27 @@ def _epoch_indices(ds: birdzarr.WindowDataset, num_workers: int = 1) -> list[np.
     epoch=st.integers(0, 3),
 )
 def test_every_window_exactly_once_per_epoch(
-    small_store: birdzarr.Store, world_size: int, num_workers: int, batch_size: int, drop_last: bool,
-    buffer_batches: int, epoch: int,
+    small_store: birdzarr.Store,
+    world_size: int,
+    num_workers: int,
+    batch_size: int,
+    drop_last: bool,
+    buffer_batches: int,
+    epoch: int,
 ) -> None:
     n = len(small_store)
     per_rank_batches = []
     delivered = []
     for rank in range(world_size):
-        ds = _dataset(small_store, batch_size=batch_size, drop_last=drop_last, world_size=world_size,
-                      rank=rank, shuffle_buffer=buffer_batches * batch_size, seed=3)
+        ds = _dataset(
+            small_store,
+            batch_size=batch_size,
+            drop_last=drop_last,
+            world_size=world_size,
+            rank=rank,
+            shuffle_buffer=buffer_batches * batch_size,
+            seed=3,
+        )
         ds.set_epoch(epoch)
         batches = _epoch_indices(ds, num_workers)
         assert len(batches) == len(ds)
@@ -86,7 +104,7 @@ def test_same_seed_and_epoch_give_the_same_batches_and_epochs_differ(small_store
     b.set_epoch(3)
     other = _epoch_indices(b)
     a_idx = _epoch_indices(a)
-    assert not all(np.array_equal(x, y) for x, y in zip(a_idx, other))
+    assert not all(np.array_equal(x, y) for x, y in zip(a_idx, other, strict=True))
     c = _dataset(small_store, seed=12)
     c.set_epoch(2)
     assert not np.array_equal(_epoch_indices(c)[0], a_idx[0])
@@ -105,7 +123,7 @@ def test_forked_workers_yield_the_same_sequence_as_one_process(small_store: bird
         loader = DataLoader(ds, batch_size=None, num_workers=workers, multiprocessing_context="fork")
         got = list(loader)
         assert len(got) == len(in_process) == len(ds)
-        assert all(torch.equal(x, y) for x, y in zip(got, in_process))
+        assert all(torch.equal(x, y) for x, y in zip(got, in_process, strict=True))
 
 
 def test_resume_mid_epoch_equals_uninterrupted(small_store: birdzarr.Store) -> None:
@@ -189,8 +207,12 @@ def test_device_filters_and_splits_are_disjoint_and_complete(small_store: birdza
     rest = _all_indices(_dataset(small_store, exclude_devices=some))
     assert np.array_equal(np.sort(np.concatenate([chosen, rest])), np.arange(len(small_store)))
     for split_by in ("device", "window"):
-        train = _all_indices(_dataset(small_store, split="train", split_by=split_by, val_fraction=0.25, split_seed=4))
-        val = _all_indices(_dataset(small_store, split="val", split_by=split_by, val_fraction=0.25, split_seed=4))
+        train = _all_indices(
+            _dataset(small_store, split="train", split_by=split_by, val_fraction=0.25, split_seed=4)
+        )
+        val = _all_indices(
+            _dataset(small_store, split="val", split_by=split_by, val_fraction=0.25, split_seed=4)
+        )
         assert len(np.intersect1d(train, val)) == 0
         assert np.array_equal(np.sort(np.concatenate([train, val])), np.arange(len(small_store)))
         if split_by == "device":
@@ -216,14 +238,16 @@ def test_len_and_warning_on_device_ordered_store(small_store: birdzarr.Store) ->
 def test_stateful_dataloader_resumes_exactly(small_store: birdzarr.Store, num_workers: int) -> None:
     stateful = pytest.importorskip("torchdata.stateful_dataloader")
     expected = [x.clone() for x in _dataset(small_store, batch_size=1100, seed=8)]
-    loader = stateful.StatefulDataLoader(_dataset(small_store, batch_size=1100, seed=8), batch_size=None,
-                                         num_workers=num_workers)
+    loader = stateful.StatefulDataLoader(
+        _dataset(small_store, batch_size=1100, seed=8), batch_size=None, num_workers=num_workers
+    )
     iterator = iter(loader)
     head = [next(iterator).clone() for _ in range(6)]
     state = loader.state_dict()
     del iterator, loader
-    again = stateful.StatefulDataLoader(_dataset(small_store, batch_size=1100, seed=8), batch_size=None,
-                                        num_workers=num_workers)
+    again = stateful.StatefulDataLoader(
+        _dataset(small_store, batch_size=1100, seed=8), batch_size=None, num_workers=num_workers
+    )
     again.load_state_dict(state)
     tail = [x.clone() for x in again]
     assert all(torch.equal(x, y) for x, y in zip(head + tail, expected, strict=True))

@@ -45,8 +45,14 @@ def _decode_dict16_into(decoded: np.ndarray, out: np.ndarray) -> bool:
     take the general path (a header or shape that does not match)."""
     header = decoded[:16].view("<u4")
     n_per_channel, n_channels = int(header[2]), int(header[3])
-    if bytes(decoded[:4]) != MAGIC or int(header[1]) not in (_MODE_DICT, _MODE_RAW) or (
-        n_channels != out.shape[-1] or n_per_channel * n_channels != out.size or not out.flags.c_contiguous
+    if (
+        bytes(decoded[:4]) != MAGIC
+        or int(header[1]) not in (_MODE_DICT, _MODE_RAW)
+        or (
+            n_channels != out.shape[-1]
+            or n_per_channel * n_channels != out.size
+            or not out.flags.c_contiguous
+        )
     ):
         return False
     flat = out.reshape(n_per_channel, n_channels)
@@ -102,13 +108,15 @@ class ArrayLayout:
         blosc_last = codecs[-1:] == ["blosc"]
         if codecs == [DICT16, "blosc"]:
             chain = "dict16"
-        elif codecs == ["transpose", "bytes", "blosc"] and meta["codecs"][0]["configuration"]["order"] == [2, 0, 1]:
+        elif codecs == ["transpose", "bytes", "blosc"] and (
+            meta["codecs"][0]["configuration"]["order"] == [2, 0, 1]
+        ):
             chain = "standard"
         elif codecs == ["bytes", "blosc"] and blosc_last and len(chunk_shape) == 1:
             chain = "per_window"
         else:
             chain = "zarr"
-        bytes_codec = next((c for c in meta["codecs"] if c["name"] == "bytes"), {})
+        bytes_codec: dict[str, Any] = next((c for c in meta["codecs"] if c["name"] == "bytes"), {})
         if bytes_codec.get("configuration", {}).get("endian", "little") != "little":
             chain = "zarr"
         return cls(name, int(chunk_shape[0]), dtype, chain, separator, meta.get("fill_value"), crc32c)
@@ -196,7 +204,8 @@ class ChunkReader:
             if layout.chain == "dict16":
                 array = decode_dict16(decoded, (self.chunk_windows, WINDOW_LENGTH, N_CHANNELS))
             elif layout.chain == "standard":
-                flat = np.frombuffer(decoded, dtype="<f4").reshape(N_CHANNELS, self.chunk_windows, WINDOW_LENGTH)
+                shape = (N_CHANNELS, self.chunk_windows, WINDOW_LENGTH)
+                flat = np.frombuffer(decoded, dtype="<f4").reshape(shape)
                 array = flat.transpose(1, 2, 0)
             else:
                 array = np.frombuffer(decoded, dtype=layout.dtype.newbyteorder("<"))

@@ -49,7 +49,10 @@ class BufferPool:
 
 
 def prefetched(
-    load: Callable[[int], ChunkData], steps: Sequence[np.ndarray], *, prefetch: int,
+    load: Callable[[int], ChunkData],
+    steps: Sequence[np.ndarray],
+    *,
+    prefetch: int,
     release: Callable[[ChunkData], None] | None = None,
 ) -> Iterator[dict[int, ChunkData]]:
     """For each step (the chunks one batch needs), yield those chunks' data, loaded ahead.
@@ -71,8 +74,7 @@ def prefetched(
         for step, chunks in enumerate(steps):
             # everything this step needs, then up to `prefetch` chunks first used later
             while submitted < len(order) and (
-                first_use[order[submitted]] <= step
-                or sum(first_use[c] > step for c in loaded) < prefetch
+                first_use[order[submitted]] <= step or sum(first_use[c] > step for c in loaded) < prefetch
             ):
                 chunk = order[submitted]
                 loaded[chunk] = pool.submit(load, chunk)

@@ -24,7 +24,9 @@ def mean_tv_distance(batches: Iterable[np.ndarray], devices: np.ndarray, proport
     return float(np.mean(distances)) if distances else float("nan")
 
 
-def uniform_tv_distance(proportions: np.ndarray, batch_size: int, *, trials: int = 200, seed: int = 0) -> float:
+def uniform_tv_distance(
+    proportions: np.ndarray, batch_size: int, *, trials: int = 200, seed: int = 0
+) -> float:
     """The same figure for batches drawn uniformly at random (multinomial)."""
     rng = np.random.default_rng(seed)
     draws = rng.multinomial(batch_size, proportions, size=trials) / batch_size

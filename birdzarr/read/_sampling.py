@@ -27,7 +27,9 @@ def _rng(*key: int) -> np.random.Generator:
     return np.random.default_rng([_SEED_STREAM, *[int(k) & 0xFFFFFFFFFFFFFFFF for k in key]])
 
 
-def rank_window_counts(total: int, world_size: int, batch_size: int, drop_last: bool) -> tuple[np.ndarray, int]:
+def rank_window_counts(
+    total: int, world_size: int, batch_size: int, drop_last: bool
+) -> tuple[np.ndarray, int]:
     """Windows per rank and batches per rank for one epoch.
 
     ``drop_last``: every rank gets ``total // (world_size * batch_size)`` full batches; the
@@ -70,7 +72,9 @@ def chunk_order(counts: np.ndarray, *, seed: int, epoch: int, shuffle: bool) -> 
     return nonempty[_rng(seed, epoch).permutation(len(nonempty))]
 
 
-def group_permutation(size: int, *, seed: int, epoch: int, rank: int, group: int, shuffle: bool) -> np.ndarray:
+def group_permutation(
+    size: int, *, seed: int, epoch: int, rank: int, group: int, shuffle: bool
+) -> np.ndarray:
     """The order of a group's windows (identity when not shuffling)."""
     if not shuffle:
         return np.arange(size, dtype=np.int64)

@@ -21,7 +21,9 @@ SPLITS = ("train", "val")
 SPLIT_BY = ("device", "window")
 
 
-def split_devices(device_ids: Iterable[int], *, val_fraction: float, split_seed: int) -> tuple[set[int], set[int]]:
+def split_devices(
+    device_ids: Iterable[int], *, val_fraction: float, split_seed: int
+) -> tuple[set[int], set[int]]:
     """Seeded device-level split: (train devices, val devices). Windows of a bird stay together."""
     ids = sorted(int(d) for d in device_ids)
     if not 0.0 < val_fraction < 1.0:
@@ -116,7 +118,9 @@ def make_selection(
         if split_by not in SPLIT_BY:
             raise ValueError(f"split_by must be one of {SPLIT_BY}, got {split_by!r}")
         if split_by == "device":
-            train, val = split_devices(known if chosen is None else chosen, val_fraction=val_fraction, split_seed=split_seed)
+            train, val = split_devices(
+                known if chosen is None else chosen, val_fraction=val_fraction, split_seed=split_seed
+            )
             chosen = val if split == "val" else train
         else:
             if not 0.0 < val_fraction < 1.0:

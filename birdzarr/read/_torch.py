@@ -7,9 +7,10 @@ the pure functions in ``_sampling`` and depends on (seed, epoch, world size) onl
 
 Memory per reader (the main process, or each DataLoader worker) is bounded by its settings::
 
-    (chunks per group + prefetch) x chunk_windows x 320 B  +  2 x batch_size x 320 B
+    (chunks per group + 2 x prefetch) x chunk_windows x 320 B  +  4 x batch_size x 320 B
 
-plus DataLoader's own ``prefetch_factor x num_workers`` finished batches. It never depends on the
+(held and prefetched chunks, per-thread decode scratch, the batch and its scratch buffers) plus
+DataLoader's own ``prefetch_factor x num_workers`` finished batches. It never depends on the
 number of windows in the store.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -46,8 +48,18 @@ def _new_batch(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torc
             storage = torch.UntypedStorage._new_shared(nbytes)
         except (AttributeError, RuntimeError):  # a torch without it: the public way
             return torch.empty(shape, dtype=dtype).share_memory_()
-        return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+        return torch.empty(0, dtype=dtype).set_(storage, 0, shape)  # type: ignore[call-overload]
     return torch.empty(shape, dtype=dtype)
+
+
+@dataclass
+class _PerProcess:
+    """What one process (the main one, or a DataLoader worker) opens for itself."""
+
+    pid: int
+    reader: ChunkReader
+    buffers: BufferPool
+    scratch: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 def _distributed_defaults() -> tuple[int, int]:
@@ -133,9 +145,14 @@ class WindowDataset(IterableDataset[Batch]):
         self.n_windows = len(opened)
         self.shuffled_store = opened.shuffled
         self.selection = make_selection(
-            opened.device_table, shuffled_store=opened.shuffled, devices=devices,
-            exclude_devices=exclude_devices, split=split, split_by=split_by,
-            val_fraction=val_fraction, split_seed=split_seed,
+            opened.device_table,
+            shuffled_store=opened.shuffled,
+            devices=devices,
+            exclude_devices=exclude_devices,
+            split=split,
+            split_by=split_by,
+            val_fraction=val_fraction,
+            split_seed=split_seed,
         )
         self.counts = self.selection.counts(opened.reader)
         self._layouts = opened.reader.layouts
@@ -160,8 +177,7 @@ class WindowDataset(IterableDataset[Batch]):
         self._resume_epoch: int | None = None
         self._yielded = 0
         self._skip_own = 0  # batches this worker already yielded before a StatefulDataLoader resume
-        self._reader: ChunkReader | None = None
-        self._reader_pid = -1
+        self._per_process: _PerProcess | None = None
 
     # -- sizes and state -------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -184,14 +200,22 @@ class WindowDataset(IterableDataset[Batch]):
         this epoch (the dataset in the main process does not see workers' progress), or use
         torchdata's ``StatefulDataLoader``, which snapshots each worker's own state."""
         state = {
-            "version": _STATE_VERSION, "seed": self.seed, "epoch": self.epoch,
-            "world_size": self.world_size, "rank": self.rank, "batch_size": self.batch_size,
+            "version": _STATE_VERSION,
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "batch_size": self.batch_size,
         }
         info = get_worker_info()
         if info is not None and batches_seen is None:
             # inside a worker (StatefulDataLoader): this worker's own progress
-            return {**state, "start": self._resume_at, "worker_yielded": self._yielded,
-                    "num_workers": info.num_workers}
+            return {
+                **state,
+                "start": self._resume_at,
+                "worker_yielded": self._yielded,
+                "num_workers": info.num_workers,
+            }
         seen = self._yielded if batches_seen is None else int(batches_seen)
         return {**state, "next_batch": self._resume_at + seen}
 
@@ -218,9 +242,15 @@ class WindowDataset(IterableDataset[Batch]):
     def plan(self) -> EpochPlan:
         """This rank's plan of the current epoch."""
         return plan_epoch(
-            self.counts, seed=self.seed, epoch=self.epoch, world_size=self.world_size,
-            rank=self.rank, batch_size=self.batch_size, drop_last=self.drop_last,
-            shuffle=self.shuffle, group_batches=self.group_batches,
+            self.counts,
+            seed=self.seed,
+            epoch=self.epoch,
+            world_size=self.world_size,
+            rank=self.rank,
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
+            shuffle=self.shuffle,
+            group_batches=self.group_batches,
         )
 
     def batch_indices(self, batch: int, plan: EpochPlan | None = None) -> np.ndarray:
@@ -238,32 +268,33 @@ class WindowDataset(IterableDataset[Batch]):
             out[where] = selected[ranks[where]]
         return out
 
-    def _chunk_reader(self) -> ChunkReader:
-        # Opened per process: nothing (sockets, event loops, threads) crosses a fork.
-        if self._reader is None or self._reader_pid != os.getpid():
+    def _local(self) -> _PerProcess:
+        """This process's reader and buffers, opened on first use in each process, so nothing
+        (sockets, event loops, threads, buffers) crosses a DataLoader worker's fork."""
+        if self._per_process is None or self._per_process.pid != os.getpid():
             location = resolve(self.location.url, self.location.storage_options)
-            self._reader = ChunkReader(location, self._layouts, self.n_windows)
-            self._reader.cache = self._cache
-            self._reader_pid = os.getpid()
-        return self._reader
+            reader = ChunkReader(location, self._layouts, self.n_windows)
+            reader.cache = self._cache
+            pool = BufferPool((reader.chunk_windows, WINDOW_LENGTH, N_CHANNELS))
+            self._per_process = _PerProcess(os.getpid(), reader, pool)
+        return self._per_process
 
-    def _buffers(self) -> BufferPool:
-        # Per process, like the reader: recycled decoded-chunk buffers (see BufferPool).
-        pool = getattr(self, "_pool", None)
-        if pool is None or self._pool_pid != os.getpid():
-            pool = self._pool = BufferPool((self._chunk_reader().chunk_windows, WINDOW_LENGTH, N_CHANNELS))
-            self._pool_pid = os.getpid()
-        return pool
+    def _chunk_reader(self) -> ChunkReader:
+        return self._local().reader
 
     def _load(self, chunk: int) -> ChunkData:
         reader = self._chunk_reader()
-        device_ids = reader.read(DEVICE, chunk) if (self.with_ldt or self.selection.reads_device_array) else None
+        device_ids = (
+            reader.read(DEVICE, chunk) if (self.with_ldt or self.selection.reads_device_array) else None
+        )
         mask = self.selection.chunk_mask(reader, chunk, device_ids)
         names = [GIMU, LABEL, TIMESTAMP] if self.with_ldt else [GIMU]
-        pool = self._buffers()
+        pool = self._local().buffers
         buffer = pool.get()
-        data = {name: reader.read(name, chunk, out=buffer) if name == GIMU else reader.read(name, chunk)
-                for name in names}
+        data = {
+            name: reader.read(name, chunk, out=buffer) if name == GIMU else reader.read(name, chunk)
+            for name in names
+        }
         if device_ids is not None and self.with_ldt:
             data[DEVICE] = device_ids
         if mask is not None:
@@ -274,19 +305,15 @@ class WindowDataset(IterableDataset[Batch]):
         return data
 
     def _release(self, data: ChunkData) -> None:
-        self._buffers().put(data.get(GIMU))
+        self._local().buffers.put(data.get(GIMU))
 
     def _scratch(self, name: str, size: int) -> np.ndarray:
-        """A reused per-process (batch_size, 20, 4) float32 buffer, first ``size`` windows.
-
-        Only _assemble uses it, on the iterating thread; reusing it avoids page faults on a fresh
-        temporary for every batch."""
-        buffers = getattr(self, "_scratch_buffers", None)
-        if buffers is None or buffers[0] != os.getpid():
-            buffers = self._scratch_buffers = (os.getpid(), {})
-        if name not in buffers[1]:
-            buffers[1][name] = np.empty((self.batch_size, WINDOW_LENGTH, N_CHANNELS), np.float32)
-        return buffers[1][name][:size]
+        """A reused (batch_size, 20, 4) float32 buffer of this process, first ``size`` windows
+        (reuse avoids page faults on a fresh temporary every batch; only _assemble uses it)."""
+        scratch = self._local().scratch
+        if name not in scratch:
+            scratch[name] = np.empty((self.batch_size, WINDOW_LENGTH, N_CHANNELS), np.float32)
+        return scratch[name][:size]
 
     def __iter__(self) -> Iterator[Batch]:
         plan = self.plan()
