@@ -157,13 +157,19 @@ def gimu_codecs(codec: str, *, clevel: int = DEFAULT_CLEVEL, cname: Any = DEFAUL
         return {
             "filters": (),
             "serializer": Dict16Codec(),
-            "compressors": (BloscCodec(cname=cname, clevel=clevel, shuffle="bitshuffle", typesize=2), Crc32cCodec()),
+            "compressors": (
+                BloscCodec(cname=cname, clevel=clevel, shuffle="bitshuffle", typesize=2),
+                Crc32cCodec(),
+            ),
         }
     if codec == "standard":
         return {
             "filters": (TransposeCodec(order=(2, 0, 1)),),
             "serializer": BytesCodec(endian="little"),
-            "compressors": (BloscCodec(cname=cname, clevel=clevel, shuffle="bitshuffle", typesize=4), Crc32cCodec()),
+            "compressors": (
+                BloscCodec(cname=cname, clevel=clevel, shuffle="bitshuffle", typesize=4),
+                Crc32cCodec(),
+            ),
         }
     raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
 

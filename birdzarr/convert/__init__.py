@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import queue
 import secrets
-import threading
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -17,6 +15,7 @@ from birdzarr._format import MIXED_LABEL_POLICY, WINDOW_RULE, Curation
 from birdzarr._progress import progress_bar
 from birdzarr._storage import StoreLike, require_writable, resolve
 from birdzarr.convert._blocks import WindowBlock
+from birdzarr.convert._readahead import read_ahead
 from birdzarr.convert._shuffle import bucket_count, write_shuffled
 from birdzarr.convert._sources import DeviceSource, discover
 from birdzarr.convert._writer import StoreWriter
@@ -27,43 +26,6 @@ if TYPE_CHECKING:
 __all__ = ["append", "convert"]
 
 ON_BAD_ROWS = ("error", "skip")
-_READAHEAD_BLOCKS = 4
-_DONE = object()
-
-
-def _read_ahead(source: DeviceSource, curation: Curation, on_bad_rows: str) -> Iterator[WindowBlock]:
-    """Run the reader in a thread so parsing overlaps encoding; at most a few blocks in flight."""
-    blocks: queue.Queue[Any] = queue.Queue(maxsize=_READAHEAD_BLOCKS)
-    stop = threading.Event()
-
-    def produce() -> None:
-        try:
-            for block in source.blocks(curation=curation, on_bad_rows=on_bad_rows):
-                while not stop.is_set():
-                    try:
-                        blocks.put(block, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
-                    return
-            blocks.put(_DONE)
-        except BaseException as exc:  # handed to the consumer, which re-raises it
-            blocks.put(exc)
-
-    thread = threading.Thread(target=produce, name="birdzarr-read", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item = blocks.get()
-            if item is _DONE:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        thread.join()
 
 
 def convert(
@@ -180,7 +142,7 @@ def _device_inputs(
             raise BadInputError(f"{where}: device {device.device_id} appears in more than one input.")
         seen.add(device.device_id)
         sources = [f.display.rsplit("/", 1)[-1] for f in device.files]
-        yield device.device_id, sources, _counted(_read_ahead(device, curation, on_bad_rows), bar)
+        yield device.device_id, sources, _counted(read_ahead(device, curation, on_bad_rows), bar)
 
 
 def _estimated_windows(kind: str, devices: list[DeviceSource]) -> int:
@@ -197,5 +159,5 @@ def _counted(blocks: Iterator[WindowBlock], bar: Any) -> Iterator[WindowBlock]:
         yield block
 
 
-# Last: _append imports helpers defined above (_read_ahead, _counted).
+# Last: _append imports helpers defined above (_counted).
 from birdzarr.convert._append import append  # noqa: E402

@@ -226,7 +226,8 @@ def append_detailed(
     """:func:`append`, returning what was done as well as the store."""
     from birdzarr._progress import progress_bar
     from birdzarr._store import open_store
-    from birdzarr.convert import ON_BAD_ROWS, _counted, _read_ahead
+    from birdzarr.convert import ON_BAD_ROWS, _counted
+    from birdzarr.convert._readahead import read_ahead
 
     if on_bad_rows not in ON_BAD_ROWS:
         raise ValueError(f"on_bad_rows must be one of {ON_BAD_ROWS}, got {on_bad_rows!r}")
@@ -249,7 +250,7 @@ def append_detailed(
         added = [d.device_id for d in work if d.device_id not in writer.devices]
         with progress_bar(progress and bool(work), desc=f"append {kind}", unit=" windows") as bar:
             for device in work:
-                blocks = _counted(_read_ahead(device, curation, on_bad_rows), bar)
+                blocks = _counted(read_ahead(device, curation, on_bad_rows), bar)
                 writer.write_device(device.device_id, blocks, [_file_name(f) for f in device.files])
         if work:
             seconds = round(time.perf_counter() - started, 3)

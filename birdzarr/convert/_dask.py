@@ -33,8 +33,6 @@ one task today).
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -59,6 +57,7 @@ from birdzarr._format import (
 from birdzarr._progress import progress_bar
 from birdzarr._storage import Location, resolve
 from birdzarr.convert._blocks import WindowBlock
+from birdzarr.convert._readahead import read_ahead
 from birdzarr.convert._sources import DeviceSource
 from birdzarr.convert._writer import StoreWriter, checksum_hasher
 
@@ -149,7 +148,7 @@ def _span_blocks(span: Span, curation: Curation, on_bad_rows: str,
         to_end = first + count <= span.stop  # this task reads the device to its end: summarise it
         summary = _Summarizer(device, first) if to_end else None
         position = 0
-        for block in _blocks_ahead(device, curation, on_bad_rows):
+        for block in read_ahead(device, curation, on_bad_rows):
             if summary is not None:
                 summary.add(block)
             n = len(block)
@@ -171,52 +170,6 @@ def _span_blocks(span: Span, curation: Curation, on_bad_rows: str,
                 f"device {device.device_id}: produced {position} windows, expected at least {hi}; "
                 "did the input change during the conversion?"
             )
-
-
-_AHEAD = 4  # blocks read ahead of the writer
-
-
-def _blocks_ahead(device: DeviceSource, curation: Curation, on_bad_rows: str) -> Iterator[WindowBlock]:
-    """The device's blocks, read on a thread a few blocks ahead; safe to abandon part way.
-
-    Unlike convert's ``_read_ahead`` (whose final ``put`` can block forever once the consumer
-    stops early), every ``put`` here gives up when the consumer has gone.
-    """
-    items: queue.Queue[Any] = queue.Queue(maxsize=_AHEAD)
-    stop = threading.Event()
-    done = object()
-
-    def put(item: Any) -> bool:
-        while not stop.is_set():
-            try:
-                items.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def produce() -> None:
-        try:
-            for block in device.blocks(curation=curation, on_bad_rows=on_bad_rows):
-                if not put(block):
-                    return
-            put(done)
-        except BaseException as exc:  # handed to the consumer, which re-raises it
-            put(exc)
-
-    thread = threading.Thread(target=produce, name="birdzarr-dask-read", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item = items.get()
-            if item is done:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        thread.join()
 
 
 def _slice(block: WindowBlock, a: int, b: int) -> WindowBlock:
