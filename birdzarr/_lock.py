@@ -212,20 +212,49 @@ def break_lock(location: Location, *, expected: LockHolder | None = None) -> boo
         with contextlib.suppress(FileNotFoundError):
             location.fs.rm_file(path)
         return True
-    aside = f"{path}.{uuid.uuid4().hex}.broken"
+    # One breaker at a time (a mutex file created with link(), like the lock itself). Inside it
+    # the lock file can only be removed by us: its writer is dead (stale) and other breakers
+    # wait, so re-reading and removing it is safe. Moving a possibly live lock aside (the old
+    # way) briefly freed the lock path and let two writers win a race.
+    mutex = f"{path}.breaking"
+    aside = f"{mutex}.{uuid.uuid4().hex}.tmp"
+    with open(aside, "wb") as handle:
+        handle.write(str(os.getpid()).encode())
     try:
-        os.rename(path, aside)
-    except FileNotFoundError:
-        return False
-    with open(aside, "rb") as handle:
-        moved = LockHolder.parse(handle.read())
-    if expected is not None and expected.token and (moved is None or moved.token != expected.token):
-        with contextlib.suppress(FileExistsError):
-            os.link(aside, path)  # put back the live lock we moved by mistake (only if still free)
+        for _ in range(50):
+            try:
+                os.link(aside, mutex)
+                break
+            except FileExistsError:
+                if _mutex_is_stale(mutex):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(mutex)
+                else:
+                    time.sleep(0.02)
+        else:
+            return False
+    finally:
         os.unlink(aside)
+    try:
+        current = read_holder(location)
+        if current is None or (expected is not None and expected.token and current.token != expected.token):
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return True
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(mutex)
+
+
+def _mutex_is_stale(mutex: str) -> bool:
+    """A breaker's mutex whose process is gone (killed while breaking a lock)."""
+    try:
+        with open(mutex, "rb") as handle:
+            pid = int(handle.read() or b"-1")
+    except (FileNotFoundError, ValueError):
         return False
-    os.unlink(aside)
-    return True
+    return pid != os.getpid() and not _pid_alive(pid)
 
 
 def lock_info(location: Location) -> dict[str, Any] | None:

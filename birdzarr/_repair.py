@@ -25,7 +25,7 @@ from birdzarr._lock import StoreLock, break_lock, clear_except_lock, read_holder
 from birdzarr._storage import Location, StoreLike, resolve, zarr_store
 
 ARRAYS = (GIMU, *PER_WINDOW_ARRAYS)
-_TEMP_SUFFIXES = (".partial", ".broken", ".tmp")
+_TEMP_SUFFIXES = (".partial", ".broken", ".tmp", ".breaking")
 
 
 @dataclass
