@@ -1,9 +1,11 @@
-"""``birdzarr demo``: generated raw data in both formats, converted, summarised."""
+"""``birdzarr demo``: generated raw data in both formats, converted, summarised, then one
+shuffled training epoch read from a pre-shuffled store."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import time
 
 from birdzarr import _synthetic
 from birdzarr._summary import format_summary, summary
@@ -23,8 +25,28 @@ def run_demo(directory: str, *, windows: int = 200_000) -> int:
         store = convert(source, os.path.join(directory, name), overwrite=True)
         print()
         print(format_summary(summary(store)))
+    _train_epoch(parquet_dir, os.path.join(directory, "train.zarr"))
     print(
         f"\nnext: birdzarr info {os.path.join(directory, 'from_parquet.zarr')} --json, or in Python "
         f"birdzarr.open_store({os.path.join(directory, 'from_parquet.zarr')!r})"
     )
     return 0
+
+
+def _train_epoch(source: str, dest: str) -> None:
+    """Convert pre-shuffled (the training layout) and read one shuffled epoch of batches."""
+    from birdzarr.read._torch import WindowDataset  # torch only when the demo gets here
+
+    convert(source, dest, overwrite=True, shuffle=True, seed=1, progress=False)
+    dataset = WindowDataset(dest, batch_size=8192, shuffle=True, seed=1234, with_ldt=True)
+    started = time.perf_counter()
+    windows = devices = 0
+    for x, ldt in dataset:
+        windows += len(x)
+        devices += len(ldt[:, 1].unique())
+    seconds = time.perf_counter() - started
+    print(
+        f"\ntraining read  {dest} (converted with --shuffle): one epoch of {len(dataset)} batches, "
+        f"{windows:,} windows in {seconds:.2f} s ({windows / seconds / 1e6:.2f} M "
+        f"windows/s); {devices / len(dataset):.1f} devices per batch on average"
+    )
