@@ -14,6 +14,7 @@ from birdzarr._format import (
     GIMU,
     LABEL,
     TIMESTAMP,
+    TIMESTAMP_UNKNOWN,
     DeviceEntry,
     DeviceReport,
     check_root_attrs,
@@ -289,8 +290,6 @@ def gather(reader: ChunkReader, name: str, indices: np.ndarray) -> np.ndarray:
 
 
 def _to_datetime(seconds: int) -> Any:
-    from birdzarr._format import TIMESTAMP_UNKNOWN
-
     if seconds == TIMESTAMP_UNKNOWN:
         return np.datetime64("NaT", "s")
     return np.datetime64(seconds, "s")

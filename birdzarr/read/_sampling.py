@@ -16,7 +16,7 @@ loop sees does not depend on ``num_workers``; only how often a chunk is decoded 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -94,6 +94,9 @@ class EpochPlan:
     epoch: int
     rank: int
     shuffle: bool
+    # The last group's window order: a group's batches are taken one after another (also within
+    # one worker), so one entry spares a permutation per batch without growing memory.
+    _last_order: dict[int, np.ndarray] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def n_batches(self) -> int:
@@ -112,9 +115,18 @@ class EpochPlan:
         """Stream positions of the windows of ``batch``, in the order they are delivered."""
         group = self.group_of(batch)
         start, stop = self.group_span(group)
-        order = group_permutation(
-            stop - start, seed=self.seed, epoch=self.epoch, rank=self.rank, group=group, shuffle=self.shuffle
-        )
+        order = self._last_order.get(group)
+        if order is None:
+            order = group_permutation(
+                stop - start,
+                seed=self.seed,
+                epoch=self.epoch,
+                rank=self.rank,
+                group=group,
+                shuffle=self.shuffle,
+            )
+            self._last_order.clear()
+            self._last_order[group] = order
         lo, hi = int(self.offsets[batch]) - start, int(self.offsets[batch + 1]) - start
         return self.rank_start + start + order[lo:hi]
 
