@@ -7,6 +7,13 @@ after it, or halfway through it (a torn ``.partial`` temp file is left on disk, 
 ``write()`` would). Object writes are the only moments at which the on-disk state changes, so
 spreading k over all writes of a run covers every distinct state a kill can leave.
 
+Every kill point is certain to be reached. The commit is found by what is written (the root
+``zarr.json`` carrying the counted run's ``committed`` count and generation), never by its number,
+and a numbered point k means "the k-th write before the commit": a run that reaches its commit
+after fewer writes than the counted run did is killed just before the commit write, the last
+moment a k-th write could have had. A child that exits 0 therefore completed a run without ever
+writing that commit: a bug, not bad luck.
+
 After each kill: the store opens (or, for a first conversion, reports an unfinished conversion),
 ``verify`` passes, the committed content is exactly the one before (or exactly the new one, if the
 kill came after the commit), and re-running the same command gives chunk files and arrays
@@ -29,12 +36,14 @@ import pytest
 import birdzarr
 from birdzarr import _synthetic
 from birdzarr._errors import IncompleteStoreError
+from birdzarr._format import ATTRS_KEY
 from birdzarr._repair import repair
 from birdzarr._verify import verify
 from birdzarr.convert import append
 
 CHUNK = 64
 MODES = ("before", "after", "torn")
+COMMIT = "commit"  # the kill point at the commit write itself, found by its content
 
 
 # -- the child ---------------------------------------------------------------------------------
@@ -42,16 +51,29 @@ MODES = ("before", "after", "torn")
 
 class _WriteHook:
     """Counts every object write of this process (zarr's atomic LocalStore writes and the plain
-    file writes of the converter's fast chunk path) and SIGKILLs the process at write ``kill_at``."""
+    file writes of the converter's fast chunk path) and SIGKILLs the process at ``kill_at``.
 
-    def __init__(self, kill_at: int | None, mode: str = "before") -> None:
+    ``kill_at`` is either a write number k or :data:`COMMIT`. The commit (the root ``zarr.json``
+    whose ``committed`` has the count and generation ``commit`` of the counted run) is recognised
+    by its content, so a :data:`COMMIT` point is hit whatever the number of writes before it; an
+    early write of some other ``committed`` (a bug) is not taken for it. A numbered point that the
+    run has not reached when it comes to the commit fires just before the commit write (mode
+    "before"): the number of writes may differ from the counted run's (thread scheduling), and the
+    state a late k-th write would have left is then the one just before the commit. Before dying
+    the hook writes what it did to ``report`` (JSON), for the parent's messages.
+    """
+
+    def __init__(self, kill_at: int | str | None, mode: str = "before", *,
+                 commit: tuple[int, int] | None = None, report: str | None = None) -> None:
         import threading
 
         import zarr.storage._local as local
         from fsspec.implementations.local import LocalFileSystem
 
-        self.kill_at, self.mode, self.count = kill_at, mode, 0
+        self.kill_at, self.mode, self.report, self.count = kill_at, mode, report, 0
+        self.fired = False
         self._guard = threading.Lock()
+        self._commit = commit
         zarr_put, pipe_file = local._put, LocalFileSystem.pipe_file
 
         def put(path: pathlib.Path, value: Any, exclusive: bool = False) -> int:
@@ -60,31 +82,52 @@ class _WriteHook:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.with_suffix(".torn0000.partial").write_bytes(raw[: len(raw) // 2])
 
-            return self._write(lambda: zarr_put(path, value, exclusive=exclusive), torn)
+            commit = self._commit is not None and path.name == "zarr.json" and (
+                _committed(value.to_bytes()) == self._commit
+            )
+            return self._write(lambda: zarr_put(path, value, exclusive=exclusive), torn, commit)
 
         def pipe(fs: Any, path: str, value: bytes, *args: Any, **kwargs: Any) -> Any:
             def torn() -> None:  # a kill inside write() of a plain file: the file is cut short
                 with open(path, "wb") as handle:
                     handle.write(value[: len(value) // 2])
 
-            return self._write(lambda: pipe_file(fs, path, value, *args, **kwargs), torn)
+            return self._write(lambda: pipe_file(fs, path, value, *args, **kwargs), torn, False)
 
         local._put = put
         LocalFileSystem.pipe_file = pipe  # type: ignore[method-assign]
 
-    def _write(self, write: Any, torn: Any) -> Any:
+    def _write(self, write: Any, torn: Any, commit: bool) -> Any:
         with self._guard:
             self.count += 1
             now = self.count
-        if now != self.kill_at:
+            if self.fired or self.kill_at is None:
+                fire, mode = False, self.mode
+            elif commit:  # a COMMIT point, or a numbered point not reached before the commit
+                fire, mode = True, self.mode if self.kill_at == COMMIT else "before"
+            else:
+                fire, mode = now == self.kill_at, self.mode
+            self.fired |= fire
+        if not fire:
             return write()
         try:
-            if self.mode == "after":
+            if self.report:
+                done = {"write": now, "commit": commit, "mode": mode}
+                pathlib.Path(self.report).write_text(json.dumps(done))
+            if mode == "after":
                 write()  # may raise (zarr's exclusive writes fail on purpose): die anyway
-            elif self.mode == "torn":
+            elif mode == "torn":
                 torn()
         finally:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _committed(zarr_json: bytes) -> tuple[int, int] | None:
+    """(count, generation) committed by a ``zarr.json``; None for an array's or an uncommitted
+    group's (only the root group carries birdzarr's attributes)."""
+    meta = json.loads(zarr_json).get("attributes", {}).get(ATTRS_KEY)
+    committed = meta.get("committed") if isinstance(meta, dict) else None
+    return (committed["n_windows"], committed["generation"]) if committed else None
 
 
 def _run(command: str, source: str, dest: str) -> None:
@@ -94,22 +137,26 @@ def _run(command: str, source: str, dest: str) -> None:
         append(dest, source, progress=False, workers=2)
 
 
-def _run_until_killed(command: str, source: str, dest: str, kill_at: int, mode: str) -> None:
-    """Run convert/append; SIGKILL this process at its ``kill_at``-th object write."""
-    _WriteHook(kill_at, mode)
+def _run_until_killed(command: str, source: str, dest: str, commit: tuple[int, int],
+                      kill_at: int | str, mode: str, report: str) -> None:
+    """Run convert/append; SIGKILL this process at ``kill_at`` (see :class:`_WriteHook`)."""
+    _WriteHook(kill_at, mode, commit=commit, report=report)
     _run(command, source, dest)
-    os._exit(0)  # k was past the last write: the run completed
+    os._exit(0)  # the run completed without writing a commit: the parent reports it
 
 
-def _count_writes(command: str, source: str, dest: str) -> int:
-    """Object writes of an uninterrupted run, counted in a child like the killed ones."""
+def _count_writes(command: str, source: str, dest: str) -> tuple[int, tuple[int, int]]:
+    """Object writes of an uninterrupted run, counted in a child like the killed ones, and the
+    (count, generation) it committed: what identifies the commit write of the killed runs."""
     ctx = _context()
     queue = ctx.SimpleQueue()
     child = ctx.Process(target=_counting_child, args=(command, source, dest, queue))
     child.start()
     child.join()
     assert child.exitcode == 0
-    return int(queue.get())
+    commit = _committed(pathlib.Path(dest, "zarr.json").read_bytes())
+    assert commit is not None
+    return int(queue.get()), commit
 
 
 def _counting_child(command: str, source: str, dest: str, queue: Any) -> None:
@@ -135,11 +182,23 @@ def _context() -> Any:
     return _CTX
 
 
-def _kill(command: str, source: str, dest: str, kill_at: int, mode: str) -> int | None:
-    child = _context().Process(target=_run_until_killed, args=(command, source, dest, kill_at, mode))
+def _kill(command: str, source: str, dest: str, commit: tuple[int, int], kill_at: int | str,
+          mode: str) -> dict[str, Any]:
+    """Run a writer killed at ``kill_at``; returns what the hook did (which write, commit, mode)."""
+    report = pathlib.Path(f"{dest}.kill.json")
+    report.unlink(missing_ok=True)
+    args = (command, source, dest, commit, kill_at, mode, str(report))
+    child = _context().Process(target=_run_until_killed, args=args)
     child.start()
     child.join(timeout=60)
-    return child.exitcode
+    if child.exitcode is None:
+        child.kill()
+        child.join()
+        pytest.fail(f"writer killed at {kill_at} ({mode}) still ran after 60 s")
+    assert child.exitcode == -signal.SIGKILL, (kill_at, mode, child.exitcode)
+    done: dict[str, Any] = json.loads(report.read_text())
+    report.unlink()
+    return done
 
 
 # -- what a store holds --------------------------------------------------------------------------
@@ -173,12 +232,12 @@ def _assert_same_arrays(a: dict[str, Any], b: dict[str, Any]) -> None:
         assert np.array_equal(a["arrays"][name].view(np.uint8), b["arrays"][name].view(np.uint8)), name
 
 
-def _kill_points(total: int, count: int) -> list[tuple[int, str]]:
-    """``count`` distinct (k, mode) pairs: spread over the writes before the commit, then just
-    before and just after the commit (the last write)."""
+def _kill_points(total: int, count: int) -> list[tuple[int | str, str]]:
+    """``count`` distinct (k, mode) pairs: spread over the ``total - 1`` writes a counted run made
+    before its commit, then just before and just after the commit write."""
     ks = np.unique(np.linspace(1, total - 1, count - 2).round().astype(int)).tolist()
-    spread = [(k, MODES[i % len(MODES)]) for i, k in enumerate(ks)]
-    return [*spread, (total, "before"), (total, "after")]
+    spread: list[tuple[int | str, str]] = [(k, MODES[i % len(MODES)]) for i, k in enumerate(ks)]
+    return [*spread, (COMMIT, "before"), (COMMIT, "after")]
 
 
 # -- the loops ---------------------------------------------------------------------------------
@@ -211,14 +270,13 @@ def test_killed_first_conversion_never_looks_committed(
 ) -> None:
     source = str(sources["parquet"])
     reference = tmp_path / "reference.zarr"
-    total = _count_writes("convert", source, str(reference))
+    total, commit = _count_writes("convert", source, str(reference))
     expected = _snapshot(reference)
     assert verify(reference).ok
     points = _kill_points(total, KILL_POINTS_PER_LOOP)
-    for k, mode in points:
-        dest = tmp_path / f"k{k}.zarr"
-        code = _kill("convert", source, str(dest), k, mode)
-        assert code == -signal.SIGKILL, (k, mode, code)
+    for i, (k, mode) in enumerate(points):
+        dest = tmp_path / f"k{i}.zarr"
+        killed = _kill("convert", source, str(dest), commit, k, mode)
         committed = False
         if dest.exists() and (dest / "zarr.json").exists():
             try:
@@ -226,16 +284,17 @@ def test_killed_first_conversion_never_looks_committed(
             except IncompleteStoreError:
                 pass  # killed before the commit: an unfinished conversion, never a partial store
             else:  # killed after the commit's write: the conversion is complete
-                assert k == total and mode == "after", (k, mode)
                 assert verify(store.url).ok
                 committed = True
         elif dest.exists():
             with pytest.raises(IncompleteStoreError):
                 birdzarr.open_store(dest)  # only the dead writer's lock file is there
+        # committed exactly when the commit write itself completed
+        assert committed == (k == COMMIT and mode == "after"), (k, mode, killed)
         if committed:  # re-running would refuse (StoreExistsError) like for any existing store
             repair(dest)  # removes the dead writer's stale lock
         else:
-            if k % 2:  # half the time, clean up with repair before re-running
+            if i % 2 == 0:  # half the time, clean up with repair before re-running
                 assert "unfinished conversion" in repair(dest).format()
                 assert not dest.exists()
             birdzarr.convert(source, dest, chunk_windows=CHUNK, progress=False, workers=2)
@@ -257,24 +316,23 @@ def test_killed_append_keeps_the_previous_commit(
     before = _snapshot(base)
     reference = tmp_path / "reference.zarr"
     shutil.copytree(base, reference)
-    total = _count_writes("append", str(sources["csv_more"]), str(reference))
+    total, commit = _count_writes("append", str(sources["csv_more"]), str(reference))
     after = _snapshot(reference)
     assert after["n"] > before["n"] and after["generation"] == 2
     # verify --source derives each batch (conversion, append) from its own files, as written
     assert verify(reference, source=sources["csv_all"]).ok
     points = _kill_points(total, KILL_POINTS_PER_LOOP)
-    for k, mode in points:
-        dest = tmp_path / f"k{k}.zarr"
+    for i, (k, mode) in enumerate(points):
+        dest = tmp_path / f"k{i}.zarr"
         shutil.copytree(base, dest)
-        code = _kill("append", str(sources["csv_more"]), str(dest), k, mode)
-        assert code == -signal.SIGKILL, (k, mode, code)
+        killed = _kill("append", str(sources["csv_more"]), str(dest), commit, k, mode)
         now = _snapshot(dest)
         assert verify(dest).ok, verify(dest).format()
-        if _committed_view(now) == _committed_view(after):
-            assert k == total and mode == "after", (k, mode)  # the commit itself was written
+        if k == COMMIT and mode == "after":  # the commit itself was written
+            assert _committed_view(now) == _committed_view(after), (k, mode, killed)
             _assert_same_arrays(now, after)
         else:
-            assert _committed_view(now) == _committed_view(before), (k, mode)
+            assert _committed_view(now) == _committed_view(before), (k, mode, killed)
             _assert_same_arrays(now, before)
         append(dest, sources["csv_more"], progress=False)  # re-run: completes the job
         again = _snapshot(dest)
@@ -295,9 +353,10 @@ def test_repair_removes_leftovers_of_a_killed_append(
     birdzarr.convert(sources["csv_base"], dest, chunk_windows=CHUNK, progress=False)
     before = _snapshot(dest)
     shutil.copytree(dest, tmp_path / "counted.zarr")
-    total = _count_writes("append", str(sources["csv_more"]), str(tmp_path / "counted.zarr"))
-    # the last write before the commit: arrays resized and data written past the committed count
-    assert _kill("append", str(sources["csv_more"]), str(dest), total - 1, "torn") == -signal.SIGKILL
+    total, commit = _count_writes("append", str(sources["csv_more"]), str(tmp_path / "counted.zarr"))
+    # the last write before the commit (or, should this run write less, just before the commit):
+    # arrays resized and data written past the committed count
+    _kill("append", str(sources["csv_more"]), str(dest), commit, total - 1, "torn")
     (dest / "gimu" / "zarr.0123abcd.partial").write_bytes(b"{")  # as a kill inside a metadata write
     found = leftovers(birdzarr.open_store(dest).location, before["n"])
     assert any("shape" in item for item in found) and any("temp" in item for item in found), found
