@@ -276,3 +276,59 @@ def test_local_chunk_cache_serves_the_second_epoch(small_store: birdzarr.Store, 
     epoch0_again = [x.clone() for x in second]
     assert second._cache is not None and second._cache.hits > 0 and second._cache.misses == 0
     assert all(torch.equal(x, y) for x, y in zip(epoch0, epoch0_again, strict=True))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    world_size=st.integers(1, 3),
+    n_full=st.integers(1, 40),
+    partial=st.integers(0, 99),
+    epoch=st.integers(0, 5),
+)
+def test_batches_of_the_chunk_size_read_one_whole_chunk_each(
+    world_size: int, n_full: int, partial: int, epoch: int
+) -> None:
+    """With batch size = chunk size, no batch straddles two chunks (so no chunk is decoded by two
+    DataLoader workers), wherever the partial chunk lands in the shuffled order."""
+    from birdzarr.read._sampling import plan_epoch
+
+    counts = np.array([100] * n_full + ([partial] if partial else []), dtype=np.int64)
+    counts = np.random.default_rng(epoch).permutation(counts)
+    for rank in range(world_size):
+        if counts.sum() < world_size:
+            return
+        plan = plan_epoch(counts, seed=1, epoch=epoch, world_size=world_size, rank=rank,
+                          batch_size=100, drop_last=False, shuffle=True, group_batches=1)
+        full_batches = [b for b in range(plan.n_batches) if plan.offsets[b + 1] - plan.offsets[b] == 100]
+        assert len(full_batches) >= n_full // world_size - 1
+        for batch in full_batches[: n_full // world_size]:
+            chunks = plan.group_chunks(batch)
+            assert len(chunks) == 1 and counts[chunks[0]] == 100
+            located, _ = plan.locate(plan.batch_positions(batch))
+            assert set(located.tolist()) == {int(chunks[0])}
+
+
+def test_persistent_workers_follow_set_epoch_and_resume(small_store: birdzarr.Store) -> None:
+    """Persistent workers keep their own dataset copy; epochs and resume points must reach them."""
+    reference = _dataset(small_store, batch_size=700, seed=6)
+
+    def epoch_of(epoch: int) -> list[torch.Tensor]:
+        reference.set_epoch(epoch)
+        return [x.clone() for x in reference]
+
+    ds = _dataset(small_store, batch_size=700, seed=6)
+    loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True,
+                        multiprocessing_context="fork")
+    for epoch in (0, 1, 2):
+        ds.set_epoch(epoch)
+        got = [x.clone() for x in loader]
+        assert len(got) == len(ds)
+        assert all(torch.equal(x, y) for x, y in zip(got, epoch_of(epoch), strict=True)), epoch
+    state = ds.state_dict(batches_seen=3)
+    state["epoch"] = 1
+    ds.load_state_dict(state)  # the workers are already running
+    tail = [x.clone() for x in loader]
+    assert all(torch.equal(x, y) for x, y in zip(tail, epoch_of(1)[3:], strict=True))
+    assert len(tail) == len(ds) - 3
+    ds.set_epoch(2)
+    assert len([x for x in loader]) == len(ds)

@@ -25,7 +25,7 @@ _BLOSC = Blosc()
 _SCRATCH = threading.local()  # per decoding thread: a reusable blosc output buffer
 
 
-def _blosc_decode_scratch(raw: bytes) -> np.ndarray:
+def _blosc_decode_scratch(raw: bytes | memoryview) -> np.ndarray:
     """Blosc-decode into this thread's reusable buffer (valid until its next call).
 
     Decoding into fresh memory for every chunk costs a page fault per 4 KiB page, which on some
@@ -188,17 +188,17 @@ class ChunkReader:
             raise IndexError(f"chunk {index} out of range 0..{self.n_chunks - 1}")
         if layout.chain == "zarr":
             return self._read_with_zarr(name, start, stop)
-        raw = self._fetch(layout, index)
+        fetched = self._fetch(layout, index)
         try:
-            if layout.crc32c:
-                raw = strip_crc32c(raw)
+            raw: bytes | memoryview = strip_crc32c(fetched) if layout.crc32c else fetched
             if out is not None and layout.chain in ("dict16", "standard"):
                 decoded = _blosc_decode_scratch(raw)
                 if layout.chain == "dict16" and _decode_dict16_into(decoded, out):
                     return out[: stop - start]
                 if layout.chain == "standard" and len(decoded) == out.nbytes and out.flags.c_contiguous:
                     channel_major = decoded.view("<f4").reshape(N_CHANNELS, self.chunk_windows, WINDOW_LENGTH)
-                    out[:] = channel_major.transpose(1, 2, 0)
+                    for channel in range(N_CHANNELS):  # 4x faster here than one 3-D transposed copy
+                        out[:, :, channel] = channel_major[channel]
                     return out[: stop - start]
             decoded = _BLOSC.decode(raw)
             if layout.chain == "dict16":

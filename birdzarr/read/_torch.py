@@ -16,11 +16,13 @@ number of windows in the store.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from multiprocessing.reduction import DupFd
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -29,12 +31,13 @@ from torch.utils.data import IterableDataset, get_worker_info
 from birdzarr._format import DEVICE, GIMU, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH
 from birdzarr._storage import StoreLike, resolve
 from birdzarr._store import open_store
+from birdzarr.read import _handoff
 from birdzarr.read._chunks import ChunkReader
 from birdzarr.read._fetch import BufferPool, ChunkData, prefetched
 from birdzarr.read._sampling import EpochPlan, plan_epoch, rank_window_counts, worker_batches
 from birdzarr.read._selection import make_selection
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 2: ranks take whole batch-sized pieces of the stream (order differs from 1)
 Batch = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
@@ -52,6 +55,44 @@ def _new_batch(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torc
     return torch.empty(shape, dtype=dtype)
 
 
+_X_BYTES = WINDOW_LENGTH * N_CHANNELS * 4  # one float32 window
+_LDT_BYTES = 3 * 8  # one int64 (label, device, unix seconds) row
+_FREE_SLOTS = 4  # reusable batch slots a worker keeps when they are free
+
+
+class _SharedBatch:
+    """A finished batch in a worker's reusable shared-memory slot (read/_handoff.py).
+
+    DataLoader pickles it to the training process, where it becomes the batch's tensor (or the
+    ``(x, ldt)`` tuple) on the slot's memory; the slot is reused once those tensors are freed.
+    """
+
+    __slots__ = ("slot", "fields")
+
+    def __init__(self, slot: _handoff.Slot, fields: list[tuple[str, tuple[int, ...], int]]) -> None:
+        self.slot, self.fields = slot, fields
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # pickled once, by DataLoader's queue; only a slot's first handle carries its fd
+        fd = self.slot.hand_over_fd()
+        handle = None
+        if fd is not None:
+            handle = DupFd(fd)  # keeps its own duplicate until the receiver fetches it
+            os.close(fd)
+        return (_receive_batch, (self.slot.key, handle, self.slot.size, self.fields))
+
+
+def _receive_batch(
+    key: _handoff.SlotKey, handle: Any, size: int, fields: list[tuple[str, tuple[int, ...], int]]
+) -> Batch:
+    lease = _handoff.receive(key, None if handle is None else handle.detach(), size)
+    tensors = [
+        torch.frombuffer(lease, dtype=getattr(torch, name), count=math.prod(shape), offset=at).view(shape)
+        for name, shape, at in fields
+    ]
+    return tensors[0] if len(tensors) == 1 else (tensors[0], tensors[1])
+
+
 @dataclass
 class _PerProcess:
     """What one process (the main one, or a DataLoader worker) opens for itself."""
@@ -60,6 +101,7 @@ class _PerProcess:
     reader: ChunkReader
     buffers: BufferPool
     scratch: dict[str, np.ndarray] = field(default_factory=dict)
+    slots: _handoff.SlotRing | None = None  # batch slots, in a DataLoader worker only
 
 
 def _distributed_defaults() -> tuple[int, int]:
@@ -95,6 +137,10 @@ class WindowDataset(IterableDataset[Batch]):
         storage_options: passed to fsspec (credentials are never stored or printed).
         cache_dir / cache_max_bytes: opt-in local disk cache of a remote store's chunks, so later
             epochs read local disk; at the cap it stops admitting chunks (docs/cloud.md).
+        reuse_batch_memory: in DataLoader workers, hand batches over through a few reused
+            shared-memory slots instead of a fresh segment per batch (Linux; 2x faster here,
+            docs/training.md#workers-and-ranks). Turn it off if a custom ``collate_fn`` must see
+            tensors inside the worker.
     """
 
     def __init__(
@@ -121,6 +167,7 @@ class WindowDataset(IterableDataset[Batch]):
         storage_options: dict[str, Any] | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
         cache_max_bytes: int = 50 * 2**30,
+        reuse_batch_memory: bool = True,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -138,6 +185,7 @@ class WindowDataset(IterableDataset[Batch]):
         self.with_ldt = with_ldt
         self.prefetch = max(1, prefetch)
         self.transform = transform
+        self.reuse_batch_memory = reuse_batch_memory
         self.group_batches = max(1, -(-(shuffle_buffer or batch_size) // batch_size))
         self.location = resolve(store, storage_options)
         opened = open_store(self.location)
@@ -177,6 +225,11 @@ class WindowDataset(IterableDataset[Batch]):
         self._resume_epoch: int | None = None
         self._yielded = 0
         self._skip_own = 0  # batches this worker already yielded before a StatefulDataLoader resume
+        self._restored_here = False  # load_state_dict ran in this worker (StatefulDataLoader)
+        # (epoch, resume_at, resume_epoch or -1) in shared memory: persistent DataLoader workers
+        # keep their own copy of the dataset, so set_epoch() in the training process reaches
+        # them only through this
+        self._control = torch.tensor([0, 0, -1], dtype=torch.int64).share_memory_()
         self._per_process: _PerProcess | None = None
 
     # -- sizes and state -------------------------------------------------------------------------
@@ -194,6 +247,26 @@ class WindowDataset(IterableDataset[Batch]):
         self.epoch = int(epoch)
         if self._resume_epoch is not None and self._resume_epoch != self.epoch:
             self._resume_at, self._resume_epoch, self._skip_own = 0, None, 0
+        self._publish()
+
+    def _publish(self) -> None:
+        """Share the epoch and resume point with (persistent) workers; the training process only."""
+        if get_worker_info() is None:
+            resume_epoch = -1 if self._resume_epoch is None else self._resume_epoch
+            self._control.copy_(torch.tensor([self.epoch, self._resume_at, resume_epoch]))
+
+    def _follow(self) -> None:
+        """In a worker, take the epoch and resume point the training process set last."""
+        if get_worker_info() is None:
+            return
+        if self._restored_here:  # a worker's own restored state wins for the iteration it resumes
+            self._restored_here = False
+            return
+        epoch, resume_at, resume_epoch = self._control.tolist()
+        self.epoch, self._resume_at, self._skip_own = epoch, resume_at, 0
+        self._resume_epoch = None if resume_epoch < 0 else resume_epoch
+        if self._resume_epoch != self.epoch:
+            self._resume_at = 0
 
     def state_dict(self, batches_seen: int | None = None) -> dict[str, Any]:
         """Where the epoch stands. With DataLoader workers, pass the batches the loop consumed
@@ -222,7 +295,12 @@ class WindowDataset(IterableDataset[Batch]):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next iteration of ``state['epoch']`` starts at its next batch."""
         if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"unknown WindowDataset state version {state.get('version')!r}")
+            raise ValueError(
+                f"cannot resume from WindowDataset state version {state.get('version')!r}: this "
+                f"birdzarr writes and reads version {_STATE_VERSION}, whose batch order differs. "
+                "Restart the epoch (call set_epoch without load_state_dict) or use the birdzarr "
+                "version that saved the state."
+            )
         for key in ("seed", "world_size", "batch_size"):
             if state[key] != getattr(self, key):
                 raise ValueError(
@@ -237,6 +315,8 @@ class WindowDataset(IterableDataset[Batch]):
             self._resume_at, self._skip_own = int(state["start"]), int(state["worker_yielded"])
         else:
             self._resume_at = int(state["next_batch"])
+        self._restored_here = get_worker_info() is not None
+        self._publish()
 
     # -- reading ---------------------------------------------------------------------------------
     def plan(self) -> EpochPlan:
@@ -316,6 +396,7 @@ class WindowDataset(IterableDataset[Batch]):
         return scratch[name][:size]
 
     def __iter__(self) -> Iterator[Batch]:
+        self._follow()
         plan = self.plan()
         info = get_worker_info()
         worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
@@ -326,25 +407,54 @@ class WindowDataset(IterableDataset[Batch]):
         self._yielded = self._skip_own
         self._skip_own = 0
         loads = prefetched(self._load, steps, prefetch=self.prefetch, release=self._release)
-        for batch, chunks in zip(batches, loads, strict=False):
-            assembled = self._assemble(plan, batch, chunks)
-            self._yielded += 1  # counted before handing over: state_dict() then names the next batch
-            yield assembled
+        try:
+            for batch, chunks in zip(batches, loads, strict=False):
+                assembled = self._assemble(plan, batch, chunks)
+                self._yielded += 1  # counted before handing over: state_dict() names the next batch
+                # a _SharedBatch only in a DataLoader worker, which the transport turns into a Batch
+                yield cast(Batch, assembled)
+        finally:
+            local = self._per_process
+            if local is not None and local.slots is not None:  # the receiver may drop its mappings
+                local.slots.retire()
         if info is None:  # a finished in-process epoch consumes its resume point
             self._yielded += self._resume_at
             self._resume_at, self._resume_epoch = 0, None
+            self._publish()
 
-    def _assemble(self, plan: EpochPlan, batch: int, chunks: dict[int, ChunkData]) -> Batch:
+    def _slot(self) -> _handoff.Slot | None:
+        """A free batch slot when batches go to the training process through reused shared memory."""
+        if not (self.reuse_batch_memory and _handoff.AVAILABLE and self.transform is None):
+            return None
+        if get_worker_info() is None:
+            return None
+        local = self._local()
+        if local.slots is None:
+            per_window = _X_BYTES + (_LDT_BYTES if self.with_ldt else 0)
+            local.slots = _handoff.SlotRing(self.batch_size * per_window, keep=_FREE_SLOTS)
+        return local.slots.acquire()
+
+    def _assemble(self, plan: EpochPlan, batch: int, chunks: dict[int, ChunkData]) -> Batch | _SharedBatch:
         chunk_ids, ranks = plan.locate(plan.batch_positions(batch))
         size = len(chunk_ids)
-        # In a DataLoader worker the batch is built in shared memory, so handing it to the main
-        # process sends a handle instead of copying it into a fresh shared segment.
-        shared = get_worker_info() is not None
         shape = (size, N_CHANNELS, WINDOW_LENGTH) if self.channel_first else (size, WINDOW_LENGTH, N_CHANNELS)
-        tensor = _new_batch(shape, torch.float32, shared)
-        x = self._scratch("channel_last", size) if self.channel_first else tensor.numpy()
-        ldt_tensor = _new_batch((size, 3), torch.int64, shared) if self.with_ldt else None
-        ldt = None if ldt_tensor is None else ldt_tensor.numpy()
+        ldt_offset = self.batch_size * _X_BYTES
+        slot = self._slot()
+        tensor = ldt_tensor = None
+        if slot is not None:
+            out = slot.data[: size * _X_BYTES].view(np.float32).reshape(shape)
+            ldt = None
+            if self.with_ldt:
+                ldt = slot.data[ldt_offset : ldt_offset + size * _LDT_BYTES].view(np.int64).reshape(size, 3)
+        else:
+            # In a DataLoader worker the batch is built in shared memory, so handing it to the
+            # main process sends a handle instead of copying it into a fresh shared segment.
+            shared = get_worker_info() is not None
+            tensor = _new_batch(shape, torch.float32, shared)
+            out = tensor.numpy()
+            ldt_tensor = _new_batch((size, 3), torch.int64, shared) if self.with_ldt else None
+            ldt = None if ldt_tensor is None else ldt_tensor.numpy()
+        x = self._scratch("channel_last", size) if self.channel_first else out
         # one stable sort groups the batch's windows by chunk (no per-chunk scan of the batch)
         order = np.argsort(chunk_ids, kind="stable")
         cuts = np.flatnonzero(np.diff(chunk_ids[order])) + 1
@@ -352,18 +462,28 @@ class WindowDataset(IterableDataset[Batch]):
             where = order[lo:hi]
             data = chunks[int(chunk_ids[where[0]])]
             rows = ranks[where]
+            # the plan's ranks index the chunk's selected windows, so mode="clip" (3x faster than
+            # the default, which buffers the output) never clips
+            assert int(rows.max()) < len(data[GIMU])
             if hi - lo == size:  # the whole batch comes from one chunk: gather straight into x
-                np.take(data[GIMU], rows, axis=0, out=x)
+                np.take(data[GIMU], rows, axis=0, out=x, mode="clip")
             else:  # gather into a warm scratch buffer, then scatter
                 part = self._scratch("part", hi - lo)
-                np.take(data[GIMU], rows, axis=0, out=part)
+                np.take(data[GIMU], rows, axis=0, out=part, mode="clip")
                 x[where] = part
             if ldt is not None:
                 ldt[where, 0] = data[LABEL][rows]
                 ldt[where, 1] = data[DEVICE][rows]
                 ldt[where, 2] = data[TIMESTAMP][rows]
         if self.channel_first:
-            tensor.numpy()[:] = x.transpose(0, 2, 1)
+            out[:] = x.transpose(0, 2, 1)
+        if slot is not None:
+            slot.lease()
+            fields: list[tuple[str, tuple[int, ...], int]] = [("float32", shape, 0)]
+            if self.with_ldt:
+                fields.append(("int64", (size, 3), ldt_offset))
+            return _SharedBatch(slot, fields)
+        assert tensor is not None
         if self.transform is not None:
             tensor = self.transform(tensor)
         if ldt_tensor is not None:

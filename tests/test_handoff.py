@@ -1,0 +1,133 @@
+"""Batches handed from DataLoader workers through reused shared-memory slots (read/_handoff.py).
+
+A slot may be reused only after every tensor made from it in the receiving process is gone; these
+tests hold, view, drop and compare batches to catch a slot overwritten while still in use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import pickle
+from multiprocessing.reduction import ForkingPickler
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import birdzarr
+from birdzarr.read import _handoff
+from birdzarr.read._torch import _SharedBatch
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*stored in device order"),
+    pytest.mark.skipif(not _handoff.AVAILABLE, reason="needs os.memfd_create (Linux)"),
+]
+
+
+def _send(slot: _handoff.Slot, fields: list[tuple[str, tuple[int, ...], int]]) -> object:
+    """Through the pickler DataLoader uses, back into this process (a worker's fd via DupFd)."""
+    return pickle.loads(ForkingPickler.dumps(_SharedBatch(slot, fields)))
+
+
+def test_a_slot_is_reused_only_after_every_tensor_and_view_is_freed() -> None:
+    ring = _handoff.SlotRing(8 * 4 + 8 * 3 * 8, keep=2)
+    slot = ring.acquire()
+    slot.data[:32].view(np.float32)[:] = np.arange(8, dtype=np.float32)
+    slot.data[32:].view(np.int64)[:] = np.arange(24)
+    slot.lease()
+    x, ldt = _send(slot, [("float32", (8,), 0), ("int64", (8, 3), 32)])  # type: ignore[misc]
+    assert torch.equal(x, torch.arange(8, dtype=torch.float32))
+    assert torch.equal(ldt, torch.arange(24).view(8, 3))
+    view = x[2:5]
+    as_numpy = ldt.numpy()
+    del x, ldt
+    gc.collect()
+    assert slot.leased and ring.acquire() is not slot  # views still use it
+    del view
+    gc.collect()
+    assert slot.leased  # the numpy view of ldt still does
+    del as_numpy
+    gc.collect()
+    assert not slot.leased
+    assert ring.acquire() is slot
+
+
+def test_the_ring_keeps_at_most_keep_free_slots() -> None:
+    ring = _handoff.SlotRing(64, keep=2)
+    held = []
+    for _ in range(5):
+        slot = ring.acquire()
+        slot.lease()
+        held.append(_send(slot, [("float32", (16,), 0)]))
+    assert len(ring) == 5
+    del held
+    gc.collect()
+    ring.acquire()
+    assert len(ring) == 2
+    ring.retire()
+
+
+def _memfds(pid: int) -> int:
+    fd_dir = f"/proc/{pid}/fd"
+    count = 0
+    for name in os.listdir(fd_dir):
+        with contextlib.suppress(OSError):  # closed meanwhile
+            count += "birdzarr-batch" in os.readlink(os.path.join(fd_dir, name))
+    return count
+
+
+@pytest.mark.parametrize("options", [{}, {"with_ldt": True, "channel_first": True}])
+def test_workers_reuse_slots_and_every_batch_holds_its_values(
+    small_store: birdzarr.Store, options: dict[str, bool]
+) -> None:
+    ds = birdzarr.WindowDataset(small_store.url, batch_size=50, seed=4, **options)  # type: ignore[arg-type]
+    expected = [tuple(t.clone() for t in b) if isinstance(b, tuple) else b.clone() for b in ds]
+    assert len(expected) > 150
+    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
+    iterator = iter(loader)
+    most_slots = 0
+    for n, (got, want) in enumerate(zip(iterator, expected, strict=True)):
+        if options:
+            (x, ldt), (want_x, want_ldt) = got, want
+            assert torch.equal(ldt, want_ldt)
+        else:
+            x, want_x = got, want
+        assert torch.equal(x, want_x), f"batch {n} differs: a slot was overwritten while in use"
+        if n % 10 == 5:
+            workers = iterator._workers  # type: ignore[attr-defined]
+            most_slots = max(most_slots, *(_memfds(w.pid) for w in workers))
+        del got, x
+    # Slots are reused: a worker holds a handful (slots, and fds not yet fetched by the main
+    # process), not one per batch (more than 75 per worker here).
+    assert 0 < most_slots <= 16
+
+
+def test_batches_kept_by_the_loop_stay_intact(small_store: birdzarr.Store) -> None:
+    ds = birdzarr.WindowDataset(small_store.url, batch_size=97, seed=4, with_ldt=True)
+    expected = [(x.clone(), ldt.clone()) for x, ldt in ds]
+    kept = list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork"))
+    assert len(kept) == len(expected)
+    for (x, ldt), (want_x, want_ldt) in zip(kept, expected, strict=True):
+        assert torch.equal(x, want_x) and torch.equal(ldt, want_ldt)
+
+
+def test_reuse_can_be_turned_off(small_store: birdzarr.Store) -> None:
+    ds = birdzarr.WindowDataset(small_store.url, batch_size=500, seed=4, reuse_batch_memory=False)
+    expected = [x.clone() for x in ds]
+    got = list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork"))
+    assert all(torch.equal(x, y) for x, y in zip(got, expected, strict=True))
+
+
+def test_the_training_process_drops_the_slots_of_finished_workers(small_store: birdzarr.Store) -> None:
+    ds = birdzarr.WindowDataset(small_store.url, batch_size=100, seed=4)
+    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
+    sizes = []
+    for epoch in range(4):  # new workers (and new slots) every epoch
+        ds.set_epoch(epoch)
+        assert sum(len(x) for x in loader) == len(small_store)
+        sizes.append(len(_handoff._RECEIVED))
+    # at most the last epoch's slots (those retired while a batch was on its way) remain mapped
+    assert max(sizes) <= 2 * 8, sizes
