@@ -13,7 +13,8 @@ order, and pre-shuffled when ``birdzarr.convert`` has ``shuffle=``), then compar
   (c) per-device .npy memmaps, per-item __getitem__
   (d) a block-random sampler over the memmap (shuffled block order, blocks read sequentially)
   (e) an ideal in-RAM numpy gather of sorted random indices (no DataLoader: the upper limit)
-  (g) the DataLoader's own ceiling: 2 workers that only hand over new shared-memory batches
+  (g) torch's own transport: 2 workers that only hand over a new shared-memory batch each (what any
+      loader pays that does not reuse shared memory, as WindowDataset does)
   (f) birdzarr.WindowDataset, default settings and shuffle_buffer of 1, 4, 16 batches, on the
       device-ordered and the pre-shuffled store
 
@@ -276,7 +277,7 @@ def cases(meta: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]
         {"label": "(c) per-device .npy memmaps", "kind": "perdevice", **items},
         {"label": "(d) block-random sampler", "kind": "block", **items},
         {"label": "(e) ideal in-RAM gather", "kind": "ideal"},
-        {"label": "(g) DataLoader ceiling: 2 workers, ready batches", "kind": "ceiling"},
+        {"label": "(g) torch transport only: 2 workers, fresh shared batches", "kind": "ceiling"},
     ]
     for store, tag in (("device", "device order"), ("shuffled", "pre-shuffled")):
         if store not in meta["stores"]:
@@ -369,6 +370,8 @@ def main() -> int:
                         help="batches timed for the slow per-item loaders (b)-(d)")
     parser.add_argument("--quality-batches", type=int, default=100)
     parser.add_argument("--only", default=None, help="run only cases whose label contains this")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run every case this many times, interleaved; report the median run")
     parser.add_argument("--plot", default=os.path.join(REPO, "benchmarks", "out", "loader.png"))
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--run-case", default=None, help=argparse.SUPPRESS)
@@ -387,16 +390,23 @@ def main() -> int:
     started = time.perf_counter()
     try:
         meta = prepare(workdir, args.windows, args.devices, scale_check=args.scale_check, log=log)
+        selected = [spec for spec in cases(meta, args) if not args.only or args.only in spec["label"]]
+        runs: dict[str, list[dict[str, Any]]] = {spec["label"]: [] for spec in selected}
+        for _ in range(args.repeat):  # interleaved, so a noisy minute does not hit one case only
+            for spec in selected:
+                result = measure(spec)
+                result["label"] = spec["label"]
+                runs[spec["label"]].append(result)
+                log(f"{spec['label']}: {result['windows_per_s'] / MB:.3f} M windows/s, first batch "
+                    f"{result['first_batch_s']:.2f} s, peak private {result['peak_uss_mb']:.0f} MB, quality "
+                    f"{result['quality'] if result['quality'] is None else round(result['quality'], 2)}")
         results = []
-        for spec in cases(meta, args):
-            if args.only and args.only not in spec["label"]:
-                continue
-            result = measure(spec)
-            result["label"] = spec["label"]
-            results.append((spec, result))
-            log(f"{spec['label']}: {result['windows_per_s'] / MB:.3f} M windows/s, first batch "
-                f"{result['first_batch_s']:.2f} s, peak private {result['peak_uss_mb']:.0f} MB, quality "
-                f"{result['quality'] if result['quality'] is None else round(result['quality'], 2)}")
+        for spec in selected:
+            measured = sorted(runs[spec["label"]], key=lambda r: r["windows_per_s"])
+            median = dict(measured[len(measured) // 2])
+            median["runs_windows_per_s"] = [r["windows_per_s"] for r in runs[spec["label"]]]
+            median["peak_uss_mb"] = max(r["peak_uss_mb"] for r in measured)
+            results.append((spec, median))
     finally:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -412,6 +422,7 @@ def main() -> int:
             "first batch s": r["first_batch_s"],
             "peak private MB": r["peak_uss_mb"],
             "quality": r["quality"] if r["quality"] is not None else "",
+            "runs M/s": " ".join(f"{w / MB:.2f}" for w in r["runs_windows_per_s"]),
             "timed over": (f"{r['batches']} batches" if spec.get("max_batches") else "1 epoch")
                           + ("" if "load_s" not in r else f"; load {r['load_s']:.1f} s"),
         }
@@ -421,7 +432,8 @@ def main() -> int:
         rows.append(row)
     print()
     print(f"{args.windows:,} windows, {args.devices} devices, batch {BATCH}, {WORKERS} workers; {machine()}; "
-          f"total {time.perf_counter() - started:.0f} s")
+          f"total {time.perf_counter() - started:.0f} s; median of {args.repeat} run(s), "
+          "peak memory the largest")
     print(table(rows))
     chunks = -(-args.windows // 8192)
     print(f"device-ordered store: predicted quality ratio with a buffer of all {chunks} chunks (the whole "

@@ -1,8 +1,9 @@
 """Training reads from S3 against reads from local disk, with cloud-like latency added.
 
 The same read as a training loop: ``WindowDataset(url, batch_size, shuffle=True)`` in a
-``DataLoader(batch_size=None, num_workers=W)``, one full epoch, timed from the first ``iter()`` to
-the last batch. Sources, in one run:
+``DataLoader(batch_size=None, num_workers=W, persistent_workers=True)``, three epochs, each timed
+from its ``iter()`` to its last batch: the first (fresh workers) and the mean of the later ones
+(steady state) are reported. Sources, in one run:
 
 - the store on local disk;
 - the same store uploaded (``birdzarr copy``) to moto's S3 server on loopback (its own process);
@@ -16,6 +17,7 @@ birdzarr's fsspec path (``ChunkReader`` on a thread pool) against TensorStore's 
 
     python benchmarks/s3.py                                  # defaults: 1M windows, 8192/chunk
     python benchmarks/s3.py --windows 300000 --prefetch 16   # smaller, more fetches in flight
+    python benchmarks/s3.py --pin-servers                    # servers on their own core
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ from birdzarr._copy import copy_store  # noqa: E402
 from birdzarr._storage import FETCHER_ENV, resolve  # noqa: E402
 from birdzarr.read._chunks import ChunkReader  # noqa: E402
 
+# With --pin-servers, the servers run on this core and the loader on the others, as if the
+# endpoint were another machine (moto and the proxy are Python and cost ~15 ms of CPU per GET).
+SERVER_CPUS: set[int] = set()
+
 
 class Server:
     """``tests/s3_support.py moto|proxy`` in its own process (no shared interpreter lock)."""
@@ -53,6 +59,8 @@ class Server:
             [sys.executable, str(HERE.parent / "tests" / "s3_support.py"), *args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
+        if SERVER_CPUS:
+            os.sched_setaffinity(self.proc.pid, SERVER_CPUS)
         assert self.proc.stdout is not None
         self.port = int(self.proc.stdout.readline())
         self.url = f"http://127.0.0.1:{self.port}"
@@ -78,8 +86,16 @@ def _has_obstore() -> bool:
     return True
 
 
+EPOCHS = 3  # per measurement: the first with freshly started workers, then steady state
+
+
 def epoch(url: str, options: dict[str, Any] | None, args: argparse.Namespace) -> dict[str, float]:
-    """One shuffled epoch through DataLoader; windows/s from the first iter() to the last batch."""
+    """``EPOCHS`` shuffled epochs through one DataLoader with persistent workers, as a training
+    job runs them; windows/s from each ``iter()`` to its last batch.
+
+    ``windows_per_s`` is the first epoch (it includes starting the workers, and for S3 creating
+    each worker's client: ~0.25 CPU s per worker); ``steady_windows_per_s`` the later ones.
+    """
     import torch
     from torch.utils.data import DataLoader
 
@@ -89,13 +105,17 @@ def epoch(url: str, options: dict[str, Any] | None, args: argparse.Namespace) ->
         dataset = birdzarr.WindowDataset(url, batch_size=args.batch_size, shuffle=True, seed=0,
                                          prefetch=args.prefetch, storage_options=options)
     loader = DataLoader(dataset, batch_size=None, num_workers=args.workers,
+                        persistent_workers=args.workers > 0,
                         multiprocessing_context="fork" if args.workers else None)
-    started = time.perf_counter()
-    windows = 0
-    for batch in loader:
-        windows += len(batch)
-    seconds = time.perf_counter() - started
-    return {"windows": windows, "seconds": seconds, "windows_per_s": windows / seconds}
+    rates = []
+    for number in range(EPOCHS):
+        dataset.set_epoch(number)
+        started = time.perf_counter()
+        windows = sum(len(batch) for batch in loader)
+        rates.append(windows / (time.perf_counter() - started))
+    del loader  # stops the persistent workers
+    return {"windows": windows, "windows_per_s": rates[0],
+            "steady_windows_per_s": sum(rates[1:]) / (EPOCHS - 1)}
 
 
 def chunk_reads(url: str, options: dict[str, Any] | None, threads: int) -> dict[str, float]:
@@ -170,7 +190,16 @@ def main() -> None:
     parser.add_argument("--skip-tensorstore", action="store_true")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--pin-servers", action="store_true",
+                        help="run moto and the proxies on the last core and everything else (local "
+                             "and S3 epochs alike) on the other cores")
     args = parser.parse_args()
+    if args.pin_servers:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            parser.error("--pin-servers needs at least 2 cores")
+        SERVER_CPUS.add(cpus[-1])
+        os.sched_setaffinity(0, set(cpus[:-1]))
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="birdzarr-s3-bench-"))
     settings = {k: v for k, v in vars(args).items() if k not in ("json", "workdir")}
@@ -213,7 +242,8 @@ def main() -> None:
                 measured = epoch("s3://bench/dict16.zarr", s3_options(proxy.url), args)
                 stats = proxy.stats()
                 row = {"source": f"moto S3 +{delay:g} ms each way", "rtt_ms": 2 * delay, **measured}
-            row.update(requests=stats["requests"], methods=stats["methods"],
+            row.update(requests=stats["requests"] / EPOCHS,
+                       methods={k: v / EPOCHS for k, v in stats["methods"].items()},
                        bytes_per_request=stats["get_bytes"] / max(1, stats["methods"].get("GET", 1)))
             rows.append(row)
             if delay and _has_obstore():
@@ -226,16 +256,17 @@ def main() -> None:
                     del os.environ[FETCHER_ENV]
                 stats = proxy.stats()
                 rows.append({"source": f"moto S3 +{delay:g} ms each way, obstore fetcher",
-                             "rtt_ms": 2 * delay, **fast, "requests": stats["requests"],
-                             "methods": stats["methods"],
+                             "rtt_ms": 2 * delay, **fast, "requests": stats["requests"] / EPOCHS,
+                             "methods": {k: v / EPOCHS for k, v in stats["methods"].items()},
                              "bytes_per_request": stats["get_bytes"] / max(1, stats["requests"])})
                 print(json.dumps(rows[-1]), flush=True)
             proxy.stop()
             servers.remove(proxy)
             print(json.dumps(row), flush=True)
-        local_ws = rows[0]["windows_per_s"]
+        local_ws, local_steady = rows[0]["windows_per_s"], rows[0]["steady_windows_per_s"]
         for row in rows:
             row["vs_local"] = row["windows_per_s"] / local_ws
+            row["steady_vs_local"] = row["steady_windows_per_s"] / local_steady
         results["epochs"] = rows
 
         proxy = Server("proxy", "--upstream", str(moto.port), "--delay", "0.01")
@@ -289,14 +320,17 @@ def compare_tensorstore(
 def print_table(results: dict[str, Any]) -> None:
     s = results["settings"]
     print(f"\n{s['windows']:,} windows, chunk {s['chunk_windows']}, batch {s['batch_size']}, "
-          f"{s['workers']} DataLoader workers, prefetch {s['prefetch']}")
-    print("| source | RTT | windows/s | vs local | requests/epoch | bytes/request |")
-    print("|---|---|---|---|---|---|")
+          f"{s['workers']} DataLoader workers, prefetch {s['prefetch']}"
+          + (", servers pinned to their own core" if s.get("pin_servers") else ", all on shared cores"))
+    print("| source | RTT | first epoch windows/s | vs local | later epochs windows/s | vs local "
+          "| requests/epoch | bytes/request |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results["epochs"]:
-        requests = r.get("requests", "-")
+        requests = f"{r['requests']:.0f}" if "requests" in r else "-"
         size = f"{r['bytes_per_request'] / 1e3:,.0f} kB" if "bytes_per_request" in r else "-"
         print(f"| {r['source']} | {r['rtt_ms']:g} ms | {r['windows_per_s'] / 1e6:.2f} M | "
-              f"{r['vs_local']:.0%} | {requests} | {size} |")
+              f"{r['vs_local']:.0%} | {r['steady_windows_per_s'] / 1e6:.2f} M | {r['steady_vs_local']:.0%} "
+              f"| {requests} | {size} |")
     raw = results.get("raw_fetch_10ms")
     if raw:
         obstore_rate = raw.get("obstore_mb_per_s", float("nan"))

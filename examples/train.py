@@ -108,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
                                 prefetch=args.prefetch)
     # No persistent_workers: workers are forked at each epoch's start and take the dataset's epoch
     # and resume point with them.
-    loader = DataLoader(ds, batch_size=None, num_workers=args.workers, pin_memory=device.type == "cuda")
+    # persistent workers keep their S3 client and slots between epochs; set_epoch() reaches them
+    loader = DataLoader(ds, batch_size=None, num_workers=args.workers, pin_memory=device.type == "cuda",
+                        persistent_workers=args.workers > 0)
 
     model: nn.Module = TinyConvAutoencoder().to(device)
     if world > 1:

@@ -252,6 +252,14 @@ class HttpProxy:
                 await up_w.drain()
                 resp_head = await up_r.readuntil(b"\r\n\r\n")
                 status, resp_headers = _parse_status(resp_head)
+                # moto (werkzeug) closes every connection; S3 keeps them alive. Keep the client's
+                # connection and reconnect upstream (on loopback, no delay) instead, so each
+                # request does not pay a new TCP handshake that a real endpoint would not cost.
+                upstream_closes = resp_headers.get("connection", "").lower() == "close" and (
+                    "content-length" in resp_headers or "chunked" in resp_headers.get("transfer-encoding", "")
+                )
+                if upstream_closes:
+                    resp_head = _drop_header(resp_head, b"connection")
                 if self.delay:
                     await asyncio.sleep(self.delay)
                 client_w.write(resp_head)
@@ -262,6 +270,10 @@ class HttpProxy:
                     _abort(client_w)
                     return
                 await client_w.drain()
+                if upstream_closes:
+                    upstream[1].close()
+                    upstream = None
+                    continue
                 if resp_headers.get("connection", "").lower() == "close" or _until_close(resp_headers):
                     return
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
@@ -350,8 +362,8 @@ async def _pump_body(
     length = int(headers["content-length"])
     limit = length // 2 if fault == "reset_mid_body" else length
     sent = 0
-    while sent < length:
-        data = await reader.readexactly(min(1 << 16, length - sent))
+    while sent < length:  # large pieces: the proxy's CPU per GET shows up in benchmarks/s3.py
+        data = await reader.readexactly(min(1 << 20, length - sent))
         if sent < limit:
             writer.write(data[: limit - sent])
         sent += len(data)
