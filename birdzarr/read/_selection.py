@@ -79,13 +79,26 @@ class Selection:
             mask = side if mask is None else mask & side
         return mask
 
+    def read_mask(
+        self, reader: ChunkReader, chunk: int, device_ids: np.ndarray | None = None
+    ) -> np.ndarray | None:
+        """:meth:`chunk_mask`, reading the chunk's device ids first if the selection needs them."""
+        if device_ids is None and self.reads_device_array:
+            device_ids = reader.read(DEVICE, chunk)
+        return self.chunk_mask(reader, chunk, device_ids)
+
+    def selected_indices(self, reader: ChunkReader, chunk: int) -> np.ndarray:
+        """Global indices of the selected windows of one chunk, in stored order."""
+        start, stop = reader.chunk_span(chunk)
+        mask = self.read_mask(reader, chunk)
+        return np.arange(start, stop) if mask is None else start + np.flatnonzero(mask)
+
     def counts(self, reader: ChunkReader) -> np.ndarray:
         """Selected windows per chunk (reads the device array only for shuffled stores)."""
         counts = np.empty(reader.n_chunks, dtype=np.int64)
         for chunk in range(reader.n_chunks):
             start, stop = reader.chunk_span(chunk)
-            device_ids = reader.read(DEVICE, chunk) if self.reads_device_array else None
-            mask = self.chunk_mask(reader, chunk, device_ids)
+            mask = self.read_mask(reader, chunk)
             counts[chunk] = (stop - start) if mask is None else int(mask.sum())
         return counts
 

@@ -341,11 +341,7 @@ class WindowDataset(IterableDataset[Batch]):
         out = np.empty(len(chunk_ids), dtype=np.int64)
         for chunk in np.unique(chunk_ids).tolist():
             where = np.flatnonzero(chunk_ids == chunk)
-            device_ids = reader.read(DEVICE, chunk) if self.selection.reads_device_array else None
-            mask = self.selection.chunk_mask(reader, chunk, device_ids)
-            start, stop = reader.chunk_span(chunk)
-            selected = np.arange(start, stop) if mask is None else start + np.flatnonzero(mask)
-            out[where] = selected[ranks[where]]
+            out[where] = self.selection.selected_indices(reader, chunk)[ranks[where]]
         return out
 
     def _local(self) -> _PerProcess:
@@ -364,10 +360,8 @@ class WindowDataset(IterableDataset[Batch]):
 
     def _load(self, chunk: int) -> ChunkData:
         reader = self._chunk_reader()
-        device_ids = (
-            reader.read(DEVICE, chunk) if (self.with_ldt or self.selection.reads_device_array) else None
-        )
-        mask = self.selection.chunk_mask(reader, chunk, device_ids)
+        device_ids = reader.read(DEVICE, chunk) if self.with_ldt else None
+        mask = self.selection.read_mask(reader, chunk, device_ids)
         names = [GIMU, LABEL, TIMESTAMP] if self.with_ldt else [GIMU]
         pool = self._local().buffers
         buffer = pool.get()
@@ -375,7 +369,7 @@ class WindowDataset(IterableDataset[Batch]):
             name: reader.read(name, chunk, out=buffer) if name == GIMU else reader.read(name, chunk)
             for name in names
         }
-        if device_ids is not None and self.with_ldt:
+        if device_ids is not None:
             data[DEVICE] = device_ids
         if mask is not None:
             data = {name: array[mask] for name, array in data.items()}
