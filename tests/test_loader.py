@@ -234,24 +234,38 @@ def test_len_and_warning_on_device_ordered_store(small_store: birdzarr.Store) ->
     assert len(_dataset(small_store, batch_size=4096, drop_last=True)) == len(small_store) // 4096
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_stateful_dataloader_resumes_exactly(small_store: birdzarr.Store, num_workers: int) -> None:
+@pytest.mark.parametrize(("num_workers", "persistent"), [(0, False), (2, False), (2, True)])
+def test_stateful_dataloader_resumes_exactly(
+    small_store: birdzarr.Store, num_workers: int, persistent: bool
+) -> None:
     stateful = pytest.importorskip("torchdata.stateful_dataloader")
-    expected = [x.clone() for x in _dataset(small_store, batch_size=1100, seed=8)]
-    loader = stateful.StatefulDataLoader(
-        _dataset(small_store, batch_size=1100, seed=8), batch_size=None, num_workers=num_workers
-    )
-    iterator = iter(loader)
+    reference = _dataset(small_store, batch_size=1100, seed=8)
+    reference.set_epoch(1)
+    expected = [x.clone() for x in reference]
+
+    def loader_of(ds: birdzarr.WindowDataset) -> object:
+        return stateful.StatefulDataLoader(ds, batch_size=None, num_workers=num_workers,
+                                           persistent_workers=persistent)
+
+    first = _dataset(small_store, batch_size=1100, seed=8)
+    loader = loader_of(first)
+    assert len(list(loader)) == len(first)  # epoch 0, then stop inside epoch 1
+    first.set_epoch(1)
+    iterator = iter(loader)  # type: ignore[call-overload]
     head = [next(iterator).clone() for _ in range(6)]
-    state = loader.state_dict()
+    state = loader.state_dict()  # type: ignore[attr-defined]
     del iterator, loader
-    again = stateful.StatefulDataLoader(
-        _dataset(small_store, batch_size=1100, seed=8), batch_size=None, num_workers=num_workers
-    )
-    again.load_state_dict(state)
-    tail = [x.clone() for x in again]
+    again_ds = _dataset(small_store, batch_size=1100, seed=8)
+    again = loader_of(again_ds)
+    again.load_state_dict(state)  # type: ignore[attr-defined]
+    again_ds.set_epoch(1)
+    tail = [x.clone() for x in again]  # type: ignore[attr-defined]
     assert all(torch.equal(x, y) for x, y in zip(head + tail, expected, strict=True))
-    assert len(list(again)) == len(expected), "the epoch after a resume is whole again"
+    again_ds.set_epoch(2)
+    reference.set_epoch(2)
+    following = [x.clone() for x in again]  # type: ignore[attr-defined]
+    assert len(following) == len(expected), "the epoch after a resume is whole again"
+    assert all(torch.equal(x, y) for x, y in zip(following, reference, strict=True))
 
 
 def test_damaged_chunks_raise_during_training(parquet_source, tmp_path) -> None:  # type: ignore[no-untyped-def]
