@@ -19,6 +19,7 @@ from birdzarr import (
     StoreNotFoundError,
     _synthetic,
 )
+from birdzarr._verify import verify
 
 GOOD = "7,2014-01-01 10:00:00,{i},-1,0.100000,-0.200000,0.900000,3.5\n"
 
@@ -180,6 +181,77 @@ def test_failed_conversion_leaves_nothing(tmp_path: pathlib.Path) -> None:
     assert not (tmp_path / "s.zarr").exists()
     with pytest.raises(StoreNotFoundError):
         birdzarr.open_store(tmp_path / "s.zarr")
+
+
+def _siblings(dest: pathlib.Path) -> list[str]:
+    return sorted(p.name for p in dest.parent.iterdir() if p.name.startswith(dest.name + ".birdzarr-"))
+
+
+def test_failed_overwrite_keeps_the_old_store(tmp_path: pathlib.Path) -> None:
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    good.mkdir()
+    bad.mkdir()
+    _good_parquet(good / "1.parquet", 3000)
+    _good_parquet(bad / "1.parquet", 5000)
+    _bad_parquet("truncated", bad / "9.parquet")  # fails after device 1 was written
+    dest = tmp_path / "s.zarr"
+    old = birdzarr.convert(good, dest, progress=False, chunk_windows=512)
+    before = {p.relative_to(dest): p.read_bytes() for p in dest.rglob("*") if p.is_file()}
+    with pytest.raises(BadInputError):
+        birdzarr.convert(bad, dest, overwrite=True, progress=False, chunk_windows=512)
+    after = {p.relative_to(dest): p.read_bytes() for p in dest.rglob("*") if p.is_file()}
+    assert after == before, "the old store must be byte-identical after a failed --overwrite"
+    assert len(birdzarr.open_store(dest)) == len(old) == 3000
+    assert verify(dest).ok
+    assert _siblings(dest) == []
+
+
+def test_overwrite_replaces_the_store_and_leaves_no_siblings(tmp_path: pathlib.Path) -> None:
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    _good_parquet(first / "1.parquet", 3000)
+    _good_parquet(second / "1.parquet", 4500)
+    dest = tmp_path / "s.zarr"
+    birdzarr.convert(first, dest, progress=False, chunk_windows=512)
+    (tmp_path / ("s.zarr" + ".birdzarr-new-0123456789ab")).mkdir()  # a killed replacement's leftover
+    replaced = birdzarr.convert(second, dest, overwrite=True, progress=False, chunk_windows=512)
+    assert len(replaced) == len(birdzarr.open_store(dest)) == 4500
+    assert verify(dest).ok
+    assert _siblings(dest) == []
+
+
+_DIE_BEFORE_COMMIT = """
+import os, signal, sys
+import birdzarr
+from birdzarr.convert import _writer
+_writer.StoreWriter.commit = lambda self, *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+birdzarr.convert(sys.argv[1], sys.argv[2], overwrite=True, progress=False, chunk_windows=512)
+"""
+
+
+def test_killed_overwrite_keeps_the_old_store(tmp_path: pathlib.Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    _good_parquet(first / "1.parquet", 3000)
+    _good_parquet(second / "1.parquet", 4500)
+    dest = tmp_path / "s.zarr"
+    birdzarr.convert(first, dest, progress=False, chunk_windows=512)
+    before = {p.relative_to(dest): p.read_bytes() for p in dest.rglob("*") if p.is_file()}
+    # killed after writing every chunk of the replacement, just before its commit
+    child = subprocess.run([sys.executable, "-c", _DIE_BEFORE_COMMIT, str(second), str(dest)], timeout=120)
+    assert child.returncode == -signal.SIGKILL
+    after = {p.relative_to(dest): p.read_bytes() for p in dest.rglob("*")
+             if p.is_file() and "lock" not in p.name}  # the dead writer's lock stays, stale
+    assert after == before and len(birdzarr.open_store(dest)) == 3000 and verify(dest).ok
+    assert len(_siblings(dest)) == 1  # the unfinished replacement
+    birdzarr.convert(second, dest, overwrite=True, progress=False, chunk_windows=512)
+    assert len(birdzarr.open_store(dest)) == 4500 and _siblings(dest) == []
 
 
 def _copy_store(store: birdzarr.Store, dest: pathlib.Path) -> pathlib.Path:

@@ -55,7 +55,9 @@ def add_convert(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p = sub.add_parser("convert", help="convert CSV exports or per-device Parquet files into a store")
     p.add_argument("source", help="directory, file or fsspec URL of {device}_{part}.csv or {device}.parquet")
     p.add_argument("dest", help="store path or URL (s3://bucket/x.zarr, ...)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing store at DEST")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing store at DEST (a local one only once the new one has "
+                        "committed; needs room for both until then)")
     p.add_argument("--codec", choices=("dict16", "standard"), default=None,
                    help="dict16 (default: smallest, needs birdzarr to read) or standard (blosc only: "
                         "TensorStore and plain zarr read it; the default with --shuffle)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import time
 from collections.abc import Iterator
@@ -13,8 +14,9 @@ from birdzarr._codec import DEFAULT_CLEVEL, DEFAULT_CNAME
 from birdzarr._errors import BadInputError
 from birdzarr._format import MIXED_LABEL_POLICY, WINDOW_RULE, Curation
 from birdzarr._progress import progress_bar
-from birdzarr._storage import StoreLike, require_writable, resolve
+from birdzarr._storage import Location, StoreLike, require_writable, resolve
 from birdzarr.convert._blocks import WindowBlock
+from birdzarr.convert._overwrite import replacing, staged_location
 from birdzarr.convert._readahead import read_ahead
 from birdzarr.convert._shuffle import bucket_count, write_shuffled
 from birdzarr.convert._sources import DeviceSource, discover
@@ -50,7 +52,9 @@ def convert(
 
     CSV input is curated per window (see docs/conversion.md); Parquet input is already curated
     and copied exactly. Returns the committed store, opened read-only. On any error nothing is
-    committed at ``dest`` and what was written is removed.
+    committed at ``dest`` and what was written is removed. ``overwrite=True`` on an existing
+    local store writes the new one aside and swaps it in only once committed, so a failure leaves
+    the old store intact (object stores: the old store is cleared first).
 
     ``shuffle=True`` stores the windows in one global random order drawn from ``seed`` (a random
     seed, recorded, if None), spilling them through temporary bucket files in ``shuffle_tmp``
@@ -97,15 +101,33 @@ def convert(
             seed = secrets.randbits(63)
         buckets = bucket_count(_estimated_windows(kind, devices))
         layout["shuffled"], layout["shuffle_seed"], layout["shuffle_buckets"] = True, int(seed), buckets
-    if client is not None:  # a distributed.Client: read, curate and write on its workers
-        if shuffle:
-            raise ValueError("shuffle=True is not supported with a Dask client yet; convert locally")
-        from birdzarr.convert._dask import convert_on_cluster
+    if client is not None and shuffle:
+        raise ValueError("shuffle=True is not supported with a Dask client yet; convert locally")
+    # overwriting a local store: write the new one aside and swap it in once committed
+    staged = staged_location(dst, overwrite=overwrite)
+    with replacing(dst, staged) if staged is not None else contextlib.nullcontext():
+        target = staged or dst
+        if client is not None:  # a distributed.Client: read, curate and write on its workers
+            from birdzarr.convert._dask import convert_on_cluster
 
-        convert_on_cluster(client, src, dst, devices, kind=kind, curation=curation, on_bad_rows=on_bad_rows,
-                           codec=codec, chunk_windows=chunk_windows, overwrite=overwrite, static=static,
-                           workers=workers, progress=progress)
-        return open_store(dst)
+            convert_on_cluster(client, src, target, devices, kind=kind, curation=curation,
+                               on_bad_rows=on_bad_rows, codec=codec, chunk_windows=chunk_windows,
+                               overwrite=overwrite, static=static, workers=workers, progress=progress)
+        else:
+            _convert_here(src, target, kind, devices, codec=codec, chunk_windows=chunk_windows,
+                          overwrite=overwrite, static=static, workers=workers, progress=progress,
+                          curation=curation, on_bad_rows=on_bad_rows, shuffle=shuffle, seed=seed,
+                          buckets=buckets, shuffle_tmp=shuffle_tmp)
+    return open_store(dst)
+
+
+def _convert_here(
+    src: Location, dst: Location, kind: str, devices: list[DeviceSource], *, codec: str,
+    chunk_windows: int, overwrite: bool, static: dict[str, Any], workers: int | None, progress: bool,
+    curation: Curation, on_bad_rows: str, shuffle: bool, seed: int | None, buckets: int,
+    shuffle_tmp: str | None,
+) -> None:
+    """The conversion in this process (``convert`` without a Dask client)."""
     started = time.perf_counter()
     config = {"threading.max_workers": workers} if workers else {}
     with zarr.config.set(config), StoreWriter(
@@ -129,7 +151,6 @@ def convert(
                 writer.write_device(device_id, blocks, sources)
         seconds = time.perf_counter() - started
         writer.commit({"source": src.display, "seconds": round(seconds, 3), **extra})
-    return open_store(dst)
 
 
 def _device_inputs(
