@@ -296,3 +296,19 @@ def test_bad_source_paths(tmp_path: pathlib.Path) -> None:
     (tmp_path / "src" / "abc.parquet").write_bytes(b"")
     with pytest.raises(BadInputError, match=r"\{device\}.parquet"):
         birdzarr.convert(tmp_path / "src", tmp_path / "s.zarr", progress=False)
+
+
+def test_overwrite_through_a_symlink_replaces_the_real_directory(tmp_path: pathlib.Path) -> None:
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    _good_parquet(first / "1.parquet", 3000)
+    _good_parquet(second / "1.parquet", 4500)
+    (tmp_path / "big_disk").mkdir()
+    real, link = tmp_path / "big_disk" / "s.zarr", tmp_path / "s.zarr"
+    birdzarr.convert(first, real, progress=False, chunk_windows=512)
+    link.symlink_to(real, target_is_directory=True)
+    birdzarr.convert(second, link, overwrite=True, progress=False, chunk_windows=512)
+    assert link.is_symlink() and link.resolve() == real.resolve()
+    assert len(birdzarr.open_store(real)) == 4500
+    assert _siblings(real) == [] and _siblings(link) == []

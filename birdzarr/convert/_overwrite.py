@@ -31,7 +31,12 @@ def staged_location(dest: Location, *, overwrite: bool) -> Location | None:
     local directory; None when writing to ``dest`` directly is safe (or the only way)."""
     if not (overwrite and dest.is_local and os.path.isdir(dest.path) and os.listdir(dest.path)):
         return None
-    return resolve(dest.path.rstrip(os.sep) + NEW_INFIX + uuid.uuid4().hex[:12])
+    return resolve(_real(dest) + NEW_INFIX + uuid.uuid4().hex[:12])
+
+
+def _real(dest: Location) -> str:
+    """DEST's real directory: behind a symlink, the swap happens where the data is."""
+    return os.path.realpath(dest.path).rstrip(os.sep)
 
 
 @contextmanager
@@ -42,16 +47,18 @@ def replacing(dest: Location, staged: Location) -> Iterator[None]:
     lock.acquire()  # no other writer may change DEST while its replacement is written
     try:
         # with the lock held, any other replacement in the making is a killed one's leftover
-        for leftover in glob.glob(glob.escape(dest.path.rstrip(os.sep)) + NEW_INFIX + "*"):
-            shutil.rmtree(leftover, ignore_errors=True)
+        real = _real(dest)
+        for leftover in glob.glob(glob.escape(real) + NEW_INFIX + "*"):
+            if leftover != staged.path.rstrip(os.sep):
+                shutil.rmtree(leftover, ignore_errors=True)
         try:
             yield
         except BaseException:
             shutil.rmtree(staged.path, ignore_errors=True)
             raise
-        old = dest.path.rstrip(os.sep) + OLD_INFIX + uuid.uuid4().hex[:12]
-        os.rename(dest.path, old)  # our lock file moves aside with the old store
-        os.rename(staged.path, dest.path)
+        old = real + OLD_INFIX + uuid.uuid4().hex[:12]
+        os.rename(real, old)  # our lock file moves aside with the old store
+        os.rename(staged.path, real)
         shutil.rmtree(old, ignore_errors=True)
     finally:
         lock.release()  # a no-op once the lock file has moved away with the old store
