@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import psutil
@@ -26,6 +26,55 @@ def tree_rss(pid: int) -> int:
         with contextlib.suppress(psutil.NoSuchProcess):
             total += proc.memory_info().rss
     return total
+
+
+def tree_private(pid: int) -> tuple[int, int]:
+    """(USS, PSS) bytes of a process and all its descendants right now: memory only they hold,
+    and memory they hold with shared pages split between their sharers (reads smaps: slower)."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0, 0
+    uss = pss = 0
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            info = proc.memory_full_info()
+            uss, pss = uss + info.uss, pss + info.pss
+    return uss, pss
+
+
+class PeakSampler:
+    """Calls ``measure()`` every ``interval`` seconds on a thread while in use, and once more at the
+    end; keeps the element-wise peak and the (seconds, values) series."""
+
+    def __init__(self, measure: Callable[[], tuple[int, ...]], interval: float) -> None:
+        self.measure, self.interval = measure, interval
+        self.peak: tuple[int, ...] = ()
+        self.series: list[tuple[float, tuple[int, ...]]] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._started = 0.0
+
+    def _sample(self) -> None:
+        values = self.measure()
+        self.peak = tuple(max(a, b) for a, b in zip(self.peak or values, values, strict=True))
+        self.series.append((round(time.perf_counter() - self._started, 1), values))
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            self._sample()
+            self._done.wait(self.interval)
+
+    def __enter__(self) -> PeakSampler:
+        self._started = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+        self._sample()
 
 
 def children_cpu() -> float:
@@ -46,24 +95,12 @@ def run_measured(
     """
     started = time.perf_counter()
     proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
-    peak = 0
-    done = threading.Event()
-
-    def sample() -> None:
-        nonlocal peak
-        while not done.is_set():
-            peak = max(peak, tree_rss(proc.pid))
-            time.sleep(interval)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    out, _ = proc.communicate()
-    done.set()
-    sampler.join()
+    with PeakSampler(lambda: (tree_rss(proc.pid),), interval) as sampler:
+        out, _ = proc.communicate()
     seconds = time.perf_counter() - started
     if proc.returncode:
         raise RuntimeError(f"{' '.join(argv)} failed with exit code {proc.returncode}")
-    return seconds, peak, out
+    return seconds, sampler.peak[0], out
 
 
 def self_peak_rss() -> int:

@@ -35,15 +35,13 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from typing import Any
 
 import numpy as np
-import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _util import machine, table  # noqa: E402
+from _util import PeakSampler, machine, table, tree_private  # noqa: E402
 
 BATCH = 8192
 WORKERS = 2
@@ -235,35 +233,12 @@ def measure(spec: dict[str, Any], *, interval: float = 0.2) -> dict[str, Any]:
     """Run one case in a child process; sample the USS/PSS of its process tree from here."""
     argv = [sys.executable, os.path.abspath(__file__), "--run-case", json.dumps(spec)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
-    peak = {"uss": 0, "pss": 0}
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            try:
-                root = psutil.Process(proc.pid)
-                procs = [root, *root.children(recursive=True)]
-            except psutil.NoSuchProcess:
-                return
-            uss = pss = 0
-            for child in procs:
-                try:
-                    info = child.memory_full_info()
-                except (psutil.NoSuchProcess, psutil.AccessDenied):
-                    continue
-                uss, pss = uss + info.uss, pss + info.pss
-            peak["uss"], peak["pss"] = max(peak["uss"], uss), max(peak["pss"], pss)
-            done.wait(interval)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    out, _ = proc.communicate()
-    done.set()
-    sampler.join()
+    with PeakSampler(lambda: tree_private(proc.pid), interval) as sampler:
+        out, _ = proc.communicate()
     if proc.returncode:
         raise RuntimeError(f"case {spec['label']} failed (exit {proc.returncode})")
     result = json.loads(out.strip().splitlines()[-1])
-    result["peak_uss_mb"], result["peak_pss_mb"] = peak["uss"] / MB, peak["pss"] / MB
+    result["peak_uss_mb"], result["peak_pss_mb"] = (value / MB for value in sampler.peak)
     return result
 
 

@@ -24,21 +24,19 @@ The work directory is removed at the end unless ``--keep``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import multiprocessing
 import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _util import dir_bytes, machine, run_measured, table  # noqa: E402
+from _util import PeakSampler, dir_bytes, machine, run_measured, table, tree_private  # noqa: E402
 
 WINDOW_BYTES = 320
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -161,16 +159,6 @@ def dask_measured(source: str, dest: str, local_dest: str, n_workers: int) -> di
 
 
 # -- 3. one epoch (runs in a child process: `scale.py _epoch STORE ...`) ---------------------------
-def _tree_uss(root: Any) -> int:
-    import psutil
-
-    total = 0
-    for proc in [root, *root.children(recursive=True)]:
-        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-            total += proc.memory_full_info().uss
-    return total
-
-
 def epoch_child(store: str, batch_size: int, workers: int, seed: int, quality_batches: int) -> dict[str, Any]:
     import psutil
     import torch
@@ -180,44 +168,29 @@ def epoch_child(store: str, batch_size: int, workers: int, seed: int, quality_ba
     from birdzarr.read._quality import quality_ratio
 
     me = psutil.Process()
-    peak = [0, 0]  # whole tree, main process alone
-    series: list[tuple[float, int]] = []
-    done = threading.Event()
-
-    def sample() -> None:
-        t0 = time.perf_counter()
-        while not done.is_set():
-            total = _tree_uss(me)
-            with contextlib.suppress(psutil.NoSuchProcess):
-                peak[1] = max(peak[1], me.memory_full_info().uss)
-            peak[0] = max(peak[0], total)
-            series.append((round(time.perf_counter() - t0, 1), total))
-            done.wait(0.2)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    started = time.perf_counter()
-    ds = birdzarr.WindowDataset(store, batch_size=batch_size, shuffle=True, seed=seed)
-    ds.set_epoch(0)
-    loader = DataLoader(ds, batch_size=None, num_workers=workers, pin_memory=torch.cuda.is_available(),
-                        persistent_workers=False)
-    first = None
-    windows = batches = 0
-    checksum = 0.0
-    for x in loader:
-        if first is None:
-            first = time.perf_counter() - started
-        windows += len(x)
-        batches += 1
-        checksum += float(x[:, 0, 0].sum())  # touch the data
-    seconds = time.perf_counter() - started
-    done.set()
-    sampler.join()
+    # USS of the whole tree (main + workers) and of the main process alone
+    with PeakSampler(lambda: (tree_private(me.pid)[0], me.memory_full_info().uss), 0.2) as sampler:
+        started = time.perf_counter()
+        ds = birdzarr.WindowDataset(store, batch_size=batch_size, shuffle=True, seed=seed)
+        ds.set_epoch(0)
+        loader = DataLoader(ds, batch_size=None, num_workers=workers, pin_memory=torch.cuda.is_available(),
+                            persistent_workers=False)
+        first = None
+        windows = batches = 0
+        checksum = 0.0
+        for x in loader:
+            if first is None:
+                first = time.perf_counter() - started
+            windows += len(x)
+            batches += 1
+            checksum += float(x[:, 0, 0].sum())  # touch the data
+        seconds = time.perf_counter() - started
     import resource
 
     cpu = sum(getattr(resource.getrusage(who), f)
               for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN) for f in ("ru_utime", "ru_stime"))
-    peak_uss = max(peak[0], _tree_uss(me))
+    peak_uss, peak_main = sampler.peak
+    series = [(at, values[0]) for at, values in sampler.series]
 
     # Shuffle quality from a sample of this epoch's batches (global indices -> device via the table).
     opened = birdzarr.open_store(store)
@@ -239,7 +212,7 @@ def epoch_child(store: str, batch_size: int, workers: int, seed: int, quality_ba
         "windows": windows, "batches": batches, "epoch s": seconds, "first batch s": first,
         "windows/s": windows / seconds, "MB/s": windows * WINDOW_BYTES / seconds / 1e6,
         "peak USS MB": peak_uss / 1e6, "quality": quality_ratio(sampled, devices, counts),
-        "cpu s": cpu, "windows per cpu s": windows / cpu, "peak main USS MB": peak[1] / 1e6,
+        "cpu s": cpu, "windows per cpu s": windows / cpu, "peak main USS MB": peak_main / 1e6,
         "USS MB at 10/50/90% of the run": [round(series[int(f * (len(series) - 1))][1] / 1e6)
                                            for f in (0.1, 0.5, 0.9)] if series else None,
         "complete": windows == len(opened), "loader workers": workers, "batch": batch_size,

@@ -148,51 +148,49 @@ def main(argv: list[str] | None = None) -> int:
     steps_here = 0
     if rank == 0:
         print(f"{ds!r} on {world} rank(s), device {device}", flush=True)
-    for epoch in range(start_epoch, args.epochs):
-        ds.set_epoch(epoch)  # keeps a resume point of this epoch, drops one of another
-        first_batch = ds.state_dict(batches_seen=0)["next_batch"]
-        started, consumed, loss_sum = time.perf_counter(), 0, 0.0
-        for x in loader:
-            x = x.to(device, non_blocking=True)
-            loss = nn.functional.mse_loss(model(x), x)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()  # DDP all-reduces gradients here: equal batch counts keep ranks in step
-            optimizer.step()
-            consumed += 1
-            global_step += 1
-            steps_here += 1
-            loss_value = loss.item()
-            loss_sum += loss_value
-            if log is not None:
-                record = {"epoch": epoch, "batch": first_batch + consumed - 1, "step": global_step,
-                          "loss": loss_value, "x_sum": float(x.double().sum())}
-                log.write(json.dumps(record) + "\n")
-                log.flush()
-            stop = bool(stop_requested) or (args.max_steps is not None and steps_here >= args.max_steps)
-            if world > 1:  # every rank stops at the same step, or the others would hang
-                flag = torch.tensor([float(stop)], device=device)
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-                stop = bool(flag.item())
-            if stop or global_step % args.checkpoint_every == 0:
-                checkpoint(epoch, ds.state_dict(batches_seen=consumed))
-            if stop:
-                if rank == 0:
-                    print(f"stopping at epoch {epoch}, batch {first_batch + consumed}, step {global_step}; "
-                          f"resume with --resume", flush=True)
+    try:
+        for epoch in range(start_epoch, args.epochs):
+            ds.set_epoch(epoch)  # keeps a resume point of this epoch, drops one of another
+            first_batch = ds.state_dict(batches_seen=0)["next_batch"]
+            started, consumed, loss_sum = time.perf_counter(), 0, 0.0
+            for x in loader:
+                x = x.to(device, non_blocking=True)
+                loss = nn.functional.mse_loss(model(x), x)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()  # DDP all-reduces gradients here: equal batch counts keep ranks in step
+                optimizer.step()
+                consumed += 1
+                global_step += 1
+                steps_here += 1
+                loss_value = loss.item()
+                loss_sum += loss_value
                 if log is not None:
-                    log.close()
-                if dist.is_initialized():
-                    dist.destroy_process_group()
-                return 0
-        checkpoint(epoch + 1, None)  # the epoch is done: resume at the start of the next one
-        if rank == 0:
-            seconds = time.perf_counter() - started
-            print(f"epoch {epoch}: {consumed} batches, mean loss {loss_sum / max(consumed, 1):.5f}, "
-                  f"{seconds:.1f} s", flush=True)
-    if log is not None:
-        log.close()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+                    record = {"epoch": epoch, "batch": first_batch + consumed - 1, "step": global_step,
+                              "loss": loss_value, "x_sum": float(x.double().sum())}
+                    log.write(json.dumps(record) + "\n")
+                    log.flush()
+                stop = bool(stop_requested) or (args.max_steps is not None and steps_here >= args.max_steps)
+                if world > 1:  # every rank stops at the same step, or the others would hang
+                    flag = torch.tensor([float(stop)], device=device)
+                    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                    stop = bool(flag.item())
+                if stop or global_step % args.checkpoint_every == 0:
+                    checkpoint(epoch, ds.state_dict(batches_seen=consumed))
+                if stop:
+                    if rank == 0:
+                        print(f"stopping at epoch {epoch}, batch {first_batch + consumed}, "
+                              f"step {global_step}; resume with --resume", flush=True)
+                    return 0
+            checkpoint(epoch + 1, None)  # the epoch is done: resume at the start of the next one
+            if rank == 0:
+                seconds = time.perf_counter() - started
+                print(f"epoch {epoch}: {consumed} batches, mean loss {loss_sum / max(consumed, 1):.5f}, "
+                      f"{seconds:.1f} s", flush=True)
+    finally:  # also on the early stop above
+        if log is not None:
+            log.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 

@@ -183,39 +183,53 @@ def test_failed_conversion_leaves_nothing(tmp_path: pathlib.Path) -> None:
         birdzarr.open_store(tmp_path / "s.zarr")
 
 
+# -- --overwrite keeps the old store until the new one has committed ------------------------------
+
+
 def _siblings(dest: pathlib.Path) -> list[str]:
     return sorted(p.name for p in dest.parent.iterdir() if p.name.startswith(dest.name + ".birdzarr-"))
 
 
+def _files(store: pathlib.Path) -> dict[pathlib.Path, bytes]:
+    """Every file of a store and its bytes, except a (possibly stale) writer lock."""
+    files = (p for p in store.rglob("*") if p.is_file() and "lock" not in p.name)
+    return {p.relative_to(store): p.read_bytes() for p in files}
+
+
+def _sources(tmp_path: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+    """Two Parquet sources: 3000 windows (the old store) and 4500 (its replacement)."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    for directory, n in ((first, 3000), (second, 4500)):
+        directory.mkdir()
+        _good_parquet(directory / "1.parquet", n)
+    return first, second
+
+
+def _convert(source: pathlib.Path, dest: pathlib.Path, **options: object) -> birdzarr.Store:
+    return birdzarr.convert(source, dest, progress=False, chunk_windows=512, **options)  # type: ignore[arg-type]
+
+
 def test_failed_overwrite_keeps_the_old_store(tmp_path: pathlib.Path) -> None:
-    good, bad = tmp_path / "good", tmp_path / "bad"
-    good.mkdir()
-    bad.mkdir()
-    _good_parquet(good / "1.parquet", 3000)
-    _good_parquet(bad / "1.parquet", 5000)
+    good, bad = _sources(tmp_path)
     _bad_parquet("truncated", bad / "9.parquet")  # fails after device 1 was written
     dest = tmp_path / "s.zarr"
-    old = birdzarr.convert(good, dest, progress=False, chunk_windows=512)
-    before = {p.relative_to(dest): p.read_bytes() for p in dest.rglob("*") if p.is_file()}
+    old = _convert(good, dest)
+    before = _files(dest)
     with pytest.raises(BadInputError):
-        birdzarr.convert(bad, dest, overwrite=True, progress=False, chunk_windows=512)
-    after = {p.relative_to(dest): p.read_bytes() for p in dest.rglob("*") if p.is_file()}
-    assert after == before, "the old store must be byte-identical after a failed --overwrite"
+        _convert(bad, dest, overwrite=True)
+    assert _files(dest) == before, "the old store must be byte-identical after a failed --overwrite"
+    assert not list(dest.glob("*lock*")), "a failed --overwrite releases DEST's lock"
     assert len(birdzarr.open_store(dest)) == len(old) == 3000
     assert verify(dest).ok
     assert _siblings(dest) == []
 
 
 def test_overwrite_replaces_the_store_and_leaves_no_siblings(tmp_path: pathlib.Path) -> None:
-    first, second = tmp_path / "first", tmp_path / "second"
-    first.mkdir()
-    second.mkdir()
-    _good_parquet(first / "1.parquet", 3000)
-    _good_parquet(second / "1.parquet", 4500)
+    first, second = _sources(tmp_path)
     dest = tmp_path / "s.zarr"
-    birdzarr.convert(first, dest, progress=False, chunk_windows=512)
+    _convert(first, dest)
     (tmp_path / ("s.zarr" + ".birdzarr-new-0123456789ab")).mkdir()  # a killed replacement's leftover
-    replaced = birdzarr.convert(second, dest, overwrite=True, progress=False, chunk_windows=512)
+    replaced = _convert(second, dest, overwrite=True)
     assert len(replaced) == len(birdzarr.open_store(dest)) == 4500
     assert verify(dest).ok
     assert _siblings(dest) == []
@@ -235,23 +249,30 @@ def test_killed_overwrite_keeps_the_old_store(tmp_path: pathlib.Path) -> None:
     import subprocess
     import sys
 
-    first, second = tmp_path / "first", tmp_path / "second"
-    first.mkdir()
-    second.mkdir()
-    _good_parquet(first / "1.parquet", 3000)
-    _good_parquet(second / "1.parquet", 4500)
+    first, second = _sources(tmp_path)
     dest = tmp_path / "s.zarr"
-    birdzarr.convert(first, dest, progress=False, chunk_windows=512)
-    before = {p.relative_to(dest): p.read_bytes() for p in dest.rglob("*") if p.is_file()}
+    _convert(first, dest)
+    before = _files(dest)
     # killed after writing every chunk of the replacement, just before its commit
     child = subprocess.run([sys.executable, "-c", _DIE_BEFORE_COMMIT, str(second), str(dest)], timeout=120)
     assert child.returncode == -signal.SIGKILL
-    after = {p.relative_to(dest): p.read_bytes() for p in dest.rglob("*")
-             if p.is_file() and "lock" not in p.name}  # the dead writer's lock stays, stale
-    assert after == before and len(birdzarr.open_store(dest)) == 3000 and verify(dest).ok
+    assert _files(dest) == before  # the dead writer's lock file stays (stale) and is not compared
+    assert len(birdzarr.open_store(dest)) == 3000 and verify(dest).ok
     assert len(_siblings(dest)) == 1  # the unfinished replacement
-    birdzarr.convert(second, dest, overwrite=True, progress=False, chunk_windows=512)
+    _convert(second, dest, overwrite=True)
     assert len(birdzarr.open_store(dest)) == 4500 and _siblings(dest) == []
+
+
+def test_overwrite_through_a_symlink_replaces_the_real_directory(tmp_path: pathlib.Path) -> None:
+    first, second = _sources(tmp_path)
+    (tmp_path / "big_disk").mkdir()
+    real, link = tmp_path / "big_disk" / "s.zarr", tmp_path / "s.zarr"
+    _convert(first, real)
+    link.symlink_to(real, target_is_directory=True)
+    _convert(second, link, overwrite=True)
+    assert link.is_symlink() and link.resolve() == real.resolve()
+    assert len(birdzarr.open_store(real)) == 4500
+    assert _siblings(real) == [] and _siblings(link) == []
 
 
 def _copy_store(store: birdzarr.Store, dest: pathlib.Path) -> pathlib.Path:
@@ -296,19 +317,3 @@ def test_bad_source_paths(tmp_path: pathlib.Path) -> None:
     (tmp_path / "src" / "abc.parquet").write_bytes(b"")
     with pytest.raises(BadInputError, match=r"\{device\}.parquet"):
         birdzarr.convert(tmp_path / "src", tmp_path / "s.zarr", progress=False)
-
-
-def test_overwrite_through_a_symlink_replaces_the_real_directory(tmp_path: pathlib.Path) -> None:
-    first, second = tmp_path / "first", tmp_path / "second"
-    first.mkdir()
-    second.mkdir()
-    _good_parquet(first / "1.parquet", 3000)
-    _good_parquet(second / "1.parquet", 4500)
-    (tmp_path / "big_disk").mkdir()
-    real, link = tmp_path / "big_disk" / "s.zarr", tmp_path / "s.zarr"
-    birdzarr.convert(first, real, progress=False, chunk_windows=512)
-    link.symlink_to(real, target_is_directory=True)
-    birdzarr.convert(second, link, overwrite=True, progress=False, chunk_windows=512)
-    assert link.is_symlink() and link.resolve() == real.resolve()
-    assert len(birdzarr.open_store(real)) == 4500
-    assert _siblings(real) == [] and _siblings(link) == []

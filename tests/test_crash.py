@@ -232,6 +232,15 @@ def _assert_same_arrays(a: dict[str, Any], b: dict[str, Any]) -> None:
         assert np.array_equal(a["arrays"][name].view(np.uint8), b["arrays"][name].view(np.uint8)), name
 
 
+def _assert_rerun_matches(dest: pathlib.Path, expected: dict[str, Any], context: object) -> None:
+    """A re-run after a kill: verified, and chunk files and arrays identical to an uninterrupted run."""
+    again = _snapshot(dest)
+    assert verify(dest).ok
+    assert again["chunks"] == expected["chunks"], context
+    _assert_same_arrays(again, expected)
+    assert _committed_view(again) == _committed_view(expected)
+
+
 def _kill_points(total: int, count: int) -> list[tuple[int | str, str]]:
     """``count`` distinct (k, mode) pairs: spread over the ``total - 1`` writes a counted run made
     before its commit, then just before and just after the commit write."""
@@ -298,11 +307,7 @@ def test_killed_first_conversion_never_looks_committed(
                 assert "unfinished conversion" in repair(dest).format()
                 assert not dest.exists()
             birdzarr.convert(source, dest, chunk_windows=CHUNK, progress=False, workers=2)
-        again = _snapshot(dest)
-        assert verify(dest).ok
-        assert again["chunks"] == expected["chunks"], (k, mode)
-        _assert_same_arrays(again, expected)
-        assert _committed_view(again) == _committed_view(expected)
+        _assert_rerun_matches(dest, expected, (k, mode))
         assert not (dest / ".birdzarr.lock").exists()
         shutil.rmtree(dest)
     survived["convert"] = len(points)
@@ -335,11 +340,7 @@ def test_killed_append_keeps_the_previous_commit(
             assert _committed_view(now) == _committed_view(before), (k, mode, killed)
             _assert_same_arrays(now, before)
         append(dest, sources["csv_more"], progress=False)  # re-run: completes the job
-        again = _snapshot(dest)
-        assert verify(dest).ok
-        assert again["chunks"] == after["chunks"], (k, mode)
-        _assert_same_arrays(again, after)
-        assert _committed_view(again) == _committed_view(after)
+        _assert_rerun_matches(dest, after, (k, mode))
         shutil.rmtree(dest)
     survived["append"] = len(points)
 

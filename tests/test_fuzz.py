@@ -117,16 +117,21 @@ def test_csv_parser_never_raises_anything_else(data: bytes, skip: bool) -> None:
     assert len(rows.device) == len(rows.time) == len(rows.values) == len(rows.bad)
 
 
+def _convert_files(files: dict[str, bytes], skip: bool) -> None:
+    """Write ``files`` into a fresh source directory and convert it (see ``convert_outcome``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        root = pathlib.Path(tmp)
+        (root / "src").mkdir()
+        for name, data in files.items():
+            (root / "src" / name).write_bytes(data)
+        convert_outcome(root / "src", root / "out.zarr", on_bad_rows="skip" if skip else "error")
+
+
 @fuzz_settings(30)
 @given(files=st.lists(hostile_csv(), min_size=1, max_size=2), skip=st.booleans())
 def test_csv_convert_store_or_clear_error(files: list[bytes], skip: bool) -> None:
     _count("csv convert")
-    with tempfile.TemporaryDirectory() as tmp:
-        root = pathlib.Path(tmp)
-        (root / "src").mkdir()
-        for part, data in enumerate(files):
-            (root / "src" / f"298_{part}.csv").write_bytes(data)
-        convert_outcome(root / "src", root / "out.zarr", on_bad_rows="skip" if skip else "error")
+    _convert_files({f"298_{part}.csv": data for part, data in enumerate(files)}, skip)
 
 
 # -- Parquet -----------------------------------------------------------------------------------
@@ -199,12 +204,7 @@ def hostile_parquet(draw: st.DrawFn) -> bytes:
 @given(files=st.lists(hostile_parquet(), min_size=1, max_size=2), skip=st.booleans())
 def test_parquet_convert_store_or_clear_error(files: list[bytes], skip: bool) -> None:
     _count("parquet convert")
-    with tempfile.TemporaryDirectory() as tmp:
-        root = pathlib.Path(tmp)
-        (root / "src").mkdir()
-        for device, data in enumerate(files):
-            (root / "src" / f"{100 + device}.parquet").write_bytes(data)
-        convert_outcome(root / "src", root / "out.zarr", on_bad_rows="skip" if skip else "error")
+    _convert_files({f"{100 + device}.parquet": data for device, data in enumerate(files)}, skip)
 
 
 # -- file names --------------------------------------------------------------------------------

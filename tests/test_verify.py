@@ -106,14 +106,23 @@ def test_wrong_device_ids_and_an_inconsistent_table(store_copy: pathlib.Path) ->
     assert "add up to" in text
 
 
-def test_verify_against_changed_sources(store_copy: pathlib.Path, tmp_path: pathlib.Path,
-                                        parquet_source: tuple[pathlib.Path, dict]) -> None:
+def _changed_source(
+    parquet_source: tuple[pathlib.Path, dict], tmp_path: pathlib.Path, nth_device: int,
+    at: tuple[int, int, int], delta: float,
+) -> tuple[pathlib.Path, int, np.ndarray]:
+    """A copy of the Parquet source with one value of one device's windows changed."""
     source = tmp_path / "src"
     shutil.copytree(parquet_source[0], source)
-    device = sorted(parquet_source[1])[2]
+    device = sorted(parquet_source[1])[nth_device]
     windows = parquet_source[1][device].copy()
-    windows[7, 3, 1] += np.float32(0.5)
+    windows[at] += np.float32(delta)
     _synthetic.write_parquet(windows, source / f"{device}.parquet")
+    return source, device, windows
+
+
+def test_verify_against_changed_sources(store_copy: pathlib.Path, tmp_path: pathlib.Path,
+                                        parquet_source: tuple[pathlib.Path, dict]) -> None:
+    source, device, windows = _changed_source(parquet_source, tmp_path, 2, (7, 3, 1), 0.5)
     (source / f"{sorted(parquet_source[1])[0]}.parquet").unlink()
     _synthetic.write_parquet(windows[:10], source / "99999.parquet")
     result = verify(store_copy, source=source)
@@ -143,12 +152,7 @@ def test_a_shuffled_store_checks_its_scattered_checksums(
     result = verify(dest, source=parquet_source[0])
     assert result.ok, result.format()
     assert result.checksums_checked == len(parquet_source[1])
-    source = tmp_path / "src"
-    shutil.copytree(parquet_source[0], source)
-    device = sorted(parquet_source[1])[1]
-    windows = parquet_source[1][device].copy()
-    windows[3, 0, 0] += np.float32(1.0)
-    _synthetic.write_parquet(windows, source / f"{device}.parquet")
+    source, device, _ = _changed_source(parquet_source, tmp_path, 1, (3, 0, 0), 1.0)
     assert f"device {device}: 1 window(s)" in verify(dest, source=source).format()
     a, b = _chunk(dest, "gimu", 1), _chunk(dest, "gimu", 4)
     data_a, data_b = a.read_bytes(), b.read_bytes()
