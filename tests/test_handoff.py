@@ -126,3 +126,19 @@ def test_the_training_process_drops_the_slots_of_finished_workers(small_store: b
         sizes.append(len(_handoff._RECEIVED))
     # at most the last epoch's slots (those retired while a batch was on its way) remain mapped
     assert max(sizes) <= 2 * 8, sizes
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [lambda x: x * 2, lambda x: x.mul_(3), lambda x: x[:, :10], lambda x: x.double()],
+    ids=["new tensor", "in place", "other shape", "other dtype"],
+)
+def test_transforms_in_workers_equal_in_process(small_store: birdzarr.Store, transform: object) -> None:
+    ds = birdzarr.WindowDataset(small_store.url, batch_size=300, seed=2, with_ldt=True,
+                                transform=transform)  # type: ignore[arg-type]
+    expected = [(x.clone(), ldt.clone()) for x, ldt in ds]
+    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
+    got = [(x.clone(), ldt.clone()) for x, ldt in loader]
+    assert len(got) == len(expected)
+    for (x, ldt), (want_x, want_ldt) in zip(got, expected, strict=True):
+        assert x.dtype == want_x.dtype and torch.equal(x, want_x) and torch.equal(ldt, want_ldt)

@@ -140,7 +140,7 @@ class WindowDataset(IterableDataset[Batch]):
         reuse_batch_memory: in DataLoader workers, hand batches over through a few reused
             shared-memory slots instead of a fresh segment per batch (Linux; 2x faster here,
             docs/training.md#workers-and-ranks). Turn it off if a custom ``collate_fn`` must see
-            tensors inside the worker.
+            tensors inside the worker. A ``transform`` keeping shape and dtype writes into the slot.
     """
 
     def __init__(
@@ -418,7 +418,7 @@ class WindowDataset(IterableDataset[Batch]):
 
     def _slot(self) -> _handoff.Slot | None:
         """A free batch slot when batches go to the training process through reused shared memory."""
-        if not (self.reuse_batch_memory and _handoff.AVAILABLE and self.transform is None):
+        if not (self.reuse_batch_memory and _handoff.AVAILABLE):
             return None
         if get_worker_info() is None:
             return None
@@ -471,6 +471,18 @@ class WindowDataset(IterableDataset[Batch]):
                 ldt[where, 2] = data[TIMESTAMP][rows]
         if self.channel_first:
             out[:] = x.transpose(0, 2, 1)
+        if slot is not None and self.transform is not None:
+            x_slot = torch.from_numpy(out)
+            transformed = self.transform(x_slot)
+            if transformed.shape != x_slot.shape or transformed.dtype != x_slot.dtype:
+                # another shape or dtype: torch's own transport (copies: the slot is reused)
+                ldt_copy = None if ldt is None else torch.from_numpy(ldt).clone()
+                transformed = transformed.clone()
+                return transformed if ldt_copy is None else (transformed, ldt_copy)
+            if transformed.data_ptr() != x_slot.data_ptr():
+                x_slot.copy_(transformed)
+            elif transformed.stride() != x_slot.stride():  # a rearranged view of the slot itself
+                x_slot.copy_(transformed.clone())
         if slot is not None:
             slot.lease()
             fields: list[tuple[str, tuple[int, ...], int]] = [("float32", shape, 0)]
