@@ -1,5 +1,5 @@
 """``birdzarr demo``: generated raw data in both formats, converted, summarised, then one
-shuffled training epoch read from a pre-shuffled store."""
+shuffled training epoch read from the device-ordered and from a pre-shuffled store."""
 
 from __future__ import annotations
 
@@ -34,19 +34,37 @@ def run_demo(directory: str, *, windows: int = 200_000) -> int:
 
 
 def _train_epoch(source: str, dest: str) -> None:
-    """Convert pre-shuffled (the training layout) and read one shuffled epoch of batches."""
+    """Read one shuffled epoch of batches from the device-ordered store and from a pre-shuffled
+    conversion (the training layout), and show how well each mixes devices."""
+    import warnings
+
+    import numpy as np
+
+    from birdzarr._store import open_store
+    from birdzarr.read._quality import quality_ratio
     from birdzarr.read._torch import WindowDataset  # torch only when the demo gets here
 
+    device_ordered = os.path.join(os.path.dirname(dest), "from_parquet.zarr")
     convert(source, dest, overwrite=True, shuffle=True, seed=1, progress=False)
-    dataset = WindowDataset(dest, batch_size=8192, shuffle=True, seed=1234, with_ldt=True)
-    started = time.perf_counter()
-    windows = devices = 0
-    for x, ldt in dataset:
-        windows += len(x)
-        devices += len(ldt[:, 1].unique())
-    seconds = time.perf_counter() - started
-    print(
-        f"\ntraining read  {dest} (converted with --shuffle): one epoch of {len(dataset)} batches, "
-        f"{windows:,} windows in {seconds:.2f} s ({windows / seconds / 1e6:.2f} M "
-        f"windows/s); {devices / len(dataset):.1f} devices per batch on average"
-    )
+    table = open_store(dest).device_table
+    devices = np.asarray([e.device_id for e in table])
+    counts = np.asarray([e.n_windows for e in table])
+    print()
+    for path, layout in ((device_ordered, "device order"), (dest, "converted with --shuffle")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the device-order warning is what this line shows
+            dataset = WindowDataset(path, batch_size=8192, shuffle=True, seed=1234, with_ldt=True)
+        started = time.perf_counter()
+        windows, batch_devices = 0, []
+        for x, ldt in dataset:
+            windows += len(x)
+            batch_devices.append(ldt[:, 1].numpy().copy())
+        seconds = time.perf_counter() - started
+        mixed = np.mean([len(np.unique(b)) for b in batch_devices])
+        print(
+            f"training read  {path} ({layout}): one epoch of {len(dataset)} batches, "
+            f"{windows:,} windows in {seconds:.2f} s ({windows / seconds / 1e6:.2f} M windows/s); "
+            f"{mixed:.1f} of {len(devices)} devices per batch, shuffle quality "
+            f"{quality_ratio(batch_devices, devices, counts):.2f} (1.0 = a full shuffle)"
+        )
+    print("  -> train on stores converted with --shuffle (docs/training.md#shuffle-quality)")

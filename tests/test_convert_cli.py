@@ -64,6 +64,7 @@ def test_demo(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert out.count("store        ") == 2  # the Parquet and the CSV store summaries
     assert "3,000 from 24 devices" in out
     assert "one epoch of 1 batches, 3,000 windows" in out  # the training read of the shuffled store
+    assert out.count("training read  ") == 2 and "(device order)" in out and "shuffle quality" in out
     assert birdzarr.open_store(tmp_path / "demo" / "train.zarr").shuffled
     assert (
         birdzarr.open_store(tmp_path / "demo" / "from_csv.zarr").meta["curation"]["applied_by"] == "birdzarr"
