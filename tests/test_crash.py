@@ -333,12 +333,10 @@ def test_killed_append_keeps_the_previous_commit(
         killed = _kill("append", str(sources["csv_more"]), str(dest), commit, k, mode)
         now = _snapshot(dest)
         assert verify(dest).ok, verify(dest).format()
-        if k == COMMIT and mode == "after":  # the commit itself was written
-            assert _committed_view(now) == _committed_view(after), (k, mode, killed)
-            _assert_same_arrays(now, after)
-        else:
-            assert _committed_view(now) == _committed_view(before), (k, mode, killed)
-            _assert_same_arrays(now, before)
+        # the new commit exactly when the commit itself was written, else the previous one
+        visible = after if (k == COMMIT and mode == "after") else before
+        assert _committed_view(now) == _committed_view(visible), (k, mode, killed)
+        _assert_same_arrays(now, visible)
         append(dest, sources["csv_more"], progress=False)  # re-run: completes the job
         _assert_rerun_matches(dest, after, (k, mode))
         shutil.rmtree(dest)
