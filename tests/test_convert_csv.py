@@ -20,7 +20,7 @@ import pytest
 import birdzarr
 from birdzarr import _synthetic
 
-FIXTURES = pathlib.Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+FIXTURES = pathlib.Path(__file__).resolve().parent / "data"  # copied from the shared fixtures (MIT)
 SPEED_LIMIT = 30.0
 GPS_SCALE = 22.3012351755624
 
