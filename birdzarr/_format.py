@@ -25,7 +25,20 @@ DEVICE = "device"
 TIMESTAMP = "timestamp"
 LABEL = "label"
 PER_WINDOW_ARRAYS = (DEVICE, TIMESTAMP, LABEL)
-GIMU_DIMS = ("window", "time", "channel")
+# The gimu axes: window (global index), sample (0..19 within the window), channel. Version-1
+# stores written before the rename call the middle axis "time" (the names are labels: no byte
+# changes, so the version stays 1); readers accept both, and the xarray view always says
+# "sample", which leaves "time" to the burst-time coordinate.
+GIMU_DIMS = ("window", "sample", "channel")
+GIMU_DIMS_BEFORE_SAMPLE = ("window", "time", "channel")
+PER_WINDOW_DIMS = ("window",)
+
+# Units, as each array's "units" attribute (informative: the format's meaning is this spec).
+# gimu: one unit per channel, in CHANNELS order; gps_speed is stored divided by gps_scale (the
+# root attribute curation.gps_scale; Parquet sources used the same constant).
+CHANNEL_UNITS = ("g", "g", "g", "m/s divided by gps_scale")
+# CF-style, so xarray.open_zarr decodes the timestamps to datetime64 (INT64_MIN -> NaT).
+TIMESTAMP_UNITS = "seconds since 1970-01-01T00:00:00Z"
 
 # int64 minimum is NaT when read as datetime64, so "unknown time" survives xarray and pandas.
 TIMESTAMP_UNKNOWN = -(2**63)
@@ -168,6 +181,20 @@ class DeviceReport:
             bad_files=int(raw.get("bad_files", 0)),
             problems=[str(p) for p in raw.get("problems", [])],
         )
+
+
+def array_attributes(name: str) -> dict[str, Any]:
+    """The Zarr attributes a writer gives array ``name``: what it holds, and its units."""
+    if name == GIMU:
+        return {"long_name": "curated sensor windows", "channels": list(CHANNELS),
+                "units": list(CHANNEL_UNITS)}
+    if name == TIMESTAMP:
+        return {"long_name": "burst start, UTC (INT64_MIN = unknown)", "units": TIMESTAMP_UNITS}
+    if name == DEVICE:
+        return {"long_name": "device (tracker) id"}
+    if name == LABEL:
+        return {"long_name": f"behaviour label ({LABEL_UNLABELLED} = unlabelled)"}
+    raise KeyError(f"{name!r} is not an array of the format")
 
 
 def check_root_attrs(attrs: dict[str, Any], *, where: str) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from s3_support import moto, new_bucket, s3_options  # noqa: F401  (moto is a fi
 
 import birdzarr
 from birdzarr import _storage, _synthetic
-from birdzarr._format import TIMESTAMP_UNKNOWN
+from birdzarr._format import GIMU_DIMS_BEFORE_SAMPLE, TIMESTAMP_UNKNOWN
 from birdzarr.cli import main
 from birdzarr.explore import _stats
 
@@ -180,11 +180,14 @@ def test_device_windows_and_global_slices_equal_the_truth(csv_case, parquet_case
 def test_to_xarray_dims_coords_and_values(csv_case) -> None:  # type: ignore[no-untyped-def]
     store, truth = csv_case
     ds = store.to_xarray()
-    assert ds.gimu.dims == ("window", "time", "channel")
-    assert dict(ds.sizes) == {"window": len(store), "time": 20, "channel": 4}
+    assert ds.gimu.dims == ("window", "sample", "channel")
+    assert dict(ds.sizes) == {"window": len(store), "sample": 20, "channel": 4}
     assert list(ds.channel.values) == ["imu_x", "imu_y", "imu_z", "gps_speed"]
     assert ds.time.dims == ("window",) and ds.time.dtype == np.dtype("datetime64[s]")
     assert ds.gimu.dtype == np.float32
+    assert ds.gimu.attrs == {"long_name": "curated sensor windows", "channels": list(birdzarr.CHANNELS),
+                             "units": ["g", "g", "g", "m/s divided by gps_scale"], "gps_scale": GPS_SCALE}
+    assert "units" not in ds.time.attrs  # datetime64 carries its unit; an attribute would block to_zarr
     ordered = [truth[d] for d in sorted(truth)]
     devices = np.concatenate([np.full(len(truth[d].windows), d) for d in sorted(truth)])
     assert np.array_equal(ds.device.values, devices)
@@ -192,11 +195,56 @@ def test_to_xarray_dims_coords_and_values(csv_case) -> None:  # type: ignore[no-
     assert np.array_equal(ds.label.values, np.concatenate([t.labels for t in ordered]))
     assert np.array_equal(ds.gimu.values, store.windows[:])
     # Outer indexing along every axis, including a scattered window vector.
-    picked = ds.gimu.isel(window=[5, 300, 129], time=slice(2, 6), channel=[0, 3]).values
+    picked = ds.gimu.isel(window=[5, 300, 129], sample=slice(2, 6), channel=[0, 3]).values
     assert np.array_equal(picked, store.windows[np.array([5, 300, 129])][:, 2:6][:, :, [0, 3]])
     assert np.array_equal(ds.gimu[7, :, 1].values, store.windows[7][:, 1])
     one_device = ds.where(ds.device == sorted(truth)[1], drop=True)
     np.testing.assert_allclose(one_device.gimu.values, ordered[1].windows, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.filterwarnings("error")
+def test_to_xarray_selects_by_burst_time(csv_case) -> None:  # type: ignore[no-untyped-def]
+    """Burst times repeat and restart at each device: sel compares them, it needs no sorting."""
+    store, truth = csv_case
+    ds = store.to_xarray()
+    times = store.timestamps[:].astype("datetime64[s]")
+    windows = store.windows[:]
+
+    def selected(result: Any, mask: np.ndarray) -> None:
+        assert np.array_equal(result.time.values, times[mask])
+        assert np.array_equal(result.gimu.values, windows[mask])
+
+    some = times[700]
+    selected(ds.sel(time=some), times == some)  # exact: every window of that burst, window dim kept
+    assert ds.sel(time=some).sizes["window"] == int((times == some).sum()) >= 1
+    selected(ds.sel(time=[times[3], times[800]]), (times == times[3]) | (times == times[800]))
+    day = str(times[0])[:10]  # a date string means the whole day, as in pandas
+    start = np.datetime64(day, "s")
+    day_mask = (times >= start) & (times < start + np.timedelta64(1, "D"))
+    selected(ds.sel(time=day), day_mask)
+    hour = str(times[40])[:13]
+    begin = np.datetime64(hour, "s")
+    selected(ds.sel(time=hour), (times >= begin) & (times < begin + np.timedelta64(1, "h")))
+    low, high = np.sort(times)[[100, 400]]
+    range_mask = (times >= low) & (times <= high)  # both ends included, across all four devices
+    assert len(np.unique(store.window_devices[:][range_mask])) == len(truth)
+    selected(ds.sel(time=slice(str(low), str(high))), range_mask)
+    selected(ds.sel(time=slice(low, None)), times >= low)
+    assert ds.sel(time=slice("1990-01-01", "1990-02-01")).sizes["window"] == 0
+    with pytest.raises(KeyError, match="no window has burst time '1990-01-01'"):
+        ds.sel(time="1990-01-01")
+    with pytest.raises(NotImplementedError, match="method="):
+        ds.sel(time=some, method="nearest")
+    # After isel the index covers the selected windows only; a swap needs the index dropped first.
+    part = ds.isel(window=slice(200, 600))
+    in_part = np.zeros(len(times), bool)
+    in_part[200:600] = True
+    selected(part.sel(time=day), in_part & day_mask)
+    swapped = ds.drop_indexes("time").swap_dims(window="time")
+    assert swapped.gimu.dims == ("time", "sample", "channel")
+    assert np.array_equal(swapped.time.values, times)
+    # Arrays of one Dataset align without reading the timestamps again.
+    assert (ds.gimu.isel(window=slice(0, 10)) - ds.gimu.isel(window=slice(0, 10))).sizes["window"] == 10
 
 
 def test_to_xarray_is_lazy_and_reads_only_touched_chunks(csv_case, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -206,6 +254,7 @@ def test_to_xarray_is_lazy_and_reads_only_touched_chunks(csv_case, monkeypatch) 
     repr(ds)
     ds._repr_html_()
     subset = ds.isel(window=slice(250, 260))
+    repr(subset)
     assert reads.calls == []  # building, displaying and selecting read nothing
     window_values = subset.gimu.variable.values  # the data variable alone, not its coordinates
     assert window_values.shape == (10, 20, 4)
@@ -213,12 +262,41 @@ def test_to_xarray_is_lazy_and_reads_only_touched_chunks(csv_case, monkeypatch) 
     reads.calls.clear()
     assert not np.isnat(ds.time[700].values)
     assert reads.calls == [("timestamp", 700 // 128)]
+    reads.calls.clear()
+    subset.sel(time=slice(None, "2100-01-01"))  # the first sel reads the subset's timestamps only
+    assert reads.calls == [("timestamp", 1), ("timestamp", 2)]
+    reads.calls.clear()
+    subset.sel(time=slice("2000-01-01", None))  # then they are kept
+    assert reads.calls == []
+
+
+def test_to_xarray_of_a_store_written_before_the_sample_rename(csv_case, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Stores written before the rename call the sample axis "time" on disk; the view says "sample"."""
+    store, _ = csv_case
+    old = tmp_path / "old.zarr"
+    store.location.fs.cp(store.location.path, str(old), recursive=True)
+    gimu_meta = old / "gimu" / "zarr.json"
+    meta = json.loads(gimu_meta.read_text())
+    meta["dimension_names"] = list(GIMU_DIMS_BEFORE_SAMPLE)
+    meta["attributes"] = {"channels": list(birdzarr.CHANNELS)}  # nor did they carry units
+    gimu_meta.write_text(json.dumps(meta))
+    for name in ("device", "timestamp", "label"):
+        array_meta = old / name / "zarr.json"
+        array_meta.write_text(json.dumps({**json.loads(array_meta.read_text()), "attributes": {}}))
+    reopened = birdzarr.open_store(old)
+    assert reopened.gimu.metadata.dimension_names == GIMU_DIMS_BEFORE_SAMPLE == ("window", "time", "channel")
+    ds = reopened.to_xarray()
+    assert ds.gimu.dims == ("window", "sample", "channel")
+    assert ds.gimu.attrs["units"] == ["g", "g", "g", "m/s divided by gps_scale"]
+    times = store.timestamps[:].astype("datetime64[s]")
+    assert np.array_equal(ds.sel(time=times[9]).gimu.values, store.windows[:][times == times[9]])
 
 
 def test_parquet_store_times_are_nat(parquet_case) -> None:  # type: ignore[no-untyped-def]
     ds = parquet_case[0].to_xarray()
     assert np.all(np.isnat(ds.time[:50].values))
     assert np.all(ds.label[:50].values == -1)
+    assert ds.sel(time=slice(None, None)).sizes["window"] == 0  # unknown times are never selected
 
 
 # -- plots ---------------------------------------------------------------------------------------

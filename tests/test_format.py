@@ -12,6 +12,7 @@ from birdzarr._format import (
     DeviceEntry,
     DeviceRange,
     DeviceReport,
+    array_attributes,
     check_root_attrs,
 )
 
@@ -70,3 +71,29 @@ def test_check_root_attrs() -> None:
         check_root_attrs({"birdzarr": {"format_version": 7}}, where="s")
     with pytest.raises(FormatVersionError):
         check_root_attrs({"birdzarr": {"format_version": "1"}}, where="s")
+
+
+def test_array_attributes_name_units() -> None:
+    assert array_attributes("gimu") == {
+        "long_name": "curated sensor windows", "channels": ["imu_x", "imu_y", "imu_z", "gps_speed"],
+        "units": ["g", "g", "g", "m/s divided by gps_scale"],
+    }
+    assert array_attributes("timestamp") == {
+        "long_name": "burst start, UTC (INT64_MIN = unknown)", "units": "seconds since 1970-01-01T00:00:00Z",
+    }
+    assert array_attributes("device") == {"long_name": "device (tracker) id"}
+    assert array_attributes("label") == {"long_name": "behaviour label (-1 = unlabelled)"}
+    with pytest.raises(KeyError):
+        array_attributes("stats")
+
+
+def test_a_written_store_spells_dimension_names_and_units(small_store) -> None:  # type: ignore[no-untyped-def]
+    """What docs/format.md's Arrays table says, read from the arrays' zarr.json."""
+    import json
+
+    for name, dims in (("gimu", ["window", "sample", "channel"]), ("device", ["window"]),
+                       ("timestamp", ["window"]), ("label", ["window"])):
+        meta = json.loads(small_store.location.fs.cat_file(small_store.location.join(name, "zarr.json")))
+        assert meta["dimension_names"] == dims, name
+        assert meta["attributes"] == array_attributes(name), name
+    assert small_store.format_version == FORMAT_VERSION == 1

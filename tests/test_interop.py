@@ -41,6 +41,16 @@ def standard_store(parquet_source: Any, tmp_path_factory: pytest.TempPathFactory
     return birdzarr.convert(directory, dest, codec="standard", chunk_windows=4096, progress=False)
 
 
+@pytest.fixture(scope="module")
+def csv_store(tmp_path_factory: pytest.TempPathFactory) -> birdzarr.Store:
+    """A small store with burst times (CSV input)."""
+    from birdzarr import _synthetic
+
+    root = tmp_path_factory.mktemp("interop_csv")
+    _synthetic.make_csv_dir(root / "csv", n_devices=2, bursts_per_device=40, parts=1, seed=3)
+    return birdzarr.convert(root / "csv", root / "csv.zarr", chunk_windows=64, progress=False)
+
+
 def birdzarr_arrays(store: birdzarr.Store) -> dict[str, np.ndarray]:
     return {
         "gimu": store.windows[:], "device": store.window_devices[:],
@@ -83,16 +93,36 @@ def test_tensorstore_reads_a_standard_store_from_s3(
 
 
 @pytest.mark.parametrize("codec", ["dict16", "standard"])
+@pytest.mark.filterwarnings("error")
 def test_xarray_opens_the_store(
-    codec: str, small_store: birdzarr.Store, standard_store: birdzarr.Store
+    codec: str, small_store: birdzarr.Store, standard_store: birdzarr.Store, csv_store: birdzarr.Store
 ) -> None:
+    """The call docs/format.md gives: no warning, the arrays' names and units, CF-decoded times."""
     xr = pytest.importorskip("xarray")
     store = small_store if codec == "dict16" else standard_store
     ds = xr.open_zarr(store.location.path, zarr_format=3, consolidated=False)
-    assert ds["gimu"].dims == ("window", "time", "channel")
+    assert ds["gimu"].dims == ("window", "sample", "channel")
+    assert ds["gimu"].attrs == {"long_name": "curated sensor windows", "channels": list(birdzarr.CHANNELS),
+                                "units": ["g", "g", "g", "m/s divided by gps_scale"]}
+    assert ds["device"].attrs == {"long_name": "device (tracker) id"}
+    assert ds["label"].attrs == {"long_name": "behaviour label (-1 = unlabelled)"}
     n = len(store)
     assert np.array_equal(bits(ds["gimu"][:n].values), bits(store.windows[:]))
     assert np.array_equal(ds["device"][:n].values, store.window_devices[:])
+    assert np.array_equal(ds["label"][:n].values, store.labels[:])
+    # timestamp's units attribute is CF ("seconds since 1970-01-01T00:00:00Z"): xarray decodes it,
+    # and the unknown value (INT64_MIN, all of a Parquet store) becomes NaT.
+    assert ds["timestamp"].dtype.kind == "M" and np.all(np.isnat(ds["timestamp"][:n].values))
+    timed = xr.open_zarr(csv_store.location.path, zarr_format=3, consolidated=False)
+    assert np.array_equal(timed["timestamp"].values, csv_store.timestamps[:].astype("datetime64[s]"))
+
+
+def test_xarray_warns_without_consolidated_false(small_store: birdzarr.Store) -> None:
+    """Why the documented call passes consolidated=False: stores have no consolidated metadata
+    (not part of the Zarr v3 specification), and xarray warns before falling back."""
+    xr = pytest.importorskip("xarray")
+    with pytest.warns(RuntimeWarning, match="consolidated metadata"):
+        xr.open_zarr(small_store.location.path)
 
 
 def test_dict16_decodes_in_plain_zarr_through_the_entry_point(small_store: birdzarr.Store) -> None:

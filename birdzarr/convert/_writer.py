@@ -36,6 +36,7 @@ from birdzarr._format import (
     DeviceEntry,
     DeviceRange,
     DeviceReport,
+    array_attributes,
 )
 from birdzarr._lock import LOCK_NAME, StoreLock, clear_except_lock, release_and_tidy
 from birdzarr._storage import Location, exists, zarr_store
@@ -132,13 +133,14 @@ class StoreWriter:
         self.gimu = self.group.create_array(
             GIMU, shape=(0, WINDOW_LENGTH, N_CHANNELS), dtype="float32",
             chunks=(self.chunk_windows, WINDOW_LENGTH, N_CHANNELS), fill_value=0.0,
-            dimension_names=GIMU_DIMS, attributes={"channels": list(CHANNELS)},
+            dimension_names=GIMU_DIMS, attributes=array_attributes(GIMU),
             overwrite=True, config=_EVERY_CHUNK, **gimu_codecs(self.codec),
         )
         self.per_window = {
             name: self.group.create_array(
                 name, shape=(0,), dtype=dtype, chunks=(self.chunk_windows,), fill_value=_FILL[name],
-                dimension_names=("window",), overwrite=True, config=_EVERY_CHUNK, **per_window_codecs(),
+                dimension_names=("window",), attributes=array_attributes(name), overwrite=True,
+                config=_EVERY_CHUNK, **per_window_codecs(),
             )
             for name, dtype in _PER_WINDOW_DTYPES.items()
         }

@@ -6,15 +6,33 @@ raises), it would see windows past the committed count during an append, and it 
 keeps all three guarantees and counts every request, on local disks and S3 alike.
 Each variable is wrapped in xarray's lazy indexing: selecting windows reads only their chunks,
 and nothing is read when the Dataset is built or displayed.
+
+The 20 samples of a window are the dimension ``sample`` whatever the store calls it on disk
+(stores written before the rename say ``time``), so ``time`` is only the burst-time coordinate.
+That coordinate carries a :class:`BurstTimeIndex`: ``ds.sel(time=...)`` works on it, although
+burst times are neither unique nor sorted (several windows share a burst; a device-ordered store
+starts over at each device), and the timestamps are read on the first selection, not before.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from birdzarr._format import CHANNELS, DEVICE, GIMU, GIMU_DIMS, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH
+from birdzarr._format import (
+    CHANNELS,
+    DEVICE,
+    GIMU,
+    GIMU_DIMS,
+    LABEL,
+    N_CHANNELS,
+    PER_WINDOW_DIMS,
+    TIMESTAMP,
+    WINDOW_LENGTH,
+    array_attributes,
+)
 from birdzarr.explore._deps import require
 from birdzarr.explore._units import gps_scale
 
@@ -26,8 +44,11 @@ if TYPE_CHECKING:
 
 _FEATURE = "store.to_xarray()"
 # This module is imported only by Store.to_xarray(), so a missing xarray surfaces there, named.
+_xarray = require("xarray", _FEATURE)
 _backends = require("xarray.backends", _FEATURE)
 _indexing = require("xarray.core.indexing", _FEATURE)
+
+TIME = "time"  # the burst-time coordinate of the view
 
 
 class WindowArray(_backends.BackendArray):  # type: ignore[misc,name-defined]
@@ -61,8 +82,142 @@ class WindowArray(_backends.BackendArray):  # type: ignore[misc,name-defined]
         return data.view(self.dtype) if self.name == TIMESTAMP else data
 
 
+def _label_range(label: Any) -> tuple[np.datetime64, np.datetime64]:
+    """The first and last instant a time label means, both included.
+
+    A date string without a UTC offset covers its whole period, as in pandas: ``"2012-05"`` is the
+    month, ``"2012-05-15"`` the day, ``"2012-05-15T10"`` the hour. Anything else (a full time,
+    ``datetime``, ``np.datetime64``, a string with an offset) is one instant, converted to UTC.
+    """
+    import pandas as pd
+
+    instant = pd.Timestamp(label)
+    if instant is pd.NaT:
+        raise KeyError(f"{label!r} is not a time")
+    if instant.tzinfo is not None:
+        instant = instant.tz_convert("UTC").tz_localize(None)
+    elif isinstance(label, str):
+        period = pd.Period(label)
+        return np.datetime64(period.start_time.asm8, "ns"), np.datetime64(period.end_time.asm8, "ns")
+    return np.datetime64(instant.asm8, "ns"), np.datetime64(instant.asm8, "ns")
+
+
+def _positions(mask: np.ndarray) -> slice | np.ndarray:
+    """Window positions of a mask; a contiguous run becomes a slice (a cheaper, basic index)."""
+    hits = np.flatnonzero(mask)
+    if len(hits) and hits[-1] - hits[0] == len(hits) - 1:
+        return slice(int(hits[0]), int(hits[-1]) + 1)
+    return hits
+
+
+class BurstTimeIndex(_xarray.Index):  # type: ignore[misc,name-defined]
+    """An xarray index on the per-window burst time, for ``ds.sel(time=...)``.
+
+    Burst times repeat (every window of a burst) and are not sorted along ``window``, so a
+    pandas index could only select exact times. This one compares the times directly:
+
+    - ``ds.sel(time="2012-05-15")``: every window of that day (strings mean their whole period);
+    - ``ds.sel(time=slice("2012-05-15", "2012-05-16T12"))``: both ends included, any order of
+      windows, unknown times (NaT) never selected;
+    - ``ds.sel(time=np.datetime64(...))`` or a list of times: windows at exactly those times.
+
+    A selection always keeps the ``window`` dimension (a time matches any number of windows); a
+    label that matches no window raises ``KeyError``, an empty slice gives zero windows.
+    The times are read on the first ``sel`` (8 bytes a window; of the selected windows only
+    after an ``isel``), then kept. ``method=`` and ``tolerance=`` are not supported.
+    """
+
+    def __init__(self, variable: Any, name: Hashable) -> None:
+        self.variable = variable
+        self.name = name
+        (self.dim,) = variable.dims
+        self._times: np.ndarray | None = None
+
+    @classmethod
+    def from_variables(cls, variables: Mapping[Any, Any], *, options: Mapping[str, Any]) -> BurstTimeIndex:
+        if len(variables) != 1:
+            raise ValueError("BurstTimeIndex indexes one coordinate")
+        ((name, variable),) = variables.items()
+        if variable.ndim != 1 or not np.issubdtype(variable.dtype, np.datetime64):
+            raise ValueError(f"BurstTimeIndex needs a 1-D datetime64 coordinate, not {name!r}")
+        return cls(variable, name)
+
+    def times(self) -> np.ndarray:
+        """The indexed times as datetime64, read once."""
+        if self._times is None:
+            self._times = np.asarray(self.variable.values)
+        return self._times
+
+    def create_variables(self, variables: Mapping[Any, Any] | None = None) -> dict[Hashable, Any]:
+        variable = self.variable
+        if variables is not None and self.name in variables:
+            variable = variable.copy(deep=False)
+            variable.attrs = dict(variables[self.name].attrs)
+        return {self.name: variable}
+
+    def isel(self, indexers: Mapping[Any, Any]) -> BurstTimeIndex | None:
+        key = indexers[self.dim]
+        if isinstance(key, _xarray.Variable):
+            if key.dims != (self.dim,):
+                return None  # vectorised indexing onto new dimensions: the index is dropped
+            key = key.data
+        if not isinstance(key, slice) and np.ndim(key) == 0:
+            return None  # one window: the coordinate becomes a scalar
+        subset = type(self)(self.variable[{self.dim: key}], self.name)
+        if self._times is not None:
+            subset._times = self._times[key]
+        return subset
+
+    def sel(self, labels: dict[Any, Any], method: Any = None, tolerance: Any = None) -> Any:
+        if method is not None or tolerance is not None:
+            raise NotImplementedError(
+                "the burst-time index selects exact times, date strings and slices; method= and "
+                "tolerance= are not supported (burst times are not sorted)"
+            )
+        (label,) = labels.values()
+        times = self.times()
+        if isinstance(label, slice):
+            if label.step is not None:
+                raise NotImplementedError("a time slice with a step is not supported")
+            mask = ~np.isnat(times)
+            if label.start is not None:
+                mask &= times >= _label_range(label.start)[0]
+            if label.stop is not None:
+                mask &= times <= _label_range(label.stop)[1]
+        elif isinstance(label, str) or np.ndim(label) == 0:
+            first, last = _label_range(label)
+            mask = (times >= first) & (times <= last)
+        else:
+            wanted = np.asarray(label, dtype="datetime64[ns]")
+            mask = np.isin(times.astype("datetime64[ns]"), wanted[~np.isnat(wanted)])
+        if not isinstance(label, slice) and not mask.any():
+            raise KeyError(f"no window has burst time {label!r}")
+        return _xarray.IndexSelResult({self.dim: _positions(mask)})
+
+    def equals(self, other: Any, **kwargs: Any) -> bool:
+        if other is self:
+            return True  # the common case (arrays of one Dataset): decided without reading
+        if not isinstance(other, BurstTimeIndex) or other.dim != self.dim:
+            return False
+        return bool(np.array_equal(self.times(), other.times(), equal_nan=True))
+
+    def to_pandas_index(self) -> Any:
+        import pandas as pd
+
+        return pd.DatetimeIndex(self.times(), name=self.name)
+
+    def _copy(self, deep: bool = True, memo: dict[int, Any] | None = None) -> BurstTimeIndex:
+        copied = type(self)(self.variable, self.name)  # the data is read-only: share it
+        copied._times = self._times
+        return copied
+
+    def _repr_inline_(self, max_width: int) -> str:
+        state = "read" if self._times is not None else "read on the first sel"
+        return f"BurstTimeIndex (burst start, not unique or sorted; {state})"
+
+
 def to_xarray(store: Store) -> xr.Dataset:
-    """The store as a lazy Dataset: ``gimu(window, time, channel)`` with per-window coordinates."""
+    """The store as a lazy Dataset: ``gimu(window, sample, channel)`` with per-window coordinates."""
     xarray = require("xarray", _FEATURE)  # again: the module may be cached from an earlier call
     layouts = store.reader.layouts
 
@@ -70,16 +225,15 @@ def to_xarray(store: Store) -> xr.Dataset:
         data = _indexing.LazilyIndexedArray(WindowArray(store, name, dtype))
         return xarray.Variable(dims, data, attrs=attrs)
 
-    gimu = lazy(GIMU, GIMU_DIMS, layouts[GIMU].dtype, {
-        "long_name": "curated sensor windows",
-        "units": "imu_x, imu_y, imu_z: g; gps_speed: m/s divided by gps_scale",
-        "gps_scale": gps_scale(store),
-    })
+    gimu_attrs = {**array_attributes(GIMU), "gps_scale": gps_scale(store)}
+    gimu = lazy(GIMU, GIMU_DIMS, layouts[GIMU].dtype, gimu_attrs)
+    # Decoded to datetime64[s], the timestamps carry their unit in the dtype: a "units" attribute
+    # beside it would make xarray refuse to write the Dataset (to_zarr, to_netcdf).
+    time_attrs = {"long_name": "burst start (UTC)", "note": "NaT where the source has no timestamps"}
     coords = {
-        "device": lazy(DEVICE, ("window",), layouts[DEVICE].dtype, {"long_name": "device id"}),
-        "time": lazy(TIMESTAMP, ("window",), np.dtype("datetime64[s]"),
-                     {"long_name": "burst start (UTC)", "note": "NaT where the source has no timestamps"}),
-        "label": lazy(LABEL, ("window",), layouts[LABEL].dtype, {"long_name": "label (-1 = unlabelled)"}),
+        DEVICE: lazy(DEVICE, PER_WINDOW_DIMS, layouts[DEVICE].dtype, array_attributes(DEVICE)),
+        TIME: lazy(TIMESTAMP, PER_WINDOW_DIMS, np.dtype("datetime64[s]"), time_attrs),
+        LABEL: lazy(LABEL, PER_WINDOW_DIMS, layouts[LABEL].dtype, array_attributes(LABEL)),
         "channel": ("channel", list(CHANNELS)),
     }
     committed = store.meta.get("committed", {})
@@ -89,4 +243,5 @@ def to_xarray(store: Store) -> xr.Dataset:
         "generation": committed.get("generation"),
         "chunk_windows": store.chunk_windows,
     }
-    return xarray.Dataset({GIMU: gimu}, coords=coords, attrs=attrs)
+    dataset = xarray.Dataset({GIMU: gimu}, coords=coords, attrs=attrs)
+    return dataset.set_xindex(TIME, BurstTimeIndex)
