@@ -73,3 +73,38 @@ class TransferError(BirdzarrError, OSError):
 
 class StoreAccessError(BirdzarrError, PermissionError):
     """The store exists but the credentials in use may not read (or write) it."""
+
+
+class SamplingError(BirdzarrError, ValueError):
+    """Shuffled batches cannot be well mixed from this store as configured (a shuffled read of
+    a device-ordered store, streamed); the message names the conversion or option to use."""
+
+
+class ResidentMemoryError(BirdzarrError, MemoryError):
+    """A resident selection needs more memory than the device or the process may use."""
+
+
+class DestinationError(BirdzarrError, ValueError):
+    """The destination cannot be written: it lies inside the source (or holds it), or under a file."""
+
+
+class UnknownProtocolError(BirdzarrError, ValueError):
+    """A URL names a protocol that neither fsspec nor an installed package knows."""
+
+
+class StorageError(BirdzarrError, OSError):
+    """The storage cannot be used: no credentials, an unreachable endpoint, a refused request."""
+
+
+class BirdzarrWarning(UserWarning):
+    """Base class of every warning birdzarr issues."""
+
+
+class DuplicateWindowsWarning(BirdzarrWarning):
+    """Some windows of a device are exact copies of others (same time and values); they were kept
+    and counted in the report."""
+
+
+class FallbackWarning(BirdzarrWarning):
+    """birdzarr fell back to a weaker mechanism (a non-exclusive lock, fsspec instead of obstore);
+    the message says what and what it costs."""

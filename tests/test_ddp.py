@@ -25,7 +25,7 @@ from birdzarr import _synthetic
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*stored in device order")
 
-N_WINDOWS = 9_999  # odd: ranks get 5,000 and 4,999 windows, the last batches are short
+N_WINDOWS = 9_999  # odd: the ranks' shares differ, the last batches are short
 BATCH = 700
 WORLD = 2
 EPOCHS = (0, 1)
@@ -58,12 +58,13 @@ RANK_SCRIPT = textwrap.dedent(
     for epoch in epochs:
         ds.set_epoch(epoch)
         plan = ds.plan()
+        order = ds.delivery_order(2)  # the order the 2-worker loader yields batch numbers in
         delivered, claimed, sizes = [], [], []
         for step, x in enumerate(loader):
             assert x.dtype == torch.float32 and x.shape[1:] == (20, 4), x.shape
             arr = np.ascontiguousarray(x.numpy())
             delivered.append(np.array([by_bytes[w.tobytes()] for w in arr], dtype=np.int64))
-            claimed.append(ds.batch_indices(step, plan))
+            claimed.append(ds.batch_indices(order[step], plan))
             sizes.append(len(arr))
             total = torch.tensor([float(x.sum())])
             dist.all_reduce(total)  # a rank with fewer batches than the other would hang here
@@ -123,7 +124,8 @@ def test_torchrun_two_ranks_cover_each_epoch_exactly_once(
         assert not np.intersect1d(delivered[0], delivered[1]).size
         assert all(len(np.unique(d)) == len(d) for d in delivered)
         np.testing.assert_array_equal(np.sort(np.concatenate(delivered)), np.arange(len(ddp_store)))
-        assert abs(len(delivered[0]) - len(delivered[1])) <= 1
+        # ranks never share a chunk, so their shares differ by less than one chunk
+        assert abs(len(delivered[0]) - len(delivered[1])) < 512
         # Shuffled: no rank receives the store in order.
         assert not any((np.diff(d) == 1).all() for d in delivered)
         orders.append(delivered[0])

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import pytest
 import torch
@@ -12,36 +10,25 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 import birdzarr
-from birdzarr.read._sampling import worker_batches
-
-pytestmark = pytest.mark.filterwarnings("ignore:.*stored in device order")
 
 
 def _dataset(store: birdzarr.Store, **options: object) -> birdzarr.WindowDataset:
+    """small_store is device-ordered (many small chunks): these tests check delivery, not mixing."""
     options.setdefault("batch_size", 1000)
+    options.setdefault("allow_device_order", True)
     return birdzarr.WindowDataset(store.url, **options)  # type: ignore[arg-type]
 
 
-def _epoch_indices(ds: birdzarr.WindowDataset, num_workers: int = 1) -> list[np.ndarray]:
-    """Indices of every batch of one rank, as its workers would produce them, in loader order."""
+def _epoch_indices(ds: birdzarr.WindowDataset, num_workers: int = 0) -> list[np.ndarray]:
+    """Indices of every batch of one rank, in the order a loader with ``num_workers`` yields them."""
     plan = ds.plan()
-    per_worker = [
-        list(worker_batches(plan.n_batches, start=0, worker=w, num_workers=num_workers))
-        for w in range(num_workers)
-    ]
-    order = [
-        b
-        for round_ in zip(*[w + [None] * (plan.n_batches - len(w)) for w in per_worker], strict=True)
-        for b in round_
-        if b is not None
-    ]
-    return [ds.batch_indices(b, plan) for b in order]
+    return [ds.batch_indices(b, plan) for b in ds.delivery_order(num_workers)]
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     world_size=st.integers(1, 4),
-    num_workers=st.integers(1, 3),
+    num_workers=st.integers(0, 3),
     batch_size=st.integers(200, 9000),
     drop_last=st.booleans(),
     buffer_batches=st.integers(1, 3),
@@ -57,7 +44,7 @@ def test_every_window_exactly_once_per_epoch(
     epoch: int,
 ) -> None:
     n = len(small_store)
-    per_rank_batches = []
+    per_rank_batches, per_rank_pools = [], []
     delivered = []
     for rank in range(world_size):
         ds = _dataset(
@@ -76,12 +63,16 @@ def test_every_window_exactly_once_per_epoch(
         if drop_last:
             assert all(len(b) == batch_size for b in batches)
         per_rank_batches.append(len(batches))
+        per_rank_pools.append(len(ds.plan().pools))
         delivered.extend(batches)
     assert len(set(per_rank_batches)) == 1, "every rank must get the same number of batches"
     flat = np.concatenate(delivered) if delivered else np.empty(0, dtype=np.int64)
     assert len(np.unique(flat)) == len(flat), "a window was delivered twice"
     if drop_last:
-        assert len(flat) == (n // (world_size * batch_size)) * world_size * batch_size
+        # each pool keeps its full batches only: less than one batch per pool is left out, and
+        # ranks with more batches than the others drop their extra ones
+        assert len(flat) == world_size * len(ds) * batch_size
+        assert n - len(flat) < world_size * (max(per_rank_pools) + 1) * batch_size
     else:
         assert np.array_equal(np.sort(flat), np.arange(n))
 
@@ -115,15 +106,25 @@ def test_unshuffled_order_is_the_stored_order(small_store: birdzarr.Store) -> No
     assert np.array_equal(np.concatenate(_epoch_indices(ds)), np.arange(len(small_store)))
 
 
-def test_forked_workers_yield_the_same_sequence_as_one_process(small_store: birdzarr.Store) -> None:
+def _in_loader_order(
+    batches: list[torch.Tensor], ds: birdzarr.WindowDataset, workers: int
+) -> list[torch.Tensor]:
+    """In-process batches (batch number order) rearranged as a loader with ``workers`` yields them."""
+    return [batches[b] for b in ds.delivery_order(workers)]
+
+
+def test_forked_workers_yield_the_same_batches_as_one_process(small_store: birdzarr.Store) -> None:
+    """Batch membership does not depend on num_workers; the arrival order is delivery_order()."""
     ds = _dataset(small_store, batch_size=1500, seed=2, shuffle_buffer=3000)
     ds.set_epoch(1)
     in_process = [x.clone() for x in ds]
+    assert ds.delivery_order(0) == list(range(len(ds)))
     for workers in (2, 3):
         loader = DataLoader(ds, batch_size=None, num_workers=workers, multiprocessing_context="fork")
         got = list(loader)
         assert len(got) == len(in_process) == len(ds)
-        assert all(torch.equal(x, y) for x, y in zip(got, in_process, strict=True))
+        expected = _in_loader_order(in_process, ds, workers)
+        assert all(torch.equal(x, y) for x, y in zip(got, expected, strict=True))
 
 
 def test_resume_mid_epoch_equals_uninterrupted(small_store: birdzarr.Store) -> None:
@@ -146,8 +147,8 @@ def test_resume_mid_epoch_equals_uninterrupted(small_store: birdzarr.Store) -> N
 
 
 def test_resume_with_workers_from_the_loop_count(small_store: birdzarr.Store) -> None:
-    ds = _dataset(small_store, batch_size=1200, seed=1)
-    expected = [x.clone() for x in ds]
+    ds = _dataset(small_store, batch_size=1200, seed=1, shuffle_buffer=2048)
+    expected = _in_loader_order([x.clone() for x in ds], ds, 2)
     loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
     seen = 0
     for _ in loader:
@@ -155,10 +156,16 @@ def test_resume_with_workers_from_the_loop_count(small_store: birdzarr.Store) ->
         if seen == 5:
             break
     state = ds.state_dict(batches_seen=seen)
-    again = _dataset(small_store, batch_size=1200, seed=1)
+    assert state["num_workers"] == 2
+    again = _dataset(small_store, batch_size=1200, seed=1, shuffle_buffer=2048)
     again.load_state_dict(state)
     tail = list(DataLoader(again, batch_size=None, num_workers=2, multiprocessing_context="fork"))
+    assert len(tail) == len(expected) - 5
     assert all(torch.equal(x, y) for x, y in zip(tail, expected[5:], strict=True))
+    other = _dataset(small_store, batch_size=1200, seed=1, shuffle_buffer=2048)
+    other.load_state_dict(state)
+    with pytest.raises(ValueError, match="counted with 2 DataLoader worker"):
+        next(iter(other))  # in-process is one reader: the order would differ
 
 
 def test_resume_refuses_a_different_configuration(small_store: birdzarr.Store) -> None:
@@ -173,7 +180,7 @@ def test_ldt_rows_match_their_windows(tmp_path: object) -> None:
     source = tmp_path / "csv"  # type: ignore[operator]
     _synthetic.make_csv_dir(source, n_devices=3, bursts_per_device=150, parts=2, seed=4, labelled=True)
     store = birdzarr.convert(source, tmp_path / "s.zarr", chunk_windows=256, progress=False)  # type: ignore[operator]
-    ds = birdzarr.WindowDataset(store.url, batch_size=300, with_ldt=True, seed=3)
+    ds = birdzarr.WindowDataset(store.url, batch_size=300, with_ldt=True, seed=3, shuffle_buffer=600)
     plan = ds.plan()
     for batch, (x, ldt) in enumerate(ds):
         idx = ds.batch_indices(batch, plan)
@@ -225,12 +232,16 @@ def test_device_filters_and_splits_are_disjoint_and_complete(small_store: birdza
         _dataset(small_store, devices=[123456789])
 
 
-def test_len_and_warning_on_device_ordered_store(small_store: birdzarr.Store) -> None:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        ds = _dataset(small_store, batch_size=4096)
-    assert any("device order" in str(w.message) for w in caught)
-    assert len(ds) == -(-len(small_store) // 4096)
+def test_shuffled_streaming_of_a_device_ordered_store_is_refused(small_store: birdzarr.Store) -> None:
+    with pytest.raises(birdzarr.SamplingError, match=r"stored in device order.*--shuffle.*resident="):
+        birdzarr.WindowDataset(small_store.url, batch_size=4096, shuffle_buffer=4096)
+    # what is allowed: unshuffled reads, one device, a pool holding every chunk, or an opt-in
+    assert len(birdzarr.WindowDataset(small_store.url, batch_size=4096, shuffle=False)) == 8
+    one = int(small_store.devices["device_id"].iloc[0])
+    birdzarr.WindowDataset(small_store.url, batch_size=4096, devices=[one], shuffle_buffer=4096)
+    whole = birdzarr.WindowDataset(small_store.url, batch_size=4096)  # 30 chunks, a 256-chunk pool
+    assert len(whole.plan().pools) == 1
+    assert len(whole) == -(-len(small_store) // 4096)
     assert len(_dataset(small_store, batch_size=4096, drop_last=True)) == len(small_store) // 4096
 
 
@@ -239,15 +250,15 @@ def test_stateful_dataloader_resumes_exactly(
     small_store: birdzarr.Store, num_workers: int, persistent: bool
 ) -> None:
     stateful = pytest.importorskip("torchdata.stateful_dataloader")
-    reference = _dataset(small_store, batch_size=1100, seed=8)
+    reference = _dataset(small_store, batch_size=1100, seed=8, shuffle_buffer=3072)
     reference.set_epoch(1)
-    expected = [x.clone() for x in reference]
+    expected = _in_loader_order([x.clone() for x in reference], reference, num_workers)
 
     def loader_of(ds: birdzarr.WindowDataset) -> object:
         return stateful.StatefulDataLoader(ds, batch_size=None, num_workers=num_workers,
                                            persistent_workers=persistent)
 
-    first = _dataset(small_store, batch_size=1100, seed=8)
+    first = _dataset(small_store, batch_size=1100, seed=8, shuffle_buffer=3072)
     loader = loader_of(first)
     assert len(list(loader)) == len(first)  # epoch 0, then stop inside epoch 1
     first.set_epoch(1)
@@ -255,7 +266,7 @@ def test_stateful_dataloader_resumes_exactly(
     head = [next(iterator).clone() for _ in range(6)]
     state = loader.state_dict()  # type: ignore[attr-defined]
     del iterator, loader
-    again_ds = _dataset(small_store, batch_size=1100, seed=8)
+    again_ds = _dataset(small_store, batch_size=1100, seed=8, shuffle_buffer=3072)
     again = loader_of(again_ds)
     again.load_state_dict(state)  # type: ignore[attr-defined]
     again_ds.set_epoch(1)
@@ -265,7 +276,8 @@ def test_stateful_dataloader_resumes_exactly(
     reference.set_epoch(2)
     following = [x.clone() for x in again]  # type: ignore[attr-defined]
     assert len(following) == len(expected), "the epoch after a resume is whole again"
-    assert all(torch.equal(x, y) for x, y in zip(following, reference, strict=True))
+    expected_2 = _in_loader_order([x.clone() for x in reference], reference, num_workers)
+    assert all(torch.equal(x, y) for x, y in zip(following, expected_2, strict=True))
 
 
 def test_damaged_chunks_raise_during_training(parquet_source, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -292,45 +304,63 @@ def test_local_chunk_cache_serves_the_second_epoch(small_store: birdzarr.Store, 
     assert all(torch.equal(x, y) for x, y in zip(epoch0, epoch0_again, strict=True))
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
-    world_size=st.integers(1, 3),
-    n_full=st.integers(1, 40),
-    partial=st.integers(0, 99),
+    world_size=st.integers(1, 4),
+    num_workers=st.integers(1, 4),
+    counts=st.lists(st.integers(0, 100), min_size=4, max_size=60),
+    pool_chunks=st.integers(1, 9),
+    batch_size=st.integers(1, 250),
+    drop_last=st.booleans(),
     epoch=st.integers(0, 5),
 )
-def test_batches_of_the_chunk_size_read_one_whole_chunk_each(
-    world_size: int, n_full: int, partial: int, epoch: int
+def test_every_chunk_is_decoded_by_exactly_one_reader(
+    world_size: int, num_workers: int, counts: list[int], pool_chunks: int, batch_size: int,
+    drop_last: bool, epoch: int,
 ) -> None:
-    """With batch size = chunk size, no batch straddles two chunks (so no chunk is decoded by two
-    DataLoader workers), wherever the partial chunk lands in the shuffled order."""
+    """Shuffled, a chunk belongs to one pool of one rank, and a pool to one worker, whatever the
+    number of ranks, workers, pool size and batch size."""
     from birdzarr.read._sampling import plan_epoch
 
-    counts = np.array([100] * n_full + ([partial] if partial else []), dtype=np.int64)
-    counts = np.random.default_rng(epoch).permutation(counts)
+    chunk_counts = np.array(counts, dtype=np.int64)
+    if (chunk_counts > 0).sum() < world_size:
+        return
+    readers: dict[int, tuple[int, int]] = {}
     for rank in range(world_size):
-        if counts.sum() < world_size:
+        try:
+            plan = plan_epoch(chunk_counts, seed=1, epoch=epoch, world_size=world_size, rank=rank,
+                              batch_size=batch_size, drop_last=drop_last, shuffle=True,
+                              pool_chunks=pool_chunks)
+        except ValueError as exc:
+            assert "too few windows" in str(exc) or "left out" in str(exc) or "rank empty" in str(exc)
             return
-        plan = plan_epoch(counts, seed=1, epoch=epoch, world_size=world_size, rank=rank,
-                          batch_size=100, drop_last=False, shuffle=True, group_batches=1)
-        full_batches = [b for b in range(plan.n_batches) if plan.offsets[b + 1] - plan.offsets[b] == 100]
-        assert len(full_batches) >= n_full // world_size - 1
-        for batch in full_batches[: n_full // world_size]:
-            chunks = plan.group_chunks(batch)
-            assert len(chunks) == 1 and counts[chunks[0]] == 100
-            located, _ = plan.locate(plan.batch_positions(batch))
-            assert set(located.tolist()) == {int(chunks[0])}
+        for worker in range(num_workers):
+            for batch in plan.worker_batches(worker, num_workers).tolist():
+                for chunk in plan.pools[int(plan.batch_pool[batch])].chunks.tolist():
+                    assert readers.setdefault(chunk, (rank, worker)) == (rank, worker)
+        assert all(len(p.chunks) <= pool_chunks for p in plan.pools)
+    if not drop_last:
+        assert sorted(readers) == np.flatnonzero(chunk_counts > 0).tolist()
+
+
+def test_one_reader_decodes_each_chunk_once_per_epoch(small_store: birdzarr.Store) -> None:
+    ds = _dataset(small_store, batch_size=700, seed=3, shuffle_buffer=5000)
+    for epoch in (0, 1):
+        ds.set_epoch(epoch)
+        before = ds._local().pool.decoded
+        assert sum(len(x) for x in ds) == len(small_store)
+        assert ds._local().pool.decoded - before == ds._local().reader.n_chunks
 
 
 def test_persistent_workers_follow_set_epoch_and_resume(small_store: birdzarr.Store) -> None:
     """Persistent workers keep their own dataset copy; epochs and resume points must reach them."""
-    reference = _dataset(small_store, batch_size=700, seed=6)
+    reference = _dataset(small_store, batch_size=700, seed=6, shuffle_buffer=4096)
 
     def epoch_of(epoch: int) -> list[torch.Tensor]:
         reference.set_epoch(epoch)
-        return [x.clone() for x in reference]
+        return _in_loader_order([x.clone() for x in reference], reference, 2)
 
-    ds = _dataset(small_store, batch_size=700, seed=6)
+    ds = _dataset(small_store, batch_size=700, seed=6, shuffle_buffer=4096)
     loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True,
                         multiprocessing_context="fork")
     for epoch in (0, 1, 2):

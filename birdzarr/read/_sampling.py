@@ -1,27 +1,33 @@
-"""Pure, seeded planning of an epoch: which windows form which batch on which rank.
+"""Pure, seeded planning of an epoch: which windows form which batch, on which rank and worker.
 
-Everything here is a function of ``(counts, seed, epoch, world_size, rank, batch_size, ...)``;
-nothing reads data. The epoch is built in four steps:
+Everything here is a function of ``(counts, seed, epoch, world_size, batch_size, pool size,
+drop_last, shuffle)``; nothing reads data. ``counts[i]`` is the number of selected windows of
+chunk ``i`` (the read unit: a chunk is fetched and decoded as a whole). An epoch is built so that
+**every chunk is decoded exactly once** over all ranks and DataLoader workers, and batch
+membership is **redrawn every epoch**:
 
-1. **Chunk order**: the chunks that hold selected windows, permuted by ``(seed, epoch)``; full
-   chunks first, then any partly selected or partial last chunk (see :func:`chunk_order`).
-2. **Stream**: the selected windows of those chunks, concatenated in that order. Every selected
-   window appears exactly once.
-3. **Ranks**: the stream is cut into batch-sized pieces dealt to the ranks round-robin; the
-   remainder (fewer than ``world_size * batch_size`` windows) is split evenly, one short last
-   batch per rank, so every rank has the same number of batches.
-4. **Groups**: each rank's batches are grouped ``group_batches`` at a time; the windows of a group
-   are permuted uniformly (seeded by seed, epoch, rank and group) and cut into its batches.
-
-DataLoader workers take every ``num_workers``-th batch of their rank, so the order a training
-loop sees does not depend on ``num_workers``; only how often a chunk is decoded does. When the
-batch size equals the chunk size (the defaults), steps 1 and 3 make each batch one whole chunk,
-so no chunk is decoded by two workers.
+1. **Chunk order**: the chunks holding selected windows, permuted by ``(seed, epoch)`` (stored
+   order when not shuffling).
+2. **Ranks**: that order is cut into ``world_size`` contiguous runs holding about the same number
+   of windows (each chunk goes to the rank that holds its midpoint), so ranks never share a chunk.
+3. **Pools**: a rank's chunks are cut into pools of about ``pool_chunks`` chunks. Shuffled, the
+   selected windows of a pool are permuted uniformly (seeded by seed, epoch, rank and pool) and
+   cut into full batches plus at most one short batch per pool; so each batch is a uniform sample
+   of its pool, and a different one every epoch. Unshuffled, every batch is its own pool of
+   consecutive windows (the stored order).
+4. **Equal batch counts**: every rank must yield the same number of batches (DDP's collectives
+   stay in step). A rank with fewer splits its largest batches in two (``drop_last=False``,
+   every window delivered once) or, with ``drop_last``, ranks with more drop their last batches.
+5. **Workers**: DataLoader worker ``w`` of ``k`` takes pools ``w, w + k, ...`` whole (the pool's
+   chunks are decoded by that worker alone). DataLoader takes batches from its workers
+   round-robin, skipping finished ones; :func:`delivery_order` is that interleaving. So which
+   windows form a batch does not depend on ``num_workers``; the order batches arrive in does.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -32,156 +38,194 @@ def _rng(*key: int) -> np.random.Generator:
     return np.random.default_rng([_SEED_STREAM, *[int(k) & 0xFFFFFFFFFFFFFFFF for k in key]])
 
 
-def rank_window_counts(
-    total: int, world_size: int, batch_size: int, drop_last: bool
-) -> tuple[np.ndarray, int]:
-    """Windows per rank and batches per rank for one epoch.
-
-    The stream's first ``rounds = total // (world_size * batch_size)`` rounds of full batches are
-    dealt to the ranks round-robin. ``drop_last``: that is all; the remainder (fewer than
-    ``world_size * batch_size`` windows, a different set every epoch because the chunk order
-    changes) is not delivered. Otherwise the remainder is split evenly (the first ranks one window
-    more) as each rank's short last batch, so every window is delivered exactly once and all ranks
-    have the same number of batches.
-    """
-    if world_size < 1 or batch_size < 1:
-        raise ValueError("world_size and batch_size must be positive")
-    rounds, remainder = divmod(total, world_size * batch_size)
-    per_rank = np.full(world_size, rounds * batch_size, dtype=np.int64)
-    if drop_last or remainder == 0:
-        return per_rank, rounds
-    per_rank += remainder // world_size
-    per_rank[: remainder % world_size] += 1
-    if per_rank.min() == 0:
-        raise ValueError(
-            f"{total} windows cannot be split over {world_size} ranks with drop_last=False "
-            "(a rank would get none); select more windows or use fewer ranks"
-        )
-    return per_rank, rounds + 1
-
-
-def batch_sizes(n_windows: int, n_batches: int, batch_size: int) -> np.ndarray:
-    """Sizes of a rank's batches: full batches, then the remainder (never an empty batch)."""
-    sizes = np.full(n_batches, batch_size, dtype=np.int64)
-    if n_batches:
-        sizes[-1] = n_windows - (n_batches - 1) * batch_size
-        if sizes[-1] == 0:  # this rank has no share of the remainder but others have one each
-            sizes[-2:] = (batch_size - 1, 1)
-    assert sizes.sum() == n_windows and (sizes > 0).all()
-    return sizes
-
-
 def chunk_order(counts: np.ndarray, *, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
-    """Indices of the chunks holding selected windows, in stream order.
-
-    Shuffled: a seeded permutation, then stably partitioned so that chunks with the most selected
-    windows (all full chunks, without a subset) come first. Batches of the chunk size then line up
-    with whole chunks instead of straddling two of them behind a partial chunk.
-    """
+    """Indices of the chunks holding selected windows: permuted by (seed, epoch), or stored order."""
     nonempty = np.flatnonzero(counts > 0)
-    if not shuffle or len(nonempty) == 0:
-        return nonempty
-    permuted = nonempty[_rng(seed, epoch).permutation(len(nonempty))]
-    full = counts[permuted] == counts.max()
-    return np.concatenate((permuted[full], permuted[~full]))
-
-
-def group_permutation(
-    size: int, *, seed: int, epoch: int, rank: int, group: int, shuffle: bool
-) -> np.ndarray:
-    """The order of a group's windows (identity when not shuffling)."""
     if not shuffle:
-        return np.arange(size, dtype=np.int64)
-    return _rng(seed, epoch, rank, group, 1).permutation(size)
+        return nonempty
+    return nonempty[_rng(seed, epoch).permutation(len(nonempty))]
+
+
+def split_ranks(order: np.ndarray, counts: np.ndarray, world_size: int) -> list[np.ndarray]:
+    """Cut the chunk order into ``world_size`` contiguous runs of about equal window counts."""
+    if world_size < 1:
+        raise ValueError("world_size must be positive")
+    sizes = counts[order]
+    total = int(sizes.sum())
+    midpoints = np.cumsum(sizes) - sizes / 2
+    owner = np.minimum((midpoints * world_size) // max(total, 1), world_size - 1).astype(np.int64)
+    runs = [order[owner == r] for r in range(world_size)]
+    if total and any(len(run) == 0 for run in runs):
+        raise ValueError(
+            f"the selection's {len(order)} chunk(s) ({total} windows) cannot be split over "
+            f"{world_size} ranks without leaving a rank empty (ranks never share a chunk); "
+            "select more windows or use fewer ranks"
+        )
+    return runs
+
+
+@dataclass(frozen=True)
+class Pool:
+    """Windows shuffled together: pieces of chunks and the sizes of the batches cut from them.
+
+    Piece ``j`` is the selected windows ``[lo[j], hi[j])`` (ranks among the chunk's selected
+    windows) of chunk ``chunks[j]``. A shuffled pool holds whole chunks.
+    """
+
+    chunks: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    sizes: np.ndarray  # batch sizes; their sum is the pool's windows, or less with drop_last
+
+    @property
+    def n_windows(self) -> int:
+        return int((self.hi - self.lo).sum())
+
+
+def _shuffled_pools(run: np.ndarray, counts: np.ndarray, pool_chunks: int, batch_size: int,
+                    drop_last: bool) -> list[Pool]:
+    n_pools = -(-len(run) // pool_chunks)
+    pools = []
+    for chunks in np.array_split(run, n_pools) if n_pools else []:
+        windows = int(counts[chunks].sum())
+        full, rest = divmod(windows, batch_size)
+        sizes = [batch_size] * full + ([rest] if rest and not drop_last else [])
+        pools.append(Pool(chunks, np.zeros(len(chunks), np.int64), counts[chunks].astype(np.int64),
+                          np.array(sizes, dtype=np.int64)))
+    return pools
+
+
+def _stream_sizes(windows: int, batch_size: int, drop_last: bool) -> list[int]:
+    full, rest = divmod(windows, batch_size)
+    return [batch_size] * full + ([rest] if rest and not drop_last else [])
+
+
+def _sequential_pools(run: np.ndarray, counts: np.ndarray, sizes: list[int]) -> list[Pool]:
+    """One pool per batch: consecutive selected windows of the run's chunks, in stored order."""
+    bounds = np.concatenate(([0], np.cumsum(counts[run]))).astype(np.int64)
+    pools, at = [], 0
+    for size in sizes:
+        first = int(np.searchsorted(bounds, at, side="right")) - 1
+        last = int(np.searchsorted(bounds, at + size, side="left"))
+        chunks = run[first:last]
+        lo = np.maximum(at - bounds[first:last], 0)
+        hi = np.minimum(at + size - bounds[first:last], counts[chunks])
+        pools.append(Pool(chunks, lo, hi, np.array([size], dtype=np.int64)))
+        at += size
+    return pools
+
+
+def _split_largest(sizes: list[int], times: int) -> list[int]:
+    """Split the largest batch (the first of equals) in two, ``times`` times."""
+    sizes = list(sizes)
+    for _ in range(times):
+        i = int(np.argmax(sizes))
+        if sizes[i] < 2:
+            raise ValueError("too few windows for the number of batches every rank must yield")
+        sizes[i : i + 1] = [sizes[i] - sizes[i] // 2, sizes[i] // 2]
+    return sizes
 
 
 @dataclass(frozen=True)
 class EpochPlan:
-    """One rank's epoch: batch boundaries and how to find each window in the stream."""
+    """One rank's epoch: its pools and batches. Batches are numbered pool after pool."""
 
-    chunks: np.ndarray  # chunk indices in stream order
-    bounds: np.ndarray  # stream position where each chunk's selected windows start; len+1
-    world_size: int
-    batch_size: int
-    rounds: int  # rounds of full batches dealt round-robin; this rank's first rounds x batch_size windows
-    tail_start: int  # stream position of this rank's share of the remainder
-    offsets: np.ndarray  # rank-relative start of each batch; len n_batches + 1
-    group_batches: int
+    pools: tuple[Pool, ...]
     seed: int
     epoch: int
     rank: int
     shuffle: bool
-    # The last group's window order: a group's batches are taken one after another (also within
-    # one worker), so one entry spares a permutation per batch without growing memory.
-    _last_order: dict[int, np.ndarray] = field(default_factory=dict, compare=False, repr=False)
+
+    @cached_property
+    def batch_pool(self) -> np.ndarray:
+        """The pool of each batch."""
+        return np.repeat(np.arange(len(self.pools)), [len(p.sizes) for p in self.pools]).astype(np.int64)
+
+    @cached_property
+    def first_batch(self) -> np.ndarray:
+        """Number of the first batch of each pool; len(pools) + 1."""
+        return np.concatenate(([0], np.cumsum([len(p.sizes) for p in self.pools]))).astype(np.int64)
 
     @property
     def n_batches(self) -> int:
-        return len(self.offsets) - 1
+        return int(self.first_batch[-1])
 
-    def group_of(self, batch: int) -> int:
-        return batch // self.group_batches
+    @property
+    def n_windows(self) -> int:
+        return int(sum(int(p.sizes.sum()) for p in self.pools))
 
-    def group_span(self, group: int) -> tuple[int, int]:
-        """Rank-relative window range of a group."""
-        first = group * self.group_batches
-        last = min(first + self.group_batches, self.n_batches)
-        return int(self.offsets[first]), int(self.offsets[last])
+    def pool_order(self, pool: int) -> np.ndarray:
+        """The order of the pool's windows (positions in the concatenation of its pieces)."""
+        n = self.pools[pool].n_windows
+        if not self.shuffle:
+            return np.arange(n, dtype=np.int64)
+        return _rng(self.seed, self.epoch, self.rank, pool, 1).permutation(n)
 
-    def stream_positions(self, relative: np.ndarray) -> np.ndarray:
-        """Rank-relative window positions -> stream positions."""
-        dealt = self.rounds * self.batch_size
-        out = self.tail_start + (relative - dealt)
-        head = relative < dealt
-        piece, within = np.divmod(relative[head], self.batch_size)
-        out[head] = (piece * self.world_size + self.rank) * self.batch_size + within
-        return out
+    def batch_positions(self, batch: int, order: np.ndarray | None = None) -> np.ndarray:
+        """Positions (in the pool's pieces) of one batch's windows, ascending.
 
-    def stream_spans(self, start: int, stop: int) -> list[tuple[int, int]]:
-        """The rank-relative range ``[start, stop)`` as stream ranges, in stream order."""
-        dealt, size = self.rounds * self.batch_size, self.batch_size
-        spans = []
-        for piece in range(start // size, min(-(-stop // size), self.rounds)):
-            lo, hi = max(start, piece * size), min(stop, (piece + 1) * size)
-            at = (piece * self.world_size + self.rank) * size
-            spans.append((at + lo - piece * size, at + hi - piece * size))
-        if stop > dealt:
-            lo = max(start, dealt) - dealt
-            spans.append((self.tail_start + lo, self.tail_start + stop - dealt))
-        return spans
+        Windows inside a batch come in stored order: a batch is a set, and gathering ascending
+        rows is faster (memory locality).
+        """
+        pool = int(self.batch_pool[batch])
+        order = self.pool_order(pool) if order is None else order
+        within = batch - int(self.first_batch[pool])
+        start = int(self.pools[pool].sizes[:within].sum())
+        return np.sort(order[start : start + int(self.pools[pool].sizes[within])])
 
-    def batch_positions(self, batch: int) -> np.ndarray:
-        """Stream positions of the windows of ``batch``, in the order they are delivered."""
-        group = self.group_of(batch)
-        start, stop = self.group_span(group)
-        order = self._last_order.get(group)
-        if order is None:
-            order = group_permutation(
-                stop - start,
-                seed=self.seed,
-                epoch=self.epoch,
-                rank=self.rank,
-                group=group,
-                shuffle=self.shuffle,
-            )
-            self._last_order.clear()
-            self._last_order[group] = order
-        lo, hi = int(self.offsets[batch]) - start, int(self.offsets[batch + 1]) - start
-        return self.stream_positions(start + order[lo:hi])
+    def locate(self, pool: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Pool positions -> (piece number, rank among that chunk's selected windows)."""
+        p = self.pools[pool]
+        bounds = np.concatenate(([0], np.cumsum(p.hi - p.lo)))
+        piece = np.searchsorted(bounds, positions, side="right") - 1
+        return piece, p.lo[piece] + positions - bounds[piece]
 
-    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Stream positions -> (chunk index, rank among that chunk's selected windows)."""
-        slot = np.searchsorted(self.bounds, positions, side="right") - 1
-        return self.chunks[slot], positions - self.bounds[slot]
+    def worker_batches(self, worker: int, num_workers: int) -> np.ndarray:
+        """The batches DataLoader worker ``worker`` of ``num_workers`` produces, in its order."""
+        pools = range(worker, len(self.pools), max(1, num_workers))
+        spans = [np.arange(self.first_batch[p], self.first_batch[p + 1]) for p in pools]
+        return np.concatenate(spans).astype(np.int64) if spans else np.empty(0, np.int64)
 
-    def group_chunks(self, group: int) -> np.ndarray:
-        """Chunks whose selected windows overlap a group, in stream order (each once)."""
-        slots: dict[int, None] = {}
-        for lo, hi in self.stream_spans(*self.group_span(group)):
-            first = int(np.searchsorted(self.bounds, lo, side="right")) - 1
-            last = int(np.searchsorted(self.bounds, hi, side="left"))
-            slots.update(dict.fromkeys(range(first, last)))
-        return self.chunks[np.fromiter(slots, dtype=np.int64, count=len(slots))]
+    def delivery_order(self, num_workers: int) -> np.ndarray:
+        """Batch numbers in the order a DataLoader with ``num_workers`` workers yields them."""
+        return delivery_order([self.worker_batches(w, num_workers) for w in range(max(1, num_workers))])
+
+
+def delivery_order(per_worker: list[np.ndarray]) -> np.ndarray:
+    """Round-robin over the workers' batch lists, skipping finished workers (DataLoader's order)."""
+    if not per_worker:
+        return np.empty(0, np.int64)
+    rounds = max(len(b) for b in per_worker)
+    padded = np.full((rounds, len(per_worker)), -1, dtype=np.int64)
+    for w, batches in enumerate(per_worker):
+        padded[: len(batches), w] = batches
+    flat = padded.ravel()
+    return flat[flat >= 0]
+
+
+def resumed_worker(per_worker_counts: list[int], delivered: int, worker: int) -> tuple[int, int]:
+    """After ``delivered`` batches, which original worker's list a restarted worker continues,
+    and how many of that list's batches were already delivered.
+
+    A fresh DataLoader starts its round-robin at worker 0, so worker ``j`` takes over the role of
+    the worker that was due next plus ``j``; with each role's delivered batches skipped, the
+    restarted loader yields exactly the rest of the uninterrupted order.
+    """
+    k = len(per_worker_counts)
+    counts = np.asarray(per_worker_counts, dtype=np.int64)
+    consumed = np.zeros(k, dtype=np.int64)
+    remaining, rounds, due = int(delivered), 0, 0
+    while remaining > 0:
+        active = np.flatnonzero(counts > rounds)
+        if len(active) == 0:
+            break
+        take = min(remaining, len(active))
+        consumed[active[:take]] += 1
+        remaining -= take
+        due = int(active[take]) if take < len(active) else 0
+        rounds += 1
+    role = (due + worker) % k
+    return role, int(consumed[role])
 
 
 def plan_epoch(
@@ -194,32 +238,51 @@ def plan_epoch(
     batch_size: int,
     drop_last: bool,
     shuffle: bool,
-    group_batches: int,
+    pool_chunks: int,
 ) -> EpochPlan:
     """The plan of one rank for one epoch; ``counts[i]`` is the number of selected windows of chunk i."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
-    if group_batches < 1:
-        raise ValueError("group_batches must be at least 1")
-    chunks = chunk_order(counts, seed=seed, epoch=epoch, shuffle=shuffle)
-    bounds = np.concatenate(([0], np.cumsum(counts[chunks]))).astype(np.int64)
-    total = int(bounds[-1])
-    per_rank, n_batches = rank_window_counts(total, world_size, batch_size, drop_last)
-    rounds = total // (world_size * batch_size)
-    dealt = rounds * batch_size
-    tail_start = world_size * dealt + int((per_rank[:rank] - dealt).sum())
-    sizes = batch_sizes(int(per_rank[rank]), n_batches, batch_size)
-    offsets = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
-    return EpochPlan(
-        chunks, bounds, world_size, batch_size, rounds, tail_start, offsets, group_batches,
-        seed, epoch, rank, shuffle,
-    )
+    if batch_size < 1 or pool_chunks < 1:
+        raise ValueError("batch_size and pool_chunks must be positive")
+    counts = np.asarray(counts, dtype=np.int64)
+    runs = split_ranks(chunk_order(counts, seed=seed, epoch=epoch, shuffle=shuffle), counts, world_size)
+    if shuffle:
+        per_rank = [_shuffled_pools(run, counts, pool_chunks, batch_size, drop_last) for run in runs]
+        n_batches = [sum(len(p.sizes) for p in pools) for pools in per_rank]
+    else:
+        stream = [_stream_sizes(int(counts[run].sum()), batch_size, drop_last) for run in runs]
+        n_batches = [len(s) for s in stream]
+    target = min(n_batches) if drop_last else max(n_batches)
+    if shuffle:
+        pools = _equalize_pools(per_rank[rank], target, drop_last)
+    else:
+        mine = stream[rank]
+        sizes = mine[:target] if drop_last else _split_largest(mine, target - len(mine))
+        pools = _sequential_pools(runs[rank], counts, sizes)
+    return EpochPlan(tuple(pools), seed, epoch, rank, shuffle)
 
 
-def worker_batches(n_batches: int, *, start: int, worker: int, num_workers: int) -> range:
-    """Batches of a rank that one DataLoader worker produces, from ``start`` on.
-
-    DataLoader takes batches from its workers round-robin starting at worker 0, so worker ``w``
-    produces batches ``start + w``, ``start + w + num_workers``, ... and the loop sees them in order.
-    """
-    return range(start + worker, n_batches, num_workers)
+def _equalize_pools(pools: list[Pool], target: int, drop_last: bool) -> list[Pool]:
+    """Trim (drop_last) or split batches so that the rank has exactly ``target`` batches."""
+    have = sum(len(p.sizes) for p in pools)
+    if have == target:
+        return pools
+    out = []
+    if drop_last:  # drop the last batches of the last pools
+        keep = target
+        for p in pools:
+            n = min(len(p.sizes), keep)
+            keep -= n
+            out.append(Pool(p.chunks, p.lo, p.hi, p.sizes[:n]))
+        return [p for p in out if len(p.sizes)]
+    flat = [int(s) for p in pools for s in p.sizes]
+    owner = [i for i, p in enumerate(pools) for _ in p.sizes]
+    for _ in range(target - have):
+        i = int(np.argmax(flat))
+        if flat[i] < 2:
+            raise ValueError("too few windows for the number of batches every rank must yield")
+        flat[i : i + 1] = [flat[i] - flat[i] // 2, flat[i] // 2]
+        owner[i : i + 1] = [owner[i], owner[i]]
+    owner_arr, flat_arr = np.array(owner), np.array(flat, dtype=np.int64)
+    return [Pool(p.chunks, p.lo, p.hi, flat_arr[owner_arr == i]) for i, p in enumerate(pools)]

@@ -1,24 +1,26 @@
 """``WindowDataset``: shuffled, batched windows for ``torch.utils.data.DataLoader``.
 
-This is the only module that imports torch. The dataset yields whole batches (use
-``DataLoader(ds, batch_size=None)``); each batch is gathered with one vectorised numpy indexing
-per chunk from chunks fetched and decoded ahead on a thread pool. The epoch's order is planned by
-the pure functions in ``_sampling`` and depends on (seed, epoch, world size) only.
+This package is the only one that imports torch. The dataset yields whole batches (use
+``DataLoader(ds, batch_size=None)``). Streaming (the default), each epoch is planned by the pure
+functions in ``_sampling``: a seeded permutation of chunks split over ranks, cut into pools that
+DataLoader workers take whole; a worker decodes a pool's chunks once into its own buffers
+(``_pool``), permutes the pool's windows and gathers each batch with one vectorised take.
+``resident=`` holds the selection in memory instead and draws a full permutation every epoch
+(``_resident``).
 
-Memory per reader (the main process, or each DataLoader worker) is bounded by its settings::
+Memory per streaming reader (the main process, or each DataLoader worker) is set by its settings::
 
-    (chunks per group + 2 x prefetch) x chunk_windows x 320 B  +  4 x batch_size x 320 B
+    pool_chunks x chunk_windows x (320 B + 16 B with ldt)  +  (4 + 2) x batch_size x 344 B
 
-(held and prefetched chunks, per-thread decode scratch, the batch and its scratch buffers) plus
-DataLoader's own ``prefetch_factor x num_workers`` finished batches. It never depends on the
-number of windows in the store.
+(the pool; the reused batch slots and scratch) plus DataLoader's own ``prefetch_factor x
+num_workers`` batches in flight. It never depends on the number of windows in the store.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.reduction import DupFd
@@ -28,17 +30,19 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from birdzarr._format import DEVICE, GIMU, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH
+from birdzarr._errors import SamplingError
+from birdzarr._format import DEVICE, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH
 from birdzarr._storage import StoreLike, resolve
 from birdzarr._store import open_store
 from birdzarr.read import _handoff
 from birdzarr.read._chunks import ChunkReader
-from birdzarr.read._fetch import BufferPool, ChunkData, prefetched
-from birdzarr.read._sampling import EpochPlan, plan_epoch, rank_window_counts, worker_batches
+from birdzarr.read._pool import LoadedPool, PoolBuffers
+from birdzarr.read._sampling import EpochPlan, plan_epoch, resumed_worker
 from birdzarr.read._selection import make_selection
 
-_STATE_VERSION = 2  # 2: ranks take whole batch-sized pieces of the stream (order differs from 1)
+_STATE_VERSION = 3  # 3: pools of whole chunks taken by workers (order depends on num_workers)
 Batch = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+DEFAULT_SHUFFLE_BUFFER = 2**18  # windows per pool: 80 MiB of float32, 32 chunks of 8192
 
 
 def _new_batch(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Tensor:
@@ -99,7 +103,7 @@ class _PerProcess:
 
     pid: int
     reader: ChunkReader
-    buffers: BufferPool
+    pool: PoolBuffers
     scratch: dict[str, np.ndarray] = field(default_factory=dict)
     slots: _handoff.SlotRing | None = None  # batch slots, in a DataLoader worker only
 
@@ -111,36 +115,48 @@ def _distributed_defaults() -> tuple[int, int]:
     return int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
 
 
+# Slots of the shared control tensor (training process -> persistent workers, and back).
+_EPOCH, _RESUME_AT, _RESUME_EPOCH, _RESUME_WORKERS, _NUM_WORKERS = range(5)
+
+
 class WindowDataset(IterableDataset[Batch]):
-    """Batches of windows from a store, shuffled per epoch, split over workers and ranks.
+    """Batches of windows from a store, reshuffled every epoch, split over workers and ranks.
 
     Args:
         store: path or URL of a committed store (``s3://...`` works the same).
-        batch_size: windows per batch; the last batch of an epoch may be shorter unless
+        batch_size: windows per batch. Streaming, each pool's last batch may be shorter unless
             ``drop_last``.
-        shuffle: a new seeded order every epoch (call :meth:`set_epoch`).
-        seed: the shuffle seed; the order is a pure function of (seed, epoch, world size).
-        drop_last: drop the windows that do not fill a batch on every rank (fewer than
-            ``world_size * batch_size`` a epoch) instead of delivering a short last batch.
+        shuffle: new batches every epoch (call :meth:`set_epoch`). Streaming from a
+            device-ordered store this is refused (batches would mix only the devices of a pool's
+            chunks); convert with ``--shuffle``, or use ``resident=``.
+        seed: the shuffle seed; which windows form a batch is a pure function of (seed, epoch,
+            world size, shuffle_buffer, batch_size, drop_last); streaming, the order batches
+            arrive in also depends on ``num_workers``.
+        drop_last: every batch has exactly ``batch_size`` windows; the rest of each pool is not
+            delivered this epoch (a different rest every epoch).
         channel_first: yield ``(B, 4, 20)`` instead of ``(B, 20, 4)``.
         with_ldt: yield ``(x, ldt)`` with ``ldt`` int64 ``(B, 3)`` = label, device id, unix seconds.
         devices / exclude_devices: keep only / drop these device ids.
         split: ``"train"`` or ``"val"`` to take one side of a seeded split; ``split_by`` is
             ``"device"`` (default: birds stay on one side) or ``"window"`` (per-window, like the
             old 90/10 code); ``val_fraction`` and ``split_seed`` set it.
-        shuffle_buffer: windows shuffled together (rounded up to whole batches; default one
-            batch). On a pre-shuffled store one batch is enough; larger buffers mix more chunks
-            per batch at the cost of memory and, with several workers, repeated chunk decoding.
-        prefetch: chunks fetched and decoded ahead of use (raise it for object stores).
+        shuffle_buffer: windows shuffled together per pool, rounded up to whole chunks (default
+            262,144 = 80 MiB of float32 per reader). Larger pools make batches less likely to meet
+            again next epoch (docs/training.md#shuffle-quality).
+        prefetch: chunks fetched and decoded at once per reader (raise it for object stores).
         transform: optional callable applied to each batch tensor ``x`` in the reader.
+        resident: ``False`` (stream), ``"cpu"`` or a torch device (``"cuda"``): hold the
+            selection in memory once and draw a full permutation every epoch
+            (docs/training.md#resident-mode).
+        allow_device_order: stream shuffled batches from a device-ordered store anyway.
         world_size / rank: override what torch.distributed or the environment say.
         storage_options: passed to fsspec (credentials are never stored or printed).
         cache_dir / cache_max_bytes: opt-in local disk cache of a remote store's chunks, so later
             epochs read local disk; at the cap it stops admitting chunks (docs/cloud.md).
         reuse_batch_memory: in DataLoader workers, hand batches over through a few reused
-            shared-memory slots instead of a fresh segment per batch (Linux; 2x faster here,
-            docs/training.md#workers-and-ranks). Turn it off if a custom ``collate_fn`` must see
-            tensors inside the worker. A ``transform`` keeping shape and dtype writes into the slot.
+            shared-memory slots instead of a fresh segment per batch (Linux). Turn it off if a
+            custom ``collate_fn`` must see tensors inside the worker. A ``transform`` keeping
+            shape and dtype writes into the slot.
     """
 
     def __init__(
@@ -159,9 +175,11 @@ class WindowDataset(IterableDataset[Batch]):
         split_by: str = "device",
         val_fraction: float = 0.1,
         split_seed: int = 0,
-        shuffle_buffer: int | None = None,
+        shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER,
         prefetch: int = 4,
         transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        resident: bool | str | torch.device = False,
+        allow_device_order: bool = False,
         world_size: int | None = None,
         rank: int | None = None,
         storage_options: dict[str, Any] | None = None,
@@ -172,6 +190,8 @@ class WindowDataset(IterableDataset[Batch]):
         super().__init__()
         if batch_size < 1:
             raise ValueError("batch_size must be positive")
+        if shuffle_buffer < 1:
+            raise ValueError("shuffle_buffer must be positive")
         env_world, env_rank = _distributed_defaults()
         self.world_size = env_world if world_size is None else int(world_size)
         self.rank = env_rank if rank is None else int(rank)
@@ -186,7 +206,6 @@ class WindowDataset(IterableDataset[Batch]):
         self.prefetch = max(1, prefetch)
         self.transform = transform
         self.reuse_batch_memory = reuse_batch_memory
-        self.group_batches = max(1, -(-(shuffle_buffer or batch_size) // batch_size))
         self.location = resolve(store, storage_options)
         opened = open_store(self.location)
         # A snapshot: windows committed later (an append during training) are not seen.
@@ -203,6 +222,8 @@ class WindowDataset(IterableDataset[Batch]):
             split_seed=split_seed,
         )
         self.counts = self.selection.counts(opened.reader)
+        self.chunk_windows = opened.reader.chunk_windows
+        self.pool_chunks = max(1, -(-shuffle_buffer // self.chunk_windows))
         self._layouts = opened.reader.layouts
         self._cache = None
         if cache_dir is not None:
@@ -210,37 +231,51 @@ class WindowDataset(IterableDataset[Batch]):
 
             self._cache = cache_for(opened, cache_dir, cache_max_bytes)
         self.n_selected = int(self.counts.sum())
-        self._per_rank, self._n_batches = rank_window_counts(
-            self.n_selected, self.world_size, batch_size, drop_last
-        )
-        if shuffle and not opened.shuffled and len(opened.device_table) > 1:
-            warnings.warn(
-                f"{opened.url} is stored in device order: a batch mixes only the few devices of "
-                "the chunks in its shuffle buffer. For training, convert with --shuffle "
-                "(docs/training.md#shuffle-quality).",
-                stacklevel=2,
+        self.resident: Any = None
+        if resident is not False and resident is not None:
+            from birdzarr.read._resident import ResidentSelection
+
+            self.resident = ResidentSelection.load(
+                opened, self.selection, device=resident, with_ldt=with_ldt, prefetch=self.prefetch
             )
+        elif shuffle and not opened.shuffled and not allow_device_order:
+            refusal = _device_order_refusal(
+                opened.url, self.selection, len(opened.device_table), self.counts, self.pool_chunks,
+                batch_size, self.world_size,
+            )
+            if refusal:
+                raise SamplingError(refusal)
         self.epoch = 0
-        self._resume_at = 0  # rank-level batch index the next iteration starts from
+        self._resume_at = 0  # delivered-batch position the next iteration starts from
         self._resume_epoch: int | None = None
+        self._resume_workers = 0  # num_workers the resume point was counted with (0: unknown)
         self._yielded = 0
         self._skip_own = 0  # batches this worker already yielded before a StatefulDataLoader resume
         self._restored_here = False  # load_state_dict ran in this worker (StatefulDataLoader)
-        # (epoch, resume_at, resume_epoch or -1) in shared memory: persistent DataLoader workers
-        # keep their own copy of the dataset, so set_epoch() in the training process reaches
-        # them only through this
-        self._control = torch.tensor([0, 0, -1], dtype=torch.int64).share_memory_()
+        # [epoch, resume_at, resume_epoch or -1, resume_workers, num_workers seen] in shared
+        # memory: persistent DataLoader workers keep their own copy of the dataset, so set_epoch()
+        # in the training process reaches them only through this, and workers report their count.
+        self._control = torch.tensor([0, 0, -1, 0, 0], dtype=torch.int64).share_memory_()
         self._per_process: _PerProcess | None = None
+        self._plans: dict[int, EpochPlan] = {}  # the current epoch's plan, computed once
 
     # -- sizes and state -------------------------------------------------------------------------
     def __len__(self) -> int:
-        """Batches this rank yields per epoch."""
-        return self._n_batches
+        """Batches this rank yields this epoch, the same on every rank.
+
+        Streaming, it can differ by a batch or two between epochs when a subset or a batch size
+        that does not divide the chunk size leaves pools of uneven sizes (docs/training.md).
+        """
+        if self.resident is not None:
+            return self._resident_plan().n_batches
+        return self.plan().n_batches
 
     @property
     def windows_per_epoch(self) -> int:
-        """Windows this rank yields per epoch."""
-        return int(self._per_rank[self.rank])
+        """Windows this rank yields this epoch."""
+        if self.resident is not None:
+            return self.resident.rank_windows(self.world_size, self.rank, self.batch_size, self.drop_last)
+        return self.plan().n_windows
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch's order; call before iterating (keeps a resume point of that epoch)."""
@@ -253,44 +288,55 @@ class WindowDataset(IterableDataset[Batch]):
         """Share the epoch and resume point with (persistent) workers; the training process only."""
         if get_worker_info() is None:
             resume_epoch = -1 if self._resume_epoch is None else self._resume_epoch
-            self._control.copy_(torch.tensor([self.epoch, self._resume_at, resume_epoch]))
+            published = [self.epoch, self._resume_at, resume_epoch, self._resume_workers]
+            self._control[:4] = torch.tensor(published)
 
     def _follow(self) -> None:
         """In a worker, take the epoch and resume point the training process set last."""
-        if get_worker_info() is None:
+        info = get_worker_info()
+        self._control[_NUM_WORKERS] = 1 if info is None else info.num_workers
+        if info is None:
             return
         if self._restored_here:  # a worker's own restored state wins for the iteration it resumes
             self._restored_here = False
             return
-        epoch, resume_at, resume_epoch = self._control.tolist()
+        epoch, resume_at, resume_epoch, resume_workers, _ = self._control.tolist()
         self.epoch, self._resume_at, self._skip_own = epoch, resume_at, 0
         self._resume_epoch = None if resume_epoch < 0 else resume_epoch
+        self._resume_workers = resume_workers
         if self._resume_epoch != self.epoch:
-            self._resume_at = 0
+            self._resume_at, self._resume_workers = 0, 0
 
-    def state_dict(self, batches_seen: int | None = None) -> dict[str, Any]:
-        """Where the epoch stands. With DataLoader workers, pass the batches the loop consumed
-        this epoch (the dataset in the main process does not see workers' progress), or use
-        torchdata's ``StatefulDataLoader``, which snapshots each worker's own state."""
-        state = {
+    def _common_state(self) -> dict[str, Any]:
+        return {
             "version": _STATE_VERSION,
             "seed": self.seed,
             "epoch": self.epoch,
             "world_size": self.world_size,
             "rank": self.rank,
             "batch_size": self.batch_size,
+            "pool_chunks": self.pool_chunks,
+            "resident": self.resident is not None,
         }
+
+    def state_dict(self, batches_seen: int | None = None) -> dict[str, Any]:
+        """Where the epoch stands. With DataLoader workers, pass the batches the loop consumed
+        this epoch (the dataset in the main process does not see workers' progress), or use
+        torchdata's ``StatefulDataLoader``, which snapshots each worker's own state."""
+        state = self._common_state()
         info = get_worker_info()
         if info is not None and batches_seen is None:
             # inside a worker (StatefulDataLoader): this worker's own progress
             return {
                 **state,
                 "start": self._resume_at,
+                "start_workers": self._resume_workers,
                 "worker_yielded": self._yielded,
                 "num_workers": info.num_workers,
             }
         seen = self._yielded if batches_seen is None else int(batches_seen)
-        return {**state, "next_batch": self._resume_at + seen}
+        workers = int(self._control[_NUM_WORKERS]) or 1
+        return {**state, "next_batch": self._resume_at + seen, "num_workers": workers}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next iteration of ``state['epoch']`` starts at its next batch."""
@@ -301,11 +347,11 @@ class WindowDataset(IterableDataset[Batch]):
                 "Restart the epoch (call set_epoch without load_state_dict) or use the birdzarr "
                 "version that saved the state."
             )
-        for key in ("seed", "world_size", "batch_size"):
-            if state[key] != getattr(self, key):
+        for key in ("seed", "world_size", "batch_size", "pool_chunks", "resident"):
+            if state[key] != self._common_state()[key]:
                 raise ValueError(
                     f"cannot resume: the state was saved with {key}={state[key]!r}, this dataset "
-                    f"has {key}={getattr(self, key)!r}; the order would differ"
+                    f"has {key}={self._common_state()[key]!r}; the order would differ"
                 )
         self.epoch = int(state["epoch"])
         self._resume_epoch = self.epoch
@@ -313,14 +359,21 @@ class WindowDataset(IterableDataset[Batch]):
         self._skip_own = 0
         if "worker_yielded" in state:  # a worker's own snapshot, restored into that worker
             self._resume_at, self._skip_own = int(state["start"]), int(state["worker_yielded"])
+            self._resume_workers = int(state["start_workers"])
         else:
             self._resume_at = int(state["next_batch"])
+            self._resume_workers = int(state["num_workers"])
         self._restored_here = get_worker_info() is not None
         self._publish()
 
-    # -- reading ---------------------------------------------------------------------------------
+    # -- planning ----------------------------------------------------------------------------------
     def plan(self) -> EpochPlan:
-        """This rank's plan of the current epoch."""
+        """This rank's streaming plan of the current epoch (pools and batches)."""
+        if self.epoch not in self._plans:
+            self._plans = {self.epoch: self._new_plan()}
+        return self._plans[self.epoch]
+
+    def _new_plan(self) -> EpochPlan:
         return plan_epoch(
             self.counts,
             seed=self.seed,
@@ -330,20 +383,33 @@ class WindowDataset(IterableDataset[Batch]):
             batch_size=self.batch_size,
             drop_last=self.drop_last,
             shuffle=self.shuffle,
-            group_batches=self.group_batches,
+            pool_chunks=self.pool_chunks,
         )
 
+    def delivery_order(self, num_workers: int = 0) -> list[int]:
+        """Batch numbers in the order a DataLoader with ``num_workers`` workers yields them this
+        epoch (``0``: iterating the dataset itself). Resident mode's order ignores workers."""
+        if self.resident is not None:
+            return list(range(len(self)))
+        return self.plan().delivery_order(max(1, num_workers)).tolist()
+
     def batch_indices(self, batch: int, plan: EpochPlan | None = None) -> np.ndarray:
-        """Global window indices of one batch of this rank, in delivery order (for debugging)."""
+        """Global window indices of batch number ``batch`` of this rank, in the order its rows
+        are delivered (see :meth:`delivery_order` for which batch arrives when)."""
+        if self.resident is not None:
+            return self.resident.batch_indices(self._resident_plan(), batch)
         plan = plan or self.plan()
+        pool = int(plan.batch_pool[batch])
+        pieces, ranks = plan.locate(pool, plan.batch_positions(batch))
         reader = self._chunk_reader()
-        chunk_ids, ranks = plan.locate(plan.batch_positions(batch))
-        out = np.empty(len(chunk_ids), dtype=np.int64)
-        for chunk in np.unique(chunk_ids).tolist():
-            where = np.flatnonzero(chunk_ids == chunk)
+        out = np.empty(len(pieces), dtype=np.int64)
+        for piece in np.unique(pieces).tolist():
+            where = np.flatnonzero(pieces == piece)
+            chunk = int(plan.pools[pool].chunks[piece])
             out[where] = self.selection.selected_indices(reader, chunk)[ranks[where]]
         return out
 
+    # -- reading -----------------------------------------------------------------------------------
     def _local(self) -> _PerProcess:
         """This process's reader and buffers, opened on first use in each process, so nothing
         (sockets, event loops, threads, buffers) crosses a DataLoader worker's fork."""
@@ -351,70 +417,97 @@ class WindowDataset(IterableDataset[Batch]):
             location = resolve(self.location.url, self.location.storage_options)
             reader = ChunkReader(location, self._layouts, self.n_windows)
             reader.cache = self._cache
-            pool = BufferPool((reader.chunk_windows, WINDOW_LENGTH, N_CHANNELS))
+            pool = PoolBuffers(reader, self.selection, with_ldt=self.with_ldt, threads=self.prefetch)
             self._per_process = _PerProcess(os.getpid(), reader, pool)
         return self._per_process
 
     def _chunk_reader(self) -> ChunkReader:
         return self._local().reader
 
-    def _load(self, chunk: int) -> ChunkData:
-        reader = self._chunk_reader()
-        device_ids = reader.read(DEVICE, chunk) if self.with_ldt else None
-        mask = self.selection.read_mask(reader, chunk, device_ids)
-        names = [GIMU, LABEL, TIMESTAMP] if self.with_ldt else [GIMU]
-        pool = self._local().buffers
-        buffer = pool.get()
-        data = {
-            name: reader.read(name, chunk, out=buffer) if name == GIMU else reader.read(name, chunk)
-            for name in names
-        }
-        if device_ids is not None:
-            data[DEVICE] = device_ids
-        if mask is not None:
-            data = {name: array[mask] for name, array in data.items()}
-            pool.put(buffer)  # the masked copy no longer refers to it
-        elif data[GIMU].base is not buffer and data[GIMU] is not buffer:
-            pool.put(buffer)  # decoded elsewhere (another codec chain): the buffer is unused
-        return data
-
-    def _release(self, data: ChunkData) -> None:
-        self._local().buffers.put(data.get(GIMU))
-
     def _scratch(self, name: str, size: int) -> np.ndarray:
         """A reused (batch_size, 20, 4) float32 buffer of this process, first ``size`` windows
-        (reuse avoids page faults on a fresh temporary every batch; only _assemble uses it)."""
+        (reuse avoids page faults on a fresh temporary every batch)."""
         scratch = self._local().scratch
         if name not in scratch:
             scratch[name] = np.empty((self.batch_size, WINDOW_LENGTH, N_CHANNELS), np.float32)
         return scratch[name][:size]
 
-    def __iter__(self) -> Iterator[Batch]:
-        self._follow()
-        plan = self.plan()
+    def _my_batches(
+        self,
+        plan_batches: Callable[[int, int], np.ndarray],
+        per_worker_counts: Callable[[int], list[int]],
+    ) -> tuple[np.ndarray, int]:
+        """This reader's batch numbers this epoch, after any resume point; and the worker count."""
         info = get_worker_info()
         worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
-        start = self._resume_at
-        batches = worker_batches(plan.n_batches, start=start, worker=worker, num_workers=num_workers)
-        batches = batches[self._skip_own :]
-        steps = [plan.group_chunks(plan.group_of(b)) for b in batches]
+        role, skip = worker, 0
+        if self._resume_at:
+            saved = self._resume_workers or num_workers
+            if saved != num_workers:
+                raise ValueError(
+                    f"cannot resume: the resume point was counted with {saved} DataLoader "
+                    f"worker(s), this loader has {num_workers}; batches arrive in an order that "
+                    f"depends on num_workers. Resume with num_workers={saved if saved > 1 else 0}."
+                )
+            role, skip = resumed_worker(per_worker_counts(num_workers), self._resume_at, worker)
+        return plan_batches(role, num_workers)[skip + self._skip_own :], num_workers
+
+    def __iter__(self) -> Iterator[Batch]:
+        self._follow()
+        if self.resident is not None:
+            yield from self._iter_resident()
+            return
+        plan = self.plan()
+        batches, _ = self._my_batches(
+            plan.worker_batches, lambda k: [len(plan.worker_batches(w, k)) for w in range(k)]
+        )
         self._yielded = self._skip_own
         self._skip_own = 0
-        loads = prefetched(self._load, steps, prefetch=self.prefetch, release=self._release)
+        local = self._local()
         try:
-            for batch, chunks in zip(batches, loads, strict=False):
-                assembled = self._assemble(plan, batch, chunks)
-                self._yielded += 1  # counted before handing over: state_dict() names the next batch
-                # a _SharedBatch only in a DataLoader worker, which the transport turns into a Batch
-                yield cast(Batch, assembled)
+            for pool, in_pool in itertools.groupby(batches.tolist(), key=lambda b: int(plan.batch_pool[b])):
+                loaded = local.pool.load(plan.pools[pool])
+                order = plan.pool_order(pool)
+                for batch in in_pool:
+                    rows = loaded.rows[plan.batch_positions(batch, order)]
+                    assembled = self._assemble(loaded, rows)
+                    self._yielded += 1  # counted before handing over: state_dict() names the next batch
+                    # a _SharedBatch only in a DataLoader worker, which the transport turns into a Batch
+                    yield cast(Batch, assembled)
         finally:
-            local = self._per_process
-            if local is not None and local.slots is not None:  # the receiver may drop its mappings
+            if local.slots is not None:  # the receiver may drop its mappings
                 local.slots.retire()
-        if info is None:  # a finished in-process epoch consumes its resume point
+        self._finish_epoch()
+
+    def _finish_epoch(self) -> None:
+        if get_worker_info() is None:  # a finished in-process epoch consumes its resume point
             self._yielded += self._resume_at
-            self._resume_at, self._resume_epoch = 0, None
+            self._resume_at, self._resume_epoch, self._resume_workers = 0, None, 0
             self._publish()
+
+    def _resident_plan(self) -> Any:
+        return self.resident.plan(
+            seed=self.seed, epoch=self.epoch, world_size=self.world_size, rank=self.rank,
+            batch_size=self.batch_size, drop_last=self.drop_last, shuffle=self.shuffle,
+        )
+
+    def _iter_resident(self) -> Iterator[Batch]:
+        plan = self._resident_plan()
+        n = plan.n_batches
+
+        def batches_of(worker: int, k: int) -> np.ndarray:
+            return np.arange(worker, n, k)
+
+        batches, _ = self._my_batches(batches_of, lambda k: [len(range(w, n, k)) for w in range(k)])
+        self._yielded = self._skip_own
+        self._skip_own = 0
+        for batch in batches.tolist():
+            x, ldt = self.resident.gather(plan, batch, channel_first=self.channel_first)
+            if self.transform is not None:
+                x = self.transform(x)
+            self._yielded += 1
+            yield x if ldt is None else (x, ldt)
+        self._finish_epoch()
 
     def _slot(self) -> _handoff.Slot | None:
         """A free batch slot when batches go to the training process through reused shared memory."""
@@ -428,9 +521,9 @@ class WindowDataset(IterableDataset[Batch]):
             local.slots = _handoff.SlotRing(self.batch_size * per_window, keep=_FREE_SLOTS)
         return local.slots.acquire()
 
-    def _assemble(self, plan: EpochPlan, batch: int, chunks: dict[int, ChunkData]) -> Batch | _SharedBatch:
-        chunk_ids, ranks = plan.locate(plan.batch_positions(batch))
-        size = len(chunk_ids)
+    def _assemble(self, loaded: LoadedPool, rows: np.ndarray) -> Batch | _SharedBatch:
+        """Gather one batch (buffer ``rows`` of the loaded pool) into its output memory."""
+        size = len(rows)
         shape = (size, N_CHANNELS, WINDOW_LENGTH) if self.channel_first else (size, WINDOW_LENGTH, N_CHANNELS)
         ldt_offset = self.batch_size * _X_BYTES
         slot = self._slot()
@@ -449,26 +542,13 @@ class WindowDataset(IterableDataset[Batch]):
             ldt_tensor = _new_batch((size, 3), torch.int64, shared) if self.with_ldt else None
             ldt = None if ldt_tensor is None else ldt_tensor.numpy()
         x = self._scratch("channel_last", size) if self.channel_first else out
-        # one stable sort groups the batch's windows by chunk (no per-chunk scan of the batch)
-        order = np.argsort(chunk_ids, kind="stable")
-        cuts = np.flatnonzero(np.diff(chunk_ids[order])) + 1
-        for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), size], strict=True):
-            where = order[lo:hi]
-            data = chunks[int(chunk_ids[where[0]])]
-            rows = ranks[where]
-            # the plan's ranks index the chunk's selected windows, so mode="clip" (3x faster than
-            # the default, which buffers the output) never clips
-            assert int(rows.max()) < len(data[GIMU])
-            if hi - lo == size:  # the whole batch comes from one chunk: gather straight into x
-                np.take(data[GIMU], rows, axis=0, out=x, mode="clip")
-            else:  # gather into a warm scratch buffer, then scatter
-                part = self._scratch("part", hi - lo)
-                np.take(data[GIMU], rows, axis=0, out=part, mode="clip")
-                x[where] = part
-            if ldt is not None:
-                ldt[where, 0] = data[LABEL][rows]
-                ldt[where, 1] = data[DEVICE][rows]
-                ldt[where, 2] = data[TIMESTAMP][rows]
+        # rows index the reader's own pool buffer, so mode="clip" (3x faster than the default,
+        # which buffers the output) never clips
+        np.take(loaded.gimu, rows, axis=0, out=x, mode="clip")
+        if ldt is not None and loaded.ldt is not None:
+            ldt[:, 0] = loaded.ldt[LABEL][rows]
+            ldt[:, 1] = loaded.ldt[DEVICE][rows]
+            ldt[:, 2] = loaded.ldt[TIMESTAMP][rows]
         if self.channel_first:
             out[:] = x.transpose(0, 2, 1)
         if slot is not None and self.transform is not None:
@@ -497,8 +577,33 @@ class WindowDataset(IterableDataset[Batch]):
         return tensor
 
     def __repr__(self) -> str:
+        mode = "streaming" if self.resident is None else f"resident={self.resident.device}"
         return (
             f"WindowDataset({self.location.display!r}, batch_size={self.batch_size}, "
             f"shuffle={self.shuffle}, seed={self.seed}, epoch={self.epoch}, rank={self.rank}/"
-            f"{self.world_size}, windows={self.windows_per_epoch:,}, batches={len(self)})"
+            f"{self.world_size}, {mode}, windows={self.windows_per_epoch:,}, batches={len(self)})"
         )
+
+
+def _device_order_refusal(
+    url: str, selection: Any, n_devices: int, counts: np.ndarray, pool_chunks: int, batch_size: int,
+    world_size: int,
+) -> str | None:
+    """Why a streamed shuffle of a device-ordered store is refused (None: it mixes well)."""
+    if selection.devices is not None:
+        n_devices = len(selection.devices)
+    chunks = int((counts > 0).sum())
+    if n_devices < 2 or pool_chunks * world_size >= chunks:  # one device, or a pool holds it all
+        return None
+    # a batch drawn from K single-device chunks has a device-mix (TV) ratio of about sqrt(1 + B/K)
+    predicted = math.sqrt(1 + batch_size / pool_chunks)
+    if predicted <= 1.3:
+        return None
+    return (
+        f"{url} is stored in device order: streamed, each batch would mix only the devices of "
+        f"{pool_chunks} chunk(s) of {chunks} ({n_devices} devices; device-mix ratio about "
+        f"{predicted:.1f}, 1.0 = a true shuffle). Train on a shuffled store "
+        "(`birdzarr convert SRC DEST --shuffle`), or hold the selection in memory with "
+        "resident='cpu' or 'cuda', or pass allow_device_order=True to stream it anyway "
+        "(docs/training.md#shuffle-quality)."
+    )
