@@ -131,7 +131,9 @@ class Store:
 
     @property
     def devices(self) -> pd.DataFrame:
-        """The device table as a pandas DataFrame, one row per device."""
+        """The device table as a pandas DataFrame: one row per device in ascending ``device_id``
+        order, a plain ``RangeIndex`` and ``device_id`` as a column (so ``reset_index()``,
+        ``merge`` and ``to_parquet`` work as usual); ``.set_index("device_id")`` to look rows up by id."""
         import pandas as pd
 
         rows = []
@@ -146,7 +148,7 @@ class Store:
                 "sources": list(e.sources),
             })
         columns = ["device_id", "n_windows", "first_time", "last_time", "n_ranges", "label_counts", "sources"]
-        return pd.DataFrame(rows, columns=columns).set_index("device_id", drop=False)
+        return pd.DataFrame(rows, columns=columns)
 
     # -- data ------------------------------------------------------------------------------------
     def device_windows(self, device_id: int) -> np.ndarray:
@@ -232,10 +234,12 @@ class Store:
     ) -> StoreStats:
         """Per-channel count, mean, std, min, max and histograms over all committed windows.
 
-        Computed chunk by chunk (one chunk in memory) with a progress bar. Reused while the store
-        is unchanged: from memory, else from the store's ``stats`` group. ``cache=False`` forces
-        a recomputation; ``persist=True`` saves the result in the store when its location is
-        writable (a read-only location keeps it in memory only).
+        Computed chunk by chunk (one chunk in memory), with a progress bar unless
+        ``progress=False``. Reused while the store holds the same commit: from memory, else from
+        the store's ``stats`` group. ``cache=False`` forces a recomputation. ``persist=True``
+        saves the result in the store under its writer lock; a read-only location keeps it in
+        memory only, and a store locked by a writer, or an error while saving, keeps it in memory
+        with a warning (docs/exploration.md#statistics). ``persist=False`` never writes.
         """
         from birdzarr.explore._stats import store_stats
 

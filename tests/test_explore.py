@@ -7,6 +7,7 @@ imu clipped to [-2, 2], gps_speed / 22.3012351755624) and the exact Parquet wind
 
 from __future__ import annotations
 
+import errno
 import html
 import json
 import pathlib
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import pytest
 from s3_support import moto, new_bucket, s3_options  # noqa: F401  (moto is a fixture)
 
@@ -97,6 +99,13 @@ def fresh(store: birdzarr.Store) -> birdzarr.Store:
     return birdzarr.open_store(store.location.path)
 
 
+def copy_of(store: birdzarr.Store, directory: pathlib.Path) -> birdzarr.Store:
+    """The store copied to a directory of the test's own (for tests that look at its stats cache)."""
+    path = directory / pathlib.Path(store.location.path).name
+    store.location.fs.cp(store.location.path, str(path), recursive=True)
+    return birdzarr.open_store(path)
+
+
 # -- summaries -------------------------------------------------------------------------------
 
 
@@ -138,9 +147,14 @@ def test_device_table_matches_converter_report_and_truth(csv_case) -> None:  # t
     store, truth = csv_case
     table = store.devices
     report = store.report
+    assert list(table.columns) == ["device_id", "n_windows", "first_time", "last_time", "n_ranges",
+                                   "label_counts", "sources"]
     assert list(table["device_id"]) == sorted(truth)
+    assert table.index.equals(pd.RangeIndex(len(truth)))  # device_id is a column only
+    assert list(table.reset_index()["index"]) == list(range(len(truth)))
+    by_id = table.set_index("device_id")
     for device, t in truth.items():
-        row = table.loc[device]
+        row = by_id.loc[device]
         assert row["n_windows"] == len(t.windows) == report[device].windows_written
         assert row["first_time"] == np.datetime64(int(t.times.min()), "s")
         assert row["last_time"] == np.datetime64(int(t.times.max()), "s")
@@ -273,8 +287,7 @@ def test_to_xarray_is_lazy_and_reads_only_touched_chunks(csv_case, monkeypatch) 
 def test_to_xarray_of_a_store_written_before_the_sample_rename(csv_case, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Stores written before the rename call the sample axis "time" on disk; the view says "sample"."""
     store, _ = csv_case
-    old = tmp_path / "old.zarr"
-    store.location.fs.cp(store.location.path, str(old), recursive=True)
+    old = pathlib.Path(copy_of(store, tmp_path).location.path)
     gimu_meta = old / "gimu" / "zarr.json"
     meta = json.loads(gimu_meta.read_text())
     meta["dimension_names"] = list(GIMU_DIMS_BEFORE_SAMPLE)
@@ -390,16 +403,23 @@ def test_stats_are_cached_in_memory_and_in_the_store(parquet_case, monkeypatch) 
     assert (store.location.fs.exists(store.location.join("stats", "zarr.json")))
     assert len(list(store.group.arrays())) == 4  # the stats group is a valid (empty) Zarr group
 
-    # A store that changed (new generation) recomputes.
-    changed = fresh(store)
-    changed.meta["committed"] = {**changed.meta["committed"], "generation": 99}
-    reads = ReadCounter(changed, monkeypatch)
-    changed.stats(progress=False, persist=False)
-    assert len(reads.calls) == changed.reader.n_chunks
+    # A store that changed (a new generation, or a new conversion: generation 1 again, another
+    # commit time) recomputes, and does not save numbers that describe another commit.
+    for key, value in (("generation", 99), ("committed_at", "2030-01-01T00:00:00+00:00")):
+        changed = fresh(store)
+        changed.meta["committed"] = {**changed.meta["committed"], key: value}
+        reads = ReadCounter(changed, monkeypatch)
+        recomputed = changed.stats(progress=False)
+        assert len(reads.calls) == changed.reader.n_chunks
+        assert getattr(recomputed, key) == value
+        saved = _stats.load_saved(store)
+        assert saved is not None
+        assert (saved.generation, saved.committed_at) == (first.generation, first.committed_at)
+    assert not store.location.fs.exists(store.location.join(".birdzarr.lock"))  # taken and released
 
 
-def test_stats_on_a_read_only_location_stay_in_memory(csv_case, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    store = fresh(csv_case[0])
+def test_stats_on_a_read_only_location_stay_in_memory(csv_case, monkeypatch, tmp_path, recwarn) -> None:  # type: ignore[no-untyped-def]
+    store = copy_of(csv_case[0], tmp_path)
 
     def read_only(*args: Any, **kwargs: Any) -> None:
         raise PermissionError("read-only file system")
@@ -407,9 +427,55 @@ def test_stats_on_a_read_only_location_stay_in_memory(csv_case, monkeypatch) -> 
     monkeypatch.setattr(_stats.tempfile, "NamedTemporaryFile", read_only)
     store.stats(progress=False, cache=False)
     assert _stats.load_saved(store) is None
+    assert not store.location.fs.exists(store.location.join(".birdzarr.lock"))
     reads = ReadCounter(store, monkeypatch)
     store.stats(progress=False)
     assert reads.calls == []
+    assert [str(w.message) for w in recwarn] == []  # documented behaviour, no warning
+
+
+def test_stats_are_not_saved_into_a_locked_store(csv_case, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A writer holds the store: the cache stays in memory and a warning names the holder."""
+    from birdzarr._lock import StoreLock, read_holder
+
+    store = copy_of(csv_case[0], tmp_path)
+    with StoreLock(store.location, command="birdzarr append (test)") as lock:
+        holder_named = r"not saved in the store .*locked by 'birdzarr append \(test\)'"
+        with pytest.warns(UserWarning, match=holder_named):
+            computed = store.stats(progress=False, cache=False)
+        holder = read_holder(store.location)
+        assert holder is not None and holder.token == lock.holder.token  # the writer's lock is untouched
+    assert _stats.load_saved(store) is None
+    reads = ReadCounter(store, monkeypatch)
+    assert store.stats(progress=False) is computed and reads.calls == []  # kept in memory
+
+
+def test_stats_save_errors_are_warnings_not_silence(csv_case, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    store = copy_of(csv_case[0], tmp_path)
+
+    def disk_full(*args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_stats.tempfile, "NamedTemporaryFile", disk_full)
+    with pytest.warns(UserWarning, match=r"computed but not saved in the store \(OSError: .*No space left"):
+        stats = store.stats(progress=False, cache=False)
+    assert stats.count == len(store) * 20
+    assert not store.location.fs.exists(store.location.join(".birdzarr.lock"))
+
+
+def test_stats_saved_by_an_older_birdzarr_are_recomputed(csv_case, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    store = copy_of(csv_case[0], tmp_path)
+    first = store.stats(progress=False, cache=False)
+    node = store.location.join("stats", "zarr.json")
+    raw = json.loads(store.location.fs.cat_file(node))
+    assert raw["attributes"]["birdzarr_stats"]["stats_version"] == 2
+    raw["attributes"]["birdzarr_stats"]["stats_version"] = 1  # before committed_at was part of the key
+    store.location.fs.pipe_file(node, json.dumps(raw).encode())
+    assert _stats.load_saved(store) is None
+    again = fresh(store)
+    reads = ReadCounter(again, monkeypatch)
+    assert np.array_equal(again.stats(progress=False).counts, first.counts)
+    assert len(reads.calls) == again.reader.n_chunks
 
 
 # -- optional dependencies and CLI ---------------------------------------------------------------

@@ -1,23 +1,39 @@
 """Per-channel statistics of a whole store, computed one chunk at a time and cached.
 
-The cache is keyed by the committed generation and window count, so any append or rewrite makes
-it stale. It lives in memory for the open store and, when the store's location is writable, in a
-small Zarr group ``stats/`` beside the arrays (its ``zarr.json`` attributes hold the numbers),
-so the next ``open_store`` on any machine gets them without reading a chunk.
+The cache is keyed by the commit (generation, window count and commit time), so an append, a
+rewrite or a new conversion to the same place makes it stale. It lives in memory for the open
+store and, when the store's location is writable, in a small Zarr group ``stats/`` beside the
+arrays (its ``zarr.json`` attributes hold the numbers), so the next ``open_store`` on any machine
+gets them without reading a chunk.
+
+Saving writes into the store, so it takes the store's writer lock, like a conversion, and under
+it checks that the store still holds the commit the numbers describe. What happens otherwise:
+
+- a read-only location (a static HTTP server; a PermissionError or read-only file system while
+  writing) keeps the numbers in memory, without a word: that is the documented behaviour there;
+- a store locked by a writer (a conversion or append running, or one that was killed) is left
+  alone, with a warning naming the holder;
+- a store that changed while the numbers were computed gets nothing (they describe the old one);
+- any other error while saving (a full disk, a network failure) is a warning that names it. The
+  numbers are returned either way, and kept in memory.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from birdzarr._errors import StoreLockedError
 from birdzarr._format import CHANNELS, GIMU, N_CHANNELS, WINDOW_LENGTH, Curation
+from birdzarr._lock import StoreLock, read_holder
 from birdzarr._progress import progress_bar
 
 if TYPE_CHECKING:
@@ -28,7 +44,7 @@ if TYPE_CHECKING:
 
 STATS_NODE = "stats"
 STATS_ATTR = "birdzarr_stats"
-STATS_VERSION = 1
+STATS_VERSION = 2  # 2: keyed by committed_at too (a re-conversion to the same place is generation 1 again)
 DEFAULT_BINS = 64
 
 # Stats of the stores opened in this process, so a read-only store computes them once.
@@ -48,6 +64,7 @@ class StoreStats:
     channels: tuple[str, ...]
     n_windows: int
     generation: int | None
+    committed_at: str | None
     count: int
     mean: np.ndarray
     std: np.ndarray
@@ -88,7 +105,7 @@ class StoreStats:
         arrays = ("mean", "std", "min", "max", "edges", "counts", "below", "above")
         return {
             "stats_version": STATS_VERSION, "channels": list(self.channels), "n_windows": self.n_windows,
-            "generation": self.generation, "count": self.count,
+            "generation": self.generation, "committed_at": self.committed_at, "count": self.count,
             **{name: getattr(self, name).tolist() for name in arrays},
         }
 
@@ -96,7 +113,7 @@ class StoreStats:
     def from_json(cls, raw: dict[str, Any]) -> StoreStats:
         return cls(
             channels=tuple(raw["channels"]), n_windows=int(raw["n_windows"]), generation=raw["generation"],
-            count=int(raw["count"]),
+            committed_at=raw["committed_at"], count=int(raw["count"]),
             mean=np.array(raw["mean"]), std=np.array(raw["std"]), min=np.array(raw["min"]),
             max=np.array(raw["max"]), edges=np.array(raw["edges"]),
             counts=np.array(raw["counts"], dtype=np.int64), below=np.array(raw["below"], dtype=np.int64),
@@ -154,7 +171,8 @@ def compute(store: Store, *, bins: int = DEFAULT_BINS, progress: bool = True) ->
             above += (values > edges[:, -1:]).sum(axis=1)
             bar.update(k // WINDOW_LENGTH)
     return StoreStats(
-        channels=CHANNELS, n_windows=len(store), generation=_generation(store), count=n,
+        channels=CHANNELS, n_windows=len(store), generation=_generation(store),
+        committed_at=_committed_at(store.meta), count=n,
         mean=mean, std=np.sqrt(m2 / n) if n else np.full(N_CHANNELS, np.nan),
         min=low, max=high, edges=edges, counts=counts, below=below, above=above,
     )
@@ -165,10 +183,15 @@ def _generation(store: Store) -> int | None:
     return None if generation is None else int(generation)
 
 
+def _committed_at(meta: dict[str, Any]) -> str | None:
+    committed_at = (meta.get("committed") or {}).get("committed_at")
+    return None if committed_at is None else str(committed_at)
+
+
 def _valid(stats: StoreStats | None, store: Store, bins: int) -> bool:
     return (
         stats is not None and stats.n_windows == len(store) and stats.generation == _generation(store)
-        and stats.counts.shape[1] == bins
+        and stats.committed_at == _committed_at(store.meta) and stats.counts.shape[1] == bins
     )
 
 
@@ -188,25 +211,75 @@ def load_saved(store: Store) -> StoreStats | None:
         return None
 
 
-def save(store: Store, stats: StoreStats) -> bool:
-    """Write the stats as the attributes of the ``stats`` group; False if the location is read-only."""
+def _is_read_only_error(exc: OSError) -> bool:
+    return isinstance(exc, PermissionError) or exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def _describes_the_store_now(store: Store, stats: StoreStats) -> bool:
+    """Under the lock: the store still holds the commit the numbers were computed from."""
+    from birdzarr._store import _read_root
+
+    current = (_read_root(store.location).get("birdzarr") or {})
+    committed = current.get("committed") or {}
+    return (committed.get("n_windows"), committed.get("generation"), _committed_at(current)) == (
+        stats.n_windows, stats.generation, stats.committed_at)
+
+
+def _write_node(store: Store, stats: StoreStats) -> None:
     node = {"zarr_format": 3, "node_type": "group", "attributes": {STATS_ATTR: stats.to_json()}}
     data = json.dumps(node).encode()
     location = store.location
+    if location.is_local:
+        # Write and rename so a concurrent reader sees the old node or the new, never half;
+        # an interrupted write leaves a .partial file, which `birdzarr repair` removes.
+        directory = os.path.dirname(_node_path(store))
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, delete=False, suffix=".partial") as handle:
+            handle.write(data)
+        os.replace(handle.name, _node_path(store))
+    else:
+        location.fs.pipe_file(_node_path(store), data)  # one PUT: atomic on object stores
+
+
+def save(store: Store, stats: StoreStats) -> bool:
+    """Write the stats as the attributes of the ``stats`` group, under the store's writer lock.
+
+    True if written. False, without a word, on a read-only location or when the store changed
+    since ``stats`` was computed; False with a warning when a writer holds the lock or saving
+    failed for another reason (see the module docstring).
+    """
+    location = store.location
+    if location.read_only:
+        return False
+    lock = StoreLock(location, command="store.stats() saving its cache")
     try:
-        if location.is_local:
-            # Write and rename so a concurrent reader sees the old node or the new, never half;
-            # an interrupted write leaves a .partial file, which `birdzarr repair` removes.
-            directory = os.path.dirname(_node_path(store))
-            os.makedirs(directory, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=directory, delete=False, suffix=".partial") as handle:
-                handle.write(data)
-            os.replace(handle.name, _node_path(store))
-        else:
-            location.fs.pipe_file(_node_path(store), data)  # one PUT: atomic on object stores
-    except (PermissionError, NotImplementedError, OSError):
+        holder = read_holder(location)
+        if holder is not None:  # a live writer, or a killed one that `birdzarr repair` should see
+            raise StoreLockedError(f"{location.display} is locked by {holder.describe()}")
+        lock.acquire()
+        try:
+            if not _describes_the_store_now(store, stats):
+                return False
+            _write_node(store, stats)
+        finally:
+            lock.release()
+    except StoreLockedError as exc:
+        _not_saved(store, f"{exc}; a writer is at work (or was killed: `birdzarr repair`)")
+        return False
+    except OSError as exc:
+        if _is_read_only_error(exc):
+            return False
+        _not_saved(store, f"{type(exc).__name__}: {exc}")
         return False
     return True
+
+
+def _not_saved(store: Store, why: str) -> None:
+    warnings.warn(
+        f"statistics of {store.url} were computed but not saved in the store ({why}). They are "
+        "kept in memory for this process; store.stats(persist=False) does not try to save.",
+        UserWarning, stacklevel=5,
+    )
 
 
 def store_stats(
