@@ -16,8 +16,9 @@ from birdzarr._format import MIXED_LABEL_POLICY, WINDOW_RULE, Curation
 from birdzarr._progress import progress_bar
 from birdzarr._storage import Location, StoreLike, require_writable, resolve
 from birdzarr.convert._blocks import WindowBlock
+from birdzarr.convert._cpus import cpu_report, cpu_seconds, resolve_workers
 from birdzarr.convert._overwrite import replacing, staged_location
-from birdzarr.convert._readahead import read_ahead
+from birdzarr.convert._pipeline import counted, device_blocks
 from birdzarr.convert._shuffle import bucket_count, write_shuffled
 from birdzarr.convert._sources import DeviceSource, discover
 from birdzarr.convert._writer import StoreWriter
@@ -128,13 +129,14 @@ def _convert_here(
     shuffle_tmp: str | None,
 ) -> None:
     """The conversion in this process (``convert`` without a Dask client)."""
-    started = time.perf_counter()
-    config = {"threading.max_workers": workers} if workers else {}
+    started, cpu = time.perf_counter(), cpu_seconds()
+    workers = resolve_workers(workers)
+    config = {"threading.max_workers": workers}
     with zarr.config.set(config), StoreWriter(
         dst, codec=codec, chunk_windows=chunk_windows, overwrite=overwrite, static_attrs=static,
         workers=workers,
     ) as writer, progress_bar(progress, desc=f"convert {kind}", unit=" windows") as bar:
-        inputs = _device_inputs(src.display, devices, curation, on_bad_rows, bar)
+        inputs = _device_inputs(src.display, devices, curation, on_bad_rows, bar, workers)
         extra: dict[str, Any] = {}
         if shuffle:
             assert seed is not None
@@ -150,20 +152,24 @@ def _convert_here(
             for device_id, sources, blocks in inputs:
                 writer.write_device(device_id, blocks, sources)
         seconds = time.perf_counter() - started
+        extra.update(cpu_report(seconds, cpu, workers))
         writer.commit({"source": src.display, "seconds": round(seconds, 3), **extra})
 
 
 def _device_inputs(
-    where: str, devices: list[DeviceSource], curation: Curation, on_bad_rows: str, bar: Any
+    where: str, devices: list[DeviceSource], curation: Curation, on_bad_rows: str, bar: Any,
+    workers: int = 1,
 ) -> Iterator[tuple[int, list[str], Iterator[WindowBlock]]]:
-    """(device id, source file names, curated blocks) per device, in device order."""
+    """(device id, source file names, curated blocks) per device, in device order; ``workers``
+    read and curate ahead (birdzarr/convert/_pipeline.py)."""
     seen: set[int] = set()
     for device in devices:
         if device.device_id in seen:
             raise BadInputError(f"{where}: device {device.device_id} appears in more than one input.")
         seen.add(device.device_id)
+    for device, blocks in device_blocks(devices, curation, on_bad_rows, workers=workers):
         sources = [f.display.rsplit("/", 1)[-1] for f in device.files]
-        yield device.device_id, sources, _counted(read_ahead(device, curation, on_bad_rows), bar)
+        yield device.device_id, sources, counted(blocks, bar)
 
 
 def _estimated_windows(kind: str, devices: list[DeviceSource]) -> int:

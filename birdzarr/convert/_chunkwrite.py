@@ -11,8 +11,9 @@ identical whatever the number of workers.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -20,6 +21,21 @@ import numpy as np
 
 from birdzarr._codec import chunk_encoder
 from birdzarr._storage import Location
+from birdzarr.convert._cpus import resolve_workers
+
+
+@contextlib.contextmanager
+def _blosc_single_threaded() -> Iterator[None]:
+    """numcodecs' blosc uses its own thread pool when called from the main thread; the bytes are
+    the same either way (tests/test_codec.py), only the cores used differ."""
+    from numcodecs import blosc
+
+    before = blosc.use_threads
+    blosc.use_threads = False
+    try:
+        yield
+    finally:
+        blosc.use_threads = before
 
 
 class ChunkSink:
@@ -27,7 +43,7 @@ class ChunkSink:
 
     def __init__(self, location: Location, arrays: dict[str, Any], *, workers: int | None = None) -> None:
         self.location = location
-        self.workers = max(1, workers or os.cpu_count() or 1)
+        self.workers = resolve_workers(workers)
         self.arrays = arrays
         self.encoders: dict[str, Callable[[np.ndarray], bytes] | None] = {}
         for name, array in arrays.items():
@@ -46,6 +62,11 @@ class ChunkSink:
             size = self.chunk_windows[name]
             for first in range(start, stop, size):
                 tasks.append((name, array, first // size, data[name][first - start : first - start + size]))
+        if self.workers == 1:  # in this thread, blosc single-threaded: one core
+            with _blosc_single_threaded():
+                for task in tasks:
+                    self._put(*task)
+            return
         with ThreadPoolExecutor(self.workers, thread_name_prefix="birdzarr-encode") as pool:
             for future in [pool.submit(self._put, *task) for task in tasks]:
                 future.result()

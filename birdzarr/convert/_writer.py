@@ -42,6 +42,7 @@ from birdzarr._lock import LOCK_NAME, StoreLock, clear_except_lock, release_and_
 from birdzarr._storage import Location, exists, zarr_store
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._chunkwrite import ChunkSink
+from birdzarr.convert._cpus import resolve_workers
 
 _PER_WINDOW_DTYPES = {DEVICE: np.int32, TIMESTAMP: np.int64, LABEL: np.int32}
 _FILL = {DEVICE: -1, TIMESTAMP: TIMESTAMP_UNKNOWN, LABEL: LABEL_UNLABELLED}
@@ -92,7 +93,9 @@ class StoreWriter:
         lock_command: str | None = None,
         workers: int | None = None,
     ) -> None:
-        self.workers = workers  # encoding threads of the fast write path (default: all cores)
+        # encoding threads of the fast write path (default: all usable cores); 1: everything is
+        # encoded in the calling thread, one chunk after another
+        self.workers = resolve_workers(workers)
         self.location = location
         self.lock = StoreLock(location, lock_command)  # one writer per store (birdzarr/_lock.py)
         self.codec = codec
@@ -251,6 +254,9 @@ class StoreWriter:
         for array in self.per_window.values():
             array.resize((stop,))
         self.n_windows = stop
+        if self.workers == 1:
+            self._write_slab(start, stop, data)
+            return
         self._pending.append(self._pool.submit(self._write_slab, start, stop, data))
 
     @cached_property

@@ -1,0 +1,80 @@
+"""How many cores this process may use: CPU affinity and the cgroup CPU quota, as SLURM and
+Kubernetes set them (``os.cpu_count()`` reports the whole machine and ignores both)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "QUOTA PERIOD" or "max PERIOD"
+CGROUP_V1_QUOTA = "/sys/fs/cgroup/cpu/cpu.cfs_quota_us"  # cgroup v1: quota (-1: none) ...
+CGROUP_V1_PERIOD = "/sys/fs/cgroup/cpu/cpu.cfs_period_us"  # ... per period
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="ascii") as handle:
+            return handle.read().strip()
+    except (OSError, ValueError):
+        return None
+
+
+def cgroup_cpu_limit(cpu_max: str = CGROUP_CPU_MAX, v1_quota: str = CGROUP_V1_QUOTA,
+                     v1_period: str = CGROUP_V1_PERIOD) -> int | None:
+    """Cores the cgroup CPU quota allows (rounded up, at least 1), or None without a quota."""
+    text = _read(cpu_max)
+    if text is not None:
+        fields = text.split()
+        if len(fields) == 2 and fields[0] != "max":
+            try:
+                quota, period = int(fields[0]), int(fields[1])
+            except ValueError:
+                return None
+            return max(1, math.ceil(quota / period)) if quota > 0 and period > 0 else None
+        return None
+    quota_text, period_text = _read(v1_quota), _read(v1_period)
+    try:
+        quota, period = int(quota_text or "-1"), int(period_text or "0")
+    except ValueError:
+        return None
+    return max(1, math.ceil(quota / period)) if quota > 0 and period > 0 else None
+
+
+def usable_cpus() -> int:
+    """Cores available to this process: the CPU affinity mask (``taskset``, SLURM's
+    ``--cpus-per-task`` binding), capped by the cgroup quota (Kubernetes ``limits.cpu``,
+    SLURM's cgroup plugin), at least 1."""
+    try:
+        count = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        count = os.cpu_count() or 1
+    limit = cgroup_cpu_limit()
+    return max(1, min(count, limit) if limit is not None else count)
+
+
+def resolve_workers(workers: int | None) -> int:
+    """``workers`` as given (must be positive), or all usable cores when None or 0."""
+    if workers is None or workers == 0:
+        return usable_cpus()
+    if workers < 0:
+        raise ValueError(f"workers must be positive (or None for all usable cores), got {workers}")
+    return int(workers)
+
+
+def cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process and of its finished child processes."""
+    import resource
+
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        total += usage.ru_utime + usage.ru_stime
+    return total
+
+
+def cpu_report(seconds: float, cpu_before: float, workers: int) -> dict[str, float | int]:
+    """What the conversion report records about CPU use: CPU seconds since ``cpu_before`` and
+    the cores that makes on average over ``seconds`` of wall time."""
+    cpu = cpu_seconds() - cpu_before
+    return {"cpu_seconds": round(cpu, 3), "cores_used": round(cpu / seconds, 2) if seconds > 0 else 0.0,
+            "workers": workers, "usable_cores": usable_cpus()}

@@ -1,0 +1,225 @@
+"""Conversion on several workers: every stored byte is the same whatever the number of workers;
+the worker pipeline hands results over in order, raises in order and stops cleanly; the usable
+core count follows CPU affinity and the cgroup quota."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import birdzarr
+from birdzarr import _synthetic
+from birdzarr.convert import _cpus, _pipeline
+
+# Root attributes that record when and how fast a conversion ran, not what it stored.
+_VOLATILE = {"started_at", "finished_at", "committed_at", "seconds", "cpu_seconds", "cores_used", "workers",
+             "usable_cores"}
+
+
+def _without_volatile(value: object) -> object:
+    if isinstance(value, dict):
+        return {k: _without_volatile(v) for k, v in value.items() if k not in _VOLATILE}
+    if isinstance(value, list):
+        return [_without_volatile(v) for v in value]
+    return value
+
+
+def _files(root: pathlib.Path) -> dict[str, bytes]:
+    out = {}
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            out[str(path.relative_to(root))] = path.read_bytes()
+    return out
+
+
+def assert_same_store(a: pathlib.Path, b: pathlib.Path) -> None:
+    """Every file of both stores is byte-identical, except the root zarr.json, whose attributes
+    are equal once the times and CPU figures of the run are left out (and whose key order is
+    the same)."""
+    files_a, files_b = _files(a), _files(b)
+    assert sorted(files_a) == sorted(files_b)
+    for name, content in files_a.items():
+        if name == "zarr.json":
+            left, right = json.loads(content), json.loads(files_b[name])
+            assert json.dumps(_without_volatile(left)) == json.dumps(_without_volatile(right))
+        else:
+            assert content == files_b[name], name
+
+
+@pytest.fixture(scope="module")
+def parquet_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """Five devices; two span several row groups (parallel tasks inside one file)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    directory = tmp_path_factory.mktemp("pq-parallel")
+    sizes = {3: 9000, 8: 40, 15: 7000, 16: 1, 40: 3000}
+    for device, size in sizes.items():
+        windows = _synthetic.curated_windows(size, seed=device)
+        flat = pa.array(windows.reshape(-1), type=pa.float32())
+        offsets = pa.array(np.arange(0, size * 80 + 1, 80, dtype=np.int32))
+        table = pa.table({"gimu": pa.ListArray.from_arrays(offsets, flat)})
+        pq.write_table(table, directory / f"{device}.parquet", row_group_size=2500)
+    return directory
+
+
+@pytest.mark.parametrize("codec", ["dict16", "standard"])
+def test_parquet_store_is_byte_identical_for_any_worker_count(
+    parquet_dir: pathlib.Path, tmp_path: pathlib.Path, codec: str
+) -> None:
+    stores = []
+    for workers in (1, 2, 3):
+        dest = tmp_path / f"w{workers}.zarr"
+        store = birdzarr.convert(parquet_dir, dest, workers=workers, codec=codec, chunk_windows=1024,
+                                 progress=False)
+        assert len(store) == 9000 + 40 + 7000 + 1 + 3000
+        assert store.meta["report"]["workers"] == workers
+        assert store.meta["report"]["cpu_seconds"] > 0
+        stores.append(dest)
+    for other in stores[1:]:
+        assert_same_store(stores[0], other)
+
+
+@pytest.fixture(scope="module")
+def csv_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """Four devices of 1-4 parts; bursts continue across parts, one part is a single burst,
+    one line is malformed and one part is empty."""
+    directory = tmp_path_factory.mktemp("csv-parallel")
+    for device, parts in ((5, 3), (9, 1), (21, 4), (30, 2)):
+        raw = _synthetic.raw_device(device, 300, seed=device, labelled=True)
+        cuts = np.linspace(0, len(raw.time), parts + 1).astype(int)
+        if device == 21:  # a part holding 7 rows of one burst: it continues both neighbours
+            cuts[2] = cuts[1] + 7
+        for part in range(parts):
+            _synthetic.write_csv(raw, directory / f"{device}_{part}.csv", cuts[part], cuts[part + 1])
+    with open(directory / "30_1.csv", "a", encoding="utf-8") as handle:
+        handle.write("30,2013-01-01 00:00:00,0,-1,not-a-number,0,0,1\n")
+    (directory / "30_2.csv").write_text("")
+    return directory
+
+
+@pytest.mark.parametrize("processes", [False, True])
+def test_csv_store_is_byte_identical_for_any_worker_count(
+    csv_dir: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, processes: bool
+) -> None:
+    monkeypatch.setattr(_pipeline, "PROCESS_MIN_BYTES", 0 if processes else 1 << 62)
+    stores = []
+    for workers in (1, 2, 3):
+        dest = tmp_path / f"w{workers}.zarr"
+        birdzarr.convert(csv_dir, dest, workers=workers, chunk_windows=256, on_bad_rows="skip",
+                         progress=False)
+        stores.append(dest)
+    for other in stores[1:]:
+        assert_same_store(stores[0], other)
+    report = birdzarr.open_store(stores[0]).meta["report"]["devices"]["30"]
+    assert report["bad_lines"] == 1 and report["bad_files"] == 1
+
+
+def test_csv_parts_give_the_windows_of_one_file(tmp_path: pathlib.Path) -> None:
+    """Cutting a device's rows into parts anywhere (mid-burst, mid-window, a part inside one
+    burst) changes nothing: the parts are joined back in order."""
+    raw = _synthetic.raw_device(77, 200, seed=3, labelled=True)
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    whole.mkdir()
+    cut.mkdir()
+    _synthetic.write_csv(raw, whole / "77_0.csv")
+    cuts = [0, 5, 13, 30, 31, 700, len(raw.time)]
+    for part, (start, stop) in enumerate(zip(cuts, cuts[1:], strict=False)):
+        _synthetic.write_csv(raw, cut / f"77_{part}.csv", start, stop)
+    one = birdzarr.convert(whole, tmp_path / "one.zarr", workers=2, progress=False)
+    many = birdzarr.convert(cut, tmp_path / "many.zarr", workers=2, progress=False)
+    assert np.array_equal(one.windows[:].view(np.uint32), many.windows[:].view(np.uint32))
+    assert np.array_equal(one.labels[:], many.labels[:])
+    assert np.array_equal(one.timestamps[:], many.timestamps[:])
+    left = one.meta["report"]["devices"]["77"]
+    right = many.meta["report"]["devices"]["77"]
+    assert left["windows_written"] == right["windows_written"]
+    assert left["dropped"] == right["dropped"]
+
+
+# -- the ordered worker pipeline ---------------------------------------------------------------
+def _task(key: int, n: int, fail_at: int | None = None, delay: float = 0.0):  # type: ignore[no-untyped-def]
+    def run() -> Iterator[tuple[int, int]]:
+        for i in range(n):
+            if delay:
+                time.sleep(delay)
+            if i == fail_at:
+                raise ValueError(f"task {key} failed at {i}")
+            yield key, i
+    return run
+
+
+def test_ordered_streams_keeps_task_order() -> None:
+    # later tasks are quicker: they finish first but are handed over after the earlier ones
+    tasks = [(k, _task(k, 30, delay=0.002 if k == 0 else 0.0)) for k in range(6)]
+    got = list(_pipeline.ordered_streams(iter(tasks), workers=3, ahead=4))
+    assert got == [(k, (k, i)) for k in range(6) for i in range(30)]
+
+
+def test_ordered_streams_raises_in_order_and_stops_its_threads() -> None:
+    before = threading.active_count()
+    tasks = [(0, _task(0, 5)), (1, _task(1, 5, fail_at=3)), (2, _task(2, 50, fail_at=0))]
+    got = []
+    with pytest.raises(ValueError, match="task 1 failed at 3"):
+        for item in _pipeline.ordered_streams(iter(tasks), workers=3, ahead=2):
+            got.append(item)
+    assert got == [(0, (0, i)) for i in range(5)] + [(1, (1, i)) for i in range(3)]
+    assert threading.active_count() == before
+
+
+def test_ordered_streams_bounds_what_runs_ahead() -> None:
+    """A consumer that stops reading leaves at most head_depth + ahead items buffered."""
+    produced = []
+
+    def counting(key: int):  # type: ignore[no-untyped-def]
+        def run() -> Iterator[int]:
+            for i in range(1000):
+                produced.append(key)
+                yield i
+        return run
+
+    stream = _pipeline.ordered_streams(iter([(k, counting(k)) for k in range(4)]), workers=4, ahead=5,
+                                       head_depth=3)
+    next(stream)
+    time.sleep(0.3)
+    # consumed + the head's queue (items buffered before it became the head stay there) + the
+    # later tasks' + one item each worker could not hand over yet
+    assert len(produced) <= 1 + max(3, 5) + 5 + 4
+    stream.close()
+
+
+# -- usable cores --------------------------------------------------------------------------------
+def test_cgroup_cpu_limit(tmp_path: pathlib.Path) -> None:
+    cpu_max = tmp_path / "cpu.max"
+    missing = str(tmp_path / "missing")
+    cpu_max.write_text("max 100000\n")
+    assert _cpus.cgroup_cpu_limit(str(cpu_max), missing, missing) is None
+    cpu_max.write_text("250000 100000\n")  # 2.5 cores: 3 workers, the quota throttles the rest
+    assert _cpus.cgroup_cpu_limit(str(cpu_max), missing, missing) == 3
+    cpu_max.write_text("50000 100000\n")
+    assert _cpus.cgroup_cpu_limit(str(cpu_max), missing, missing) == 1
+    quota, period = tmp_path / "quota", tmp_path / "period"
+    quota.write_text("-1\n")
+    period.write_text("100000\n")
+    assert _cpus.cgroup_cpu_limit(missing, str(quota), str(period)) is None
+    quota.write_text("400000\n")
+    assert _cpus.cgroup_cpu_limit(missing, str(quota), str(period)) == 4
+
+
+def test_usable_cpus_follows_affinity_and_quota(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})
+    monkeypatch.setattr(_cpus, "cgroup_cpu_limit", lambda: None)
+    assert _cpus.usable_cpus() == 6
+    monkeypatch.setattr(_cpus, "cgroup_cpu_limit", lambda: 2)
+    assert _cpus.usable_cpus() == 2
+    assert _cpus.resolve_workers(None) == 2
+    assert _cpus.resolve_workers(5) == 5
+    with pytest.raises(ValueError):
+        _cpus.resolve_workers(-1)
