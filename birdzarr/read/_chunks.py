@@ -224,7 +224,54 @@ class ChunkReader:
         if name not in self._zarr_arrays:
             group = zarr.open_group(zarr_store(self.location, read_only=True), mode="r", zarr_format=3)
             self._zarr_arrays[name] = group[name]
-        return np.asarray(self._zarr_arrays[name][start:stop])
+        array = self._zarr_arrays[name]
+        # zarr reads a missing chunk (or shard) as fill values: check every object the range
+        # needs first, so this path raises MissingChunkError like the others
+        import itertools
+
+        grid = array.shards or array.chunks
+        first, last = start // grid[0], -(-stop // grid[0])
+        rest = [range(-(-size // step)) for size, step in zip(array.shape[1:], grid[1:], strict=True)]
+        for coords in itertools.product(range(first, last), *rest):
+            key = f"{name}/{array.metadata.encode_chunk_key(coords)}"
+            if not self.location.fs.exists(self.location.join(key)):
+                raise MissingChunkError(
+                    f"{self.location.display}: committed chunk '{key}' is missing. The store is "
+                    "damaged; run `birdzarr verify` on it and re-convert or restore the missing files."
+                )
+        return np.asarray(array[start:stop])
+
+    def read_codes(self, index: int) -> tuple[np.ndarray, list[np.ndarray]] | None:
+        """Chunk ``index`` of ``gimu`` as dict16 codes, undecoded: ``(codes, dictionaries)`` with
+        ``codes`` uint16 ``(4, chunk_windows * 20)`` channel-major and one float32 dictionary per
+        channel; None when the chunk is not dictionary-coded (another chain, or raw mode)."""
+        layout = self.layouts[GIMU]
+        if layout.chain != "dict16":
+            return None
+        fetched = self._fetch(layout, index)
+        try:
+            decoded = _BLOSC.decode(strip_crc32c(fetched) if layout.crc32c else fetched)
+            body = np.frombuffer(decoded, dtype=np.uint8)
+            header = body[:16].view("<u4")
+            if bytes(body[:4]) != MAGIC or int(header[1]) != _MODE_DICT:
+                return None
+            n_per_channel, n_channels = int(header[2]), int(header[3])
+            sizes = body[16 : 16 + 4 * n_channels].view("<u4").astype(np.int64)
+            offset = 16 + 4 * n_channels
+            dictionaries = []
+            for size in sizes.tolist():
+                dictionaries.append(body[offset : offset + 4 * size].view("<f4"))
+                offset += 4 * size
+            codes = body[offset : offset + 2 * n_per_channel * n_channels].view("<u2")
+            codes = codes.reshape(n_channels, n_per_channel)
+            if any(len(c) and int(c.max()) >= len(d) for c, d in zip(codes, dictionaries, strict=True)):
+                raise ValueError("dict16 code out of range")
+        except (ValueError, RuntimeError, IndexError) as exc:
+            raise MissingChunkError(
+                f"{self.location.display}: chunk '{layout.name}/{layout.key(index)}' cannot be decoded "
+                f"({exc}). The store is damaged; run `birdzarr verify`."
+            ) from None
+        return codes, dictionaries
 
     def read_range(self, name: str, start: int, stop: int) -> np.ndarray:
         """Windows ``[start, stop)`` of one array, reading each needed chunk once."""

@@ -149,6 +149,7 @@ class WindowDataset(IterableDataset[Batch]):
             selection in memory once and draw a full permutation every epoch
             (docs/training.md#resident-mode).
         allow_device_order: stream shuffled batches from a device-ordered store anyway.
+        progress: show a progress bar while a resident selection loads.
         world_size / rank: override what torch.distributed or the environment say.
         storage_options: passed to fsspec (credentials are never stored or printed).
         cache_dir / cache_max_bytes: opt-in local disk cache of a remote store's chunks, so later
@@ -180,6 +181,7 @@ class WindowDataset(IterableDataset[Batch]):
         transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
         resident: bool | str | torch.device = False,
         allow_device_order: bool = False,
+        progress: bool = True,
         world_size: int | None = None,
         rank: int | None = None,
         storage_options: dict[str, Any] | None = None,
@@ -236,7 +238,8 @@ class WindowDataset(IterableDataset[Batch]):
             from birdzarr.read._resident import ResidentSelection
 
             self.resident = ResidentSelection.load(
-                opened, self.selection, device=resident, with_ldt=with_ldt, prefetch=self.prefetch
+                opened, self.selection, device=resident, with_ldt=with_ldt, prefetch=self.prefetch,
+                progress=progress,
             )
         elif shuffle and not opened.shuffled and not allow_device_order:
             refusal = _device_order_refusal(
@@ -257,7 +260,7 @@ class WindowDataset(IterableDataset[Batch]):
         # in the training process reaches them only through this, and workers report their count.
         self._control = torch.tensor([0, 0, -1, 0, 0], dtype=torch.int64).share_memory_()
         self._per_process: _PerProcess | None = None
-        self._plans: dict[int, EpochPlan] = {}  # the current epoch's plan, computed once
+        self._plans: dict[int, Any] = {}  # the current epoch's plan, computed once
 
     # -- sizes and state -------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -274,7 +277,7 @@ class WindowDataset(IterableDataset[Batch]):
     def windows_per_epoch(self) -> int:
         """Windows this rank yields this epoch."""
         if self.resident is not None:
-            return self.resident.rank_windows(self.world_size, self.rank, self.batch_size, self.drop_last)
+            return self.resident.rank_windows(self._resident_plan())
         return self.plan().n_windows
 
     def set_epoch(self, epoch: int) -> None:
@@ -486,10 +489,14 @@ class WindowDataset(IterableDataset[Batch]):
             self._publish()
 
     def _resident_plan(self) -> Any:
-        return self.resident.plan(
-            seed=self.seed, epoch=self.epoch, world_size=self.world_size, rank=self.rank,
-            batch_size=self.batch_size, drop_last=self.drop_last, shuffle=self.shuffle,
-        )
+        """This rank's slice of the epoch's permutation (resident mode), computed once an epoch."""
+        key = -1 - self.epoch  # beside the streaming plans, never equal to an epoch number
+        if key not in self._plans:
+            self._plans = {key: self.resident.plan(
+                seed=self.seed, epoch=self.epoch, world_size=self.world_size, rank=self.rank,
+                batch_size=self.batch_size, drop_last=self.drop_last, shuffle=self.shuffle,
+            )}
+        return self._plans[key]
 
     def _iter_resident(self) -> Iterator[Batch]:
         plan = self._resident_plan()

@@ -1,0 +1,275 @@
+"""Resident mode: the selection held once in memory (a GPU's, or shared host memory), a full
+permutation drawn every epoch, batches gathered where the data lies.
+
+Loading reads every chunk once through the same fetch path as streaming (local files, S3, the
+chunk cache), many chunks in flight, with a progress bar. A dict16 store stays dictionary-coded
+in memory: uint16 codes (160 B a window) plus each chunk's per-channel dictionaries, decoded
+inside the batch gather; any other store is held as float32 (320 B a window). ``ldt`` adds 16 B
+a window. The bytes needed are checked against what the device (free GPU memory) or the process
+(cgroup limit, available RAM, /dev/shm) can give before anything is allocated.
+
+Each epoch, one permutation of all selected windows is drawn from ``(seed, epoch)`` with a torch
+generator on the holding device; rank ``r`` takes a contiguous slice of it (every window once over
+all ranks, equal batch counts); DataLoader workers (``resident="cpu"``) take every ``k``-th batch
+of their rank, so the order does not depend on ``num_workers``.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from birdzarr._errors import ResidentMemoryError
+from birdzarr._format import DEVICE, GIMU, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH
+from birdzarr._progress import progress_bar
+from birdzarr.read._chunks import ChunkReader
+from birdzarr.read._selection import Selection
+
+_VALUES = WINDOW_LENGTH * N_CHANNELS  # 80 float32 values a window
+_LDT = {LABEL: torch.int32, DEVICE: torch.int32, TIMESTAMP: torch.int64}
+_HEADROOM = 0.9  # use at most 90% of what is free: allocators and the batches need some room
+
+
+def rank_window_counts(
+    total: int, world_size: int, batch_size: int, drop_last: bool
+) -> tuple[np.ndarray, int]:
+    """Windows per rank and batches per rank: an even split (the first ranks one window more);
+    every rank has the same number of batches."""
+    per_rank = np.full(world_size, total // world_size, dtype=np.int64)
+    per_rank[: total % world_size] += 1
+    if drop_last:
+        n_batches = int(per_rank.min()) // batch_size
+        return np.full(world_size, n_batches * batch_size, dtype=np.int64), n_batches
+    if per_rank.min() == 0:
+        raise ValueError(f"{total} windows cannot be split over {world_size} ranks (a rank would get none)")
+    return per_rank, -(-int(per_rank.max()) // batch_size)
+
+
+def batch_sizes(n_windows: int, n_batches: int, batch_size: int) -> np.ndarray:
+    """A rank's batch sizes: full batches, then the rest; never an empty batch."""
+    sizes = np.full(n_batches, batch_size, dtype=np.int64)
+    if n_batches:
+        sizes[-1] = n_windows - (n_batches - 1) * batch_size
+        if sizes[-1] == 0:  # one window fewer than the ranks with a last batch
+            sizes[-2:] = (batch_size - 1, 1)
+    return sizes
+
+
+@dataclass(frozen=True)
+class ResidentPlan:
+    """One rank's epoch in resident mode: its slice of the epoch's permutation."""
+
+    order: torch.Tensor  # resident row numbers of this rank's windows, on the holding device
+    offsets: np.ndarray  # batch boundaries in ``order``; len n_batches + 1
+
+    @property
+    def n_batches(self) -> int:
+        return len(self.offsets) - 1
+
+    def rows(self, batch: int) -> torch.Tensor:
+        """Resident rows of one batch, ascending (a batch is a set; sorted gathers are faster)."""
+        return torch.sort(self.order[int(self.offsets[batch]) : int(self.offsets[batch + 1])]).values
+
+
+def memory_limit() -> tuple[int, str]:
+    """Bytes this process may still allocate on the host, and what sets that limit."""
+    limits: list[tuple[int, str]] = []
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        limits.append((info["MemAvailable"], "available RAM (/proc/meminfo)"))
+    except (OSError, KeyError, ValueError):
+        pass
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_file) as f_limit, open(usage_file) as f_used:
+                raw, used = f_limit.read().strip(), int(f_used.read().strip())
+        except (OSError, ValueError):
+            continue
+        if raw.isdigit() and int(raw) < 2**60:
+            what = f"the job's memory limit ({limit_file}: {int(raw) / 2**30:.1f} GiB)"
+            limits.append((int(raw) - used, what))
+    try:
+        shm = os.statvfs("/dev/shm")
+        limits.append((shm.f_bavail * shm.f_frsize, "free space in /dev/shm (shared memory)"))
+    except OSError:
+        pass
+    if not limits:
+        return 2**62, "no limit found"
+    return min(limits)
+
+
+class ResidentSelection:
+    """The selected windows of a store, held on ``device``."""
+
+    def __init__(self, device: torch.device, x: torch.Tensor, table: torch.Tensor | None,
+                 table_offsets: torch.Tensor | None, chunk_bounds: torch.Tensor | None,
+                 ldt: dict[str, torch.Tensor] | None, global_index: np.ndarray) -> None:
+        self.device = device
+        self.x = x  # float32 (n, 20, 4), or int16 dict16 codes (n, 20, 4) when table is set
+        self.table = table  # float32: every chunk's dictionaries, channel after channel
+        self.table_offsets = table_offsets  # int64 (chunks, 4): where each chunk's dictionary starts
+        self.chunk_bounds = chunk_bounds  # int64: first resident row of each chunk; len chunks + 1
+        self.ldt = ldt
+        self.global_index = global_index  # the store's window index of each resident row
+
+    def __len__(self) -> int:
+        return len(self.global_index)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.x, self.table, self.table_offsets, self.chunk_bounds, *(self.ldt or {}).values()]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    # -- loading -------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, opened: Any, selection: Selection, *, device: str | torch.device | bool, with_ldt: bool,
+             prefetch: int, progress: bool = True) -> ResidentSelection:
+        target = torch.device("cpu" if device is True else device)
+        reader: ChunkReader = opened.reader
+        chunks = [c for c in range(reader.n_chunks)]
+        with ThreadPoolExecutor(max_workers=max(4, prefetch)) as threads:
+            picked = list(threads.map(lambda c: selection.selected_indices(reader, c), chunks))
+        keep = [(c, rows) for c, rows in zip(chunks, picked, strict=True) if len(rows)]
+        n = sum(len(rows) for _, rows in keep)
+        coded = reader.layouts[GIMU].chain == "dict16"
+        per_window = (2 if coded else 4) * _VALUES + (16 if with_ldt else 0)
+        cls._check_budget(target, n * per_window + (len(keep) * 4 * 4096 * 4 if coded else 0), n,
+                          opened.url, coded)
+        try:
+            return cls._load(target, reader, keep, n, coded, with_ldt, prefetch, progress, opened.url)
+        except _NotCodable:
+            return cls._load(target, reader, keep, n, False, with_ldt, prefetch, progress, opened.url)
+
+    @staticmethod
+    def _check_budget(device: torch.device, needed: int, n: int, url: str, coded: bool) -> None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            limit, what = int(free), f"free memory on {device}"
+        else:
+            limit, what = memory_limit()
+        if needed > _HEADROOM * limit:
+            form = "16-bit dictionary codes" if coded else "float32"
+            raise ResidentMemoryError(
+                f"{url}: holding the selection ({n:,} windows as {form}) needs {_size(needed)}, "
+                f"but {what} is {_size(limit)}. Stream instead (resident=False, on a "
+                "store converted with --shuffle), select fewer devices, or use a device with more memory."
+            )
+
+    @classmethod
+    def _load(cls, device: torch.device, reader: ChunkReader, keep: list[tuple[int, np.ndarray]], n: int,
+              coded: bool, with_ldt: bool, prefetch: int, progress: bool, url: str) -> ResidentSelection:
+        shared = device.type == "cpu"  # host copies live in shared memory: DataLoader workers share them
+        starts = np.concatenate(([0], np.cumsum([len(rows) for _, rows in keep]))).astype(np.int64)
+        host_x = _host_empty((n, WINDOW_LENGTH, N_CHANNELS), torch.int16 if coded else torch.float32, shared)
+        x_np = host_x.numpy()
+        ldt = {name: _host_empty((n,), dtype, shared) for name, dtype in _LDT.items()} if with_ldt else None
+        dictionaries: list[list[np.ndarray]] = [[] for _ in keep]
+        width = reader.chunk_windows
+
+        def load_one(i: int) -> int:
+            chunk, rows = keep[i]
+            start, stop = reader.chunk_span(chunk)
+            local = rows - start
+            at = slice(int(starts[i]), int(starts[i + 1]))
+            if coded:
+                got = reader.read_codes(chunk)
+                if got is None:  # a raw-mode chunk: too many distinct values for 16-bit codes
+                    raise _NotCodable
+                codes, dictionaries[i] = got
+                by_window = codes.reshape(N_CHANNELS, width, WINDOW_LENGTH)
+                x_np[at] = by_window[:, local, :].transpose(1, 2, 0).view(np.int16)
+            else:
+                x_np[at] = reader.read(GIMU, chunk)[local]
+            if ldt is not None:
+                for name, tensor in ldt.items():
+                    tensor.numpy()[at] = reader.read(name, chunk)[local]
+            return len(rows)
+
+        bar = progress_bar(progress, total=n, desc=f"loading {url}", unit=" windows")
+        pool = ThreadPoolExecutor(max_workers=max(1, prefetch), thread_name_prefix="birdzarr-resident")
+        with bar, pool as threads:
+            for count in threads.map(load_one, range(len(keep))):
+                bar.update(count)
+        table = table_offsets = bounds = None
+        if coded:
+            flat = [d for per_chunk in dictionaries for d in per_chunk]
+            sizes = np.array([len(d) for d in flat], dtype=np.int64)
+            table = torch.from_numpy(np.concatenate(flat) if flat else np.empty(0, np.float32)).to(device)
+            offsets = np.concatenate(([0], np.cumsum(sizes)[:-1])) if len(sizes) else np.empty(0, np.int64)
+            table_offsets = torch.from_numpy(offsets.reshape(len(keep), N_CHANNELS)).to(device)
+            bounds = torch.from_numpy(starts).to(device)
+        global_index = np.concatenate([rows for _, rows in keep]) if keep else np.empty(0, np.int64)
+        if device.type != "cpu":
+            host_x = host_x.to(device)
+            ldt = None if ldt is None else {k: v.to(device) for k, v in ldt.items()}
+        return cls(device, host_x, table, table_offsets, bounds, ldt, global_index.astype(np.int64))
+
+    # -- epochs --------------------------------------------------------------------------------
+    def plan(self, *, seed: int, epoch: int, world_size: int, rank: int, batch_size: int,
+             drop_last: bool, shuffle: bool) -> ResidentPlan:
+        """This rank's slice of the epoch's permutation (a pure function of seed, epoch, world
+        size and the holding device's kind)."""
+        n = len(self)
+        per_rank, n_batches = rank_window_counts(n, world_size, batch_size, drop_last)
+        if shuffle:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed((int(seed) * 1_000_003 + int(epoch)) & 0x7FFFFFFFFFFFFFFF)
+            order = torch.randperm(n, generator=generator, device=self.device)
+        else:
+            order = torch.arange(n, device=self.device)
+        even = np.full(world_size, n // world_size, dtype=np.int64)
+        even[: n % world_size] += 1
+        start = int(even[:rank].sum())
+        mine = order[start : start + int(per_rank[rank])]
+        sizes = batch_sizes(int(per_rank[rank]), n_batches, batch_size)
+        return ResidentPlan(mine, np.concatenate(([0], np.cumsum(sizes))).astype(np.int64))
+
+    def rank_windows(self, plan: ResidentPlan) -> int:
+        return int(plan.offsets[-1])
+
+    def batch_indices(self, plan: ResidentPlan, batch: int) -> np.ndarray:
+        """The store's window indices of one batch, in delivered order."""
+        return self.global_index[plan.rows(batch).cpu().numpy()]
+
+    def gather(self, plan: ResidentPlan, batch: int, *, channel_first: bool
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        rows = plan.rows(batch)
+        if self.table is None:
+            x = self.x.index_select(0, rows)
+        else:
+            assert self.table_offsets is not None and self.chunk_bounds is not None
+            codes = self.x.index_select(0, rows).to(torch.int64) & 0xFFFF  # int16 holds uint16 codes
+            chunk = torch.searchsorted(self.chunk_bounds, rows, right=True) - 1
+            x = self.table[codes + self.table_offsets[chunk][:, None, :]]
+        if channel_first:
+            x = x.transpose(1, 2).contiguous()
+        ldt = None
+        if self.ldt is not None:
+            ldt = torch.stack([self.ldt[name].index_select(0, rows).to(torch.int64)
+                               for name in (LABEL, DEVICE, TIMESTAMP)], dim=1)
+        return x, ldt
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+class _NotCodable(Exception):
+    """A chunk of a dict16 store is stored raw: hold float32 instead."""
+
+
+def _host_empty(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Tensor:
+    """An uninitialised host tensor, in shared memory when DataLoader workers are to read it."""
+    if not shared:
+        return torch.empty(shape, dtype=dtype)
+    nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+    storage = torch.UntypedStorage._new_shared(max(nbytes, 1))
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)  # type: ignore[call-overload]

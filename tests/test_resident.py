@@ -1,0 +1,120 @@
+"""Resident mode (CPU here): the selection held once, a full permutation every epoch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import birdzarr
+from birdzarr.read import _resident as resident_module
+
+
+def _resident(store: birdzarr.Store, **options: object) -> birdzarr.WindowDataset:
+    options.setdefault("batch_size", 1000)
+    options.setdefault("resident", "cpu")
+    return birdzarr.WindowDataset(store.url, **options)  # type: ignore[arg-type]
+
+
+def _epoch(ds: birdzarr.WindowDataset) -> list[np.ndarray]:
+    return [ds.batch_indices(b) for b in range(len(ds))]
+
+
+def test_values_ldt_and_layout_equal_the_store(small_store: birdzarr.Store) -> None:
+    ds = _resident(small_store, batch_size=777, seed=5, with_ldt=True, channel_first=True)
+    assert ds.resident.x.dtype == torch.int16, "a dict16 store stays dictionary-coded in memory"
+    n = len(small_store)
+    assert ds.resident.x.numel() * ds.resident.x.element_size() == n * 160  # 16 bits a value
+    # plus each 1024-window chunk's dictionaries (fewer per window with the default 8192-window chunks)
+    assert ds.resident.nbytes < 0.7 * n * 320 + n * 16
+    seen = []
+    for batch, (x, ldt) in enumerate(ds):
+        idx = ds.batch_indices(batch)
+        assert x.dtype == torch.float32 and tuple(x.shape[1:]) == (4, 20)
+        assert np.array_equal(x.numpy(), small_store.windows[idx].transpose(0, 2, 1))
+        assert np.array_equal(ldt[:, 1].numpy(), small_store.window_devices[idx])
+        assert np.array_equal(ldt[:, 2].numpy(), small_store.timestamps[idx])
+        seen.append(idx)
+    assert np.array_equal(np.sort(np.concatenate(seen)), np.arange(len(small_store)))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_every_window_once_over_ranks_with_equal_batch_counts(
+    small_store: birdzarr.Store, world_size: int, drop_last: bool
+) -> None:
+    ranks = [_resident(small_store, batch_size=1300, world_size=world_size, rank=r, seed=4,
+                       drop_last=drop_last, progress=False) for r in range(world_size)]
+    assert len({len(ds) for ds in ranks}) == 1
+    flat = np.concatenate([i for ds in ranks for i in _epoch(ds)])
+    assert len(np.unique(flat)) == len(flat)
+    if drop_last:
+        assert all(len(i) == 1300 for ds in ranks for i in _epoch(ds))
+        assert len(flat) == (len(small_store) // world_size // 1300) * 1300 * world_size
+    else:
+        assert np.array_equal(np.sort(flat), np.arange(len(small_store)))
+
+
+def test_a_new_uniform_permutation_every_epoch_from_seed_and_epoch(small_store: birdzarr.Store) -> None:
+    a, b = _resident(small_store, seed=7), _resident(small_store, seed=7)
+    a.set_epoch(3)
+    b.set_epoch(3)
+    assert all(np.array_equal(x, y) for x, y in zip(_epoch(a), _epoch(b), strict=True))
+    b.set_epoch(4)
+    first = {np.sort(i).tobytes() for i in _epoch(a)}
+    assert not any(np.sort(i).tobytes() in first for i in _epoch(b)), "no batch comes back"
+    # a batch is a uniform sample: its device mix matches the store's (device-ordered store!)
+    from birdzarr.read._quality import quality_ratio
+
+    devices = small_store.window_devices[:]
+    ids, counts = np.unique(devices, return_counts=True)
+    assert quality_ratio([devices[i] for i in _epoch(b)], ids, counts) < 1.3
+
+
+def test_workers_share_one_copy_and_keep_the_order(small_store: birdzarr.Store) -> None:
+    ds = _resident(small_store, batch_size=900, seed=2)
+    ds.set_epoch(1)
+    in_process = [x.clone() for x in ds]
+    assert ds.resident.x.is_shared()
+    got = list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork"))
+    assert len(got) == len(in_process)
+    assert all(torch.equal(x, y) for x, y in zip(got, in_process, strict=True))
+
+
+def test_resume_equals_uninterrupted(small_store: birdzarr.Store) -> None:
+    full = _resident(small_store, batch_size=900, seed=9)
+    full.set_epoch(2)
+    expected = [x.clone() for x in full]
+    first = _resident(small_store, batch_size=900, seed=9)
+    first.set_epoch(2)
+    iterator = iter(first)
+    head = [next(iterator).clone() for _ in range(5)]
+    state = first.state_dict()
+    resumed = _resident(small_store, batch_size=900, seed=9)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(2)
+    tail = [x.clone() for x in resumed]
+    assert len(head) + len(tail) == len(expected)
+    assert all(torch.equal(x, y) for x, y in zip(head + tail, expected, strict=True))
+
+
+def test_refused_before_loading_when_it_does_not_fit(
+    small_store: birdzarr.Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    limit = (1_000_000, "the job's memory limit (test)")
+    monkeypatch.setattr(resident_module, "memory_limit", lambda: limit)
+    with pytest.raises(birdzarr.ResidentMemoryError,
+                       match=r"30,000 windows as 16-bit dictionary codes\) needs 5\.\d MiB, but the job's "
+                             r"memory limit \(test\) is 1\.0 MiB\. Stream instead"):
+        _resident(small_store)
+
+
+def test_a_standard_store_is_held_as_float32(parquet_source: object, tmp_path: object) -> None:
+    directory, _ = parquet_source  # type: ignore[misc]
+    store = birdzarr.convert(directory, tmp_path / "std.zarr", codec="standard", chunk_windows=4096,  # type: ignore[operator]
+                             progress=False)
+    ds = _resident(store, batch_size=2000, seed=1)
+    assert ds.resident.x.dtype == torch.float32
+    for batch, x in enumerate(ds):
+        assert np.array_equal(x.numpy(), store.windows[ds.batch_indices(batch)])
