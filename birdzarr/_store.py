@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -216,18 +217,25 @@ class Store:
 
         return to_xarray(self)
 
-    def plot_window(self, index: int) -> Figure:
-        """A matplotlib Figure of window ``index``: imu x/y/z (g) and GPS speed (m/s) over its 20 samples."""
+    def plot_window(self, index: int, *, label_names: Mapping[int, str] | None = None) -> Figure:
+        """A matplotlib Figure of window ``index``: imu x/y/z (g) and GPS speed (m/s) over its 20
+        samples. ``label_names`` maps label ids to names for the title (``{3: "flying"}``)."""
         from birdzarr.explore._plots import plot_window
 
-        return plot_window(self, index)
+        return plot_window(self, index, label_names=label_names)
 
-    def plot_device(self, device_id: int, max_windows: int = 500) -> Figure:
+    def plot_device(
+        self, device_id: int, max_windows: int = 500, *, label_names: Mapping[int, str] | None = None
+    ) -> Figure:
         """A matplotlib Figure of one device over time: each channel's per-window mean coloured by
-        label and its min..max, for at most ``max_windows`` windows spread over the device."""
+        label and its min..max, for at most ``max_windows`` windows spread over the device.
+
+        The x axis is the burst time, or the global window index when the source has no
+        timestamps (a random order on a shuffled store; the axis label says so).
+        ``label_names`` maps label ids to names for the legend (``{3: "flying"}``)."""
         from birdzarr.explore._plots import plot_device
 
-        return plot_device(self, device_id, max_windows=max_windows)
+        return plot_device(self, device_id, max_windows=max_windows, label_names=label_names)
 
     def stats(
         self, *, bins: int = 64, cache: bool = True, persist: bool = True, progress: bool = True

@@ -95,6 +95,11 @@ class ReadCounter:
         monkeypatch.setattr(store.reader, "read", counted)
 
 
+def parquet_case_source(store: birdzarr.Store) -> str:
+    """The Parquet directory a store was converted from (recorded in its report)."""
+    return str(store.meta["report"]["source"])
+
+
 def fresh(store: birdzarr.Store) -> birdzarr.Store:
     return birdzarr.open_store(store.location.path)
 
@@ -354,15 +359,49 @@ def test_plot_device_shows_means_by_label_and_spread(csv_case) -> None:  # type:
     legend = [text.get_text() for text in fig.legends[0].get_texts()]
     assert legend[0] == "min..max of the 20 samples"
     assert set(legend[1:]) == {f"label {v}" for v in np.unique(t.labels[positions])}
+    # Concise date ticks (the day, with month and year once) instead of full dates that collide.
+    import matplotlib.dates as mdates
+
+    assert isinstance(axes[-1].xaxis.get_major_formatter(), mdates.ConciseDateFormatter)
+    fig.canvas.draw()
+    ticks = [tick.get_text() for tick in axes[-1].get_xticklabels() if tick.get_text()]
+    assert len(ticks) >= 3 and all(len(text) <= 6 for text in ticks), ticks  # "May-15", "12:00"
+    assert axes[-1].xaxis.get_major_formatter().get_offset().startswith("2012-")  # the year, once
+
+    names = {int(v): f"behaviour {v}" for v in np.unique(t.labels)}
+    named = store.plot_device(device, max_windows=40, label_names=names)
+    legend = [text.get_text() for text in named.legends[0].get_texts()]
+    assert set(legend[1:]) == {f"behaviour {v} ({v})" for v in np.unique(t.labels[positions])}
+    partial = store.plot_device(device, max_windows=40, label_names={int(t.labels[positions][0]): "x"})
+    assert "label" in " ".join(text.get_text() for text in partial.legends[0].get_texts())  # others keep ids
 
 
-def test_plot_device_without_timestamps_uses_window_numbers(parquet_case) -> None:  # type: ignore[no-untyped-def]
+def test_plot_device_without_timestamps_uses_global_indices(parquet_case, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """No times: the x axis is the global window index, ascending, and says what order that is."""
     store, truth = parquet_case
     device = min(truth, key=lambda d: len(truth[d]))
     fig = store.plot_device(device, max_windows=10_000)
-    assert fig.axes[-1].get_xlabel() == "window number within the device (no timestamps)"
+    assert fig.axes[-1].get_xlabel() == (
+        "global window index (stored order, as in the source; the source has no timestamps)")
     points = fig.axes[0].collections[1].get_offsets()
-    assert np.array_equal(np.asarray(points[:, 0]), np.arange(len(truth[device])))
+    assert np.array_equal(np.asarray(points[:, 0]), store.device_indices(device))
+
+    shuffled = birdzarr.convert(parquet_case_source(store), tmp_path / "shuffled.zarr", shuffle=True, seed=1,
+                                chunk_windows=1024, progress=False)
+    fig = shuffled.plot_device(device, max_windows=10_000)
+    assert fig.axes[-1].get_xlabel() == (
+        "global window index (shuffled store: a random order, not time; the source has no timestamps)")
+    x = np.asarray(fig.axes[0].collections[1].get_offsets()[:, 0])
+    assert np.array_equal(x, shuffled.device_indices(device)) and np.all(np.diff(x) > 0)
+    means = np.asarray(fig.axes[0].collections[1].get_offsets()[:, 1])
+    imu_x = shuffled.windows[x.astype(np.int64)][:, :, 0].astype(np.float64)
+    np.testing.assert_allclose(means, imu_x.mean(axis=1), rtol=1e-6)
+
+
+def test_plot_window_names_the_label(csv_case) -> None:  # type: ignore[no-untyped-def]
+    store, _ = csv_case
+    label = int(store.labels[131])
+    assert store.plot_window(131, label_names={label: "flying"}).get_suptitle().endswith(f"flying ({label})")
 
 
 # -- statistics ------------------------------------------------------------------------------------
@@ -383,7 +422,37 @@ def test_stats_equal_numpy(parquet_case) -> None:  # type: ignore[no-untyped-def
     frame = stats.to_dataframe()
     assert list(frame.index) == ["imu_x", "imu_y", "imu_z", "gps_speed"]
     assert frame.loc["imu_z", "mean"] == stats.mean[2]
-    assert len(stats.plot().axes) == 4
+    assert stats.gps_scale == GPS_SCALE
+
+
+def test_stats_plot_counts_in_physical_units_with_one_legend(parquet_case) -> None:  # type: ignore[no-untyped-def]
+    store, _ = parquet_case
+    stats = store.stats(progress=False, cache=False, persist=False)
+    fig = stats.plot()
+    axes = fig.axes
+    assert len(axes) == 4 and len(fig.legends) == 1 and all(ax.get_legend() is None for ax in axes)
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["mean", "mean ± std"]
+    assert [ax.get_ylabel() for ax in axes] == ["count"] * 4
+    assert [ax.get_xlabel() for ax in axes] == ["imu_x (g)", "imu_y (g)", "imu_z (g)", "gps_speed (m/s)"]
+    gps = axes[3]
+    (bars,) = gps.patches  # the stairs: edges in m/s, the counts unchanged
+    np.testing.assert_allclose(gps.get_xlim()[1], stats.edges[3][-1] * GPS_SCALE, rtol=0.1)
+    assert bars.get_data().values.tolist() == stats.counts[3].tolist()
+    np.testing.assert_allclose(bars.get_data().edges, stats.edges[3] * GPS_SCALE)
+    mean_line = gps.lines[0]
+    np.testing.assert_allclose(mean_line.get_xdata()[0], stats.mean[3] * GPS_SCALE)
+    in_m_s = _stats.mean_std_text(stats.mean[3] * GPS_SCALE, stats.std[3] * GPS_SCALE, "m/s")
+    assert gps.get_title() == f"gps_speed: {in_m_s}"
+
+
+def test_mean_std_text_keeps_three_significant_figures_of_the_std() -> None:
+    assert _stats.mean_std_text(-0.00225, 0.422, "g") == "mean -0.002 g, std 0.422 g"
+    assert _stats.mean_std_text(0.996, 0.0415, "g") == "mean 0.9960 g, std 0.0415 g"
+    assert _stats.mean_std_text(1.6512, 2.134, "m/s") == "mean 1.65 m/s, std 2.13 m/s"
+    assert _stats.mean_std_text(123.44, 45.61, "m/s") == "mean 123.4 m/s, std 45.6 m/s"
+    assert _stats.mean_std_text(1234.6, 456.7, "m/s") == "mean 1235 m/s, std 457 m/s"
+    assert _stats.mean_std_text(-0.0001, 0.5, "g") == "mean 0.000 g, std 0.500 g"  # never "-0.000"
+    assert _stats.mean_std_text(3.0, 0.0, "g") == "mean 3 g, std 0 g"
 
 
 def test_stats_are_cached_in_memory_and_in_the_store(parquet_case, monkeypatch) -> None:  # type: ignore[no-untyped-def]

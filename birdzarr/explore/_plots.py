@@ -7,6 +7,7 @@ so loops and servers do not leak figures, and Jupyter shows a returned figure ex
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -58,11 +59,14 @@ def _show_figures_in_ipython(figure_class: type) -> None:
     select_figure_formats(shell, {"png"})
 
 
-def _label_text(label: int) -> str:
-    return "unlabelled" if label == LABEL_UNLABELLED else f"label {label}"
+def _label_text(label: int, label_names: Mapping[int, str] | None = None) -> str:
+    if label == LABEL_UNLABELLED:
+        return "unlabelled"
+    name = (label_names or {}).get(label)
+    return f"label {label}" if name is None else f"{name} ({label})"
 
 
-def plot_window(store: Store, index: int) -> Figure:
+def plot_window(store: Store, index: int, *, label_names: Mapping[int, str] | None = None) -> Figure:
     """The 20 samples of window ``index``: imu x/y/z in g above, GPS speed in m/s below."""
     index = int(index) + len(store) if index < 0 else int(index)
     window = store.windows[index]
@@ -92,7 +96,7 @@ def plot_window(store: Store, index: int) -> Figure:
     gps_ax.ticklabel_format(axis="y", useOffset=False)
 
     when = "time unknown" if timestamp == TIMESTAMP_UNKNOWN else f"{format_time(timestamp)} UTC"
-    fig.suptitle(f"window {index:,}: device {device}, {when}, {_label_text(label)}")
+    fig.suptitle(f"window {index:,}: device {device}, {when}, {_label_text(label, label_names)}")
     return fig
 
 
@@ -120,17 +124,23 @@ def label_colours(labels: np.ndarray) -> dict[int, Any]:
     return colours
 
 
-def plot_device(store: Store, device_id: int, max_windows: int = 500) -> Figure:
+def plot_device(
+    store: Store, device_id: int, max_windows: int = 500, *, label_names: Mapping[int, str] | None = None
+) -> Figure:
     """One bird over time: per-window mean of each channel coloured by label, min..max as a bar.
 
     At most ``max_windows`` windows, spread evenly over the device, are read (by chunk, one read
-    per touched chunk); the x axis is the burst time, or the window's position within the
-    device when the source had no timestamps.
+    per touched chunk). The x axis is the burst time (concise date ticks), or, when the source
+    had no timestamps, the global window index: stored order, which is the source's order in a
+    device-ordered store and a random order in a shuffled one (the axis label says which).
+    ``label_names`` maps label ids to names for the legend (``{3: "flying"}``).
     """
     if max_windows < 1:
         raise ValueError(f"max_windows must be at least 1, not {max_windows}")
     require("matplotlib", "Plotting")
-    all_indices = store.device_indices(device_id)
+    import matplotlib.dates as mdates
+
+    all_indices = store.device_indices(device_id)  # ascending global index
     positions = _spread(len(all_indices), max_windows)
     indices = all_indices[positions]
     windows = store.windows[indices]
@@ -141,7 +151,7 @@ def plot_device(store: Store, device_id: int, max_windows: int = 500) -> Figure:
     values[:, :, 3] *= gps_scale(store)
     means, lows, highs = values.mean(axis=1), values.min(axis=1), values.max(axis=1)
     timed = bool(len(times)) and bool(np.all(times != TIMESTAMP_UNKNOWN))
-    x: np.ndarray = times.astype("datetime64[s]") if timed else positions
+    x: np.ndarray = times.astype("datetime64[s]") if timed else indices
 
     colours = label_colours(labels)
     fig = _figure(figsize=(10, 8))
@@ -153,10 +163,21 @@ def plot_device(store: Store, device_id: int, max_windows: int = 500) -> Figure:
             mask = labels == label
             if mask.any():
                 ax.scatter(x[mask], means[mask, channel], s=10, color=colour, zorder=3,
-                           label=_label_text(label))
+                           label=_label_text(label, label_names))
         ax.set_ylabel(f"{name} ({CHANNEL_UNITS[name]})")
         ax.grid(alpha=0.3)
-    axes[-1].set_xlabel("burst time (UTC)" if timed else "window number within the device (no timestamps)")
+    if timed:
+        # The axes share one x axis: one locator and formatter serve all four. Concise ticks
+        # name the day or month once instead of repeating full dates that collide.
+        locator = mdates.AutoDateLocator()
+        axes[-1].xaxis.set_major_locator(locator)
+        axes[-1].xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))
+        axes[-1].set_xlabel("burst time (UTC)")
+    else:
+        order = ("shuffled store: a random order, not time" if store.shuffled
+                 else "stored order, as in the source")
+        axes[-1].set_xlabel(f"global window index ({order}; the source has no timestamps)")
+        axes[-1].ticklabel_format(axis="x", style="plain", useOffset=False)
     handles, names = axes[0].get_legend_handles_labels()
     fig.legend(handles, names, loc="outside right center", fontsize="small", title="window mean")
 

@@ -35,6 +35,7 @@ from birdzarr._errors import StoreLockedError
 from birdzarr._format import CHANNELS, GIMU, N_CHANNELS, WINDOW_LENGTH, Curation
 from birdzarr._lock import StoreLock, read_holder
 from birdzarr._progress import progress_bar
+from birdzarr.explore._units import gps_scale
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -56,7 +57,9 @@ class StoreStats:
     """Per-channel statistics over every committed value, in stored units.
 
     Stored units are g for imu_x/y/z and m/s divided by ``gps_scale`` for gps_speed (what a
-    model is fed). ``std`` is the population standard deviation (numpy's default, ``ddof=0``).
+    model is fed; ``gps_scale`` is the store's recorded divisor, kept here so that
+    :meth:`plot` can show m/s). ``std`` is the population standard deviation (numpy's default,
+    ``ddof=0``).
     ``counts[c]`` is the histogram of channel ``c`` over ``edges[c]``; values outside the edges
     are counted in ``below`` and ``above``.
     """
@@ -74,6 +77,7 @@ class StoreStats:
     counts: np.ndarray
     below: np.ndarray
     above: np.ndarray
+    gps_scale: float
 
     def to_dataframe(self) -> pd.DataFrame:
         """One row per channel: count, mean, std, min, max, and values outside the histogram."""
@@ -86,18 +90,28 @@ class StoreStats:
         )
 
     def plot(self) -> Figure:
-        """Histograms of the four channels (stored units)."""
+        """Histograms of the four channels in physical units: g, and m/s for GPS speed (stored
+        value x ``gps_scale``, as in the other plots). Each panel marks the mean and mean ± std."""
         from birdzarr.explore._plots import _figure
+        from birdzarr.explore._units import CHANNEL_UNITS
 
         fig = _figure(figsize=(10, 6))
         axes = fig.subplots(2, 2).ravel()
         for c, (ax, name) in enumerate(zip(axes, self.channels, strict=True)):
-            ax.stairs(self.counts[c], self.edges[c], fill=True, alpha=0.7, label=name)
-            ax.set_title(f"{name}: mean {self.mean[c]:.3g}, std {self.std[c]:.3g}")
-            unit = "g" if name != "gps_speed" else "m/s ÷ gps_scale"
+            scale = self.gps_scale if name == "gps_speed" else 1.0
+            unit = CHANNEL_UNITS[name]
+            mean, std = self.mean[c] * scale, self.std[c] * scale
+            ax.stairs(self.counts[c], self.edges[c] * scale, fill=True, color="tab:blue", alpha=0.6)
+            ax.axvline(mean, color="black", linewidth=1.2, label="mean")
+            for side in (-1, 1):
+                ax.axvline(mean + side * std, color="black", linewidth=1, linestyle="--",
+                           label="mean ± std" if side == 1 else None)
+            ax.set_title(f"{name}: {mean_std_text(mean, std, unit)}")
             ax.set_xlabel(f"{name} ({unit})")
-            ax.set_ylabel("values")
-            ax.legend(loc="upper right", fontsize="small")
+            ax.set_ylabel("count")
+            ax.ticklabel_format(axis="y", style="plain")
+        handles, names = axes[0].get_legend_handles_labels()
+        fig.legend(handles, names, loc="outside lower center", ncols=2, fontsize="small")
         fig.suptitle(f"value histograms over {self.n_windows:,} windows ({self.count:,} values a channel)")
         return fig
 
@@ -106,6 +120,7 @@ class StoreStats:
         return {
             "stats_version": STATS_VERSION, "channels": list(self.channels), "n_windows": self.n_windows,
             "generation": self.generation, "committed_at": self.committed_at, "count": self.count,
+            "gps_scale": self.gps_scale,
             **{name: getattr(self, name).tolist() for name in arrays},
         }
 
@@ -117,7 +132,7 @@ class StoreStats:
             mean=np.array(raw["mean"]), std=np.array(raw["std"]), min=np.array(raw["min"]),
             max=np.array(raw["max"]), edges=np.array(raw["edges"]),
             counts=np.array(raw["counts"], dtype=np.int64), below=np.array(raw["below"], dtype=np.int64),
-            above=np.array(raw["above"], dtype=np.int64),
+            above=np.array(raw["above"], dtype=np.int64), gps_scale=float(raw["gps_scale"]),
         )
 
     def __repr__(self) -> str:
@@ -125,6 +140,15 @@ class StoreStats:
 
     def _repr_html_(self) -> str:
         return f"<p>StoreStats over {self.n_windows:,} windows</p>{self.to_dataframe().to_html()}"
+
+
+def mean_std_text(mean: float, std: float, unit: str) -> str:
+    """``mean 0.012 g, std 0.456 g``: both to the decimal of the std's third significant figure."""
+    if not np.isfinite(std) or std <= 0:
+        return f"mean {mean:.3g} {unit}, std {std:.3g} {unit}"
+    decimals = max(0, 2 - int(np.floor(np.log10(std))))
+    mean = round(float(mean), decimals) + 0.0  # + 0.0: no "-0.000"
+    return f"mean {mean:.{decimals}f} {unit}, std {std:.{decimals}f} {unit}"
 
 
 def histogram_edges(store: Store, bins: int) -> np.ndarray:
@@ -175,6 +199,7 @@ def compute(store: Store, *, bins: int = DEFAULT_BINS, progress: bool = True) ->
         committed_at=_committed_at(store.meta), count=n,
         mean=mean, std=np.sqrt(m2 / n) if n else np.full(N_CHANNELS, np.nan),
         min=low, max=high, edges=edges, counts=counts, below=below, above=above,
+        gps_scale=gps_scale(store),
     )
 
 
