@@ -49,6 +49,9 @@ def test_exploration_notebook_runs(tmp_path: pathlib.Path) -> None:
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     # Kept without outputs in git: outputs are made by running it (here, or by the docs build).
     assert all(not cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code")
+    # A reader copies what the notebook does: public API only (birdzarr.x, never birdzarr._x).
+    code = "\n".join(cell.source for cell in notebook.cells if cell.cell_type == "code")
+    assert not re.search(r"birdzarr\._|from birdzarr\.\w* ?import _|from birdzarr import _", code)
     client = nbclient.NotebookClient(
         notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
     )
@@ -60,4 +63,7 @@ def test_exploration_notebook_runs(tmp_path: pathlib.Path) -> None:
     assert "text/html" in mimes  # the store's rich summary
     printed = "".join(out.get("text", "") for out in outputs if out.get("name") == "stdout")
     assert "chunk requests for the cached stats: 0" in printed
+    # Nothing on stderr: no progress bar (a red box on the rendered page), no warning.
+    assert [out.get("text", "") for out in outputs if out.get("name") == "stderr"] == []
+    assert [out for out in outputs if out.get("output_type") == "error"] == []
     assert list(tmp_path.iterdir()) == []  # the notebook cleans up after itself
