@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from birdzarr._errors import ChecksumMismatchError, StoreExistsError, TransferError
+from birdzarr._lock import StoreLock, release_and_tidy
 from birdzarr._progress import progress_bar
 from birdzarr._storage import (
     Location,
@@ -94,16 +95,31 @@ def copy_store(
     ``dest`` may be empty, a partial copy (resumed) or the same store (verified, nothing copied).
     A different committed store there is replaced only with ``overwrite=True``: it is un-committed
     first, objects that are identical are kept, stale ones removed, and the new root written last.
+    Anything else at ``dest`` (a file, a directory with other things in it) is refused, as is a
+    ``dest`` that is, holds or sits inside ``source``. The copy holds ``dest``'s writer lock.
     """
     from birdzarr._store import open_store
+    from birdzarr.convert._overwrite import check_destination
 
     started = time.perf_counter()
     src = resolve(source, storage_options)
     dst = resolve(dest, dest_storage_options)
     require_writable(dst)
-    if src.url == dst.url:
-        raise ValueError(f"source and destination are the same: {src.display}")
     open_store(src)  # a committed birdzarr store of a supported version, or a clear error
+    # DEST: not inside SRC (or holding it), not a file, nothing there but a store of ours
+    check_destination(dst, overwrite=True, source=src)
+    lock = StoreLock(dst, f"birdzarr copy {src.display}")
+    lock.acquire()  # one writer at a time at DEST: no convert, append or other copy meanwhile
+    try:
+        return _copy_locked(src, dst, overwrite=overwrite, workers=workers, progress=progress,
+                            started=started)
+    finally:
+        release_and_tidy(lock, remove_root=True)
+
+
+def _copy_locked(
+    src: Location, dst: Location, *, overwrite: bool, workers: int, progress: bool, started: float
+) -> CopyResult:
     root = with_retries(lambda: bytes(src.fs.cat_file(src.join(ROOT))), src.retry)
     wanted = {o.key: o for o in _listing(src) if o.key != ROOT and _basename(o.key) not in _NOT_COPIED}
     present = {o.key: o for o in _listing(dst)}

@@ -9,7 +9,8 @@ no longer exists is *stale* (the writer was killed): the next writer takes it ov
 On object stores the lock is created with an exclusive write (``fs.open(path, "xb")``: S3's
 ``If-None-Match: *`` conditional PUT with s3fs). Where the filesystem cannot do an exclusive
 create, birdzarr falls back to check-then-write plus a read-back of its token, which narrows but
-does not close the race; docs/reliability.md says what is guaranteed where. A lock on another host
+does not close the race, and says so with a :class:`~birdzarr._errors.FallbackWarning`;
+docs/reliability.md says what is guaranteed where. A lock on another host
 is never judged stale automatically: only its own host can tell whether the process is alive.
 """
 
@@ -23,10 +24,10 @@ import socket
 import sys
 import time
 import uuid
+import warnings
 from dataclasses import asdict, dataclass
-from typing import Any
 
-from birdzarr._errors import StoreExistsError, StoreLockedError
+from birdzarr._errors import FallbackWarning, StoreExistsError, StoreLockedError
 from birdzarr._storage import Location, redact
 
 LOCK_NAME = ".birdzarr.lock"
@@ -187,8 +188,17 @@ class StoreLock:
                 handle.write(self._payload())
         except FileExistsError:
             return False
-        except (ValueError, NotImplementedError, TypeError):
-            # no exclusive create on this filesystem: check, then write (a race remains)
+        except (ValueError, NotImplementedError) as exc:
+            # No exclusive create on this filesystem (fsspec rejects the mode): check, then
+            # write. A race remains, so say so; any other error (TypeError included) is a real
+            # failure and propagates.
+            warnings.warn(
+                f"{self.location.display}: this filesystem ({type(fs).__name__}) cannot create a "
+                f"file exclusively ({type(exc).__name__}: {redact(str(exc))[:120]}), so the writer "
+                "lock is best effort: two writers starting at the same moment may both proceed. "
+                "Run one writer at a time there (docs/reliability.md#one-writer-the-lock).",
+                FallbackWarning, stacklevel=3,
+            )
             if fs.exists(self.path):
                 return False
             fs.pipe_file(self.path, self._payload())
@@ -255,14 +265,6 @@ def _mutex_is_stale(mutex: str) -> bool:
     except (FileNotFoundError, ValueError):
         return False
     return pid != os.getpid() and not _pid_alive(pid)
-
-
-def lock_info(location: Location) -> dict[str, Any] | None:
-    """The lock as JSON-able facts (for repair and info), or None if unlocked."""
-    holder = read_holder(location)
-    if holder is None:
-        return None
-    return {**asdict(holder), "stale": holder.is_stale()}
 
 
 def clear_except_lock(location: Location) -> None:

@@ -8,7 +8,12 @@ What a killed convert or append can leave (see docs/reliability.md):
 - the last committed chunk rewritten with extra, uncommitted windows after its committed prefix
   (harmless: readers stop at the committed count, and the next append overwrites them);
 - a stale lock file, or one renamed aside (``*.broken``) by a writer that died breaking it;
-- a first conversion that never committed (the whole group is a leftover).
+- a first conversion that never committed (the whole group is a leftover);
+- beside the store, ``DEST.birdzarr-new-*``: the replacement a killed ``convert --overwrite`` was
+  writing (removed when DEST holds its committed store; named, and left alone, otherwise);
+- ``birdzarr-shuffle-*`` spill directories of a killed ``convert --shuffle`` in the temporary
+  directory: named with their size (they may belong to a conversion still running elsewhere;
+  a custom ``--shuffle-tmp`` is not searched).
 
 Repair never touches a window below the committed count.
 """
@@ -35,6 +40,7 @@ class RepairReport:
     url: str
     committed_windows: int | None = None
     actions: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # found, not changed: for the user to decide
 
     def format(self) -> str:
         head = f"{self.url}: "
@@ -42,9 +48,10 @@ class RepairReport:
             head += "no committed store"
         else:
             head += f"{self.committed_windows:,} committed windows kept"
+        notes = "".join(f"\nnote: {n}" for n in self.notes)
         if not self.actions:
-            return head + "; nothing to repair."
-        return head + "\n" + "\n".join(f"  - {a}" for a in self.actions)
+            return head + "; nothing to repair." + notes
+        return head + "\n" + "\n".join(f"  - {a}" for a in self.actions) + notes
 
 
 def _array_meta(location: Location, name: str) -> dict[str, Any] | None:
@@ -159,7 +166,23 @@ def repair(
     try:
         if lock.took_over is not None:
             report.actions.append(f"removed the stale lock of {lock.took_over.describe()}")
+        from birdzarr.convert._overwrite import NEW_INFIX, _remove, sibling_leftovers
+
         committed = meta.get("committed")
+        siblings = sibling_leftovers(location)
+        if not committed and siblings:
+            report.notes.append(
+                f"{location.display} is not committed and {_listed(siblings)} lie beside it: an "
+                "interrupted `convert --overwrite` swap. Nothing was removed. If one of them is a "
+                "committed store (`birdzarr info` on it), copy it back with `birdzarr copy IT "
+                f"{location.display} --overwrite`, or convert again."
+            )
+            return report
+        for leftover in siblings if committed else []:
+            if NEW_INFIX in leftover:
+                _remove(location.fs, leftover)
+                report.actions.append(f"removed {leftover}, the replacement an interrupted "
+                                      "`convert --overwrite` was writing (the store here is intact)")
         if not committed:
             clear_except_lock(location)
             report.actions.append(
@@ -174,7 +197,26 @@ def repair(
         lock.release()
         if report.committed_windows is None:
             _remove_if_empty(location)
+    report.notes += shuffle_leftovers()
     return report
+
+
+def shuffle_leftovers(directory: str | None = None) -> list[str]:
+    """Name the ``birdzarr-shuffle-*`` spill directories in ``directory`` (default: $TMPDIR)."""
+    import glob
+    import os
+    import tempfile
+
+    found = []
+    for path in sorted(glob.glob(os.path.join(directory or tempfile.gettempdir(), "birdzarr-shuffle-*"))):
+        size = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
+        found.append(f"{path} ({size / 1e6:,.1f} MB) is the spill directory of a `convert --shuffle`; "
+                     "if no such conversion is running on this machine, it was killed: delete it")
+    return found
+
+
+def _listed(paths: list[str]) -> str:
+    return ", ".join(paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
 
 
 def _remove_if_empty(location: Location) -> None:

@@ -18,11 +18,13 @@ fails into an error that names the store and the key.
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import re
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, Union, cast
@@ -30,13 +32,26 @@ from typing import Any, TypeVar, Union, cast
 import fsspec
 from fsspec.core import url_to_fs
 
-from birdzarr._errors import ChunkFetchError, MissingChunkError, ReadOnlyLocationError
+from birdzarr._errors import (
+    ChunkFetchError,
+    FallbackWarning,
+    MissingChunkError,
+    MissingDependencyError,
+    ReadOnlyLocationError,
+    StorageError,
+    UnknownProtocolError,
+)
 
 StoreLike = Union[str, "os.PathLike[str]", "Location"]
 T = TypeVar("T")
 
 # s3fs issues a HEAD before each whole-object GET unless max_concurrency is 1 (CONTEXT.md).
-_PROTOCOL_DEFAULTS: dict[str, dict[str, Any]] = {"s3": {"max_concurrency": 1}}
+# Bounded waiting: an unreachable endpoint fails in seconds, not minutes (docs/reliability.md).
+# botocore's "standard" retry mode still retries throttling and resets; read_object adds its
+# own slower outer retry for chunk reads.
+_S3_CONFIG = {"connect_timeout": 3, "read_timeout": 20, "retries": {"mode": "standard", "max_attempts": 2}}
+_S3_RETRIES = 2  # s3fs's own retries of connection errors (its default 5 multiplies botocore's)
+_PROTOCOL_DEFAULTS: dict[str, dict[str, Any]] = {"s3": {"max_concurrency": 1, "config_kwargs": _S3_CONFIG}}
 _READ_ONLY_PROTOCOLS = frozenset({"http", "https"})
 _CREDENTIALS_IN_URL = re.compile(r"(?<=://)[^/@\s]*@")
 # storage_options keys whose values are secrets, at any nesting depth (client_kwargs, s3={...}).
@@ -155,7 +170,25 @@ def resolve(
     options = _with_defaults(url, dict(storage_options or {}))
     _remember_secrets(options)
     _remember_secrets_in_url(url)
-    fs, path = url_to_fs(url, **options)
+    try:
+        fs, path = url_to_fs(url, **options)
+    except ImportError as exc:
+        protocol = _protocol(url)
+        package = {"gs": "gcsfs", "gcs": "gcsfs", "s3": "s3fs", "az": "adlfs", "abfs": "adlfs"}.get(protocol)
+        raise MissingDependencyError(
+            f"{redact(url)}: {protocol}:// needs a package that is not installed ({redact(str(exc))}). "
+            f"Install it: pip install {package or 'the fsspec implementation of ' + protocol}"
+            f"{' (or birdzarr[s3])' if protocol == 's3' else ''}."
+        ) from None
+    except ValueError as exc:
+        if "Protocol not known" not in str(exc):
+            raise
+        raise UnknownProtocolError(
+            f"{redact(url)}: unknown protocol {_protocol(url)}://. Use a path, file://, s3://, "
+            "memory://, http(s):// or another fsspec protocol whose package is installed."
+        ) from None
+    if _protocol(url) == "s3" and getattr(fs, "retries", None) == 5 and "::" not in url:
+        fs.retries = _S3_RETRIES  # s3fs's class default; see _S3_CONFIG
     return Location(
         url=url.rstrip("/") or url,
         fs=fs,
@@ -167,16 +200,16 @@ def resolve(
 
 def _with_defaults(url: str, options: dict[str, Any]) -> dict[str, Any]:
     protocol = _protocol(url)
-    defaults = _PROTOCOL_DEFAULTS.get(protocol, {})
+    defaults = copy.deepcopy(_PROTOCOL_DEFAULTS.get(protocol, {}))  # botocore edits its config
     if not defaults:
         return options
     if "::" in url:  # a chain: the innermost filesystem's options sit under its protocol name
-        inner = dict(options.get(protocol, {}))
-        for key, value in defaults.items():
-            inner.setdefault(key, value)
-        return {**options, protocol: inner}
+        return {**options, protocol: _with_defaults(url.split("::")[-1], dict(options.get(protocol, {})))}
     for key, value in defaults.items():
-        options.setdefault(key, value)
+        if key == "config_kwargs" and isinstance(options.get(key), dict):
+            options[key] = {**value, **options[key]}  # the user's settings win, ours fill in
+        else:
+            options.setdefault(key, value)
     return options
 
 
@@ -220,13 +253,6 @@ def require_writable(location: Location) -> None:
 
 def exists(location: Location) -> bool:
     return bool(location.fs.exists(location.path))
-
-
-def remove_tree(location: Location) -> None:
-    """Delete everything under the location (used for ``--overwrite`` and failed conversions)."""
-    require_writable(location)
-    if location.fs.exists(location.path):
-        location.fs.rm(location.path, recursive=True)
 
 
 # -- reading with retries ------------------------------------------------------------------------
@@ -286,18 +312,54 @@ def _obstore_config(options: dict[str, Any]) -> dict[str, str] | None:
             config[_OBSTORE_OPTIONS[name]] = str(value)
         elif name == "client_kwargs" and set(value) <= set(_OBSTORE_CLIENT_KWARGS):
             config.update({_OBSTORE_CLIENT_KWARGS[k]: str(v) for k, v in value.items()})
+        elif name == "config_kwargs" and _is_default_config(value):
+            continue  # birdzarr's own timeouts and retries: obstore has its own
         elif name != "max_concurrency":
             return None
     return config
 
 
+_fallbacks_warned: set[str] = set()
+
+
+def _obstore_fallback(why: str) -> bool:
+    """Warn (once per reason and process) that chunks are fetched with fsspec instead."""
+    if why not in _fallbacks_warned:
+        _fallbacks_warned.add(why)
+        warnings.warn(
+            f"{FETCHER_ENV}=obstore is set, but chunks are fetched with fsspec (s3fs) instead: {why}. "
+            "Reads are correct, only slower (docs/cloud.md).", FallbackWarning, stacklevel=4,
+        )
+    return False
+
+
+def _is_default_config(value: Any) -> bool:
+    default = _S3_CONFIG
+    return isinstance(value, dict) and set(value) == set(default) and all(
+        value[k] == default[k] for k in ("connect_timeout", "read_timeout"))
+
+
 def _uses_obstore(location: Location) -> bool:
     wanted = os.environ.get(FETCHER_ENV, "fsspec") == "obstore"
-    if not wanted or location.protocol != "s3" or "::" in location.url:
+    if not wanted:
         return False
+    if location.protocol != "s3":
+        return False  # the variable is about S3; other stores are read as always
+    if "::" in location.url:
+        return _obstore_fallback("obstore serves plain s3:// URLs, not fsspec chains (simplecache::s3://)")
     if _obstore_pid is not None and _obstore_pid != os.getpid():
-        return False  # its runtime was started before this process forked: it would hang here
-    return _obstore_config(location.storage_options) is not None
+        # its runtime was started before this process forked: it would hang here
+        return _obstore_fallback(
+            "obstore was first used in the parent process before this worker forked, and its "
+            "runtime cannot be used after a fork (open the store in the workers, or use the "
+            "'spawn' or 'forkserver' start method)"
+        )
+    if _obstore_config(location.storage_options) is None:
+        unsupported = sorted(k for k in location.storage_options
+                             if k not in _OBSTORE_OPTIONS and k not in ("client_kwargs", "max_concurrency"))
+        return _obstore_fallback(
+            f"storage_options {unsupported or ['client_kwargs']} have no obstore equivalent")
+    return True
 
 
 def _obstore_fetch(location: Location, path: str) -> bytes:
@@ -345,3 +407,36 @@ def read_object(location: Location, key: str) -> bytes:
             f"attempts ({type(exc).__name__}: {redact(str(exc))[:300]}). The storage is unreachable "
             "or throttling; the store itself may be fine. Try again later."
         ) from None
+
+
+# -- errors of the environment, in one line --------------------------------------------------------
+_NO_CREDENTIALS = ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
+                   "UnauthenticatedError")
+_UNREACHABLE = ("EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError",
+                "ReadTimeoutError", "ClientConnectorError", "ServerTimeoutError", "ConnectTimeout",
+                "ProxyConnectionError")
+
+
+def environment_error(exc: BaseException) -> StorageError | None:
+    """A one-line :class:`StorageError` (what, where, what to do) for an error of the storage or
+    network that is not birdzarr's (no credentials, unreachable endpoint, access denied); None
+    for anything else."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    detail = redact(str(exc)).splitlines()[0][:300] if str(exc) else type(exc).__name__
+    endpoint = os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("FSSPEC_S3_ENDPOINT_URL")
+    if names & set(_NO_CREDENTIALS):
+        return StorageError(
+            f"no credentials for the object store ({detail}). Set AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or run where an instance role applies; for a "
+            "public bucket pass storage_options={'anon': True}."
+        )
+    if names & set(_UNREACHABLE):
+        where = f" (AWS_ENDPOINT_URL={endpoint})" if endpoint else ""
+        return StorageError(
+            f"cannot reach the storage endpoint{where}: {detail}. Check the URL, the network and "
+            "AWS_ENDPOINT_URL; birdzarr gave up after a few bounded retries."
+        )
+    if "ClientError" in names or type(exc).__module__.split(".")[0] in ("botocore", "aiobotocore"):
+        return StorageError(f"the object store refused the request: {detail}. Check the bucket name, "
+                            "the credentials' permissions and the region.")
+    return None

@@ -21,7 +21,7 @@ removes them.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,9 +112,12 @@ def verify(
     generation = int(committed.get("generation", 0))
     result = VerifyResult(url=opened.url, n_windows=len(opened), generation=generation)
     ranges = _check_table(opened, result)
-    _check_chunks(opened, ranges, result, progress=progress)
+    # a shuffled store is compared with its source through per-device digests gathered in this
+    # same pass (each device's windows are scattered over every chunk)
+    digests = _Digests() if source is not None and opened.shuffled else None
+    _check_chunks(opened, ranges, result, progress=progress, digests=digests)
     if source is not None:
-        _compare_with_source(opened, resolve(source, source_storage_options), result)
+        _compare_with_source(opened, resolve(source, source_storage_options), result, digests)
     result.notes += [f"uncommitted leftover: {item} (invisible to readers; `birdzarr repair` removes it)"
                      for item in leftovers(opened.location, len(opened)) if "stale lock" not in item]
     holder = read_holder(opened.location)
@@ -152,7 +155,8 @@ def _check_table(store: Store, result: VerifyResult) -> list[_RangeCheck]:
     return ranges
 
 
-def _check_chunks(store: Store, ranges: list[_RangeCheck], result: VerifyResult, *, progress: bool) -> None:
+def _check_chunks(store: Store, ranges: list[_RangeCheck], result: VerifyResult, *, progress: bool,
+                  digests: _Digests | None = None) -> None:
     from birdzarr._progress import progress_bar
 
     reader = store.reader
@@ -179,6 +183,8 @@ def _check_chunks(store: Store, ranges: list[_RangeCheck], result: VerifyResult,
                                    f"{unknown[:5].tolist()} are not in the device table")
             if store.shuffled:
                 _hash_scattered(windows, devices, scattered, counts, chunk_start, result)
+                if digests is not None:
+                    digests.add(data)
                 continue
             position = first
             while position < len(ranges) and ranges[position].start < chunk_stop:
@@ -263,7 +269,9 @@ def _batches(store: Store, entry: DeviceEntry) -> list[list[str]]:
     return [batch for batch in [first, *appended] if batch]
 
 
-def _compare_with_source(store: Store, src: Any, result: VerifyResult) -> None:
+def _compare_with_source(
+    store: Store, src: Any, result: VerifyResult, digests: _Digests | None = None
+) -> None:
     from birdzarr.convert._append import store_curation
     from birdzarr.convert._sources import DeviceSource, discover
 
@@ -313,7 +321,10 @@ def _compare_with_source(store: Store, src: Any, result: VerifyResult) -> None:
                     yield block.windows, block.timestamps, block.labels
 
         try:
-            _compare_device(store, entry, derived(), result)
+            if digests is not None:
+                _compare_by_digest(store, entry, derived, result, digests)
+            else:
+                _compare_device(store, entry, derived(), result)
         except MissingChunkError:
             result.problem(f"device {device.device_id}: cannot be compared, a chunk is missing or damaged")
         except BirdzarrError as exc:
@@ -366,6 +377,75 @@ def _sorted_rows(parts: Iterator[tuple[np.ndarray, ...]]) -> np.ndarray:
     return np.sort(np.ascontiguousarray(raw).view(f"V{raw.shape[1]}").ravel())
 
 
+class _Digests:
+    """Per device of a shuffled store: its window count and the wrapping sum of a 64-bit hash of
+    each (window, time, label) row: an order-free fingerprint, gathered in verify's one pass over
+    the chunks. Different multisets of rows have different sums with probability ~1 - 2**-64."""
+
+    def __init__(self) -> None:
+        self.counts: dict[int, int] = {}
+        self.sums: dict[int, int] = {}
+        self.broken = False  # a chunk could not be read: no device can be compared this way
+        self.differing = 0  # devices found different so far
+
+    def add(self, data: dict[str, np.ndarray], devices: np.ndarray | None = None) -> None:
+        if any(name not in data for name in _ARRAYS):
+            self.broken = True
+            return
+        ids = data[DEVICE] if devices is None else devices
+        hashes = _row_hashes(data[GIMU], data[TIMESTAMP], data[LABEL])
+        order = np.argsort(ids, kind="stable")
+        ids, hashes = ids[order], hashes[order]
+        if not len(ids):
+            return
+        starts = np.flatnonzero(np.concatenate(([True], ids[1:] != ids[:-1])))
+        sums = np.add.reduceat(hashes, starts)
+        counts = np.diff(np.append(starts, len(ids)))
+        for device, total, count in zip(ids[starts].tolist(), sums.tolist(), counts.tolist(), strict=True):
+            self.counts[device] = self.counts.get(device, 0) + count
+            self.sums[device] = (self.sums.get(device, 0) + total) % 2**64
+
+
+def _row_hashes(windows: np.ndarray, times: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    from birdzarr.convert._duplicates import fmix64, window_hashes
+
+    with np.errstate(over="ignore"):
+        return fmix64(window_hashes(windows, times) + labels.astype(np.int64).astype(np.uint64)
+                      * np.uint64(0x9E3779B97F4A7C15))
+
+
+_EXACT_LIMIT = 3  # devices whose digests differ that are then compared window by window
+
+
+_Rows = Iterator[tuple[np.ndarray, ...]]
+
+
+def _compare_by_digest(store: Store, entry: DeviceEntry, derive: Callable[[], _Rows], result: VerifyResult,
+                       digests: _Digests) -> None:
+    """Shuffled store: compare a device's digest with its source's; only a device that differs
+    is read again (a full pass of the store each, so at most a few) to count the difference."""
+    if digests.broken:
+        raise MissingChunkError("a chunk is missing or damaged")
+    theirs = _Digests()
+    for windows, times, labels in derive():
+        theirs.add({GIMU: windows, TIMESTAMP: times, LABEL: labels, DEVICE: np.empty(0)},
+                   devices=np.full(len(windows), entry.device_id, dtype=np.int64))
+    device = entry.device_id
+    mine = (digests.counts.get(device, 0), digests.sums.get(device, 0))
+    other = (theirs.counts.get(device, 0), theirs.sums.get(device, 0))
+    if mine == other:
+        return
+    digests.differing += 1
+    if digests.differing <= _EXACT_LIMIT:
+        _compare_shuffled_device(store, entry, derive(), result)
+        return
+    if mine[0] != other[0]:
+        result.problem(f"device {device}: the store holds {mine[0]:,} windows, its sources give {other[0]:,}")
+    else:
+        result.problem(f"device {device}: its windows (with their times and labels) differ from the "
+                       "sources (compared as sets: the store is shuffled; not counted one by one)")
+
+
 def _compare_shuffled_device(store: Store, entry: DeviceEntry, derived: Iterator[tuple[np.ndarray, ...]],
                              result: VerifyResult) -> None:
     """A shuffled store keeps a device's windows in a random order: compare them as multisets
@@ -390,7 +470,7 @@ def _compare_device(store: Store, entry: DeviceEntry, derived: Iterator[tuple[np
         return
     stored_n = derived_n = 0
     differing = {"windows": 0, "timestamps": 0, "labels": 0}
-    first_difference: int | None = None
+    first_difference: dict[str, int] = {}  # per array: its own first differing window
     stored_pieces, derived_pieces = _pieces(_stored(store, entry)), _pieces(derived)
     for mine, theirs in _zip_longest(stored_pieces, derived_pieces):
         stored_n += len(mine[0]) if mine else 0
@@ -407,16 +487,15 @@ def _compare_device(store: Store, entry: DeviceEntry, derived: Iterator[tuple[np
             else:
                 unequal = a[:n] != b[:n]
             differing[name] += int(unequal.sum())
-            if unequal.any():
-                where = base + int(np.flatnonzero(unequal)[0])
-                first_difference = where if first_difference is None else min(first_difference, where)
+            if unequal.any() and name not in first_difference:  # pieces come in window order
+                first_difference[name] = base + int(np.flatnonzero(unequal)[0])
     device = f"device {entry.device_id}"
     if stored_n != derived_n:
         result.problem(f"{device}: the store holds {stored_n:,} windows, its sources give {derived_n:,}")
     for name, count in differing.items():
         if count:
             result.problem(f"{device}: {count:,} window(s) differ in {name} from the sources "
-                           f"(first at the device's window {first_difference})")
+                           f"(first at the device's window {first_difference[name]})")
 
 
 def _zip_longest(a: Iterator[Any], b: Iterator[Any]) -> Iterator[tuple[Any, Any]]:

@@ -312,8 +312,10 @@ def test_bad_source_paths(tmp_path: pathlib.Path) -> None:
         birdzarr.convert(tmp_path / "missing", tmp_path / "s.zarr", progress=False)
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "notes.txt").write_text("x")
-    with pytest.raises(BadInputError, match="no .csv or .parquet files"):
+    with pytest.raises(BadInputError, match="1 entry is not an input file: 'notes.txt'"):
         birdzarr.convert(tmp_path / "src", tmp_path / "s.zarr", progress=False)
+    with pytest.raises(BadInputError, match="no .csv, .csv.gz, .csv.zst or .parquet files"):
+        birdzarr.convert(tmp_path / "src", tmp_path / "s.zarr", progress=False, skip_unknown_files=True)
     (tmp_path / "src" / "abc.parquet").write_bytes(b"")
     with pytest.raises(BadInputError, match=r"\{device\}.parquet"):
-        birdzarr.convert(tmp_path / "src", tmp_path / "s.zarr", progress=False)
+        birdzarr.convert(tmp_path / "src", tmp_path / "s.zarr", progress=False, skip_unknown_files=True)

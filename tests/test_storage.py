@@ -17,7 +17,6 @@ from birdzarr._storage import (
     RetryPolicy,
     is_transient,
     redact,
-    remove_tree,
     resolve,
     with_retries,
     zarr_store,
@@ -46,7 +45,13 @@ def test_s3_defaults_and_chains_keep_user_options() -> None:
     assert mine.fs.max_concurrency == 4
     chained = resolve("simplecache::s3://bucket/store.zarr", {"s3": {"anon": True}})
     assert chained.protocol == "s3" and chained.fs.fs.max_concurrency == 1
-    assert chained.storage_options == {"s3": {"anon": True, "max_concurrency": 1}}
+    assert chained.storage_options["s3"]["anon"] is True
+    assert chained.storage_options["s3"]["max_concurrency"] == 1
+    # bounded waiting on an unreachable endpoint (docs/reliability.md), the user's settings win
+    assert plain.fs.config_kwargs["connect_timeout"] == 3 and plain.fs.retries == 2
+    assert plain.fs.config_kwargs["retries"]["mode"] == "standard"
+    patient = resolve("s3://bucket/store.zarr", {"anon": True, "config_kwargs": {"connect_timeout": 30}})
+    assert patient.fs.config_kwargs["connect_timeout"] == 30 and patient.fs.config_kwargs["read_timeout"] == 20
 
 
 def test_redaction_of_urls_and_option_secrets() -> None:
@@ -126,7 +131,7 @@ def test_http_locations_are_read_only() -> None:
     with pytest.raises(ReadOnlyLocationError, match="cannot write"):
         zarr_store(location, read_only=False)
     with pytest.raises(ReadOnlyLocationError):
-        remove_tree(location)
+        birdzarr.convert("/nonexistent-source", location, progress=False)
     assert isinstance(ReadOnlyLocationError("x"), PermissionError)
 
 

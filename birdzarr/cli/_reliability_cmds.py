@@ -12,7 +12,7 @@ def _cmd_append(args: argparse.Namespace) -> int:
 
     result = append_detailed(
         args.store, args.source, on_bad_rows=args.on_bad_rows, workers=args.workers,
-        progress=not args.quiet,
+        progress=not args.quiet, skip_unknown_files=args.skip_unknown_files,
     )
     print(format_summary(summary(result.store)))
     print(result.format())
@@ -44,6 +44,8 @@ def add_append(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("source", help="directory, file or fsspec URL of {device}_{part}.csv or {device}.parquet")
     p.add_argument("--on-bad-rows", choices=("error", "skip"), default="error",
                    help="stop at the first malformed row (default) or skip and count them")
+    p.add_argument("--skip-unknown-files", action="store_true",
+                   help="skip entries of SOURCE that are not input files and list them (default: error)")
     p.add_argument("--workers", type=int, default=None, help="encoding threads (default: all cores)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_append)

@@ -19,11 +19,19 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         args.source, args.dest, overwrite=args.overwrite, codec=args.codec,
         chunk_windows=args.chunk_windows, on_bad_rows=args.on_bad_rows, workers=args.workers,
         progress=not args.quiet, shuffle=args.shuffle, seed=args.seed, shuffle_tmp=args.shuffle_tmp,
-        client=client,
+        client=client, skip_unknown_files=args.skip_unknown_files,
     )
     if client is not None:
         client.close()
     print(format_summary(summary(store)))
+    skipped = store.meta.get("skipped_files") or []
+    if skipped:
+        print(f"skipped {len(skipped)} source entries that are not input files (--skip-unknown-files): "
+              f"{', '.join(skipped[:10])}{' ...' if len(skipped) > 10 else ''}")
+    duplicates = store.meta.get("report", {}).get("duplicate_windows") or {}
+    if duplicates:
+        print(f"duplicate windows (kept, see the warning): {sum(duplicates.values()):,} in "
+              f"{len(duplicates)} device(s)")
     return 0
 
 
@@ -56,14 +64,17 @@ def add_convert(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument("source", help="directory, file or fsspec URL of {device}_{part}.csv or {device}.parquet")
     p.add_argument("dest", help="store path or URL (s3://bucket/x.zarr, ...)")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace an existing store at DEST (a local one only once the new one has "
-                        "committed; needs room for both until then)")
+                   help="replace a birdzarr store at DEST, only once the new one has committed (needs "
+                        "room for both until then); anything else at DEST is never replaced")
     p.add_argument("--codec", choices=("dict16", "standard"), default=None,
                    help="dict16 (default: smallest, needs birdzarr to read) or standard (blosc only: "
                         "TensorStore and plain zarr read it; the default with --shuffle)")
     p.add_argument("--chunk-windows", type=int, default=8192, help="windows per chunk (default 8192)")
     p.add_argument("--on-bad-rows", choices=("error", "skip"), default="error",
                    help="stop at the first malformed row (default) or skip and count them")
+    p.add_argument("--skip-unknown-files", action="store_true",
+                   help="skip entries of SOURCE that are not input files and list them in the report "
+                        "(default: such entries are an error)")
     p.add_argument("--workers", type=int, default=None,
                    help="encoding threads (default: all cores); the store is identical for any count")
     p.add_argument("--shuffle", action="store_true",

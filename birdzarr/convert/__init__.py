@@ -17,10 +17,11 @@ from birdzarr._progress import progress_bar
 from birdzarr._storage import Location, StoreLike, require_writable, resolve
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._cpus import cpu_report, cpu_seconds, resolve_workers
-from birdzarr.convert._overwrite import replacing, staged_location
+from birdzarr.convert._duplicates import DuplicateCounter
+from birdzarr.convert._overwrite import check_destination, replacing, staged_location
 from birdzarr.convert._pipeline import counted, device_blocks
 from birdzarr.convert._shuffle import bucket_count, write_shuffled
-from birdzarr.convert._sources import DeviceSource, discover
+from birdzarr.convert._sources import DeviceSource, find_inputs
 from birdzarr.convert._writer import StoreWriter
 
 if TYPE_CHECKING:
@@ -48,14 +49,22 @@ def convert(
     seed: int | None = None,
     shuffle_tmp: str | None = None,
     client: Any = None,
+    skip_unknown_files: bool = False,
 ) -> Store:
     """Convert a directory (or file, or fsspec URL) of CSV exports or Parquet files into a store.
 
     CSV input is curated per window (see docs/conversion.md); Parquet input is already curated
     and copied exactly. Returns the committed store, opened read-only. On any error nothing is
-    committed at ``dest`` and what was written is removed. ``overwrite=True`` on an existing
-    local store writes the new one aside and swaps it in only once committed, so a failure leaves
-    the old store intact (object stores: the old store is cleared first).
+    committed at ``dest`` and what was written is removed; input that gives no window at all is
+    an error too.
+
+    ``dest`` must be new, empty, or a birdzarr store (an unfinished one is replaced); anything
+    else there is refused, and ``dest`` may not be, contain or sit inside ``source``.
+    ``overwrite=True`` replaces a committed store: the new one is written aside and put in place
+    only once committed, so a failure leaves the old store readable, on object stores too
+    (docs/reliability.md). Every entry of a source directory must be an input file; with
+    ``skip_unknown_files=True`` the others are skipped and listed in the report. Windows that
+    repeat another window of their device are kept, counted in the report and warned about.
 
     ``shuffle=True`` stores the windows in one global random order drawn from ``seed`` (a random
     seed, recorded, if None), spilling them through temporary bucket files in ``shuffle_tmp``
@@ -79,7 +88,9 @@ def convert(
     src = resolve(source, source_storage_options)
     dst = resolve(dest, storage_options)
     require_writable(dst)
-    kind, devices = discover(src)
+    state = check_destination(dst, overwrite=overwrite, source=src)
+    inputs = find_inputs(src, skip_unknown_files=skip_unknown_files)
+    kind, devices = inputs.kind, inputs.devices
     curation_attrs = (
         curation.to_json(applied_by="birdzarr")
         if kind == "csv"
@@ -89,7 +100,7 @@ def convert(
         "codec": codec, "compressor": {"cname": DEFAULT_CNAME, "clevel": DEFAULT_CLEVEL},
         "chunk_windows": chunk_windows, "shuffled": False,
     }
-    static = {
+    static: dict[str, Any] = {
         "source_kind": kind,
         "window_rule": WINDOW_RULE if kind == "csv" else "one Parquet row is one window",
         "mixed_label_policy": MIXED_LABEL_POLICY,
@@ -105,7 +116,10 @@ def convert(
     if client is not None and shuffle:
         raise ValueError("shuffle=True is not supported with a Dask client yet; convert locally")
     # overwriting a local store: write the new one aside and swap it in once committed
-    staged = staged_location(dst, overwrite=overwrite)
+    staged = staged_location(dst, overwrite=overwrite, state=state)
+    duplicates = DuplicateCounter()
+    if inputs.skipped:
+        static["skipped_files"] = inputs.skipped
     with replacing(dst, staged) if staged is not None else contextlib.nullcontext():
         target = staged or dst
         if client is not None:  # a distributed.Client: read, curate and write on its workers
@@ -118,7 +132,8 @@ def convert(
             _convert_here(src, target, kind, devices, codec=codec, chunk_windows=chunk_windows,
                           overwrite=overwrite, static=static, workers=workers, progress=progress,
                           curation=curation, on_bad_rows=on_bad_rows, shuffle=shuffle, seed=seed,
-                          buckets=buckets, shuffle_tmp=shuffle_tmp)
+                          buckets=buckets, shuffle_tmp=shuffle_tmp, duplicates=duplicates)
+    duplicates.warn(dst.display)
     return open_store(dst)
 
 
@@ -126,7 +141,7 @@ def _convert_here(
     src: Location, dst: Location, kind: str, devices: list[DeviceSource], *, codec: str,
     chunk_windows: int, overwrite: bool, static: dict[str, Any], workers: int | None, progress: bool,
     curation: Curation, on_bad_rows: str, shuffle: bool, seed: int | None, buckets: int,
-    shuffle_tmp: str | None,
+    shuffle_tmp: str | None, duplicates: DuplicateCounter | None = None,
 ) -> None:
     """The conversion in this process (``convert`` without a Dask client)."""
     started, cpu = time.perf_counter(), cpu_seconds()
@@ -137,6 +152,8 @@ def _convert_here(
         workers=workers,
     ) as writer, progress_bar(progress, desc=f"convert {kind}", unit=" windows") as bar:
         inputs = _device_inputs(src.display, devices, curation, on_bad_rows, bar, workers)
+        if duplicates is not None:  # counts windows repeated within a device (convert/_duplicates.py)
+            inputs = ((d, sources, duplicates.watch(d, blocks)) for d, sources, blocks in inputs)
         extra: dict[str, Any] = {}
         if shuffle:
             assert seed is not None
@@ -153,7 +170,29 @@ def _convert_here(
                 writer.write_device(device_id, blocks, sources)
         seconds = time.perf_counter() - started
         extra.update(cpu_report(seconds, cpu, workers))
+        require_windows(src.display, writer)
+        if duplicates is not None and duplicates.counts:
+            extra["duplicate_windows"] = duplicates.report()
         writer.commit({"source": src.display, "seconds": round(seconds, 3), **extra})
+
+
+def require_windows(where: str, writer: StoreWriter) -> None:
+    """Refuse to commit a store without a single window (all rows bad, filtered or too short)."""
+    if any(entry.n_windows for entry in writer.devices.values()):
+        return
+    rows = sum(r.rows_read for r in writer.reports.values())
+    bad = sum(r.bad_lines for r in writer.reports.values())
+    bad_files = sum(r.bad_files for r in writer.reports.values())
+    dropped: dict[str, int] = {}
+    for report in writer.reports.values():
+        for reason, count in report.dropped.items():
+            dropped[reason] = dropped.get(reason, 0) + count
+    why = ", ".join(f"{reason} {count:,}" for reason, count in sorted(dropped.items())) or "none"
+    raise BadInputError(
+        f"{where}: the input gives no windows ({rows:,} rows read, {bad:,} bad lines or rows and "
+        f"{bad_files} unreadable file(s) skipped; windows dropped: {why}), so nothing was "
+        "committed. Check the input (without --on-bad-rows skip the first bad line is named)."
+    )
 
 
 def _device_inputs(

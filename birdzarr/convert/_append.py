@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import zarr
 
 from birdzarr._errors import AppendError, IncompleteStoreError
@@ -36,14 +37,16 @@ from birdzarr._format import (
 from birdzarr._repair import discard_uncommitted
 from birdzarr._storage import Location, StoreLike, resolve, zarr_store
 from birdzarr.convert._blocks import WindowBlock
-from birdzarr.convert._sources import DeviceSource, discover
+from birdzarr.convert._duplicates import DuplicateCounter, window_hashes
+from birdzarr.convert._sources import DeviceSource, find_inputs
 from birdzarr.convert._writer import StoreWriter, _now
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
     from birdzarr._store import Store
 
+_PIECE = 65536  # committed windows read at a time when looking for duplicates
 _NOT_STATIC = ("format_version", "window_length", "channels", "converter", "committed", "devices", "report")
 
 
@@ -189,12 +192,21 @@ class AppendResult:
     devices_extended: list[int] = field(default_factory=list)
     skipped_files: list[str] = field(default_factory=list)
     cleaned: list[str] = field(default_factory=list)
+    duplicate_windows: dict[int, int] = field(default_factory=dict)  # device -> repeated windows
+    unknown_files: list[str] = field(default_factory=list)  # not input files, skipped on request
 
     def format(self) -> str:
         lines = [f"appended {self.windows_added:,} windows: {len(self.devices_added)} new device(s), "
                  f"{len(self.devices_extended)} extended"]
         if self.skipped_files:
             lines.append(f"skipped {len(self.skipped_files)} file(s) already in the store")
+        if self.unknown_files:
+            names = ", ".join(self.unknown_files[:10])
+            lines.append(f"skipped {len(self.unknown_files)} source entries that are not input files "
+                         f"(--skip-unknown-files): {names}")
+        if self.duplicate_windows:
+            lines.append(f"duplicate windows (kept): {sum(self.duplicate_windows.values()):,} in "
+                         f"device(s) {sorted(self.duplicate_windows)[:10]}")
         lines += [f"cleaned up first: {c}" for c in self.cleaned]
         return "\n".join(lines)
 
@@ -222,6 +234,7 @@ def append_detailed(
     progress: bool = True,
     storage_options: dict[str, Any] | None = None,
     source_storage_options: dict[str, Any] | None = None,
+    skip_unknown_files: bool = False,
 ) -> AppendResult:
     """:func:`append`, returning what was done as well as the store."""
     from birdzarr._progress import progress_bar
@@ -233,8 +246,10 @@ def append_detailed(
         raise ValueError(f"on_bad_rows must be one of {ON_BAD_ROWS}, got {on_bad_rows!r}")
     src = resolve(source, source_storage_options)
     dst = resolve(store, storage_options)
-    open_store(dst)  # a clear error (not a store, unfinished, newer format) before taking the lock
-    kind, devices = discover(src)
+    before = open_store(dst)  # a clear error (not a store, unfinished, newer format) before the lock
+    inputs = find_inputs(src, skip_unknown_files=skip_unknown_files)
+    kind, devices = inputs.kind, inputs.devices
+    duplicates = DuplicateCounter()
     started = time.perf_counter()
     config = {"threading.max_workers": workers} if workers else {}
     with zarr.config.set(config), AppendWriter(dst, lock_command=f"birdzarr append {src.display}") as writer:
@@ -251,13 +266,43 @@ def append_detailed(
         with progress_bar(progress and bool(work), desc=f"append {kind}", unit=" windows") as bar:
             for device in work:
                 blocks = _counted(read_ahead(device, curation, on_bad_rows), bar)
+                entry = writer.devices.get(device.device_id)
+                existing = None if entry is None else _committed_hashes(before, entry)
+                blocks = duplicates.watch(device.device_id, blocks, existing)
                 writer.write_device(device.device_id, blocks, [_file_name(f) for f in device.files])
         if work:
             seconds = round(time.perf_counter() - started, 3)
-            writer.commit({"source": src.display, "seconds": seconds, "skipped_files": len(skipped)})
+            extra: dict[str, Any] = {"source": src.display, "seconds": seconds, "skipped_files": len(skipped)}
+            if duplicates.counts:
+                extra["duplicate_windows"] = duplicates.report()
+            if inputs.skipped:
+                extra["skipped_unknown_files"] = inputs.skipped
+            writer.commit(extra)
         windows_added = writer.n_windows - writer.previous_windows
         cleaned = writer.cleaned
-    return AppendResult(open_store(dst), windows_added, added, extended, skipped, cleaned)
+    duplicates.warn(dst.display)
+    return AppendResult(open_store(dst), windows_added, added, extended, skipped, cleaned,
+                        duplicate_windows=dict(duplicates.counts), unknown_files=inputs.skipped)
+
+
+def _committed_hashes(store: Store, entry: DeviceEntry) -> Callable[[np.ndarray], np.ndarray]:
+    """For an appended device: the hashes of its committed windows whose time is among the new
+    windows' times. Only timestamps are read unless times coincide (they do not, for new data),
+    so an ordinary append reads 8 bytes per committed window of the device."""
+
+    def hashes(times: np.ndarray) -> np.ndarray:
+        reader, found = store.reader, []
+        for r in entry.ranges:
+            for lo in range(r.start, r.stop, _PIECE):
+                hi = min(lo + _PIECE, r.stop)
+                stamps = reader.read_range(TIMESTAMP, lo, hi)
+                match = np.isin(stamps, times)
+                if match.any():
+                    windows = reader.read_range(GIMU, lo, hi)
+                    found.append(window_hashes(windows[match], stamps[match]))
+        return np.concatenate(found) if found else np.empty(0, np.uint64)
+
+    return hashes
 
 
 def append(store: StoreLike, source: StoreLike, **options: Any) -> Store:

@@ -23,6 +23,7 @@ from birdzarr._format import N_CHANNELS, WINDOW_LENGTH, Curation, DeviceReport
 from birdzarr._storage import Location
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._curation import curate_windows, window_labels, window_rows
+from birdzarr.convert._input import read_bytes
 
 COLUMNS = ("device_id", "date_time", "index", "label", "imu_x", "imu_y", "imu_z", "gps_speed")
 _TIME_FORMAT = "%Y-%m-%d %H:%M:%S"

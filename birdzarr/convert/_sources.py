@@ -1,8 +1,9 @@
 """Finding the input: a directory (or fsspec URL) of CSV parts or Parquet files, or single files.
 
 File names carry the device id: ``{device}_{part}.csv`` (parts sort numerically: ``298_10``
-after ``298_9``) or ``{device}.parquet``. A single CSV with another name takes its device id
-from its first row.
+after ``298_9``; also ``.csv.gz`` and ``.csv.zst``, extensions in any case) or
+``{device}.parquet``. A single CSV with another name takes its device id from its first row.
+Every entry of a source directory is read or named: see :func:`find_inputs`.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ from birdzarr._format import Curation
 from birdzarr._storage import Location
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._csv import CsvDeviceReader
+from birdzarr.convert._input import CSV_SUFFIXES, read_bytes, split_suffix
 from birdzarr.convert._parquet import ParquetDeviceReader
 
 Kind = Literal["csv", "parquet"]
-_CSV_NAME = re.compile(r"^(\d{1,9})_(\d{1,9})\.csv$")
-_PARQUET_NAME = re.compile(r"^(\d{1,9})\.parquet$")
+_CSV_STEM = re.compile(r"^(\d{1,9})_(\d{1,9})$")
+_PARQUET_STEM = re.compile(r"^(\d{1,9})$")
+_LISTED = 10  # file names listed in an error; the rest are counted
 
 
 @dataclass
@@ -42,40 +45,89 @@ class DeviceSource:
 
 
 def _name_hint(name: str, kind: Kind) -> str:
-    pattern = "{device}_{part}.csv" if kind == "csv" else "{device}.parquet"
+    pattern = "{device}_{part}.csv (or .csv.gz, .csv.zst)" if kind == "csv" else "{device}.parquet"
     return (
         f"cannot tell the device id from the file name {name!r}: name files {pattern} with a "
         "numeric device id"
     )
 
 
+def _kind_of(name: str) -> Kind | None:
+    found = split_suffix(name)
+    if found is None:
+        return None
+    return "csv" if found[1] in CSV_SUFFIXES else "parquet"
+
+
+@dataclass
+class Inputs:
+    """What a source holds: its kind, the files per device, and what was skipped (by request)."""
+
+    kind: Kind
+    devices: list[DeviceSource]
+    skipped: list[str] = field(default_factory=list)  # names in SOURCE that are not input files
+
+
+def _listed(names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:_LISTED])
+    return shown + (f" and {len(names) - _LISTED} more" if len(names) > _LISTED else "")
+
+
 def discover(source: Location) -> tuple[Kind, list[DeviceSource]]:
-    """Classify the input and group its files per device, sorted by device id."""
+    """Classify the input and group its files per device, sorted by device id. Every entry of a
+    source directory must be an input file (see :func:`find_inputs`)."""
+    found = find_inputs(source)
+    return found.kind, found.devices
+
+
+def find_inputs(source: Location, *, skip_unknown_files: bool = False) -> Inputs:
+    """Classify the input and group its files per device, sorted by device id.
+
+    Every entry of a source directory is either read or named: one whose name is not an input
+    file (``{device}_{part}.csv``, ``.csv.gz``, ``.csv.zst`` or ``{device}.parquet``, any case)
+    raises :class:`BadInputError`, or with ``skip_unknown_files`` is listed in
+    :attr:`Inputs.skipped` (and in the report). Nothing is skipped silently.
+    """
     fs = source.fs
     if not fs.exists(source.path):
         raise StoreNotFoundError(f"{source.display}: no such file or directory")
     if fs.isdir(source.path):
-        names = sorted(posixpath.basename(p.rstrip("/")) for p in fs.ls(source.path, detail=False))
-        files = [n for n in names if n.endswith((".csv", ".parquet"))]
-        if not files:
+        entries = fs.ls(source.path, detail=True)
+        names, unknown = [], []
+        for entry in sorted(entries, key=lambda e: str(e["name"])):
+            name = posixpath.basename(str(entry["name"]).rstrip("/"))
+            is_dir = entry.get("type") == "directory"
+            if is_dir or _kind_of(name) is None:
+                unknown.append(name + ("/" if is_dir else ""))
+            else:
+                names.append(name)
+        if unknown and not skip_unknown_files:
             raise BadInputError(
-                f"{source.display}: no .csv or .parquet files found. Point convert at a directory of "
-                "{device}_{part}.csv exports or {device}.parquet files, or at one file."
+                f"{source.display}: {len(unknown)} "
+                f"{'entry is not an input file' if len(unknown) == 1 else 'entries are not input files'}"
+                f": {_listed(unknown)}. Inputs are {{device}}_{{part}}.csv (also "
+                ".csv.gz, .csv.zst) or {device}.parquet files; remove or rename the others, or pass "
+                "--skip-unknown-files (Python: skip_unknown_files=True) to skip them and list them "
+                "in the report."
             )
-        kinds = {"csv" if n.endswith(".csv") else "parquet" for n in files}
+        if not names:
+            raise BadInputError(
+                f"{source.display}: no .csv, .csv.gz, .csv.zst or .parquet files found. Point convert "
+                "at a directory of {device}_{part}.csv exports or {device}.parquet files, or at one file."
+            )
+        kinds = {_kind_of(n) for n in names}
         if len(kinds) > 1:
             raise BadInputError(
                 f"{source.display}: holds both CSV and Parquet files; convert one kind at a time "
                 "(put them in separate directories)."
             )
         kind: Kind = "csv" if kinds == {"csv"} else "parquet"
-        return kind, _group(source, files, kind, single=False)
+        return Inputs(kind, _group(source, names, kind, single=False), unknown)
     name = posixpath.basename(source.path)
-    if name.endswith(".csv"):
-        return "csv", _group(source, [name], "csv", single=True)
-    if name.endswith(".parquet"):
-        return "parquet", _group(source, [name], "parquet", single=True)
-    raise BadInputError(f"{source.display}: not a .csv or .parquet file.")
+    single = _kind_of(name)
+    if single is None:
+        raise BadInputError(f"{source.display}: not a .csv, .csv.gz, .csv.zst or .parquet file.")
+    return Inputs(single, _group(source, [name], single, single=True))
 
 
 def _group(source: Location, names: list[str], kind: Kind, *, single: bool) -> list[DeviceSource]:
@@ -84,9 +136,10 @@ def _group(source: Location, names: list[str], kind: Kind, *, single: bool) -> l
         storage_options=source.storage_options,
     )
     by_device: dict[int, list[tuple[int, str]]] = {}
-    pattern = _CSV_NAME if kind == "csv" else _PARQUET_NAME
+    pattern = _CSV_STEM if kind == "csv" else _PARQUET_STEM
     for name in names:
-        match = pattern.match(name)
+        stem = (split_suffix(name) or (name, ""))[0]
+        match = pattern.match(stem)
         if match is None:
             if single and kind == "csv":
                 by_device.setdefault(_first_device_id(base.child(name)), []).append((0, name))
@@ -99,7 +152,7 @@ def _group(source: Location, names: list[str], kind: Kind, *, single: bool) -> l
     for device in sorted(by_device):
         parts = sorted(by_device[device])
         for (part, name), (next_part, other) in zip(parts, parts[1:], strict=False):
-            if part == next_part:  # "12.parquet" and "012.parquet", or "5_0.csv" and "05_0.csv"
+            if part == next_part:  # "12.parquet" and "012.parquet", "5_0.csv" and "5_0.CSV" or "5_0.csv.gz"
                 what = "the same device" if kind == "parquet" else f"the same device and part ({part})"
                 raise BadInputError(
                     f"{base.display}: {name!r} and {other!r} both name {what} {device}; keep one "
@@ -111,8 +164,11 @@ def _group(source: Location, names: list[str], kind: Kind, *, single: bool) -> l
 
 def _first_device_id(file: Location) -> int:
     """The device id in the first line of a CSV whose name does not carry one."""
-    with file.fs.open(file.path, "rb") as handle:
-        first = handle.readline(4096)
+    if (split_suffix(file.path) or ("", ".csv"))[1] == ".csv":
+        with file.fs.open(file.path, "rb") as handle:
+            first = handle.readline(4096)
+    else:  # compressed: decompress (the whole file; it is read again for the conversion)
+        first = read_bytes(file)[:4096].split(b"\n", 1)[0]
     field0 = first.split(b",", 1)[0].strip()
     if not first.strip():
         raise BadInputError(f"{file.display}: the file is empty; nothing to convert.")

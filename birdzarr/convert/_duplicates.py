@@ -1,0 +1,92 @@
+"""Counting duplicate windows: windows of one device equal to another of its windows in time and
+every value (a part exported twice under two names, rows repeated in an export).
+
+They are kept (birdzarr does not guess which copy is wrong), counted in the report
+(``report.duplicate_windows``: device id -> count) and announced with a
+:class:`~birdzarr._errors.DuplicateWindowsWarning`. Each window is reduced to a 64-bit hash of
+its timestamp and float32 bytes (8 bytes a window, for one device at a time); two distinct windows
+collide with probability about 2**-64. Parquet input has no timestamps, so there equal values
+alone count: a bird sitting perfectly still for a whole window would count too.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from birdzarr._errors import DuplicateWindowsWarning
+from birdzarr.convert._blocks import WindowBlock
+
+_WORDS = 40  # a float32 (20, 4) window is 320 bytes = 40 uint64 words
+_KEYS = np.random.default_rng(0x5EED_B12D).integers(1, 2**63, size=_WORDS + 1, dtype=np.uint64) | np.uint64(1)
+
+
+def window_hashes(windows: np.ndarray, timestamps: np.ndarray) -> np.ndarray:
+    """One uint64 per window from its timestamp and exact float32 bits."""
+    n = len(windows)
+    words = np.ascontiguousarray(windows, dtype="<f4").reshape(n, -1).view("<u8")
+    with np.errstate(over="ignore"):
+        mixed = words * _KEYS[:_WORDS]
+        mixed ^= mixed >> np.uint64(29)
+        return fmix64(mixed.sum(axis=1, dtype=np.uint64) + timestamps.astype(np.uint64) * _KEYS[_WORDS])
+
+
+def fmix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: every input bit affects every output bit (so sums of hashes of
+    different multisets differ, even when rows only exchange values)."""
+    with np.errstate(over="ignore"):
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+class DuplicateCounter:
+    """Watches each device's blocks as they stream to the writer and counts repeated windows."""
+
+    def __init__(self) -> None:
+        self.counts: dict[int, int] = {}
+
+    def watch(
+        self, device_id: int, blocks: Iterator[WindowBlock],
+        existing: Callable[[np.ndarray], np.ndarray] | None = None,
+    ) -> Iterator[WindowBlock]:
+        """Pass ``blocks`` through; when they end, count the device's duplicates. ``existing``
+        maps the new windows' timestamps to the hashes of the device's committed windows that
+        could match (an append compares with what the store holds)."""
+        hashes: list[np.ndarray] = []
+        times: list[np.ndarray] = []
+        for block in blocks:
+            if len(block):
+                hashes.append(window_hashes(block.windows, block.timestamps))
+                times.append(np.unique(block.timestamps))
+            yield block
+        if not hashes:
+            return
+        new = np.concatenate(hashes)
+        distinct = np.unique(new)
+        if existing is not None:
+            before = existing(np.unique(np.concatenate(times)))
+            if len(before):
+                distinct = np.setdiff1d(distinct, before, assume_unique=False)
+        repeated = len(new) - len(distinct)
+        if repeated:
+            self.counts[device_id] = self.counts.get(device_id, 0) + repeated
+
+    def report(self) -> dict[str, int]:
+        return {str(device): count for device, count in sorted(self.counts.items())}
+
+    def warn(self, where: str) -> None:
+        if not self.counts:
+            return
+        total = sum(self.counts.values())
+        shown = ", ".join(f"{device} ({count:,})" for device, count in sorted(self.counts.items())[:10])
+        more = f" and {len(self.counts) - 10} more" if len(self.counts) > 10 else ""
+        warnings.warn(
+            f"{where}: {total:,} window(s) repeat another window of the same device (same time and "
+            f"values) in device(s) {shown}{more}. They were kept and are counted in the report "
+            "(duplicate_windows). A part exported twice under two names, or repeated rows, does "
+            "this: remove the copies from the source and convert again if they are not wanted.",
+            DuplicateWindowsWarning, stacklevel=3,
+        )
