@@ -165,7 +165,7 @@ def write_shuffled(
             del records, block
         for device_id, entry in writer.devices.items():
             entry.scattered_checksum = hashers[device_id].hexdigest()
-        return {"buckets": buckets, "spill_bytes": spill_bytes, "spill_dir": directory}
+        return {"buckets": buckets, "spill_bytes": spill_bytes}
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 

@@ -7,6 +7,7 @@ which encodes the chunks of a slab on its thread pool while the caller parses th
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -151,7 +152,16 @@ class StoreWriter:
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         try:
-            self._drain()
+            if exc_type is None:
+                self._drain()
+            else:  # leaving on an error: write nothing more, only let slabs in flight finish
+                self._buffer.clear()
+                self._buffered = 0
+                for pending in self._pending:
+                    pending.cancel()
+                    with contextlib.suppress(BaseException):  # the original error is the one to raise
+                        pending.result()
+                self._pending.clear()
         finally:
             self._pool.shutdown(wait=True)
             failed = exc_type is not None and not self._committed
