@@ -34,14 +34,13 @@ def run_demo(directory: str, *, windows: int = 200_000) -> int:
 
 
 def _train_epoch(source: str, dest: str) -> None:
-    """Read one shuffled epoch of batches from the device-ordered store and from a pre-shuffled
-    conversion (the training layout), and show how well each mixes devices."""
-    import warnings
-
+    """Read two shuffled epochs the two ways that train well, a store converted with --shuffle
+    (streamed) and the device-ordered store held in memory (resident='cpu'), and print the
+    shuffle-quality figures of each (docs/training.md#shuffle-quality)."""
     import numpy as np
 
     from birdzarr._store import open_store
-    from birdzarr.read._quality import quality_ratio
+    from birdzarr.read._quality import pair_cooccurrence_ratio, quality_ratio, repeated_batch_fraction
     from birdzarr.read._torch import WindowDataset  # torch only when the demo gets here
 
     device_ordered = os.path.join(os.path.dirname(dest), "from_parquet.zarr")
@@ -49,22 +48,27 @@ def _train_epoch(source: str, dest: str) -> None:
     table = open_store(dest).device_table
     devices = np.asarray([e.device_id for e in table])
     counts = np.asarray([e.n_windows for e in table])
-    print()
-    for path, layout in ((device_ordered, "device order"), (dest, "converted with --shuffle")):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the device-order warning is what this line shows
-            dataset = WindowDataset(path, batch_size=8192, shuffle=True, seed=1234, with_ldt=True)
-        started = time.perf_counter()
-        windows, batch_devices = 0, []
-        for x, ldt in dataset:
-            windows += len(x)
-            batch_devices.append(ldt[:, 1].numpy().copy())
-        seconds = time.perf_counter() - started
-        mixed = np.mean([len(np.unique(b)) for b in batch_devices])
+    n_windows = int(counts.sum())
+    print("\ntraining reads (a demo on a small store, not a benchmark: see docs/benchmarks.md)")
+    cases: list[tuple[str, str, dict[str, object]]] = [
+        (dest, "converted with --shuffle, streamed", {}),
+        (device_ordered, "device order, resident='cpu'", {"resident": "cpu", "progress": False}),
+    ]
+    for path, layout, options in cases:
+        dataset = WindowDataset(path, batch_size=8192, shuffle=True, seed=1234, with_ldt=True,
+                                **options)  # type: ignore[arg-type]
+        epochs, seconds = [], 0.0
+        for epoch in (0, 1):
+            dataset.set_epoch(epoch)
+            started = time.perf_counter()
+            batch_devices = [ldt[:, 1].numpy().copy() for _, ldt in dataset]
+            seconds = time.perf_counter() - started
+            epochs.append([dataset.batch_indices(b) for b in range(len(dataset))])
+        windows = sum(len(b) for b in epochs[1])
         print(
-            f"training read  {path} ({layout}): one epoch of {len(dataset)} batches, "
-            f"{windows:,} windows in {seconds:.2f} s ({windows / seconds / 1e6:.2f} M windows/s); "
-            f"{mixed:.1f} of {len(devices)} devices per batch, shuffle quality "
-            f"{quality_ratio(batch_devices, devices, counts):.2f} (1.0 = a full shuffle)"
+            f"  {path} ({layout}): {len(epochs[1])} batches, {windows / seconds / 1e6:.2f} M windows/s; "
+            f"device mix {quality_ratio(batch_devices, devices, counts):.2f}, "
+            f"repeated batches {100 * repeated_batch_fraction(epochs[0], epochs[1]):.0f}%, "
+            f"pair co-occurrence {pair_cooccurrence_ratio(epochs[0], epochs[1], n_windows):.1f} "
+            "(1.0, 0% and 1.0 = a fresh uniform shuffle every epoch)"
         )
-    print("  -> train on stores converted with --shuffle (docs/training.md#shuffle-quality)")

@@ -244,9 +244,11 @@ class ResidentSelection:
         rows = plan.rows(batch)
         if self.table is None:
             x = self.x.index_select(0, rows)
+        elif self.device.type == "cpu":
+            x = torch.from_numpy(self._decode_on_host(rows.numpy()))
         else:
             assert self.table_offsets is not None and self.chunk_bounds is not None
-            codes = self.x.index_select(0, rows).to(torch.int64) & 0xFFFF  # int16 holds uint16 codes
+            codes = self.x.index_select(0, rows).to(torch.int32) & 0xFFFF  # int16 holds uint16 codes
             chunk = torch.searchsorted(self.chunk_bounds, rows, right=True) - 1
             x = self.table[codes + self.table_offsets[chunk][:, None, :]]
         if channel_first:
@@ -257,9 +259,17 @@ class ResidentSelection:
                                for name in (LABEL, DEVICE, TIMESTAMP)], dim=1)
         return x, ldt
 
-
-def _size(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    def _decode_on_host(self, rows: np.ndarray) -> np.ndarray:
+        """Gather the rows' codes and look them up in their chunks' dictionaries (numpy: int32
+        index arithmetic in place and ``take`` with ``mode="clip"`` are several times faster
+        here than torch's advanced indexing on the CPU)."""
+        assert self.table is not None and self.table_offsets is not None and self.chunk_bounds is not None
+        index = self.x.numpy().view(np.uint16)[rows].astype(np.int32)
+        chunk = np.searchsorted(self.chunk_bounds.numpy(), rows, side="right") - 1
+        index += self.table_offsets.numpy()[chunk].astype(np.int32)[:, None, :]
+        out = np.empty(index.shape, np.float32)
+        np.take(self.table.numpy(), index, out=out, mode="clip")  # offsets point inside the table
+        return out
 
 
 class _NotCodable(Exception):
