@@ -210,9 +210,11 @@ class Store:
         return html_repr(self)
 
     def to_xarray(self) -> xr.Dataset:
-        """A lazy ``xarray.Dataset``: ``gimu(window, time, channel)`` with coordinates ``device``,
-        ``time`` (datetime64, NaT when unknown), ``label`` and ``channel``. Nothing is read until
-        values are asked for; then only the chunks holding them."""
+        """A lazy ``xarray.Dataset``: ``gimu(window, sample, channel)`` with coordinates ``device``,
+        ``time`` (the burst start, datetime64, NaT when unknown), ``label`` and ``channel``.
+        Nothing is read until values are asked for; then only the chunks holding them.
+        ``ds.sel(time=...)`` selects by burst time (a date string means its whole day or month;
+        slices include both ends), reading the timestamps on the first selection."""
         from birdzarr.explore._xarray import to_xarray
 
         return to_xarray(self)
