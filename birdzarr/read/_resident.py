@@ -272,6 +272,10 @@ class ResidentSelection:
         return out
 
 
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 class _NotCodable(Exception):
     """A chunk of a dict16 store is stored raw: hold float32 instead."""
 
