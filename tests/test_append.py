@@ -7,7 +7,6 @@ import json
 import pathlib
 import shutil
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -146,12 +145,16 @@ def test_readers_during_an_append_see_one_committed_snapshot(
     n0 = len(birdzarr.open_store(dest))
 
     original = StoreWriter._write_slab
+    passes = threading.Semaphore(0)  # one release per complete read of the store by a reader
+    saw_new = threading.Event()
 
-    def slow(self: StoreWriter, start: int, stop: int, data: dict[str, np.ndarray]) -> None:
-        time.sleep(0.05)  # widen the window in which readers overlap the writer
+    def overlapped(self: StoreWriter, start: int, stop: int, data: dict[str, np.ndarray]) -> None:
+        # each slab is written only after a reader has completed a read while the append is
+        # under way (an event, not a sleep): readers overlap the writer at every slab
+        assert passes.acquire(timeout=60), "no reader completed a read during the append"
         original(self, start, stop, data)
 
-    monkeypatch.setattr(StoreWriter, "_write_slab", slow)
+    monkeypatch.setattr(StoreWriter, "_write_slab", overlapped)
     done = threading.Event()
     seen: list[int] = []
     errors: list[BaseException] = []
@@ -165,15 +168,19 @@ def test_readers_during_an_append_see_one_committed_snapshot(
                 assert sum(e.n_windows for e in store.device_table) == n
                 assert np.array_equal(store.windows[:], truth[:n])
                 seen.append(n)
+                passes.release()
+                if n == len(truth):
+                    saw_new.set()
         except BaseException as exc:  # reported by the main thread
             errors.append(exc)
+            saw_new.set()
 
     threads = [threading.Thread(target=reader) for _ in range(2)]
     for t in threads:
         t.start()
     try:
         append(dest, csv_parts["more"], progress=False, workers=1)
-        time.sleep(0.2)  # readers also open the new commit
+        assert saw_new.wait(timeout=60), "no reader opened the new commit"
     finally:
         done.set()
         for t in threads:

@@ -29,7 +29,8 @@ from birdzarr._verify import verify
 from birdzarr.convert._csv import parse_csv
 
 _SCALE = int(os.environ.get("BIRDZARR_FUZZ_EXAMPLES", "0"))
-CASES_RUN: dict[str, int] = {}
+CASES_RUN: dict[str, int] = {}  # cases run per fuzz test, filled while that test runs
+OUTCOMES: dict[str, set[str]] = {}  # the outcomes seen per fuzz test ("store", "error", ...)
 
 
 def fuzz_settings(examples: int) -> Callable[[Any], Any]:
@@ -41,6 +42,21 @@ def fuzz_settings(examples: int) -> Callable[[Any], Any]:
 
 def _count(name: str) -> None:
     CASES_RUN[name] = CASES_RUN.get(name, 0) + 1
+
+
+def _outcome(name: str, outcome: str) -> None:
+    OUTCOMES.setdefault(name, set()).add(outcome)
+
+
+def run_counted(name: str, cases: Callable[[], None], examples: int, outcomes: set[str]) -> None:
+    """Run a hypothesis test and check that it really ran: the number of cases, and every
+    outcome expected (a fuzz test whose inputs all fail early would prove nothing)."""
+    CASES_RUN.pop(name, None)
+    OUTCOMES.pop(name, None)
+    cases()
+    wanted = _SCALE or examples
+    assert CASES_RUN.get(name, 0) >= wanted, (name, CASES_RUN.get(name), wanted)
+    assert OUTCOMES.get(name, set()) >= outcomes, (name, OUTCOMES.get(name))
 
 
 def convert_outcome(source: pathlib.Path, dest: pathlib.Path, **options: Any) -> str:
@@ -107,31 +123,42 @@ def hostile_csv(draw: st.DrawFn) -> bytes:
 
 @fuzz_settings(150)
 @given(data=st.one_of(st.binary(max_size=300), hostile_csv()), skip=st.booleans())
-def test_csv_parser_never_raises_anything_else(data: bytes, skip: bool) -> None:
+def _csv_parser_cases(data: bytes, skip: bool) -> None:
     _count("csv parser")
     try:
         rows = parse_csv(data, "fuzz_0.csv", on_bad_rows="skip" if skip else "error")
     except BadInputError as exc:
         assert "fuzz_0.csv" in str(exc)
+        _outcome("csv parser", "error")
         return
     assert len(rows.device) == len(rows.time) == len(rows.values) == len(rows.bad)
+    _outcome("csv parser", "rows" if len(rows.device) else "empty")
 
 
-def _convert_files(files: dict[str, bytes], skip: bool) -> None:
+def test_csv_parser_never_raises_anything_else() -> None:
+    run_counted("csv parser", _csv_parser_cases, 150, {"rows", "error"})
+
+
+def _convert_files(files: dict[str, bytes], skip: bool, test: str) -> None:
     """Write ``files`` into a fresh source directory and convert it (see ``convert_outcome``)."""
     with tempfile.TemporaryDirectory() as tmp:
         root = pathlib.Path(tmp)
         (root / "src").mkdir()
         for name, data in files.items():
             (root / "src" / name).write_bytes(data)
-        convert_outcome(root / "src", root / "out.zarr", on_bad_rows="skip" if skip else "error")
+        outcome = convert_outcome(root / "src", root / "out.zarr", on_bad_rows="skip" if skip else "error")
+        _outcome(test, outcome)
 
 
 @fuzz_settings(30)
 @given(files=st.lists(hostile_csv(), min_size=1, max_size=2), skip=st.booleans())
-def test_csv_convert_store_or_clear_error(files: list[bytes], skip: bool) -> None:
+def _csv_convert_cases(files: list[bytes], skip: bool) -> None:
     _count("csv convert")
-    _convert_files({f"298_{part}.csv": data for part, data in enumerate(files)}, skip)
+    _convert_files({f"298_{part}.csv": data for part, data in enumerate(files)}, skip, "csv convert")
+
+
+def test_csv_convert_store_or_clear_error() -> None:
+    run_counted("csv convert", _csv_convert_cases, 30, {"store", "error"})
 
 
 # -- Parquet -----------------------------------------------------------------------------------
@@ -202,9 +229,14 @@ def hostile_parquet(draw: st.DrawFn) -> bytes:
 
 @fuzz_settings(40)
 @given(files=st.lists(hostile_parquet(), min_size=1, max_size=2), skip=st.booleans())
-def test_parquet_convert_store_or_clear_error(files: list[bytes], skip: bool) -> None:
+def _parquet_convert_cases(files: list[bytes], skip: bool) -> None:
     _count("parquet convert")
-    _convert_files({f"{100 + device}.parquet": data for device, data in enumerate(files)}, skip)
+    _convert_files({f"{100 + device}.parquet": data for device, data in enumerate(files)}, skip,
+                   "parquet convert")
+
+
+def test_parquet_convert_store_or_clear_error() -> None:
+    run_counted("parquet convert", _parquet_convert_cases, 40, {"store", "error"})
 
 
 # -- file names --------------------------------------------------------------------------------
@@ -216,7 +248,7 @@ _NAME_PARTS = st.sampled_from(["..", ".", "298", "0", "-1", "_", "1e3", "00298",
 @fuzz_settings(25)
 @given(names=st.lists(st.lists(_NAME_PARTS, min_size=1, max_size=4).map("".join), min_size=1, max_size=3),
        suffix=st.sampled_from([".csv", ".parquet"]))
-def test_hostile_file_names(names: list[str], suffix: str) -> None:
+def _hostile_file_name_cases(names: list[str], suffix: str) -> None:
     _count("file names")
     with tempfile.TemporaryDirectory() as tmp:
         root = pathlib.Path(tmp)
@@ -231,7 +263,11 @@ def test_hostile_file_names(names: list[str], suffix: str) -> None:
                 birdzarr._synthetic.write_parquet(np.zeros((3, 20, 4), np.float32), path)
         if not any((root / "src").iterdir()):
             return
-        convert_outcome(root / "src", root / "out.zarr")
+        _outcome("file names", convert_outcome(root / "src", root / "out.zarr"))
+
+
+def test_hostile_file_names() -> None:
+    run_counted("file names", _hostile_file_name_cases, 25, {"error"})
 
 
 # -- fixed hostile cases -----------------------------------------------------------------------
@@ -257,9 +293,10 @@ def test_a_parquet_footer_with_a_non_utf8_column_name(tmp_path: pathlib.Path, sk
     path = tmp_path / "src" / "12.parquet"
     birdzarr._synthetic.write_parquet(np.zeros((3, 20, 4), np.float32), path)
     path.write_bytes(path.read_bytes().replace(b"gimu", b"\x9aimu"))
-    if skip:
-        store = birdzarr.convert(tmp_path / "src", tmp_path / "out.zarr", on_bad_rows="skip", progress=False)
-        assert len(store) == 0 and store.report[12].bad_files == 1
+    if skip:  # the only file skipped: no window at all, which is an error, not an empty store
+        with pytest.raises(BadInputError, match=r"gives no windows \(0 rows read.* 1 unreadable file"):
+            birdzarr.convert(tmp_path / "src", tmp_path / "out.zarr", on_bad_rows="skip", progress=False)
+        assert not (tmp_path / "out.zarr").exists()
     else:
         with pytest.raises(BadInputError, match="12.parquet: not a readable Parquet file"):
             birdzarr.convert(tmp_path / "src", tmp_path / "out.zarr", progress=False)
@@ -271,9 +308,3 @@ def test_a_csv_holding_another_device_is_refused(tmp_path: pathlib.Path) -> None
     (tmp_path / "src" / "5_0.csv").write_text("\n".join(_GOOD_ROW.format(i=i) for i in range(20)) + "\n")
     with pytest.raises(BadInputError, match="device_id 298 in a file of device 5"):
         birdzarr.convert(tmp_path / "src", tmp_path / "out.zarr", progress=False)
-
-
-def test_fuzz_case_counts_are_reported() -> None:
-    if not CASES_RUN:
-        pytest.skip("run with the fuzz tests")
-    print("fuzz cases run:", CASES_RUN, "total", sum(CASES_RUN.values()))
