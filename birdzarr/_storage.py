@@ -355,8 +355,9 @@ def _uses_obstore(location: Location) -> bool:
             "'spawn' or 'forkserver' start method)"
         )
     if _obstore_config(location.storage_options) is None:
-        unsupported = sorted(k for k in location.storage_options
-                             if k not in _OBSTORE_OPTIONS and k not in ("client_kwargs", "max_concurrency"))
+        unsupported = sorted(k for k, v in location.storage_options.items()
+                             if k not in _OBSTORE_OPTIONS and k not in ("client_kwargs", "max_concurrency")
+                             and not (k == "config_kwargs" and _is_default_config(v)))
         return _obstore_fallback(
             f"storage_options {unsupported or ['client_kwargs']} have no obstore equivalent")
     return True

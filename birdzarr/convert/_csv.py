@@ -248,7 +248,7 @@ class CsvDeviceReader:
 
     def part(self, part: Location) -> PartPieces:
         """One part read, parsed, checked and curated as far as it can be without its neighbours."""
-        data = part.fs.cat_file(part.path)
+        data = read_bytes(part)  # decompressed: .csv, .csv.gz, .csv.zst (convert/_input.py)
         empty = not data or data.isspace()
         rows = parse_csv(data, part.display, on_bad_rows=self.on_bad_rows)
         del data
