@@ -135,6 +135,8 @@ def inspect_destination(dst: Location) -> tuple[State, list[str]]:
         raise StoreExistsError(
             f"{dst.display} is an object (a file), not a store prefix; choose another destination."
         )
+    with contextlib.suppress(Exception):
+        fs.invalidate_cache(dst.path)  # a listing cached before another writer changed DEST
     try:
         entries = fs.ls(dst.path, detail=True)
     except FileNotFoundError:
@@ -145,6 +147,8 @@ def inspect_destination(dst: Location) -> tuple[State, list[str]]:
         return ("unfinished" if _has_lock(dst) else "empty"), []
     foreign = [n + ("/" if t == "directory" else "") for n, t in names.items()
                if n != ROOT and n not in _NODES and not n.endswith(".partial")]
+    if ROOT in names and not fs.exists(dst.join(ROOT)):
+        del names[ROOT]  # listed, but gone since (eventual listings)
     if ROOT in names:
         meta = _birdzarr_attrs(dst)
         if meta is None:
