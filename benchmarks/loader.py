@@ -146,7 +146,6 @@ def _quality(kept: list[np.ndarray], meta: dict[str, Any]) -> float:
 
 def run_case(spec: dict[str, Any]) -> dict[str, Any]:
     import _loader_baselines as base
-    import torch
     from torch.utils.data import DataLoader
 
     meta = spec["meta"]
@@ -173,27 +172,41 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
         loader = DataLoader(base.ReadyBatches(n_total, BATCH), batch_size=None, num_workers=WORKERS)
         out = _iterate(loader, max_batches=None, quality_batches=q)
     elif kind == "birdzarr":
-        import warnings
-
         import birdzarr
 
         started = time.perf_counter()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the device-order warning is what is being measured
+        names = ("shuffle_buffer", "resident", "resident_codes", "allow_device_order", "split", "devices")
+        options = {k: spec[k] for k in names if spec.get(k) is not None}
+        if "devices" in options:  # every other device: a subset that is not one contiguous range
+            options["devices"] = meta["device_ids"][:: int(options["devices"])]
+        try:
             ds = birdzarr.WindowDataset(meta["stores"][spec["store"]], batch_size=BATCH, seed=SEED,
-                                        shuffle_buffer=spec.get("buffer"), with_ldt=spec["ldt"])
+                                        with_ldt=spec["ldt"], progress=False, **options)
+        except birdzarr.SamplingError as exc:
+            return {"refused": str(exc).split(": ", 1)[1][:60] + "..."}
         result["open_s"] = time.perf_counter() - started
-        plan = ds.plan()
-        groups = -(-plan.n_batches // plan.group_batches)
-        result["chunks_per_group"] = float(np.mean([len(plan.group_chunks(g)) for g in range(groups)]))
-        if spec.get("sharing"):
-            torch.multiprocessing.set_sharing_strategy(spec["sharing"])
-        loader = DataLoader(ds, batch_size=None, num_workers=spec.get("workers", WORKERS))
-        if spec["ldt"]:
-            out = _iterate(loader, max_batches=None, quality_batches=q,
-                           ids_of=lambda batch: batch[1][:, 1].numpy().copy())
-        else:
-            out = _iterate(loader, max_batches=None, quality_batches=q)  # same order as with ldt
+        workers = spec.get("workers", WORKERS)
+        if ds.resident is None:
+            result["pool_chunks"] = float(np.mean([len(p.chunks) for p in ds.plan().pools]))
+        loader = DataLoader(ds, batch_size=None, num_workers=workers, persistent_workers=workers > 0)
+        ids_of = (lambda batch: batch[1][:, 1].numpy().copy()) if spec["ldt"] else None
+        out = _iterate(loader, max_batches=None, quality_batches=q, ids_of=ids_of)
+        # batch membership of epochs 0 and 1 (from the plan, not timed): fresh batches every epoch?
+        members = []
+        for epoch in (0, 1):
+            ds.set_epoch(epoch)
+            members.append([ds.batch_indices(b) for b in ds.delivery_order(workers)])
+        from birdzarr.read._quality import pair_cooccurrence_ratio, repeated_batch_fraction
+
+        result["repeated"] = repeated_batch_fraction(members[0], members[1])
+        n_store = n_total * spec.get("scale", 1)
+        result["cooccurrence"] = pair_cooccurrence_ratio(members[0], members[1], n_store)
+        window_devices = birdzarr.open_store(meta["stores"][spec["store"]]).window_devices[:]
+        if ids_of is None:  # quality from the same batches' device ids (x-only runs deliver the same)
+            out["kept"] = [window_devices[m] for m in members[0][:q]]
+        # a subset is compared with its own device proportions
+        chosen, counts = np.unique(window_devices[np.concatenate(members[0])], return_counts=True)
+        result["selection"] = {"device_ids": chosen.tolist(), "sizes": counts.tolist()}
     else:
         started = time.perf_counter()
         if kind == "old":
@@ -217,6 +230,8 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
         out["kept"] = by_index(sampler, min(q, out["batches"]))
     kept = out.pop("kept")
     result.update(out)
+    if "selection" in result:
+        meta = {**meta, **result.pop("selection")}
     result["quality"] = _quality(kept, meta) if kept else None
     result["quality_batches"] = len(kept)
     result["self_maxrss_mb"] = _maxrss() / MB
@@ -254,31 +269,43 @@ def cases(meta: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]
         {"label": "(e) ideal in-RAM gather", "kind": "ideal"},
         {"label": "(g) torch transport only: 2 workers, fresh shared batches", "kind": "ceiling"},
     ]
-    for store, tag in (("device", "device order"), ("shuffled", "pre-shuffled")):
-        if store not in meta["stores"]:
-            continue
-        # the default shuffle_buffer is one batch, so "default" is also the 1-batch buffer
-        for buffer, name in ((None, "default (buffer 1 batch)"), (4 * BATCH, "buffer 4 batches"),
-                             (16 * BATCH, "buffer 16 batches")):
-            out.append({"label": f"(f) WindowDataset {name}, {tag}", "kind": "birdzarr", "store": store,
-                        "buffer": buffer, "ldt": True})
-    main_store = "shuffled" if "shuffled" in meta["stores"] else "device"
-    tag = "pre-shuffled" if main_store == "shuffled" else "device order"
-    x_only = {"kind": "birdzarr", "store": main_store, "buffer": None, "ldt": False}
-    out.append({"label": f"(f) WindowDataset default, x only, {tag}", **x_only})
-    # the same, with what a training script can change: torch's sharing strategy, or no workers
-    out.append({"label": f"(f) WindowDataset default, x only, {tag}, file_system sharing", **x_only,
-                "sharing": "file_system"})
-    out.append({"label": f"(f) WindowDataset default, x only, {tag}, num_workers=0", **x_only, "workers": 0})
+    shuffled = {"kind": "birdzarr", "store": "shuffled", "ldt": True}
+    device = {"kind": "birdzarr", "store": "device", "ldt": True}
+    out += [
+        {"label": "(f) WindowDataset pool of 1 chunk (one chunk a batch), --shuffle store", **shuffled,
+         "shuffle_buffer": BATCH},
+        {"label": "(f) WindowDataset default, --shuffle store", **shuffled},
+        {"label": "(f) WindowDataset default, x only, --shuffle store", **shuffled, "ldt": False},
+        {"label": "(f) WindowDataset default, --shuffle store, split=train", **shuffled, "split": "train"},
+        {"label": "(f) WindowDataset default, --shuffle store, every 2nd device", **shuffled, "devices": 2},
+        {"label": "(f) WindowDataset default, device order (refused)", **device},
+        {"label": "(f) WindowDataset default, device order, allow_device_order", **device,
+         "allow_device_order": True},
+        {"label": "(f) WindowDataset device order, allow_device_order, split=train", **device,
+         "allow_device_order": True, "split": "train"},
+        {"label": "(h) resident='cpu', --shuffle store (float32), 0 workers", **shuffled, "resident": "cpu",
+         "workers": 0},
+        {"label": "(h) resident='cpu', device order (dict16 codes), 0 workers", **device, "resident": "cpu",
+         "workers": 0},
+        {"label": "(h) resident='cpu', device order (dict16 codes), 2 workers", **device, "resident": "cpu"},
+        {"label": "(h) resident='cpu', device order, resident_codes=False, 0 workers", **device,
+         "resident": "cpu", "resident_codes": False, "workers": 0},
+        {"label": "(h) resident='cpu', device order, resident_codes=False, 2 workers", **device,
+         "resident": "cpu", "resident_codes": False},
+    ]
     for store in ("device2x", "shuffled2x"):
         if store in meta["stores"]:
-            tag = "pre-shuffled" if store.startswith("shuffled") else "device order"
-            out.append({"label": f"(f) WindowDataset default, {tag}, 2x data", "kind": "birdzarr",
-                        "store": store, "buffer": None, "ldt": True, "scale": 2})
+            if store == "shuffled2x":
+                out.append({"label": "(f) WindowDataset default, --shuffle store, 2x data",
+                            "kind": "birdzarr", "store": store, "ldt": True, "scale": 2})
+            else:
+                out.append({"label": "(f) WindowDataset device order, allow_device_order, split=train, 2x",
+                            "kind": "birdzarr", "store": store, "ldt": True, "scale": 2,
+                            "allow_device_order": True, "split": "train"})
     return [{**common, **case} for case in out]
 
 
-def predicted_device_order(meta: dict[str, Any], chunks_per_group: float) -> float:
+def predicted_device_order(meta: dict[str, Any], pool_chunks: float) -> float:
     """Quality ratio of a batch whose windows come from K chunks of one device each: the device
     mix then has only K independent draws (TV of K multinomial draws, ~sqrt(B/K) times that of B
     draws until it saturates) plus the batch's own sampling noise, so about sqrt(1 + B/K)."""
@@ -286,7 +313,7 @@ def predicted_device_order(meta: dict[str, Any], chunks_per_group: float) -> flo
 
     sizes = np.asarray(meta["sizes"], dtype=float)
     proportions = sizes / sizes.sum()
-    k = max(1, round(chunks_per_group))
+    k = max(1, round(pool_chunks))
     ratio = uniform_tv_distance(proportions, k) / uniform_tv_distance(proportions, BATCH)
     return float(np.sqrt(1 + ratio**2))
 
@@ -300,7 +327,7 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
     labels = [r["loader"] for r in rows][::-1]
     speed = [r["M windows/s"] for r in rows][::-1]
     ram = [r["peak private MB"] for r in rows][::-1]
-    quality = [r["quality"] if isinstance(r["quality"], float) else np.nan for r in rows][::-1]
+    quality = [r["device mix"] if isinstance(r["device mix"], float) else np.nan for r in rows][::-1]
     palette = {"(f)": "#1f77b4", "(e)": "#2ca02c", "(g)": "#ff7f0e"}
     colours = [palette.get(label[:3], "#7f7f7f") for label in labels]
     fig, axes = plt.subplots(1, 3, figsize=(17, 0.42 * len(rows) + 2.2), sharey=True,
@@ -371,12 +398,18 @@ def main() -> int:
             for spec in selected:
                 result = measure(spec)
                 result["label"] = spec["label"]
+                if "refused" in result:
+                    log(f"{spec['label']}: refused: {result['refused']}")
+                    continue
                 runs[spec["label"]].append(result)
                 log(f"{spec['label']}: {result['windows_per_s'] / MB:.3f} M windows/s, first batch "
                     f"{result['first_batch_s']:.2f} s, peak private {result['peak_uss_mb']:.0f} MB, quality "
                     f"{result['quality'] if result['quality'] is None else round(result['quality'], 2)}")
         results = []
         for spec in selected:
+            if not runs[spec["label"]]:
+                results.append((spec, {"refused": True}))
+                continue
             measured = sorted(runs[spec["label"]], key=lambda r: r["windows_per_s"])
             median = dict(measured[len(measured) // 2])
             median["runs_windows_per_s"] = [r["windows_per_s"] for r in runs[spec["label"]]]
@@ -389,6 +422,12 @@ def main() -> int:
     nan = float("nan")
     rows = []
     for spec, r in results:
+        if r.get("refused"):
+            rows.append({"loader": spec["label"], "M windows/s": nan, "x (a)": nan, "% of (e)": nan,
+                         "first batch s": nan, "peak private MB": nan, "device mix": "", "repeated %": "",
+                         "co-occurrence": "", "runs M/s": "",
+                         "timed over": "refused (SamplingError)"})
+            continue
         row = {
             "loader": spec["label"],
             "M windows/s": r["windows_per_s"] / MB,
@@ -396,24 +435,28 @@ def main() -> int:
             "% of (e)": 100 * r["windows_per_s"] / reference["ideal"] if "ideal" in reference else nan,
             "first batch s": r["first_batch_s"],
             "peak private MB": r["peak_uss_mb"],
-            "quality": r["quality"] if r["quality"] is not None else "",
+            "device mix": r["quality"] if r["quality"] is not None else "",
+            "repeated %": 100 * r["repeated"] if "repeated" in r else "",
+            "co-occurrence": r.get("cooccurrence", ""),
             "runs M/s": " ".join(f"{w / MB:.2f}" for w in r["runs_windows_per_s"]),
             "timed over": (f"{r['batches']} batches" if spec.get("max_batches") else "1 epoch")
-                          + ("" if "load_s" not in r else f"; load {r['load_s']:.1f} s"),
+                          + ("" if "load_s" not in r else f"; load {r['load_s']:.1f} s")
+                          + ("" if not spec.get("resident") else f"; load {r['open_s']:.1f} s"),
         }
-        if spec["kind"] == "birdzarr" and spec["store"].startswith("device"):
-            row["timed over"] += (f"; K={r['chunks_per_group']:.1f} chunks/group, predicted quality "
-                                  f"{predicted_device_order(meta, r['chunks_per_group']):.1f}")
+        if "pool_chunks" in r:
+            row["timed over"] += f"; {r['pool_chunks']:.0f} chunks a pool"
+            if spec["store"].startswith("device"):
+                row["timed over"] += f", predicted mix {predicted_device_order(meta, r['pool_chunks']):.1f}"
         rows.append(row)
     print()
     print(f"{args.windows:,} windows, {args.devices} devices, batch {BATCH}, {WORKERS} workers; {machine()}; "
           f"total {time.perf_counter() - started:.0f} s; median of {args.repeat} run(s), "
           "peak memory the largest")
     print(table(rows))
-    chunks = -(-args.windows // 8192)
-    print(f"device-ordered store: predicted quality ratio with a buffer of all {chunks} chunks (the whole "
-          f"data set in RAM): {predicted_device_order(meta, chunks):.1f}; 1.3 needs ~{BATCH / 0.69:,.0f} "
-          "independent chunk draws per batch")
+    print("device mix: mean TV distance of a batch's device histogram from the data set's, over that of "
+          "uniform batches (1.0 = a true shuffle); repeated %: epoch 1's batches equal as sets to a batch "
+          "of epoch 0; co-occurrence: pairs batched together in epoch 0 batched together again in "
+          "epoch 1, over batch_size / n_windows (1.0 = uniform)")
     if args.plot:
         os.makedirs(os.path.dirname(args.plot), exist_ok=True)
         plot(rows, args.plot, f"Training loader, {args.windows / 1e6:.1f} M windows, batch {BATCH}, "

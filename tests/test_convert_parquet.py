@@ -56,7 +56,7 @@ def test_parquet_round_trip_is_bit_exact(
     assert (store.timestamps[:] == TIMESTAMP_UNKNOWN).all()
     assert (store.labels[:] == -1).all()
     assert store.gimu.shape == (len(store), 20, 4)
-    assert store.gimu.metadata.dimension_names == ("window", "time", "channel")
+    assert store.gimu.metadata.dimension_names == ("window", "sample", "channel")
     # plain zarr-python reads the same values through the registered dict16 codec
     assert np.array_equal(store.gimu[:].view(np.uint32), expected.view(np.uint32))
 

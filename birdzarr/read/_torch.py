@@ -148,6 +148,8 @@ class WindowDataset(IterableDataset[Batch]):
         resident: ``False`` (stream), ``"cpu"`` or a torch device (``"cuda"``): hold the
             selection in memory once and draw a full permutation every epoch
             (docs/training.md#resident-mode).
+        resident_codes: hold a dict16 store's 16-bit codes (0.5x the memory of float32, decoded
+            in each gather); ``False`` holds float32 (faster gathers on the host).
         allow_device_order: stream shuffled batches from a device-ordered store anyway.
         progress: show a progress bar while a resident selection loads.
         world_size / rank: override what torch.distributed or the environment say.
@@ -180,6 +182,7 @@ class WindowDataset(IterableDataset[Batch]):
         prefetch: int = 4,
         transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
         resident: bool | str | torch.device = False,
+        resident_codes: bool = True,
         allow_device_order: bool = False,
         progress: bool = True,
         world_size: int | None = None,
@@ -239,7 +242,7 @@ class WindowDataset(IterableDataset[Batch]):
 
             self.resident = ResidentSelection.load(
                 opened, self.selection, device=resident, with_ldt=with_ldt, prefetch=self.prefetch,
-                progress=progress,
+                progress=progress, codes=resident_codes,
             )
         elif shuffle and not opened.shuffled and not allow_device_order:
             refusal = _device_order_refusal(
@@ -473,7 +476,7 @@ class WindowDataset(IterableDataset[Batch]):
                 order = plan.pool_order(pool)
                 for batch in in_pool:
                     rows = loaded.rows[plan.batch_positions(batch, order)]
-                    assembled = self._assemble(loaded, rows)
+                    assembled = self._assemble(len(rows), _pool_filler(loaded, rows))
                     self._yielded += 1  # counted before handing over: state_dict() names the next batch
                     # a _SharedBatch only in a DataLoader worker, which the transport turns into a Batch
                     yield cast(Batch, assembled)
@@ -508,12 +511,22 @@ class WindowDataset(IterableDataset[Batch]):
         batches, _ = self._my_batches(batches_of, lambda k: [len(range(w, n, k)) for w in range(k)])
         self._yielded = self._skip_own
         self._skip_own = 0
-        for batch in batches.tolist():
-            x, ldt = self.resident.gather(plan, batch, channel_first=self.channel_first)
-            if self.transform is not None:
-                x = self.transform(x)
-            self._yielded += 1
-            yield x if ldt is None else (x, ldt)
+        local = self._local() if self.resident.device.type == "cpu" else None
+        try:
+            for batch in batches.tolist():
+                if local is not None:  # host memory: gather into a reused slot, like streaming
+                    rows = plan.rows(batch).numpy()
+                    assembled: Any = self._assemble(len(rows), self.resident.filler(rows))
+                else:
+                    x, ldt = self.resident.gather(plan, batch, channel_first=self.channel_first)
+                    if self.transform is not None:
+                        x = self.transform(x)
+                    assembled = x if ldt is None else (x, ldt)
+                self._yielded += 1
+                yield cast(Batch, assembled)
+        finally:
+            if local is not None and local.slots is not None:
+                local.slots.retire()
         self._finish_epoch()
 
     def _slot(self) -> _handoff.Slot | None:
@@ -528,9 +541,9 @@ class WindowDataset(IterableDataset[Batch]):
             local.slots = _handoff.SlotRing(self.batch_size * per_window, keep=_FREE_SLOTS)
         return local.slots.acquire()
 
-    def _assemble(self, loaded: LoadedPool, rows: np.ndarray) -> Batch | _SharedBatch:
-        """Gather one batch (buffer ``rows`` of the loaded pool) into its output memory."""
-        size = len(rows)
+    def _assemble(self, size: int, fill: Filler) -> Batch | _SharedBatch:
+        """One batch of ``size`` windows into its output memory (a reused slot in a DataLoader
+        worker, else a new tensor); ``fill`` writes the channel-last windows and the ldt rows."""
         shape = (size, N_CHANNELS, WINDOW_LENGTH) if self.channel_first else (size, WINDOW_LENGTH, N_CHANNELS)
         ldt_offset = self.batch_size * _X_BYTES
         slot = self._slot()
@@ -549,13 +562,7 @@ class WindowDataset(IterableDataset[Batch]):
             ldt_tensor = _new_batch((size, 3), torch.int64, shared) if self.with_ldt else None
             ldt = None if ldt_tensor is None else ldt_tensor.numpy()
         x = self._scratch("channel_last", size) if self.channel_first else out
-        # rows index the reader's own pool buffer, so mode="clip" (3x faster than the default,
-        # which buffers the output) never clips
-        np.take(loaded.gimu, rows, axis=0, out=x, mode="clip")
-        if ldt is not None and loaded.ldt is not None:
-            ldt[:, 0] = loaded.ldt[LABEL][rows]
-            ldt[:, 1] = loaded.ldt[DEVICE][rows]
-            ldt[:, 2] = loaded.ldt[TIMESTAMP][rows]
+        fill(x, ldt)
         if self.channel_first:
             out[:] = x.transpose(0, 2, 1)
         if slot is not None and self.transform is not None:
@@ -590,6 +597,24 @@ class WindowDataset(IterableDataset[Batch]):
             f"shuffle={self.shuffle}, seed={self.seed}, epoch={self.epoch}, rank={self.rank}/"
             f"{self.world_size}, {mode}, windows={self.windows_per_epoch:,}, batches={len(self)})"
         )
+
+
+Filler = Callable[[np.ndarray, "np.ndarray | None"], None]
+
+
+def _pool_filler(loaded: LoadedPool, rows: np.ndarray) -> Filler:
+    """Gather ``rows`` of a loaded pool: windows with one take, ldt from the pool's arrays."""
+
+    def fill(x: np.ndarray, ldt: np.ndarray | None) -> None:
+        # rows index the reader's own pool buffer, so mode="clip" (3x faster than the default,
+        # which buffers the output) never clips
+        np.take(loaded.gimu, rows, axis=0, out=x, mode="clip")
+        if ldt is not None and loaded.ldt is not None:
+            ldt[:, 0] = loaded.ldt[LABEL][rows]
+            ldt[:, 1] = loaded.ldt[DEVICE][rows]
+            ldt[:, 2] = loaded.ldt[TIMESTAMP][rows]
+
+    return fill
 
 
 def _device_order_refusal(
