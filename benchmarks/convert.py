@@ -1,11 +1,17 @@
-"""Conversion benchmark: realistic per-device Parquet -> store; MB/s, ratio, peak memory.
+"""Conversion benchmark: Parquet and CSV -> store with 1 and 2 workers, and --shuffle; MB/s,
+CPU seconds, cores used, store size against the Parquet source, peak memory, load average.
 
-    python benchmarks/convert.py                       # 186 devices, 2.5 M windows, + memory test
+    python benchmarks/convert.py                       # 186 devices, 1 M windows, CSV, shuffle
     python benchmarks/convert.py --windows 300000      # quicker
+    python benchmarks/convert.py --workers 1 2 16      # on a larger machine
 
 Generated data goes to --workdir (default: a temporary directory) and is removed at the end
-unless --keep is given. Each conversion runs in its own process so its peak RSS (whole process
-tree, sampled every 50 ms) is its own. MB/s counts float32 window bytes (320 per window).
+unless --keep is given. Each conversion runs in its own process (the CLI) so its peak RSS (whole
+process tree, sampled every 50 ms) and CPU time (children's rusage) are its own. Parquet MB/s
+counts float32 window bytes (320 per window), CSV MB/s counts CSV text bytes. The machine's load
+average (1 minute) is printed beside each run: on a shared machine the wall-clock figures are
+only comparable between runs of similar load; "MB per CPU s" is the robust one. The last table
+gives the ratios the targets of issue 15 are stated in.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import os
 import shutil
 import sys
 import tempfile
+from typing import Any
 
 import numpy as np
 
@@ -30,7 +37,7 @@ WINDOW_BYTES = 320
 def make_parquet(directory: str, sizes: dict[int, int], *, seed: int) -> None:
     """Write one file per device, generated piecewise so the generator's memory stays small."""
     os.makedirs(directory, exist_ok=True)
-    marker = os.path.join(directory, ".complete")
+    marker = directory.rstrip("/") + ".complete"  # beside it: a source holds input files only
     if os.path.exists(marker):
         return
     import pyarrow as pa
@@ -53,36 +60,51 @@ def make_parquet(directory: str, sizes: dict[int, int], *, seed: int) -> None:
     open(marker, "w").close()
 
 
-def convert_measured(source: str, dest: str, *extra: str) -> dict[str, float]:
+def make_csv(directory: str, *, devices: int, bursts: int, parts: int, seed: int) -> None:
+    """Raw CSV exports of ``devices`` devices, ``parts`` parts each (bursts cross the parts)."""
+    marker = directory.rstrip("/") + ".complete"
+    if os.path.exists(marker):
+        return
+    _synthetic.make_csv_dir(directory, n_devices=devices, bursts_per_device=bursts, parts=parts, seed=seed)
+    open(marker, "w").close()
+
+
+def input_bytes(source: str, suffix: str) -> int:
+    return sum(os.path.getsize(os.path.join(source, f)) for f in os.listdir(source) if f.endswith(suffix))
+
+
+def convert_measured(source: str, dest: str, *extra: str, parquet: str | None = None) -> dict[str, Any]:
+    """One CLI conversion; ``parquet`` (a directory) for the store-vs-Parquet size column."""
     cli = "import sys; from birdzarr.cli import main; sys.exit(main(sys.argv[1:]))"
     argv = [sys.executable, "-c", cli, "convert", source, dest, "--overwrite", "--quiet", *extra]
     cpu_before, load = children_cpu(), os.getloadavg()[0]
     wall, peak, _ = run_measured(argv)
     cpu = children_cpu() - cpu_before
+    load_after = os.getloadavg()[0]
     import birdzarr
 
     store = birdzarr.open_store(dest)
-    seconds = float(store.meta["report"]["seconds"])
+    report = store.meta["report"]
+    seconds = float(report["seconds"])
     raw = len(store) * WINDOW_BYTES
     stored = dir_bytes(dest)
-    parquet = sum(
-        os.path.getsize(os.path.join(source, f)) for f in os.listdir(source) if f.endswith(".parquet")
-    )
-    return {
+    is_csv = store.meta["source_kind"] == "csv"
+    source_bytes = input_bytes(source, ".csv" if is_csv else ".parquet")
+    row = {
         "windows": len(store),
         "seconds": seconds,
+        "MB/s": (source_bytes if is_csv else raw) / seconds / 1e6,
+        "of": "CSV text" if is_csv else "float32",
+        "CPU s": float(report.get("cpu_seconds", cpu)),
+        "cores used": float(report.get("cores_used", 0.0)),
+        "process CPU s": cpu,
         "wall_s": wall,
-        "MB/s": raw / seconds / 1e6,
-        "CPU s": cpu,
-        "MB per CPU s": raw / cpu / 1e6,
-        "load": load,
-        "raw MB": raw / 1e6,
-        "parquet MB": parquet / 1e6,
+        "load": f"{load:.1f}-{load_after:.1f}",
         "store MB": stored / 1e6,
-        "ratio vs float32": raw / stored,
-        "store/parquet": stored / parquet,
+        "store/parquet": stored / input_bytes(parquet, ".parquet") if parquet else "",
         "peak RSS MB": peak / 1e6,
     }
+    return row
 
 
 def main() -> int:
@@ -90,17 +112,21 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--devices", type=int, default=186)
-    parser.add_argument("--windows", type=int, default=2_500_000)
+    parser.add_argument("--windows", type=int, default=1_000_000)
+    parser.add_argument("--csv-devices", type=int, default=8)
+    parser.add_argument("--csv-bursts", type=int, default=20_000, help="bursts per CSV device")
+    parser.add_argument("--csv-parts", type=int, default=3)
     parser.add_argument(
         "--device-sizes",
         type=int,
         nargs="+",
-        default=[9_296, 150_000, 1_500_000],
+        default=[9_296, 1_500_000],
         help="windows of the single-device conversions of the memory test",
     )
-    parser.add_argument("--workers", type=int, nargs="*", default=[0], help="0 = default (all cores)")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--skip-memory", action="store_true", help="skip the big-vs-small device test")
     parser.add_argument("--skip-shuffle", action="store_true", help="skip the --shuffle conversion")
+    parser.add_argument("--skip-csv", action="store_true", help="skip the CSV conversions")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--keep", action="store_true", help="keep the generated data and stores")
     parser.add_argument("--json", default=None, help="also write the results here")
@@ -108,54 +134,64 @@ def main() -> int:
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="birdzarr-bench-convert-")
     os.makedirs(workdir, exist_ok=True)
-    results: dict[str, list[dict[str, object]]] = {"corpus": [], "memory": []}
+    rows: list[dict[str, Any]] = []
+    most = max(args.workers)
     try:
         print(f"# {machine()}; workdir {workdir}")
         ids = _synthetic.device_ids(args.devices).tolist()
         sizes = _synthetic.device_sizes(args.devices, args.windows, seed=0).tolist()
         corpus = os.path.join(workdir, f"parquet_{args.devices}_{args.windows}")
         make_parquet(corpus, dict(zip(ids, sizes, strict=True)), seed=0)
-        for workers in args.workers:
-            extra = ["--workers", str(workers)] if workers else []
-            row = {
-                "input": f"{args.devices} devices",
-                "workers": workers or "default",
-                **convert_measured(corpus, os.path.join(workdir, "corpus.zarr"), *extra),
-            }
-            results["corpus"].append(row)
+
+        def run(name: str, workers: int, source: str, dest: str, *extra: str) -> dict[str, Any]:
+            row = {"input": name, "workers": workers,
+                   **convert_measured(source, os.path.join(workdir, dest), "--workers", str(workers), *extra,
+                                      parquet=corpus)}
+            rows.append(row)
             print(table([row]), flush=True)
+            return row
+
+        ordered = {w: run(f"parquet, {args.devices} devices", w, corpus, "corpus.zarr") for w in args.workers}
         if not args.skip_shuffle:
-            row = {
-                "input": f"{args.devices} devices, --shuffle",
-                "workers": "default",
-                **convert_measured(
-                    corpus,
-                    os.path.join(workdir, "shuffled.zarr"),
-                    "--shuffle",
-                    "--seed",
-                    "1",
-                    "--shuffle-tmp",
-                    workdir,
-                ),
-            }
-            results["corpus"].append(row)
-            print(table([row]), flush=True)
+            shuffled = run(f"parquet, {args.devices} devices, --shuffle", most, corpus, "shuffled.zarr",
+                           "--shuffle", "--seed", "1", "--shuffle-tmp", workdir)
+        csv_rows = {}
+        if not args.skip_csv:
+            csv_dir = os.path.join(workdir, f"csv_{args.csv_devices}_{args.csv_bursts}")
+            make_csv(csv_dir, devices=args.csv_devices, bursts=args.csv_bursts, parts=args.csv_parts, seed=0)
+            csv_rows = {w: run(f"csv, {args.csv_devices} devices x {args.csv_parts} parts", w, csv_dir,
+                               "csv.zarr") for w in args.workers}
         if not args.skip_memory:
             for size in args.device_sizes:
-                name = "one device"
                 source = os.path.join(workdir, f"one_{size}")
                 make_parquet(source, {900 + size % 97: size}, seed=1)
-                row = {
-                    "input": f"{name} ({size:,} windows)",
-                    **convert_measured(source, os.path.join(workdir, f"one_{size}.zarr")),
-                }
-                results["memory"].append(row)
-                print(table([row]), flush=True)
+                run(f"one device ({size:,} windows)", most, source, f"one_{size}.zarr")
         print()
-        print(table(results["corpus"] + results["memory"]))
+        print(table(rows))
+        targets: list[dict[str, object]] = []
+        one = ordered.get(1)
+        csv_one = csv_rows.get(1)
+        for w, row in ordered.items():
+            targets.append({"figure": f"parquet MB/s, {w} workers", "value": row["MB/s"],
+                            "x 1 worker": float(row["MB/s"]) / float(one["MB/s"]) if one else "",
+                            "load": row["load"]})
+        for w, row in csv_rows.items():
+            targets.append({"figure": f"CSV MB/s of text, {w} workers", "value": row["MB/s"],
+                            "x 1 worker": float(row["MB/s"]) / float(csv_one["MB/s"]) if csv_one else "",
+                            "load": row["load"]})
+        if not args.skip_shuffle:
+            targets.append({"figure": f"--shuffle MB/s, {most} workers", "value": shuffled["MB/s"],
+                            "x ordered": float(shuffled["MB/s"]) / float(ordered[most]["MB/s"]),
+                            "load": shuffled["load"]})
+            targets.append({"figure": "shuffled store / parquet", "value": shuffled["store/parquet"],
+                            "load": ""})
+            targets.append({"figure": "ordered store / parquet", "value": ordered[most]["store/parquet"],
+                            "load": ""})
+        print()
+        print(table(targets))
         if args.json:
             with open(args.json, "w") as handle:
-                json.dump(results, handle, indent=2)
+                json.dump({"runs": rows, "targets": targets}, handle, indent=2, default=str)
     finally:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -39,17 +39,19 @@ _MAX_CODES = 65535
 
 def _distinct_and_codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     """Sorted distinct uint32 values and a uint16 code per value, or None if too many."""
-    import pandas as pd  # only encoding needs it; readers and DataLoader workers never import it
+    import pyarrow as pa  # only encoding needs it; readers and DataLoader workers never import it
 
-    # A hash factorisation then a sort of the few thousand distinct values: measured 20% faster
-    # than sorting all values (np.unique) and the same bytes.
-    first_seen_codes, distinct = pd.factorize(values, sort=False)
+    # A hash dictionary-encoding, then a sort of the few thousand distinct values: measured 30%
+    # faster than pandas' factorize and 5x faster than np.unique; the bytes are the same (the
+    # dictionary is sorted, so the first-seen order of the hash table does not matter).
+    encoded = pa.array(values).dictionary_encode()
+    distinct = encoded.dictionary.to_numpy()
     if len(distinct) > _MAX_CODES:
         return None
     order = np.argsort(distinct, kind="stable")
     rank = np.empty(len(distinct), dtype=np.uint16)
     rank[order] = np.arange(len(distinct), dtype=np.uint16)
-    return np.asarray(distinct)[order], rank[first_seen_codes]
+    return distinct[order], rank[encoded.indices.to_numpy()]
 
 
 def encode_dict16(array: np.ndarray) -> bytes:
@@ -140,7 +142,169 @@ class Dict16Codec(ArrayBytesCodec):
 
 register_codec(DICT16, Dict16Codec)
 
-CODECS = ("dict16", "standard")
+# -- birdzarr.gdict16: dictionaries per group of windows (shuffled stores) ---------------------
+GDICT16 = "birdzarr.gdict16"
+GMAGIC = b"BZG1"
+_GHEADER = np.dtype([
+    ("magic", "S4"), ("mode", "<u4"), ("n_windows", "<u4"), ("n_per_window", "<u4"),
+    ("n_channels", "<u4"), ("n_groups", "<u4"),
+])
+
+
+def _group_index(groups: np.ndarray | None, n_windows: int) -> tuple[np.ndarray, int]:
+    """Group number (0..G-1, in ascending order of the given labels) of each window."""
+    if groups is None or n_windows == 0:
+        return np.zeros(n_windows, dtype=np.uint16), 1
+    labels, index = np.unique(np.asarray(groups).reshape(-1), return_inverse=True)
+    if len(labels) > _MAX_CODES:
+        return np.zeros(n_windows, dtype=np.uint16), 1
+    return index.astype(np.uint16), len(labels)
+
+
+def encode_gdict16(array: np.ndarray, groups: np.ndarray | None = None) -> bytes:
+    """Encode a float32 array (windows, values per window, channels) with one dictionary per
+    channel and group of windows; ``groups`` labels each window (the converter passes device
+    ids: each device has its own calibration, so its own few thousand values). Without
+    ``groups`` the chunk is one group (``dict16`` with delta-coded dictionaries). Layout:
+    docs/format.md#gdict16."""
+    if array.dtype != np.float32:
+        raise TypeError(f"gdict16 encodes float32 only, got {array.dtype}")
+    import pandas as pd  # only encoding needs it
+
+    n_windows, n_channels = array.shape[0], array.shape[-1]
+    n_per_window = int(np.prod(array.shape[1:-1], dtype=np.int64))
+    group, n_groups = _group_index(groups, n_windows)
+    header = np.zeros(1, dtype=_GHEADER)
+    header["magic"], header["n_windows"], header["n_per_window"] = GMAGIC, n_windows, n_per_window
+    header["n_channels"], header["n_groups"] = n_channels, n_groups
+    # channel-major: (channel, window, value), as uint32 bit patterns
+    by_window = array.reshape(n_windows, n_per_window, n_channels)
+    channel_major = np.ascontiguousarray(by_window.transpose(2, 0, 1))
+    bits = channel_major.view(np.uint32)
+    high = np.repeat(group.astype(np.uint64) << np.uint64(32), n_per_window)
+    sizes = np.zeros((n_channels, n_groups), dtype="<u4")
+    dictionaries, codes = [], np.empty((n_channels, n_windows * n_per_window), dtype="<u2")
+    for c in range(n_channels):
+        channel = bits[c].reshape(n_windows, n_per_window)
+        # a channel constant within each window (gps_speed) is dictionary-coded per window
+        per_window = n_per_window > 1 and bool((channel == channel[:, :1]).all())
+        keys = (high[::n_per_window] if per_window else high) | (
+            channel[:, 0] if per_window else channel.reshape(-1)
+        ).astype(np.uint64)
+        # a hash factorisation, then a sort of the distinct (group, value) pairs: measured as fast
+        # as np.unique on shuffled chunks (~100,000 pairs) and 3x faster on device-ordered ones
+        first_seen, distinct = pd.factorize(keys, sort=False)
+        distinct = np.asarray(distinct, dtype=np.uint64)
+        order = np.argsort(distinct)  # by group, then by value bit pattern
+        ordered = distinct[order]
+        key_group = (ordered >> np.uint64(32)).astype(np.int64)
+        counts = np.bincount(key_group, minlength=n_groups)
+        if counts.max(initial=0) > _MAX_CODES:
+            header["mode"] = _MODE_RAW
+            return header.tobytes() + channel_major.astype("<f4", copy=False).tobytes()
+        starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        rank = np.empty(len(distinct), dtype=np.uint16)
+        rank[order] = np.arange(len(distinct)) - starts[key_group]
+        window_codes = rank[first_seen]
+        codes[c] = np.repeat(window_codes, n_per_window) if per_window else window_codes
+        values = (ordered & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+        deltas = np.diff(values, prepend=np.uint32(0))  # wraps modulo 2**32, as decoding does
+        deltas[starts[counts > 0]] = values[starts[counts > 0]]  # each group restarts
+        sizes[c] = counts
+        dictionaries.append(deltas.astype("<u4", copy=False))
+    header["mode"] = _MODE_DICT
+    parts = [header.tobytes(), group.astype("<u2", copy=False).tobytes(), sizes.tobytes()]
+    parts += [d.tobytes() for d in dictionaries]
+    parts.append(codes.tobytes())
+    return b"".join(parts)
+
+
+def decode_gdict16(data: bytes | memoryview | np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Decode bytes written by :func:`encode_gdict16` into a new float32 array of ``shape``."""
+    raw = np.frombuffer(data, dtype=np.uint8)
+    header = raw[: _GHEADER.itemsize].view(_GHEADER)[0]
+    n_windows, n_per_window = int(header["n_windows"]), int(header["n_per_window"])
+    n_channels, n_groups = int(header["n_channels"]), int(header["n_groups"])
+    if bytes(header["magic"]) != GMAGIC or n_channels != shape[-1] or (
+        n_windows * n_per_window * n_channels != int(np.prod(shape))
+    ):
+        raise ValueError(f"not a gdict16 chunk of shape {shape}")
+    offset = _GHEADER.itemsize
+    n_values = n_windows * n_per_window
+    out = np.empty((n_windows, n_per_window, n_channels), dtype=np.float32)
+    if int(header["mode"]) == _MODE_RAW:
+        body = raw[offset : offset + 4 * n_values * n_channels].view("<f4")
+        out[:] = body.reshape(n_channels, n_windows, n_per_window).transpose(1, 2, 0)
+        return out.reshape(shape)
+    group = raw[offset : offset + 2 * n_windows].view("<u2").astype(np.int64)
+    offset += 2 * n_windows
+    sizes = raw[offset : offset + 4 * n_channels * n_groups].view("<u4").reshape(n_channels, n_groups)
+    offset += 4 * n_channels * n_groups
+    dictionaries, starts = [], []
+    for c in range(n_channels):
+        count = int(sizes[c].sum())
+        deltas = raw[offset : offset + 4 * count].view("<u4")
+        offset += 4 * count
+        first = np.cumsum(sizes[c].astype(np.int64)) - sizes[c]
+        running = np.cumsum(deltas, dtype=np.uint32)
+        before = np.where(first > 0, running[np.maximum(first - 1, 0)] if count else 0, 0).astype(np.uint32)
+        dictionaries.append((running - np.repeat(before, sizes[c])).view("<f4"))  # modulo 2**32
+        starts.append(first)
+    codes = raw[offset : offset + 2 * n_values * n_channels].view("<u2")
+    codes = codes.reshape(n_channels, n_windows, n_per_window)
+    for c in range(n_channels):
+        index = codes[c] + starts[c][group][:, None]
+        np.take(dictionaries[c], index, out=out[:, :, c])
+    return out.reshape(shape)
+
+
+@dataclass(frozen=True)
+class GDict16Codec(ArrayBytesCodec):
+    """Zarr v3 array-to-bytes codec ``birdzarr.gdict16``. zarr-python's own write path knows no
+    groups and writes one group a chunk; birdzarr's converter passes the device ids."""
+
+    is_fixed_size = False
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Self:
+        return cls()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": GDICT16}
+
+    def _decode_sync(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> NDBuffer:
+        array = decode_gdict16(chunk_bytes.as_numpy_array(), chunk_spec.shape)
+        return chunk_spec.prototype.nd_buffer.from_numpy_array(array)
+
+    def _encode_sync(self, chunk_array: NDBuffer, chunk_spec: ArraySpec) -> Buffer | None:
+        encoded = encode_gdict16(np.asarray(chunk_array.as_numpy_array(), dtype=np.float32))
+        return chunk_spec.prototype.buffer.from_bytes(encoded)
+
+    async def _decode_single(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> NDBuffer:
+        return await asyncio.to_thread(self._decode_sync, chunk_bytes, chunk_spec)
+
+    async def _encode_single(self, chunk_array: NDBuffer, chunk_spec: ArraySpec) -> Buffer | None:
+        return await asyncio.to_thread(self._encode_sync, chunk_array, chunk_spec)
+
+    def compute_encoded_size(self, input_byte_length: int, _chunk_spec: ArraySpec) -> int:
+        raise NotImplementedError("gdict16 output size depends on the data")
+
+
+register_codec(GDICT16, GDict16Codec)
+
+CODECS = ("dict16", "gdict16", "standard")
+# gdict16 (shuffled stores): after per-device dictionaries the codes of ~190 devices are mixed,
+# and only an entropy coder finds their skew: blosc zstd level 1 stores 1.35x less than lz4
+# (docs/format.md#gdict16).
+GDICT16_CNAME: Any = "zstd"
+GDICT16_CLEVEL = 1
+
+
+def compressor_of(codec: str) -> dict[str, Any]:
+    """The blosc compressor (cname, clevel) of a codec's ``gimu`` chain, as the layout records it."""
+    if codec == "gdict16":
+        return {"cname": GDICT16_CNAME, "clevel": GDICT16_CLEVEL}
+    return {"cname": DEFAULT_CNAME, "clevel": DEFAULT_CLEVEL}
 CNAMES = ("zstd", "lz4", "lz4hc", "blosclz", "zlib")
 # Chosen by measurement (docs/format.md#codec-and-chunk-size-measured): after dict16, lz4 costs
 # ~9% in size against zstd level 1 but encodes ~3x and decodes ~2x faster, which is what lets
@@ -159,6 +323,17 @@ def gimu_codecs(codec: str, *, clevel: int = DEFAULT_CLEVEL, cname: Any = DEFAUL
             "serializer": Dict16Codec(),
             "compressors": (
                 BloscCodec(cname=cname, clevel=clevel, shuffle="bitshuffle", typesize=2),
+                Crc32cCodec(),
+            ),
+        }
+    if codec == "gdict16":
+        explicit = cname != DEFAULT_CNAME or clevel != DEFAULT_CLEVEL
+        return {
+            "filters": (),
+            "serializer": GDict16Codec(),
+            "compressors": (
+                BloscCodec(cname=cname if explicit else GDICT16_CNAME,
+                           clevel=clevel if explicit else GDICT16_CLEVEL, shuffle="bitshuffle", typesize=2),
                 Crc32cCodec(),
             ),
         }
@@ -197,8 +372,14 @@ def strip_crc32c(data: bytes) -> memoryview:
     return memoryview(data)[:-4]
 
 
-def chunk_encoder(codecs: list[dict[str, Any]]) -> Callable[[np.ndarray], bytes] | None:
+ChunkEncoder = Callable[..., bytes]  # (chunk, groups=None) -> bytes
+
+
+def chunk_encoder(codecs: list[dict[str, Any]]) -> ChunkEncoder | None:
     """A function that encodes one whole chunk to the bytes zarr stores for this codec chain.
+
+    It takes the chunk and, optionally, a group label per window (``groups``: device ids), which
+    only ``gdict16`` uses (one dictionary per group); the others ignore it.
 
     ``codecs`` is the ``codecs`` list of an array's zarr.json, so the fast write path always
     follows what the metadata declares. None for chains other than the three format v1 uses
@@ -209,7 +390,7 @@ def chunk_encoder(codecs: list[dict[str, Any]]) -> Callable[[np.ndarray], bytes]
         inner = chunk_encoder(codecs[:-1])
         if inner is None:
             return None
-        return lambda chunk: with_crc32c(inner(chunk))
+        return lambda chunk, groups=None: with_crc32c(inner(chunk, groups))
     names = [c["name"] for c in codecs]
     if names[-1:] != ["blosc"]:
         return None
@@ -219,15 +400,17 @@ def chunk_encoder(codecs: list[dict[str, Any]]) -> Callable[[np.ndarray], bytes]
         blocksize=int(config.get("blocksize", 0)), typesize=int(config["typesize"]),
     )
     if names == [DICT16, "blosc"]:
-        return lambda chunk: bytes(compressor.encode(encode_dict16(chunk)))
+        return lambda chunk, groups=None: bytes(compressor.encode(encode_dict16(chunk)))
+    if names == [GDICT16, "blosc"]:
+        return lambda chunk, groups=None: bytes(compressor.encode(encode_gdict16(chunk, groups)))
     little = any(c["name"] == "bytes" and c.get("configuration", {}).get("endian") == "little"
                  for c in codecs)
     if names == ["transpose", "bytes", "blosc"] and little:
         order = tuple(codecs[0]["configuration"]["order"])
-        return lambda chunk: bytes(compressor.encode(np.ascontiguousarray(chunk.transpose(order)).astype(
-            chunk.dtype.newbyteorder("<"), copy=False)))
+        return lambda chunk, groups=None: bytes(compressor.encode(np.ascontiguousarray(
+            chunk.transpose(order)).astype(chunk.dtype.newbyteorder("<"), copy=False)))
     if names == ["bytes", "blosc"] and little:
-        return lambda chunk: bytes(compressor.encode(np.ascontiguousarray(chunk).astype(
+        return lambda chunk, groups=None: bytes(compressor.encode(np.ascontiguousarray(chunk).astype(
             chunk.dtype.newbyteorder("<"), copy=False)))
     return None
 

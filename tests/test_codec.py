@@ -56,7 +56,7 @@ def test_decode_rejects_other_bytes() -> None:
         encode_dict16(np.zeros((2, 20, 4), np.float64))
 
 
-@pytest.mark.parametrize("codec", ["dict16", "standard"])
+@pytest.mark.parametrize("codec", ["dict16", "gdict16", "standard"])
 def test_zarr_chain(codec: str, tmp_path: object) -> None:
     windows = _synthetic.curated_windows(5000, seed=4)
     array = zarr.create_array(
@@ -86,3 +86,105 @@ def test_dict16_beats_parquet_class_ratio() -> None:
     # and far above a plain blosc store of the same values (~1.35x)
     plain = Blosc(cname=DEFAULT_CNAME, clevel=DEFAULT_CLEVEL, shuffle=Blosc.BITSHUFFLE, typesize=4)
     assert len(plain.encode(windows)) > 1.8 * len(default.encode(encode_dict16(windows)))
+
+
+# -- gdict16: one dictionary per group (device) of windows --------------------------------------
+def _shuffled_devices(n_devices: int, per_device: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Windows of several calibrated devices in one random order, with their device ids."""
+    windows = np.concatenate(
+        [_synthetic.curated_windows(per_device, seed=seed + d) for d in range(n_devices)]
+    )
+    devices = np.repeat(np.arange(n_devices, dtype=np.int32) * 7 + 200, per_device)
+    order = np.random.default_rng(seed).permutation(len(windows))
+    return np.ascontiguousarray(windows[order]), devices[order]
+
+
+def _numpy_gdict16(b: bytes, shape: tuple[int, ...]) -> np.ndarray:
+    """The plain numpy decoder of docs/format.md#gdict16, spelled out as a reader would."""
+    mode, W, T, K, G = (int(v) for v in np.frombuffer(b[4:24], "<u4"))
+    off = 24
+    if mode == 0:
+        cm = np.frombuffer(b[off:off + 4 * K * W * T], "<f4").reshape(K, W, T)
+        return np.ascontiguousarray(cm.transpose(1, 2, 0)).reshape(shape)
+    group = np.frombuffer(b[off:off + 2 * W], "<u2").astype(np.int64)
+    off += 2 * W
+    sizes = np.frombuffer(b[off:off + 4 * K * G], "<u4").reshape(K, G).astype(np.int64)
+    off += 4 * K * G
+    dicts, starts = [], []
+    for c in range(K):
+        deltas = np.frombuffer(b[off:off + 4 * sizes[c].sum()], "<u4")
+        off += 4 * int(sizes[c].sum())
+        first = np.cumsum(sizes[c]) - sizes[c]
+        entries = []
+        for g in range(G):  # each group's entries are a running sum of its deltas
+            entries.append(np.cumsum(deltas[first[g]:first[g] + sizes[c][g]], dtype=np.uint32))
+        dicts.append(np.concatenate(entries).view("<f4"))
+        starts.append(first)
+    codes = np.frombuffer(b[off:off + 2 * K * W * T], "<u2").reshape(K, W, T)
+    cm = np.stack([dicts[c][codes[c] + starts[c][group][:, None]] for c in range(K)])
+    return np.ascontiguousarray(cm.transpose(1, 2, 0)).reshape(shape)
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_gdict16_round_trip_and_numpy_decoder(grouped: bool) -> None:
+    from birdzarr._codec import GMAGIC, decode_gdict16, encode_gdict16
+
+    windows, devices = _shuffled_devices(6, 500, seed=3)
+    windows[0, 0] = [np.nan, -0.0, np.float32(1e-45), np.inf]  # any bit pattern, NaN payloads too
+    windows[1, :, 3] = np.float32(-np.nan)
+    blob = encode_gdict16(windows, devices if grouped else None)
+    assert blob[:4] == GMAGIC and int(np.frombuffer(blob[4:8], "<u4")[0]) == 1
+    assert int(np.frombuffer(blob[20:24], "<u4")[0]) == (6 if grouped else 1)
+    assert _same_bits(decode_gdict16(blob, windows.shape), windows)
+    assert _same_bits(_numpy_gdict16(blob, windows.shape), windows)
+
+
+def test_gdict16_raw_mode_when_a_group_has_too_many_values() -> None:
+    from birdzarr._codec import decode_gdict16, encode_gdict16
+
+    windows = np.random.default_rng(0).standard_normal((4000, 20, 4)).astype(np.float32)  # 80,000 distinct
+    blob = encode_gdict16(windows, np.zeros(4000, np.int32))
+    assert int(np.frombuffer(blob[4:8], "<u4")[0]) == 0
+    assert _same_bits(decode_gdict16(blob, windows.shape), windows)
+    assert _same_bits(_numpy_gdict16(blob, windows.shape), windows)
+    # split into groups that each fit, the same windows are dictionary-coded
+    blob = encode_gdict16(windows, np.arange(4000) // 1000)
+    assert int(np.frombuffer(blob[4:8], "<u4")[0]) == 1
+    assert _same_bits(decode_gdict16(blob, windows.shape), windows)
+
+
+def test_gdict16_chunk_encoder_matches_zarr_without_groups() -> None:
+    """Without groups the fast path's bytes are zarr-python's; with groups zarr reads them back."""
+    import zarr.storage
+
+    from birdzarr._codec import chunk_encoder
+
+    windows, devices = _shuffled_devices(5, 400, seed=8)
+    store = zarr.storage.MemoryStore()
+    array = zarr.create_array(store, shape=windows.shape, chunks=windows.shape, dtype="float32",
+                              fill_value=0.0, zarr_format=3, **gimu_codecs("gdict16"))
+    array[:] = windows
+    encode = chunk_encoder(array.metadata.to_dict()["codecs"])
+    assert encode is not None
+    key = "c/0/0/0"
+    stored = store._store_dict[key].to_bytes()
+    assert encode(windows) == stored
+    grouped = encode(windows, devices)
+    assert len(grouped) < 0.8 * len(stored)  # five calibrations: a dictionary each is smaller
+    from zarr.core.buffer import default_buffer_prototype
+
+    store._store_dict[key] = default_buffer_prototype().buffer.from_bytes(grouped)
+    assert _same_bits(zarr.open_array(store, mode="r")[:], windows)
+
+
+def test_gdict16_shuffled_chunk_is_smaller_than_parquet() -> None:
+    """A chunk mixing 40 calibrated devices: dict16 falls back to raw floats, gdict16 stays
+    below the per-device Parquet size (~2.2x, CONTEXT.md)."""
+    from numcodecs import Blosc
+
+    from birdzarr._codec import GDICT16_CLEVEL, GDICT16_CNAME, encode_gdict16
+
+    windows, devices = _shuffled_devices(40, 205, seed=5)
+    windows, devices = windows[:8192], devices[:8192]
+    zstd = Blosc(cname=GDICT16_CNAME, clevel=GDICT16_CLEVEL, shuffle=Blosc.BITSHUFFLE, typesize=2)
+    assert windows.nbytes / len(zstd.encode(encode_gdict16(windows, devices))) > 2.2

@@ -223,3 +223,23 @@ def test_usable_cpus_follows_affinity_and_quota(monkeypatch: pytest.MonkeyPatch)
     assert _cpus.resolve_workers(5) == 5
     with pytest.raises(ValueError):
         _cpus.resolve_workers(-1)
+
+
+def test_shuffled_store_is_byte_identical_and_uses_device_dictionaries(
+    parquet_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    stores = []
+    for workers in (1, 2):
+        dest = tmp_path / f"s{workers}.zarr"
+        store = birdzarr.convert(parquet_dir, dest, workers=workers, shuffle=True, seed=5, chunk_windows=4096,
+                                 progress=False, shuffle_tmp=str(tmp_path))
+        assert store.meta["layout"]["codec"] == "gdict16"
+        assert store.meta["layout"]["compressor"] == {"cname": "zstd", "clevel": 1}
+        stores.append(dest)
+    assert_same_store(*stores)
+    # the converter groups each chunk's windows by device: 5 devices, 5 dictionaries (+ padding)
+    from numcodecs import Blosc
+
+    blob = (stores[0] / "gimu" / "c" / "0" / "0" / "0").read_bytes()[:-4]
+    header = np.frombuffer(Blosc().decode(blob)[:24], "<u4")
+    assert header[1] == 1 and header[5] == 5

@@ -66,9 +66,10 @@ def add_convert(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument("--overwrite", action="store_true",
                    help="replace a birdzarr store at DEST, only once the new one has committed (needs "
                         "room for both until then); anything else at DEST is never replaced")
-    p.add_argument("--codec", choices=("dict16", "standard"), default=None,
-                   help="dict16 (default: smallest, needs birdzarr to read) or standard (blosc only: "
-                        "TensorStore and plain zarr read it; the default with --shuffle)")
+    p.add_argument("--codec", choices=("dict16", "gdict16", "standard"), default=None,
+                   help="dict16 (default: smallest, needs birdzarr to read), gdict16 (a dictionary per "
+                        "device: the default with --shuffle) or standard (blosc only: TensorStore and "
+                        "plain zarr read it)")
     p.add_argument("--chunk-windows", type=int, default=8192, help="windows per chunk (default 8192)")
     p.add_argument("--on-bad-rows", choices=("error", "skip"), default="error",
                    help="stop at the first malformed row (default) or skip and count them")
@@ -76,7 +77,8 @@ def add_convert(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
                    help="skip entries of SOURCE that are not input files and list them in the report "
                         "(default: such entries are an error)")
     p.add_argument("--workers", type=int, default=None,
-                   help="encoding threads (default: all cores); the store is identical for any count")
+                   help="processes or threads doing conversion work (default: all usable cores, as CPU "
+                        "affinity and the cgroup quota allow); the store is identical for any count")
     p.add_argument("--shuffle", action="store_true",
                    help="store windows in one global seeded random order (docs/conversion.md#shuffle)")
     p.add_argument("--seed", type=int, default=None, help="seed of --shuffle (default: random, recorded)")

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import zarr
 
-from birdzarr._codec import DEFAULT_CLEVEL, DEFAULT_CNAME
+from birdzarr._codec import compressor_of
 from birdzarr._errors import BadInputError
 from birdzarr._format import MIXED_LABEL_POLICY, WINDOW_RULE, Curation
 from birdzarr._progress import progress_bar
@@ -69,10 +69,12 @@ def convert(
     ``shuffle=True`` stores the windows in one global random order drawn from ``seed`` (a random
     seed, recorded, if None), spilling them through temporary bucket files in ``shuffle_tmp``
     (default ``$TMPDIR``); see docs/conversion.md#shuffle for what that costs and buys.
-    ``codec`` is ``"dict16"`` (default) or ``"standard"``; shuffled stores default to
-    ``"standard"``, because a chunk mixing all devices holds too many distinct values for dict16
-    (measured: docs/conversion.md#shuffle). ``workers`` is the number of encoding threads
-    (default: all cores); it never changes the stored bytes. ``client`` (a
+    ``codec`` is ``"dict16"`` (default), ``"gdict16"`` (the default of shuffled stores: a
+    chunk mixing all devices holds too many distinct values for dict16, gdict16 keeps one
+    dictionary per device; docs/format.md#gdict16) or ``"standard"`` (readable without
+    birdzarr). ``workers`` is the number of processes or threads doing conversion work (default:
+    all usable cores, as CPU affinity and the cgroup quota allow; 1: all in the calling thread);
+    it never changes the stored bytes. ``client`` (a
     ``distributed.Client``) runs the reading, curation and chunk writing on a Dask cluster
     instead, with a byte-identical result (docs/scaling.md).
     """
@@ -83,7 +85,7 @@ def convert(
     if chunk_windows < 1:
         raise ValueError("chunk_windows must be positive")
     if codec is None:
-        codec = "standard" if shuffle else "dict16"
+        codec = "gdict16" if shuffle else "dict16"
     curation = curation or Curation()
     src = resolve(source, source_storage_options)
     dst = resolve(dest, storage_options)
@@ -97,7 +99,7 @@ def convert(
         else {"applied_by": "source", "note": "Parquet input holds windows curated before conversion"}
     )
     layout: dict[str, Any] = {
-        "codec": codec, "compressor": {"cname": DEFAULT_CNAME, "clevel": DEFAULT_CLEVEL},
+        "codec": codec, "compressor": compressor_of(codec),
         "chunk_windows": chunk_windows, "shuffled": False,
     }
     static: dict[str, Any] = {

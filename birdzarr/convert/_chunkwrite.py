@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from birdzarr._codec import chunk_encoder
+from birdzarr._codec import ChunkEncoder, chunk_encoder
+from birdzarr._format import DEVICE
 from birdzarr._storage import Location
 from birdzarr.convert._cpus import resolve_workers
 
@@ -45,7 +46,7 @@ class ChunkSink:
         self.location = location
         self.workers = resolve_workers(workers)
         self.arrays = arrays
-        self.encoders: dict[str, Callable[[np.ndarray], bytes] | None] = {}
+        self.encoders: dict[str, ChunkEncoder | None] = {}
         for name, array in arrays.items():
             self.encoders[name] = chunk_encoder(array.metadata.to_dict()["codecs"])
         self.chunk_windows = {name: int(array.chunks[0]) for name, array in arrays.items()}
@@ -61,7 +62,10 @@ class ChunkSink:
         for name, array in self.arrays.items():
             size = self.chunk_windows[name]
             for first in range(start, stop, size):
-                tasks.append((name, array, first // size, data[name][first - start : first - start + size]))
+                # the device ids of the chunk's windows: gdict16 keeps one dictionary per device
+                groups = data[DEVICE][first - start : first - start + size] if DEVICE in data else None
+                values = data[name][first - start : first - start + size]
+                tasks.append((name, array, first // size, values, groups))
         if self.workers == 1:  # in this thread, blosc single-threaded: one core
             with _blosc_single_threaded():
                 for task in tasks:
@@ -71,17 +75,19 @@ class ChunkSink:
             for future in [pool.submit(self._put, *task) for task in tasks]:
                 future.result()
 
-    def _put(self, name: str, array: Any, index: int, values: np.ndarray) -> None:
+    def _put(self, name: str, array: Any, index: int, values: np.ndarray, groups: np.ndarray | None) -> None:
         shape = (self.chunk_windows[name], *array.shape[1:])
         if values.shape[0] < shape[0]:
             # The last chunk is stored full size, padded with the fill value, as zarr does.
             padded = np.full(shape, array.fill_value, dtype=array.dtype)
             padded[: values.shape[0]] = values
             values = padded
+            if groups is not None:  # padding windows form a group of their own
+                groups = np.concatenate([groups, np.full(shape[0] - len(groups), -1, groups.dtype)])
         encode = self.encoders[name]
         assert encode is not None
         key = array.metadata.encode_chunk_key((index,) + (0,) * (len(shape) - 1))
         path = self.location.join(array.path, key)
         if self.location.is_local:  # object stores have no directories; local files need them
             os.makedirs(os.path.dirname(path), exist_ok=True)
-        self.location.fs.pipe_file(path, encode(np.ascontiguousarray(values)))
+        self.location.fs.pipe_file(path, encode(np.ascontiguousarray(values), groups))

@@ -35,7 +35,7 @@ from birdzarr._format import (
     DeviceReport,
 )
 from birdzarr.convert._blocks import WindowBlock
-from birdzarr.convert._writer import StoreWriter, checksum_hasher
+from birdzarr.convert._writer import StoreWriter, checksum_hasher, label_counts
 
 BUCKET_WINDOWS = 262_144  # target windows per bucket: ~84 MB of float32 in memory in pass 2
 MAX_BUCKETS = 512  # open files in pass 1
@@ -102,8 +102,7 @@ def _records(device_id: int, block: WindowBlock) -> np.ndarray:
 
 
 def _account(entry: DeviceEntry, block: WindowBlock) -> None:
-    labels, counts = np.unique(block.labels, return_counts=True)
-    for label, count in zip(labels.tolist(), counts.tolist(), strict=True):
+    for label, count in zip(*label_counts(block.labels), strict=True):
         entry.label_counts[label] = entry.label_counts.get(label, 0) + count
     known = block.timestamps[block.timestamps != TIMESTAMP_UNKNOWN]
     if len(known):

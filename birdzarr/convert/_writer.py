@@ -74,6 +74,15 @@ def checksum_hasher() -> WindowChecksum:
     return WindowChecksum()
 
 
+def label_counts(labels: np.ndarray) -> tuple[list[int], list[int]]:
+    """The distinct labels (ascending) and their counts; one label (all Parquet input, most
+    blocks of CSV input) is counted without sorting."""
+    if len(labels) and labels.min() == labels.max():
+        return [int(labels[0])], [len(labels)]
+    values, counts = np.unique(labels, return_counts=True)
+    return values.tolist(), counts.tolist()
+
+
 def _now() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
 
@@ -208,8 +217,7 @@ class StoreWriter:
             if not len(block):
                 continue
             hasher.update(np.ascontiguousarray(block.windows, dtype="<f4").data.cast("B"))
-            labels, counts = np.unique(block.labels, return_counts=True)
-            for label, count in zip(labels.tolist(), counts.tolist(), strict=False):
+            for label, count in zip(*label_counts(block.labels), strict=True):
                 entry.label_counts[label] = entry.label_counts.get(label, 0) + count
             known = block.timestamps[block.timestamps != TIMESTAMP_UNKNOWN]
             if len(known):
