@@ -51,7 +51,8 @@ def test_s3_defaults_and_chains_keep_user_options() -> None:
     assert plain.fs.config_kwargs["connect_timeout"] == 3 and plain.fs.retries == 2
     assert plain.fs.config_kwargs["retries"]["mode"] == "standard"
     patient = resolve("s3://bucket/store.zarr", {"anon": True, "config_kwargs": {"connect_timeout": 30}})
-    assert patient.fs.config_kwargs["connect_timeout"] == 30 and patient.fs.config_kwargs["read_timeout"] == 20
+    assert patient.fs.config_kwargs["connect_timeout"] == 30
+    assert patient.fs.config_kwargs["read_timeout"] == 20
 
 
 def test_redaction_of_urls_and_option_secrets() -> None:
