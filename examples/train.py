@@ -3,6 +3,7 @@
     python examples/train.py STORE --epochs 2 --batch-size 8192 --workers 4 --checkpoint ckpt.pt
     python examples/train.py STORE ... --checkpoint ckpt.pt --resume    # continue where it stopped
     python examples/train.py s3://bucket/store.zarr ... --prefetch 16     # object stores
+    python examples/train.py STORE ... --resident cuda    # the selection held on the GPU, no workers
     torchrun --nproc_per_node=4 examples/train.py STORE ... --checkpoint ckpt.pt [--resume]
 
 STORE is a local path or a URL (``s3://bucket/store.zarr``; credentials come from the usual
@@ -90,6 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="model init and loader shuffle seed")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--shuffle-buffer", type=int, default=None, help="WindowDataset shuffle_buffer")
+    p.add_argument("--resident", default=None, choices=["cpu", "cuda"],
+                   help="hold the data in memory (WindowDataset resident=); 'cuda' also drops the workers")
     p.add_argument("--prefetch", type=int, default=4,
                    help="chunks each reader fetches ahead (raise it, e.g. 16, for object stores)")
     p.add_argument("--max-steps", type=int, default=None,
@@ -103,14 +106,19 @@ def main(argv: list[str] | None = None) -> int:
     rank, world, device = setup_distributed()
     torch.manual_seed(args.seed)  # the same initial weights on every rank
 
+    options: dict[str, Any] = {}
+    if args.shuffle_buffer is not None:
+        options["shuffle_buffer"] = args.shuffle_buffer
+    if args.resident is not None:
+        options["resident"] = device if args.resident == "cuda" else "cpu"
     ds = birdzarr.WindowDataset(args.store, batch_size=args.batch_size, shuffle=True, seed=args.seed,
-                                channel_first=True, shuffle_buffer=args.shuffle_buffer,
-                                prefetch=args.prefetch)
-    # No persistent_workers: workers are forked at each epoch's start and take the dataset's epoch
-    # and resume point with them.
-    # persistent workers keep their S3 client and slots between epochs; set_epoch() reaches them
-    loader = DataLoader(ds, batch_size=None, num_workers=args.workers, pin_memory=device.type == "cuda",
-                        persistent_workers=args.workers > 0)
+                                channel_first=True, prefetch=args.prefetch, **options)
+    loader: Any = ds  # batches already on the GPU: no DataLoader workers to feed it
+    if args.resident != "cuda":
+        workers = args.workers
+        # persistent workers keep their S3 client and slots between epochs; set_epoch() reaches them
+        loader = DataLoader(ds, batch_size=None, num_workers=workers, pin_memory=device.type == "cuda",
+                            persistent_workers=workers > 0)
 
     model: nn.Module = TinyConvAutoencoder().to(device)
     if world > 1:

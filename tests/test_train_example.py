@@ -21,7 +21,6 @@ from birdzarr import _synthetic
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train.py"
 BATCH = 256
-pytestmark = pytest.mark.filterwarnings("ignore:.*stored in device order")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
@@ -66,24 +65,25 @@ def _records(log: pathlib.Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in log.read_text().splitlines()]
 
 
+@pytest.mark.parametrize("mode", [(), ("--resident", "cpu")], ids=["streaming", "resident"])
 def test_train_resume_matches_an_uninterrupted_run(
-    tiny_store: birdzarr.Store, tmp_path: pathlib.Path
+    tiny_store: birdzarr.Store, tmp_path: pathlib.Path, mode: tuple[str, ...]
 ) -> None:
     per_epoch = -(-len(tiny_store) // BATCH)
     # Uninterrupted: two epochs.
     full_log = tmp_path / "full.jsonl"
-    _train_cli(tiny_store, tmp_path / "full.pt", full_log)
+    _train_cli(tiny_store, tmp_path / "full.pt", full_log, *mode)
     full = _records(full_log)
     assert len(full) == 2 * per_epoch
     assert [r["batch"] for r in full] == list(range(per_epoch)) * 2
 
     # Interrupted twice: mid-epoch 0, then mid-epoch 1 (crossing the epoch boundary), then finished.
     ckpt, log = tmp_path / "cut.pt", tmp_path / "cut.jsonl"
-    out = _train_here(tiny_store, ckpt, log, "--max-steps", "5")
+    out = _train_here(tiny_store, ckpt, log, "--max-steps", "5", *mode)
     assert "stopping at epoch 0, batch 5" in out
-    out = _train_here(tiny_store, ckpt, log, "--resume", "--max-steps", str(per_epoch))
+    out = _train_here(tiny_store, ckpt, log, "--resume", "--max-steps", str(per_epoch), *mode)
     assert "resumed from" in out and "epoch 0, batch 5" in out
-    out = _train_here(tiny_store, ckpt, log, "--resume")
+    out = _train_here(tiny_store, ckpt, log, "--resume", *mode)
     assert "epoch 1" in out
     cut = _records(log)
 
@@ -100,7 +100,7 @@ def test_train_resume_matches_an_uninterrupted_run(
     for name, tensor in a["model"].items():
         torch.testing.assert_close(b["model"][name], tensor, rtol=1e-5, atol=1e-6)
     # Resuming a finished run does nothing.
-    _train_here(tiny_store, ckpt, log, "--resume")
+    _train_here(tiny_store, ckpt, log, "--resume", *mode)
     assert len(_records(log)) == len(full)
 
 
