@@ -145,6 +145,7 @@ register_codec(DICT16, Dict16Codec)
 # -- birdzarr.gdict16: dictionaries per group of windows (shuffled stores) ---------------------
 GDICT16 = "birdzarr.gdict16"
 GMAGIC = b"BZG1"
+_HASH_GROUPS = 8  # up to this many groups in a chunk the encoder hashes, above it it sorts
 _GHEADER = np.dtype([
     ("magic", "S4"), ("mode", "<u4"), ("n_windows", "<u4"), ("n_per_window", "<u4"),
     ("n_channels", "<u4"), ("n_groups", "<u4"),
@@ -191,20 +192,27 @@ def encode_gdict16(array: np.ndarray, groups: np.ndarray | None = None) -> bytes
         keys = (high[::n_per_window] if per_window else high) | (
             channel[:, 0] if per_window else channel.reshape(-1)
         ).astype(np.uint64)
-        # a hash factorisation, then a sort of the distinct (group, value) pairs: measured as fast
-        # as np.unique on shuffled chunks (~100,000 pairs) and 3x faster on device-ordered ones
-        first_seen, distinct = pd.factorize(keys, sort=False)
-        distinct = np.asarray(distinct, dtype=np.uint64)
-        order = np.argsort(distinct)  # by group, then by value bit pattern
-        ordered = distinct[order]
+        if n_groups > _HASH_GROUPS:
+            # many groups (a shuffled chunk: ~100,000 distinct pairs): one sort, measured 1.8x
+            # faster than hashing and then sorting that many
+            ordered, inverse = np.unique(keys, return_inverse=True)
+            order = np.arange(len(ordered))
+            first_seen = inverse
+        else:
+            # few groups (device order: a few thousand pairs): a hash factorisation, then a sort
+            # of the distinct pairs, 3x faster than np.unique; the same bytes either way
+            first_seen, distinct = pd.factorize(keys, sort=False)
+            distinct = np.asarray(distinct, dtype=np.uint64)
+            order = np.argsort(distinct)  # by group, then by value bit pattern
+            ordered = distinct[order]
         key_group = (ordered >> np.uint64(32)).astype(np.int64)
         counts = np.bincount(key_group, minlength=n_groups)
         if counts.max(initial=0) > _MAX_CODES:
             header["mode"] = _MODE_RAW
             return header.tobytes() + channel_major.astype("<f4", copy=False).tobytes()
         starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
-        rank = np.empty(len(distinct), dtype=np.uint16)
-        rank[order] = np.arange(len(distinct)) - starts[key_group]
+        rank = np.empty(len(ordered), dtype=np.uint16)
+        rank[order] = np.arange(len(ordered)) - starts[key_group]
         window_codes = rank[first_seen]
         codes[c] = np.repeat(window_codes, n_per_window) if per_window else window_codes
         values = (ordered & np.uint64(0xFFFFFFFF)).astype(np.uint32)

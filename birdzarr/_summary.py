@@ -48,7 +48,9 @@ def summary(store: Store) -> dict[str, Any]:
         "mixed_label_policy": meta.get("mixed_label_policy"),
         "committed": meta.get("committed"),
         "report": {"rows_read": rows_read, "bad_lines": bad_lines, "bad_files": bad_files,
-                   "mixed_label_windows": mixed, "dropped": dropped, "seconds": report.get("seconds")},
+                   "mixed_label_windows": mixed, "dropped": dropped, "seconds": report.get("seconds"),
+                   "cpu_seconds": report.get("cpu_seconds"), "cores_used": report.get("cores_used"),
+                   "workers": report.get("workers")},
     }
 
 
@@ -91,4 +93,7 @@ def format_summary(info: dict[str, Any]) -> str:
     if report.get("seconds"):
         rate = info["bytes_raw"] / report["seconds"] / 1e6
         lines.append(f"conversion   {report['seconds']:.1f} s ({rate:.0f} MB/s of float32 windows)")
+        if report.get("cpu_seconds") is not None:
+            lines[-1] += (f", {report['cpu_seconds']:.1f} CPU s on {report.get('cores_used', 0):.1f} cores "
+                          f"({report.get('workers')} workers)")
     return "\n".join(lines)

@@ -15,12 +15,14 @@ whether it succeeds or fails.
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import shutil
 import struct
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -64,13 +66,12 @@ class _Buckets:
         self.bytes_written = 0
 
     def add(self, bucket: int, records: np.ndarray) -> None:
-        windows = _WINDOWS_CODEC.encode(encode_dict16(np.ascontiguousarray(records["window"])))
-        meta = np.empty(len(records), dtype=_META)
-        for name in _META_FIELDS:
-            meta[name] = records[name]
-        packed = _META_CODEC.encode(meta.view(np.uint8))
-        self.files[bucket].write(_FRAME.pack(len(records), len(windows), len(packed)) + windows + packed)
-        self.bytes_written += _FRAME.size + len(windows) + len(packed)
+        self.write(bucket, encode_piece(records))
+
+    def write(self, bucket: int, piece: bytes) -> None:
+        """Append a piece made by :func:`encode_piece` (pieces of a bucket are kept in order)."""
+        self.files[bucket].write(piece)
+        self.bytes_written += len(piece)
 
     def close(self) -> None:
         for handle in self.files:
@@ -90,6 +91,16 @@ class _Buckets:
                 parts.append(part)
         os.remove(self.paths[bucket])  # free the disk as pass 2 goes
         return np.concatenate(parts) if parts else np.empty(0, dtype=RECORD)
+
+
+def encode_piece(records: np.ndarray) -> bytes:
+    """One spilled piece: a frame header, the windows (dict16 + lz4), the metadata (lz4)."""
+    windows = _WINDOWS_CODEC.encode(encode_dict16(np.ascontiguousarray(records["window"])))
+    meta = np.empty(len(records), dtype=_META)
+    for name in _META_FIELDS:
+        meta[name] = records[name]
+    packed = _META_CODEC.encode(meta.view(np.uint8))
+    return _FRAME.pack(len(records), len(windows), len(packed)) + windows + packed
 
 
 def _records(device_id: int, block: WindowBlock) -> np.ndarray:
@@ -127,8 +138,23 @@ def write_shuffled(
     returns facts for the conversion report (buckets, spill bytes).
     """
     directory = tempfile.mkdtemp(prefix="birdzarr-shuffle-", dir=tmp_dir)
+    workers = max(1, writer.workers)
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="birdzarr-spill") if workers > 1 else None
     try:
         spill = _Buckets(directory, buckets)
+        # pieces are encoded on the pool and written in the order they were cut, so each bucket
+        # file is the same whatever the number of workers
+        pieces: collections.deque[tuple[int, Future[bytes]]] = collections.deque()
+
+        def spill_piece(bucket: int, records: np.ndarray) -> None:
+            if pool is None:
+                spill.add(bucket, records)
+                return
+            pieces.append((bucket, pool.submit(encode_piece, records)))
+            while len(pieces) > 4 * workers:
+                done_bucket, future = pieces.popleft()
+                spill.write(done_bucket, future.result())
+
         draw = np.random.default_rng(seed)
         for device_id, sources, blocks in devices:
             entry = DeviceEntry(device_id=device_id, sources=sources)
@@ -143,16 +169,26 @@ def write_shuffled(
                 records = _records(device_id, block)[order]
                 bounds = np.searchsorted(target[order], np.arange(buckets + 1))
                 for bucket in np.flatnonzero(np.diff(bounds)).tolist():
-                    spill.add(bucket, records[bounds[bucket] : bounds[bucket + 1]])
+                    spill_piece(bucket, records[bounds[bucket] : bounds[bucket + 1]])
             writer.devices[device_id] = entry
             writer.reports[device_id] = report
+        while pieces:
+            done_bucket, future = pieces.popleft()
+            spill.write(done_bucket, future.result())
         spill.close()
         spill_bytes = spill.bytes_written
         if on_pass is not None:
             on_pass("write")
         hashers = {device_id: checksum_hasher() for device_id in writer.devices}
+        # the next bucket is read and decoded on a thread while this one is permuted and written
+        loading = pool.submit(spill.load, 0) if pool is not None and buckets else None
         for bucket in range(buckets):
-            records = spill.load(bucket)
+            if loading is not None:
+                records = loading.result()
+                more = pool is not None and bucket + 1 < buckets
+                loading = pool.submit(spill.load, bucket + 1) if pool is not None and more else None
+            else:
+                records = spill.load(bucket)
             records = records[np.random.default_rng([seed, bucket]).permutation(len(records))]
             _hash_in_order(hashers, records)
             columns = {name: np.ascontiguousarray(records[name]) for name in _RECORD_FIELDS}
@@ -166,6 +202,8 @@ def write_shuffled(
             entry.scattered_checksum = hashers[device_id].hexdigest()
         return {"buckets": buckets, "spill_bytes": spill_bytes}
     finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
         shutil.rmtree(directory, ignore_errors=True)
 
 
