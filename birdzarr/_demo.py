@@ -1,5 +1,5 @@
-"""``birdzarr demo``: generated raw data in both formats, converted, summarised, then one
-shuffled training epoch read from the device-ordered and from a pre-shuffled store."""
+"""``birdzarr demo``: generated raw data in both formats, converted, summarised, then
+two shuffled epochs read the two ways that train well."""
 
 from __future__ import annotations
 
@@ -8,15 +8,19 @@ import shutil
 import time
 
 from birdzarr import _synthetic
+from birdzarr._errors import BadInputError
 from birdzarr._summary import format_summary, summary
 from birdzarr.convert import convert
 
+MARKER = ".birdzarr-demo"  # a directory holding it was made by the demo, and only its files are replaced
+
 
 def run_demo(directory: str, *, windows: int = 200_000) -> int:
+    _claim(directory)
     parquet_dir = os.path.join(directory, "raw_parquet")
     csv_dir = os.path.join(directory, "raw_csv")
     for path in (parquet_dir, csv_dir):
-        shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(path, ignore_errors=True)  # the demo's own generated data (see _claim)
     print(f"generating {windows:,} windows as per-device Parquet in {parquet_dir} ...")
     _synthetic.make_parquet_dir(parquet_dir, n_devices=24, total_windows=windows, seed=1)
     print(f"generating raw CSV exports (4 devices) in {csv_dir} ...")
@@ -31,6 +35,23 @@ def run_demo(directory: str, *, windows: int = 200_000) -> int:
         f"birdzarr.open_store({os.path.join(directory, 'from_parquet.zarr')!r})"
     )
     return 0
+
+
+def _claim(directory: str) -> None:
+    """Use ``directory`` for the demo only if it is new, empty or an earlier demo's: the demo
+    replaces its own generated files and stores there, never anything of the user's."""
+    if os.path.isdir(directory) and os.listdir(directory) and not os.path.exists(
+        os.path.join(directory, MARKER)
+    ):
+        raise BadInputError(
+            f"{directory}: exists and holds files the demo did not make; the demo writes into a new "
+            "or empty directory (or one of its own). Choose another: birdzarr demo ./demo"
+        )
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise BadInputError(f"{directory}: is a file; give the demo a directory to create.")
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, MARKER), "w") as marker:
+        marker.write("made by `birdzarr demo`; the demo may replace the files in this directory\n")
 
 
 def _train_epoch(source: str, dest: str) -> None:

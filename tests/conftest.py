@@ -10,8 +10,6 @@ import pytest
 import birdzarr
 from birdzarr import _synthetic
 
-FIXTURES = pathlib.Path(__file__).resolve().parents[2] / "shared" / "fixtures"
-
 
 @pytest.fixture(scope="session")
 def parquet_source(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, dict[int, np.ndarray]]:

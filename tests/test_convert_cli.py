@@ -63,9 +63,17 @@ def test_demo(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> Non
     out = capsys.readouterr().out
     assert out.count("store        ") == 2  # the Parquet and the CSV store summaries
     assert "3,000 from 24 devices" in out
-    assert "one epoch of 1 batches, 3,000 windows" in out  # the training read of the shuffled store
-    assert out.count("training read  ") == 2 and "(device order)" in out and "shuffle quality" in out
+    # one shuffled read of each training path: the --shuffle store streamed, the other resident
+    assert "train.zarr (converted with --shuffle, streamed): 1 batches" in out
+    assert "from_parquet.zarr (device order, resident='cpu'): 1 batches" in out
+    assert out.count("device mix ") == 2 and out.count("pair co-occurrence 1.0 ") == 2
     assert birdzarr.open_store(tmp_path / "demo" / "train.zarr").shuffled
+    assert main(["demo", str(tmp_path / "demo"), "--windows", "3000"]) == 0  # again: its own directory
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    assert main(["demo", str(tmp_path / "mine"), "--windows", "3000"]) == 2
+    assert "holds files the demo did not make" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]
     assert (
         birdzarr.open_store(tmp_path / "demo" / "from_csv.zarr").meta["curation"]["applied_by"] == "birdzarr"
     )
