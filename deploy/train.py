@@ -3,7 +3,8 @@
     python deploy/train.py STORE --epochs N --batch-size B          # one process (CPU or one GPU)
     torchrun --nproc-per-node 4 deploy/train.py STORE --epochs N     # one process per GPU (DDP)
 
-STORE is a path or URL (``s3://bucket/x.zarr``); S3 credentials come from the standard AWS chain
+STORE is a path or URL (``s3://bucket/x.zarr``) of a store converted with ``--shuffle`` (streaming
+shuffled batches from a large device-ordered store is refused); S3 credentials come from the standard AWS chain
 (``AWS_*`` variables, profile, instance role) and ``AWS_ENDPOINT_URL`` points at MinIO. The model
 is a small autoencoder of the 20x4 windows, enough to show the data path end to end; replace it
 with yours.
@@ -47,14 +48,16 @@ def main(argv: list[str] | None = None) -> int:
     # WindowDataset splits every epoch over ranks (torch.distributed) and DataLoader workers.
     dataset = birdzarr.WindowDataset(args.store, batch_size=args.batch_size, shuffle=True, seed=0,
                                      prefetch=args.prefetch)
-    loader = DataLoader(dataset, batch_size=None, num_workers=args.workers, pin_memory=cuda)
+    # Persistent workers keep their S3 clients and buffers between epochs; set_epoch reaches them.
+    loader = DataLoader(dataset, batch_size=None, num_workers=args.workers, pin_memory=cuda,
+                        persistent_workers=args.workers > 0)
     model: nn.Module = nn.Sequential(nn.Flatten(), nn.Linear(80, 32), nn.GELU(), nn.Linear(32, 80)).to(device)
     if distributed:
         model = nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if cuda else None)
     optimiser = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     for epoch in range(args.epochs):
-        dataset.set_epoch(epoch)  # a new seeded order (workers are re-created each epoch)
+        dataset.set_epoch(epoch)  # new batches every epoch
         started, windows, loss = time.perf_counter(), 0, torch.zeros(())
         for batch in loader:
             x = batch.to(device, non_blocking=True)

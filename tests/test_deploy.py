@@ -118,3 +118,21 @@ def test_train_script_runs_one_short_epoch(small_store: birdzarr.Store) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert re.search(r"epoch 0: 30,000 windows", done.stdout), done.stdout
+
+
+def test_train_script_runs_two_epochs_with_persistent_workers(small_store: birdzarr.Store) -> None:
+    pytest.importorskip("torch")
+    done = subprocess.run(
+        [sys.executable, str(DEPLOY / "train.py"), small_store.location.path, "--epochs", "2",
+         "--batch-size", "4096", "--workers", "2"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert len(re.findall(r"epoch [01]: 30,000 windows", done.stdout)) == 2, done.stdout
+
+
+def test_recipes_train_on_a_shuffled_store() -> None:
+    """The docs say the recipes' store is a --shuffle conversion; compose converts it so."""
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    assert "--shuffle" in " ".join(compose["services"]["convert"]["command"])
+    assert "--shuffle" in (ROOT / "docs" / "deploy.md").read_text()
