@@ -17,7 +17,16 @@ from typing import Any
 import numpy as np
 from numcodecs import Blosc
 
-from birdzarr._codec import _MODE_DICT, _MODE_RAW, DICT16, MAGIC, decode_dict16, strip_crc32c
+from birdzarr._codec import (
+    _MODE_DICT,
+    _MODE_RAW,
+    DICT16,
+    GDICT16,
+    MAGIC,
+    decode_dict16,
+    decode_gdict16,
+    strip_crc32c,
+)
 from birdzarr._errors import MissingChunkError, NotAStoreError
 from birdzarr._format import DEVICE, GIMU, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH
 from birdzarr._storage import Location
@@ -89,7 +98,7 @@ class ArrayLayout:
     name: str
     chunk_windows: int
     dtype: np.dtype[Any]
-    chain: str  # "dict16" | "standard" | "per_window" | "zarr" (anything else)
+    chain: str  # "dict16" | "gdict16" | "standard" | "per_window" | "zarr" (anything else)
     separator: str
     fill_value: Any
     crc32c: bool = False  # chunks end with the zarr v3 crc32c codec's checksum
@@ -109,6 +118,8 @@ class ArrayLayout:
         blosc_last = codecs[-1:] == ["blosc"]
         if codecs == [DICT16, "blosc"]:
             chain = "dict16"
+        elif codecs == [GDICT16, "blosc"]:
+            chain = "gdict16"
         elif codecs == ["transpose", "bytes", "blosc"] and (
             meta["codecs"][0]["configuration"]["order"] == [2, 0, 1]
         ):
@@ -192,6 +203,11 @@ class ChunkReader:
         fetched = self._fetch(layout, index)
         try:
             raw: bytes | memoryview = strip_crc32c(fetched) if layout.crc32c else fetched
+            shape = (self.chunk_windows, WINDOW_LENGTH, N_CHANNELS)
+            if layout.chain == "gdict16":
+                scratch = _blosc_decode_scratch(raw)
+                usable = out is not None and out.shape == shape and out.flags.c_contiguous
+                return decode_gdict16(scratch, shape, out=out if usable else None)[: stop - start]
             if out is not None and layout.chain in ("dict16", "standard"):
                 decoded = _blosc_decode_scratch(raw)
                 if layout.chain == "dict16" and _decode_dict16_into(decoded, out):
