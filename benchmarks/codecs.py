@@ -2,9 +2,12 @@
 
     python benchmarks/codecs.py                    # 40 devices, 600,000 windows (~190 MB)
     python benchmarks/codecs.py --windows 100000   # quick look
+    python benchmarks/codecs.py --order shuffled --devices 186   # what a --shuffle store holds
 
 Each variant is written with zarr-python to a fresh local array in device order (as the
-converter writes), then read back whole. Columns:
+converter writes; ``--order shuffled``: in one random order, as ``convert --shuffle`` writes),
+then read back whole. gdict16 variants marked "by device" are written as the converter writes
+them, with each chunk's device ids (zarr-python's own write path knows no devices). Columns:
 
 - ratio: float32 bytes / stored bytes (chunk files only).
 - write MB/s, read MB/s: zarr-python with its default thread pool (all cores), float32 bytes
@@ -36,7 +39,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _util import dir_bytes, machine, table  # noqa: E402
 
 from birdzarr import _synthetic  # noqa: E402
-from birdzarr._codec import Dict16Codec, gimu_codecs  # noqa: E402
+from birdzarr._codec import Dict16Codec, GDict16Codec, gimu_codecs  # noqa: E402
 
 
 @dataclass
@@ -45,6 +48,7 @@ class Variant:
     chunk: int
     codecs: dict[str, Any]
     shard: int | None = None
+    grouped: bool = False  # gdict16: chunks encoded with their windows' device ids
 
 
 def variants() -> list[Variant]:
@@ -54,8 +58,16 @@ def variants() -> list[Variant]:
     def dict16(cname: str, clevel: int) -> dict[str, Any]:
         return {"filters": (), "serializer": Dict16Codec(), "compressors": (blosc(cname, clevel, 2),)}
 
+    def gdict16(cname: str, clevel: int) -> dict[str, Any]:
+        return {"filters": (), "serializer": GDict16Codec(), "compressors": (blosc(cname, clevel, 2),)}
+
     plain = {"filters": (), "serializer": BytesCodec(endian="little")}
     return [
+        Variant("gdict16 by device + zstd 1", 8192, gdict16("zstd", 1), grouped=True),
+        Variant("gdict16 by device + zstd 3", 8192, gdict16("zstd", 3), grouped=True),
+        Variant("gdict16 by device + lz4 5", 8192, gdict16("lz4", 5), grouped=True),
+        Variant("gdict16 by device + zstd 1", 32768, gdict16("zstd", 1), grouped=True),
+        Variant("standard: transpose + blosc zstd 3", 8192, gimu_codecs("standard", cname="zstd", clevel=3)),
         Variant("dict16 + zstd 1", 8192, dict16("zstd", 1)),
         Variant("dict16 + zstd 3", 8192, dict16("zstd", 3)),
         Variant("dict16 + lz4 5", 8192, dict16("lz4", 5)),
@@ -75,19 +87,61 @@ def variants() -> list[Variant]:
     ]
 
 
-def make_data(n_devices: int, n_windows: int) -> np.ndarray:
+def make_data(n_devices: int, n_windows: int, order: str = "device") -> tuple[np.ndarray, np.ndarray]:
+    """Calibrated windows of skewed devices and their device ids, in device or random order."""
     sizes = _synthetic.device_sizes(n_devices, n_windows, seed=0)
     ids = _synthetic.device_ids(n_devices)
-    return np.concatenate(
+    data = np.concatenate(
         [_synthetic.curated_windows(int(s), seed=int(d)) for d, s in zip(ids, sizes, strict=True)]
     )
+    devices = np.repeat(ids.astype(np.int32), sizes)
+    if order == "shuffled":
+        permutation = np.random.default_rng(1).permutation(len(data))
+        data, devices = np.ascontiguousarray(data[permutation]), devices[permutation]
+    return data, devices
+
+
+def parquet_bytes(n_devices: int, n_windows: int) -> int:
+    """Bytes of the same windows as per-device Parquet files (pyarrow defaults), the size to beat."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    total = 0
+    sizes = _synthetic.device_sizes(n_devices, n_windows, seed=0)
+    for d, size in zip(_synthetic.device_ids(n_devices), sizes, strict=True):
+        windows = _synthetic.curated_windows(int(size), seed=int(d))
+        flat = pa.array(windows.reshape(-1), type=pa.float32())
+        offsets = pa.array(np.arange(0, len(windows) * 80 + 1, 80, dtype=np.int32))
+        buffer = io.BytesIO()
+        pq.write_table(pa.table({"gimu": pa.ListArray.from_arrays(offsets, flat)}), buffer)
+        total += buffer.tell()
+    return total
+
+
+def write_grouped(array: Any, data: np.ndarray, devices: np.ndarray, path: str) -> None:
+    """Store every chunk as the converter does: encoded with its windows' device ids."""
+    from birdzarr._codec import chunk_encoder
+
+    encode = chunk_encoder(array.metadata.to_dict()["codecs"])
+    assert encode is not None
+    size = array.chunks[0]
+    for index, first in enumerate(range(0, len(data), size)):
+        chunk, groups = data[first : first + size], devices[first : first + size]
+        if len(chunk) < size:
+            chunk = np.concatenate([chunk, np.zeros((size - len(chunk), *chunk.shape[1:]), chunk.dtype)])
+            groups = np.concatenate([groups, np.full(size - len(groups), -1, groups.dtype)])
+        os.makedirs(os.path.join(path, "c", str(index), "0"), exist_ok=True)
+        with open(os.path.join(path, "c", str(index), "0", "0"), "wb") as handle:
+            handle.write(encode(np.ascontiguousarray(chunk), groups))
 
 
 def decode_per_core(path: str, variant: Variant, shape: tuple[int, ...]) -> float:
     """CPU seconds of one thread decoding every stored chunk (bytes preloaded)."""
     import numcodecs.blosc
 
-    from birdzarr._codec import decode_dict16
+    from birdzarr._codec import decode_dict16, decode_gdict16
 
     blobs = []
     for root, _, files in sorted(os.walk(path)):
@@ -106,6 +160,8 @@ def decode_per_core(path: str, variant: Variant, shape: tuple[int, ...]) -> floa
             raw = numcodecs.Zstd().decode(blob)
         if isinstance(variant.codecs["serializer"], Dict16Codec):
             decode_dict16(raw, (variant.chunk, *shape[1:]))
+        elif isinstance(variant.codecs["serializer"], GDict16Codec):
+            decode_gdict16(raw, (variant.chunk, *shape[1:]))
         elif variant.codecs.get("filters"):
             np.ascontiguousarray(np.frombuffer(raw, "<f4").reshape(4, variant.chunk, 20).transpose(1, 2, 0))
         else:
@@ -115,7 +171,8 @@ def decode_per_core(path: str, variant: Variant, shape: tuple[int, ...]) -> floa
     return seconds
 
 
-def run(variant: Variant, data: np.ndarray, workdir: str, repeat: int) -> dict[str, Any]:
+def run(variant: Variant, data: np.ndarray, workdir: str, repeat: int, devices: np.ndarray,
+        parquet: int) -> dict[str, Any]:
     """Best of ``repeat`` runs for each speed: the machine is shared, the minimum is the signal."""
     path = os.path.join(workdir, "gimu")
     write = read = decode = write_cpu = read_cpu = float("inf")
@@ -133,7 +190,10 @@ def run(variant: Variant, data: np.ndarray, workdir: str, repeat: int) -> dict[s
             **variant.codecs,
         )
         started, cpu = time.perf_counter(), time.process_time()
-        array[:] = data
+        if variant.grouped:
+            write_grouped(array, data, devices, path)
+        else:
+            array[:] = data
         write = min(write, time.perf_counter() - started)
         write_cpu = min(write_cpu, time.process_time() - cpu)
         reopened = zarr.open_array(path, mode="r")
@@ -150,6 +210,7 @@ def run(variant: Variant, data: np.ndarray, workdir: str, repeat: int) -> dict[s
         "chunk": variant.chunk,
         "shard": variant.shard or "",
         "ratio": data.nbytes / stored,
+        "store/parquet": stored / parquet,
         "write MB/s": mb / write,
         "read MB/s": mb / read,
         "write MB/CPU s": mb / write_cpu,
@@ -193,14 +254,20 @@ def main() -> int:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out", "codecs.png"))
     parser.add_argument("--repeat", type=int, default=3, help="runs per variant; the fastest counts")
     parser.add_argument("--workdir", default=None, help="where the arrays are written (default: a temp dir)")
+    parser.add_argument("--order", choices=("device", "shuffled"), default="device",
+                        help="windows in device order (a default store) or shuffled (a --shuffle store)")
     args = parser.parse_args()
-    data = make_data(args.devices, args.windows)
-    print(f"# {machine()}; {len(data):,} windows, {data.nbytes / 1e6:.0f} MB float32, {args.devices} devices")
+    data, devices = make_data(args.devices, args.windows, args.order)
+    parquet = parquet_bytes(args.devices, args.windows)
+    print(f"# {machine()}; {len(data):,} windows, {data.nbytes / 1e6:.0f} MB float32, {args.devices} "
+          "devices, "
+          f"{args.order} order; per-device Parquet {parquet / 1e6:.1f} MB ({data.nbytes / parquet:.2f}x); "
+          f"load average {os.getloadavg()[0]:.1f}")
     workdir = tempfile.mkdtemp(prefix="birdzarr-bench-codecs-", dir=args.workdir)
     rows = []
     try:
         for variant in variants():
-            rows.append(run(variant, data, workdir, args.repeat))
+            rows.append(run(variant, data, workdir, args.repeat, devices, parquet))
             print(table(rows[-1:]), flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -222,13 +222,17 @@ def encode_gdict16(array: np.ndarray, groups: np.ndarray | None = None) -> bytes
         dictionaries.append(deltas.astype("<u4", copy=False))
     header["mode"] = _MODE_DICT
     parts = [header.tobytes(), group.astype("<u2", copy=False).tobytes(), sizes.tobytes()]
-    parts += [d.tobytes() for d in dictionaries]
+    for deltas in dictionaries:  # low halves, then high halves: mostly zero, they bit-shuffle away
+        parts += [(deltas & 0xFFFF).astype("<u2").tobytes(), (deltas >> 16).astype("<u2").tobytes()]
     parts.append(codes.tobytes())
     return b"".join(parts)
 
 
-def decode_gdict16(data: bytes | memoryview | np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """Decode bytes written by :func:`encode_gdict16` into a new float32 array of ``shape``."""
+def decode_gdict16(
+    data: bytes | memoryview | np.ndarray, shape: tuple[int, ...], out: np.ndarray | None = None
+) -> np.ndarray:
+    """Decode bytes written by :func:`encode_gdict16` into a float32 array of ``shape``: ``out``
+    (a C-contiguous float32 array of that shape, which a reader may recycle) or a new one."""
     raw = np.frombuffer(data, dtype=np.uint8)
     header = raw[: _GHEADER.itemsize].view(_GHEADER)[0]
     n_windows, n_per_window = int(header["n_windows"]), int(header["n_per_window"])
@@ -239,11 +243,18 @@ def decode_gdict16(data: bytes | memoryview | np.ndarray, shape: tuple[int, ...]
         raise ValueError(f"not a gdict16 chunk of shape {shape}")
     offset = _GHEADER.itemsize
     n_values = n_windows * n_per_window
-    out = np.empty((n_windows, n_per_window, n_channels), dtype=np.float32)
+    if out is None:
+        out = np.empty(shape, dtype=np.float32)
+    elif out.dtype != np.float32 or out.shape != tuple(shape) or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a C-contiguous float32 array of shape {shape}")
+    result = out
+    out = out.reshape(n_windows, n_per_window, n_channels)
     if int(header["mode"]) == _MODE_RAW:
         body = raw[offset : offset + 4 * n_values * n_channels].view("<f4")
+        if len(body) != n_values * n_channels:
+            raise ValueError("gdict16 chunk is truncated")
         out[:] = body.reshape(n_channels, n_windows, n_per_window).transpose(1, 2, 0)
-        return out.reshape(shape)
+        return result
     group = raw[offset : offset + 2 * n_windows].view("<u2").astype(np.int64)
     offset += 2 * n_windows
     sizes = raw[offset : offset + 4 * n_channels * n_groups].view("<u4").reshape(n_channels, n_groups)
@@ -251,19 +262,22 @@ def decode_gdict16(data: bytes | memoryview | np.ndarray, shape: tuple[int, ...]
     dictionaries, starts = [], []
     for c in range(n_channels):
         count = int(sizes[c].sum())
-        deltas = raw[offset : offset + 4 * count].view("<u4")
+        halves = raw[offset : offset + 4 * count].view("<u2")
         offset += 4 * count
+        deltas = halves[:count].astype(np.uint32) | (halves[count:].astype(np.uint32) << np.uint32(16))
         first = np.cumsum(sizes[c].astype(np.int64)) - sizes[c]
         running = np.cumsum(deltas, dtype=np.uint32)
         before = np.where(first > 0, running[np.maximum(first - 1, 0)] if count else 0, 0).astype(np.uint32)
         dictionaries.append((running - np.repeat(before, sizes[c])).view("<f4"))  # modulo 2**32
         starts.append(first)
     codes = raw[offset : offset + 2 * n_values * n_channels].view("<u2")
+    if codes.size != n_values * n_channels:
+        raise ValueError("gdict16 chunk is truncated")
     codes = codes.reshape(n_channels, n_windows, n_per_window)
     for c in range(n_channels):
         index = codes[c] + starts[c][group][:, None]
         np.take(dictionaries[c], index, out=out[:, :, c])
-    return out.reshape(shape)
+    return result
 
 
 @dataclass(frozen=True)

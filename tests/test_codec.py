@@ -112,8 +112,10 @@ def _numpy_gdict16(b: bytes, shape: tuple[int, ...]) -> np.ndarray:
     off += 4 * K * G
     dicts, starts = [], []
     for c in range(K):
-        deltas = np.frombuffer(b[off:off + 4 * sizes[c].sum()], "<u4")
-        off += 4 * int(sizes[c].sum())
+        n = int(sizes[c].sum())
+        halves = np.frombuffer(b[off:off + 4 * n], "<u2").astype(np.uint32)
+        deltas = halves[:n] | (halves[n:] << np.uint32(16))
+        off += 4 * n
         first = np.cumsum(sizes[c]) - sizes[c]
         entries = []
         for g in range(G):  # each group's entries are a running sum of its deltas
@@ -137,6 +139,10 @@ def test_gdict16_round_trip_and_numpy_decoder(grouped: bool) -> None:
     assert int(np.frombuffer(blob[20:24], "<u4")[0]) == (6 if grouped else 1)
     assert _same_bits(decode_gdict16(blob, windows.shape), windows)
     assert _same_bits(_numpy_gdict16(blob, windows.shape), windows)
+    out = np.full(windows.shape, 7.0, np.float32)  # a recycled buffer, as a reader passes
+    assert decode_gdict16(blob, windows.shape, out=out) is out and _same_bits(out, windows)
+    with pytest.raises(ValueError, match="truncated"):
+        decode_gdict16(blob[:-10], windows.shape)
 
 
 def test_gdict16_raw_mode_when_a_group_has_too_many_values() -> None:

@@ -109,7 +109,8 @@ def _parse_fast(data: bytes) -> _Rows | None:
     try:
         table = pacsv.read_csv(
             pa.BufferReader(data),
-            read_options=pacsv.ReadOptions(column_names=list(COLUMNS)),
+            # one thread a part: the parallelism is the pipeline's workers (_pipeline.py)
+            read_options=pacsv.ReadOptions(column_names=list(COLUMNS), use_threads=False),
             parse_options=pacsv.ParseOptions(newlines_in_values=False),
             convert_options=pacsv.ConvertOptions(
                 column_types=types, strings_can_be_null=False, quoted_strings_can_be_null=False,

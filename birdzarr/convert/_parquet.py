@@ -163,7 +163,10 @@ class ParquetDeviceReader:
 
     def _row_group(self, file: pq.ParquetFile, group: int, source: str) -> Iterator[WindowBlock]:
         first_row = 0
-        batches = file.iter_batches(batch_size=BATCH_ROWS, row_groups=[group], columns=[COLUMN])
+        # one thread a task: the parallelism is the pipeline's workers (birdzarr/convert/_pipeline.py)
+        batches = file.iter_batches(
+            batch_size=BATCH_ROWS, row_groups=[group], columns=[COLUMN], use_threads=False
+        )
         while True:
             try:
                 batch = next(batches, None)
