@@ -70,10 +70,13 @@ def parquet_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return directory
 
 
-@pytest.mark.parametrize("codec", ["dict16", "standard"])
+@pytest.mark.parametrize(("codec", "split"), [("dict16", True), ("dict16", False), ("standard", True)])
 def test_parquet_store_is_byte_identical_for_any_worker_count(
-    parquet_dir: pathlib.Path, tmp_path: pathlib.Path, codec: str
+    parquet_dir: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, codec: str,
+    split: bool,
 ) -> None:
+    # split: one task per row group (files this small are otherwise one task each)
+    monkeypatch.setattr(_pipeline, "SPLIT_MIN_BYTES", 0 if split else 1 << 62)
     stores = []
     for workers in (1, 2, 3):
         dest = tmp_path / f"w{workers}.zarr"
@@ -226,8 +229,9 @@ def test_usable_cpus_follows_affinity_and_quota(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_shuffled_store_is_byte_identical_and_uses_device_dictionaries(
-    parquet_dir: pathlib.Path, tmp_path: pathlib.Path
+    parquet_dir: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(_pipeline, "SPLIT_MIN_BYTES", 0)
     stores = []
     for workers in (1, 2):
         dest = tmp_path / f"s{workers}.zarr"

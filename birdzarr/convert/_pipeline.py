@@ -37,6 +37,9 @@ AHEAD_PER_WORKER = 2  # batches buffered per worker for all the tasks after it
 # CSV input smaller than this (bytes) is parsed on threads: starting worker processes costs more
 # than they save. Tests lower it to exercise the processes on small files.
 PROCESS_MIN_BYTES = 64 << 20
+# Parquet files at least this large are split into one task per row group (pyarrow's default
+# row group of 1,048,576 windows is ~150 MB of calibrated Parquet).
+SPLIT_MIN_BYTES = 32 << 20
 
 Task = Callable[[], Iterator[WindowBlock]]
 
@@ -108,7 +111,9 @@ def _parquet_tasks(devices: list[DeviceSource], on_bad_rows: str) -> Iterator[tu
     for index, device in enumerate(devices):
         for file in device.files:
             reader = ParquetDeviceReader(device.device_id, file, on_bad_rows)
-            groups = reader.row_groups()
+            # a file smaller than a row group's worth of windows is one task (no extra footer read)
+            small = file.fs.size(file.path) < SPLIT_MIN_BYTES if file.is_local else False
+            groups = None if small else reader.row_groups()
             if groups is None or groups <= 1:  # one task; a bad file reports itself
                 yield index, reader.blocks
             else:
