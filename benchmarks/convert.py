@@ -144,9 +144,10 @@ def main() -> int:
         make_parquet(corpus, dict(zip(ids, sizes, strict=True)), seed=0)
 
         def run(name: str, workers: int, source: str, dest: str, *extra: str) -> dict[str, Any]:
+            is_parquet = any(f.endswith(".parquet") for f in os.listdir(source))
             row = {"input": name, "workers": workers,
                    **convert_measured(source, os.path.join(workdir, dest), "--workers", str(workers), *extra,
-                                      parquet=corpus)}
+                                      parquet=source if is_parquet else None)}
             rows.append(row)
             print(table([row]), flush=True)
             return row
