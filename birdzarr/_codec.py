@@ -37,9 +37,19 @@ _HEADER = np.dtype([("magic", "S4"), ("mode", "<u4"), ("n_per_channel", "<u4"), 
 _MAX_CODES = 65535
 
 
-def _distinct_and_codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """Sorted distinct uint32 values and a uint16 code per value, or None if too many."""
+def _distinct_and_codes(values: np.ndarray, run: int = 1) -> tuple[np.ndarray, np.ndarray] | None:
+    """Sorted distinct uint32 values and a uint16 code per value, or None if too many.
+
+    ``run``: values come in runs of this length (one window's samples of a channel); a channel
+    constant within every run (gps_speed) is coded once per run, the same codes a quarter of the
+    work cheaper."""
     import pyarrow as pa  # only encoding needs it; readers and DataLoader workers never import it
+
+    if run > 1 and len(values) % run == 0 and len(values):
+        by_run = values.reshape(-1, run)
+        if (by_run == by_run[:, :1]).all():
+            found = _distinct_and_codes(np.ascontiguousarray(by_run[:, 0]))
+            return None if found is None else (found[0], np.repeat(found[1], run))
 
     # A hash dictionary-encoding, then a sort of the few thousand distinct values: measured 30%
     # faster than pandas' factorize and 5x faster than np.unique; the bytes are the same (the
@@ -61,7 +71,8 @@ def encode_dict16(array: np.ndarray) -> bytes:
     n_channels = array.shape[-1]
     channel_major = np.ascontiguousarray(array.reshape(-1, n_channels).T).view(np.uint32)
     n_per_channel = channel_major.shape[1]
-    encoded = [_distinct_and_codes(channel_major[c]) for c in range(n_channels)]
+    run = int(np.prod(array.shape[1:-1], dtype=np.int64)) if array.ndim > 2 else 1
+    encoded = [_distinct_and_codes(channel_major[c], run) for c in range(n_channels)]
     header = np.zeros(1, dtype=_HEADER)
     header["magic"] = MAGIC
     header["n_per_channel"] = n_per_channel
