@@ -194,3 +194,21 @@ def test_gdict16_shuffled_chunk_is_smaller_than_parquet() -> None:
     windows, devices = windows[:8192], devices[:8192]
     zstd = Blosc(cname=GDICT16_CNAME, clevel=GDICT16_CLEVEL, shuffle=Blosc.BITSHUFFLE, typesize=2)
     assert windows.nbytes / len(zstd.encode(encode_gdict16(windows, devices))) > 2.2
+
+
+def _reference_dict16(array: np.ndarray) -> bytes:
+    """dict16 spelled out with np.unique: the fast encoder must give exactly these bytes."""
+    cm = np.ascontiguousarray(array.reshape(-1, array.shape[-1]).T).view(np.uint32)
+    found = [np.unique(cm[c], return_inverse=True) for c in range(cm.shape[0])]
+    header = MAGIC + np.array([1, cm.shape[1], cm.shape[0]], "<u4").tobytes()
+    sizes = np.array([len(d) for d, _ in found], "<u4").tobytes()
+    return b"".join([header, sizes, *[d.astype("<u4").tobytes() for d, _ in found],
+                     *[i.astype("<u2").tobytes() for _, i in found]])
+
+
+def test_dict16_bytes_equal_a_reference_encoder() -> None:
+    """The hash-based encoder (and its once-a-window path for gps_speed) changes no byte."""
+    windows = _synthetic.curated_windows(3000, seed=12)
+    windows[5, 3, 3] = np.float32(0.5)  # gps no longer constant in one window: the general path
+    for chunk in (_synthetic.curated_windows(3000, seed=13), windows):
+        assert encode_dict16(chunk) == _reference_dict16(chunk)
