@@ -285,9 +285,16 @@ def decode_gdict16(
     if codes.size != n_values * n_channels:
         raise ValueError("gdict16 chunk is truncated")
     codes = codes.reshape(n_channels, n_windows, n_per_window)
+    index = np.empty((n_windows, n_per_window), dtype=np.int32)
+    values = np.empty((n_windows, n_per_window), dtype=np.float32)
     for c in range(n_channels):
-        index = codes[c] + starts[c][group][:, None]
-        np.take(dictionaries[c], index, out=out[:, :, c])
+        if (codes[c] >= sizes[c].astype(np.int32)[group][:, None]).any():
+            raise ValueError(f"gdict16 code out of range in channel {c}")
+        # int32 arithmetic in place; a contiguous take (mode="clip": indices checked above) then
+        # one column copy is faster than int64 temporaries and a buffered take into the column
+        np.add(codes[c], starts[c].astype(np.int32)[group][:, None], out=index)
+        np.take(dictionaries[c], index, out=values, mode="clip")
+        out[:, :, c] = values
     return result
 
 
