@@ -38,8 +38,8 @@ from zarr.codecs import BloscCodec, BytesCodec, ZstdCodec
 sys.path.insert(0, os.path.dirname(__file__))
 from _util import dir_bytes, machine, table  # noqa: E402
 
-from birdzarr import _synthetic  # noqa: E402
-from birdzarr._codec import Dict16Codec, GDict16Codec, gimu_codecs  # noqa: E402
+from birdzarr.demo import _synthetic  # noqa: E402
+from birdzarr.format._codec import Dict16Codec, GDict16Codec, gimu_codecs  # noqa: E402
 
 
 @dataclass
@@ -122,7 +122,7 @@ def parquet_bytes(n_devices: int, n_windows: int) -> int:
 
 def write_grouped(array: Any, data: np.ndarray, devices: np.ndarray, path: str) -> None:
     """Store every chunk as the converter does: encoded with its windows' device ids."""
-    from birdzarr._codec import chunk_encoder
+    from birdzarr.format._codec import chunk_encoder
 
     encode = chunk_encoder(array.metadata.to_dict()["codecs"])
     assert encode is not None
@@ -141,7 +141,7 @@ def decode_per_core(path: str, variant: Variant, shape: tuple[int, ...]) -> floa
     """CPU seconds of one thread decoding every stored chunk (bytes preloaded)."""
     import numcodecs.blosc
 
-    from birdzarr._codec import decode_dict16, decode_gdict16
+    from birdzarr.format._codec import decode_dict16, decode_gdict16
 
     blobs = []
     for root, _, files in sorted(os.walk(path)):

@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from _util import children_cpu, dir_bytes, machine, run_measured, table  # noqa: E402
 
-from birdzarr import _synthetic  # noqa: E402
+from birdzarr.demo import _synthetic  # noqa: E402
 
 WINDOW_BYTES = 320
 

@@ -35,7 +35,7 @@ MB = 1e6
 
 def prepare(workdir: str, n_windows: int) -> dict[str, str]:
     import birdzarr
-    from birdzarr import _synthetic
+    from birdzarr.demo import _synthetic
 
     stores = {name: os.path.join(workdir, f"{name}.zarr") for name in ("device", "shuffled")}
     if all(os.path.exists(p) for p in stores.values()):

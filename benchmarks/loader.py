@@ -56,7 +56,7 @@ def prepare(workdir: str, n_windows: int, n_devices: int, *, scale_check: bool, 
     import pyarrow.parquet as pq  # noqa: F401  (fail early if missing)
 
     import birdzarr
-    from birdzarr import _synthetic
+    from birdzarr.demo import _synthetic
 
     meta_path = os.path.join(workdir, "meta.json")
     wanted = {"windows": n_windows, "devices": n_devices, "scale_check": scale_check}
@@ -139,7 +139,7 @@ def _iterate(batches: Any, *, max_batches: int | None, quality_batches: int,
 
 
 def _quality(kept: list[np.ndarray], meta: dict[str, Any]) -> float:
-    from birdzarr.read._quality import quality_ratio
+    from birdzarr.loader._quality import quality_ratio
 
     return quality_ratio(kept, np.asarray(meta["device_ids"]), np.asarray(meta["sizes"]))
 
@@ -196,7 +196,7 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
         for epoch in (0, 1):
             ds.set_epoch(epoch)
             members.append([ds.batch_indices(b) for b in ds.delivery_order(workers)])
-        from birdzarr.read._quality import pair_cooccurrence_ratio, repeated_batch_fraction
+        from birdzarr.loader._quality import pair_cooccurrence_ratio, repeated_batch_fraction
 
         result["repeated"] = repeated_batch_fraction(members[0], members[1])
         n_store = n_total * spec.get("scale", 1)
@@ -309,7 +309,7 @@ def predicted_device_order(meta: dict[str, Any], pool_chunks: float) -> float:
     """Quality ratio of a batch whose windows come from K chunks of one device each: the device
     mix then has only K independent draws (TV of K multinomial draws, ~sqrt(B/K) times that of B
     draws until it saturates) plus the batch's own sampling noise, so about sqrt(1 + B/K)."""
-    from birdzarr.read._quality import uniform_tv_distance
+    from birdzarr.loader._quality import uniform_tv_distance
 
     sizes = np.asarray(meta["sizes"], dtype=float)
     proportions = sizes / sizes.sum()

@@ -28,8 +28,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _util import table  # noqa: E402
 
-from birdzarr.read import _handoff  # noqa: E402
-from birdzarr.read._torch import _SharedBatch  # noqa: E402
+from birdzarr.loader import _handoff  # noqa: E402
+from birdzarr.loader._dataset import _SharedBatch  # noqa: E402
 
 B = 8192  # windows per batch and per chunk
 
@@ -104,7 +104,7 @@ def s3_rows(repeat: int) -> list[dict[str, Any]]:
     from s3 import Server
     from s3_support import REGION, s3_options
 
-    from birdzarr._storage import read_object, resolve
+    from birdzarr.storage._location import read_object, resolve
 
     moto = Server("moto")
     try:

@@ -41,10 +41,10 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 from s3_support import REGION, s3_options  # noqa: E402
 
 import birdzarr  # noqa: E402
-from birdzarr import _synthetic  # noqa: E402
-from birdzarr._copy import copy_store  # noqa: E402
-from birdzarr._storage import FETCHER_ENV, resolve  # noqa: E402
-from birdzarr.read._chunks import ChunkReader  # noqa: E402
+from birdzarr.demo import _synthetic  # noqa: E402
+from birdzarr.maintenance._copy import copy_store  # noqa: E402
+from birdzarr.storage._location import FETCHER_ENV, resolve  # noqa: E402
+from birdzarr.store._chunks import ChunkReader  # noqa: E402
 
 # With --pin-servers, the servers run on this core and the loader on the others, as if the
 # endpoint were another machine (moto and the proxy are Python and cost ~15 ms of CPU per GET).
@@ -153,7 +153,7 @@ def tensorstore_reads(
 
 def raw_fetches(proxy_url: str, n_chunks: int, threads: int) -> dict[str, float]:
     """MB/s of fetching every gimu chunk object (no decoding): s3fs (birdzarr's path) vs obstore."""
-    from birdzarr._storage import read_object
+    from birdzarr.storage._location import read_object
 
     location = resolve("s3://bench/dict16.zarr", s3_options(proxy_url))
     keys = [f"gimu/c/{i}/0/0" for i in range(n_chunks)]

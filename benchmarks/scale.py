@@ -48,7 +48,7 @@ def _write_device(job: tuple[str, int, int, int]) -> int:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from birdzarr import _synthetic
+    from birdzarr.demo import _synthetic
 
     directory, device, size, seed = job
     path = os.path.join(directory, f"{device}.parquet")
@@ -65,7 +65,7 @@ def _write_device(job: tuple[str, int, int, int]) -> int:
 
 
 def generate(directory: str, n_devices: int, n_windows: int, *, seed: int, processes: int) -> dict[str, Any]:
-    from birdzarr import _synthetic
+    from birdzarr.demo import _synthetic
 
     marker = os.path.join(directory, ".complete")
     ids = _synthetic.device_ids(n_devices).tolist()
@@ -165,7 +165,7 @@ def epoch_child(store: str, batch_size: int, workers: int, seed: int, quality_ba
     from torch.utils.data import DataLoader
 
     import birdzarr
-    from birdzarr.read._quality import quality_ratio
+    from birdzarr.loader._quality import quality_ratio
 
     me = psutil.Process()
     # USS of the whole tree (main + workers) and of the main process alone

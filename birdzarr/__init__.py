@@ -5,8 +5,14 @@ Public API (everything else is private and may change)::
     birdzarr.convert(source, dest, **options)   # CSV exports or per-device Parquet -> store
     birdzarr.append(store, source, **options)   # new devices or parts, committed atomically
     birdzarr.open_store(url) -> Store            # read-only handle for notebooks and scripts
-    birdzarr.WindowDataset(url, batch_size=...)  # shuffled batches for torch DataLoader
+    birdzarr.WindowDataset(url, batch_size=...)  # batches redrawn every epoch, for torch
+    birdzarr.verify(url) / repair(url) / copy(src, dest)   # keeping stores sound
     birdzarr.generate_demo(directory)            # generated CSV exports to try it on
+
+The package is layered; each layer imports only the ones below it (tests/test_layers.py):
+``format`` (the spec, codecs) < ``storage`` (locations, cache, lock) < ``explore`` (views and
+plots) < ``store`` (the read-only handle, chunk reading) < ``convert`` < ``maintenance``
+(verify, repair, copy) < ``loader`` (the torch dataset) < ``demo`` < this module < ``cli``.
 """
 
 from __future__ import annotations
@@ -15,28 +21,43 @@ import os
 import pathlib
 from typing import Any
 
-__version__ = "0.1.0"
-
-from birdzarr._errors import (  # noqa: E402
+from birdzarr._errors import (
     AppendError,
     BadInputError,
     BirdzarrError,
+    BirdzarrWarning,
     ChecksumMismatchError,
+    ChunkFetchError,
+    CorruptChunkError,
+    DestinationError,
+    DuplicateWindowsWarning,
+    FallbackWarning,
     FormatVersionError,
     IncompleteStoreError,
     MissingChunkError,
     MissingDependencyError,
     NotAStoreError,
+    ReadOnlyLocationError,
     ResidentMemoryError,
     SamplingError,
+    StorageError,
     StoreAccessError,
     StoreExistsError,
     StoreLockedError,
     StoreNotFoundError,
+    TransferError,
+    UnknownProtocolError,
 )
-from birdzarr._format import CHANNELS, FORMAT_VERSION, TIMESTAMP_UNKNOWN, Curation  # noqa: E402
-from birdzarr._store import Store, open_store  # noqa: E402
-from birdzarr.convert import append, convert  # noqa: E402
+from birdzarr._version import __version__
+from birdzarr.convert import append, convert
+from birdzarr.explore._stats import StoreStats
+from birdzarr.format._spec import CHANNELS, FORMAT_VERSION, TIMESTAMP_UNKNOWN, Curation
+from birdzarr.maintenance._copy import CopyResult
+from birdzarr.maintenance._copy import copy_store as copy
+from birdzarr.maintenance._repair import RepairReport, repair
+from birdzarr.maintenance._verify import VerifyResult, verify
+from birdzarr.storage._cache import ChunkCache, attach_cache
+from birdzarr.store._handle import Store, WindowsView, open_store
 
 __all__ = [
     "CHANNELS",
@@ -45,26 +66,46 @@ __all__ = [
     "AppendError",
     "BadInputError",
     "BirdzarrError",
+    "BirdzarrWarning",
     "ChecksumMismatchError",
+    "ChunkCache",
+    "ChunkFetchError",
+    "CopyResult",
+    "CorruptChunkError",
     "Curation",
+    "DestinationError",
+    "DuplicateWindowsWarning",
+    "FallbackWarning",
     "FormatVersionError",
     "IncompleteStoreError",
     "MissingChunkError",
     "MissingDependencyError",
     "NotAStoreError",
+    "ReadOnlyLocationError",
+    "RepairReport",
     "ResidentMemoryError",
     "SamplingError",
+    "StorageError",
     "Store",
     "StoreAccessError",
     "StoreExistsError",
     "StoreLockedError",
     "StoreNotFoundError",
+    "StoreStats",
+    "TransferError",
+    "UnknownProtocolError",
+    "VerifyResult",
     "WindowDataset",
+    "WindowsView",
     "__version__",
     "append",
+    "attach_cache",
     "convert",
+    "copy",
     "generate_demo",
     "open_store",
+    "repair",
+    "verify",
 ]
 
 
@@ -79,7 +120,7 @@ def generate_demo(
     synthetic (calibrated 12-bit counts), for examples and notebooks, not for science.
     ``birdzarr.convert(directory, "demo.zarr")`` makes a store of them.
     """
-    from birdzarr._synthetic import make_csv_dir
+    from birdzarr.demo._synthetic import make_csv_dir
 
     make_csv_dir(directory, n_devices=devices, bursts_per_device=bursts_per_device, parts=parts, seed=seed)
     return pathlib.Path(directory)
@@ -89,7 +130,7 @@ def __getattr__(name: str) -> Any:
     # torch is imported only when the dataset is first used, so conversion and exploration
     # never pay for it.
     if name == "WindowDataset":
-        from birdzarr.read._torch import WindowDataset
+        from birdzarr.loader._dataset import WindowDataset
 
         return WindowDataset
     raise AttributeError(f"module 'birdzarr' has no attribute {name!r}")

@@ -1,6 +1,6 @@
 """The one error hierarchy of birdzarr.
 
-Every error birdzarr raises on purpose derives from :class:`BirdzarrError`; each subclass also
+Every error birdzarr raises on purpose derives from ``BirdzarrError``; each subclass also
 derives from the matching built-in so callers can keep catching ``FileNotFoundError`` and friends.
 """
 
@@ -51,10 +51,17 @@ class MissingDependencyError(BirdzarrError, ImportError):
     """An optional dependency (an extra) is needed for this feature."""
 
 
+class CorruptChunkError(MissingChunkError):
+    """A stored chunk fails its checksum or cannot be decoded (changed or truncated bytes).
+
+    A subclass of ``MissingChunkError``: either way the chunk's windows cannot be read.
+    """
+
+
 class ChunkFetchError(MissingChunkError):
     """A chunk could not be fetched even after retries (storage unreachable or throttling).
 
-    A subclass of :class:`MissingChunkError` so one ``except`` covers every unreadable chunk; the
+    A subclass of ``MissingChunkError`` so one ``except`` covers every unreadable chunk; the
     store itself may be intact, so retrying later can succeed.
     """
 

@@ -1,4 +1,4 @@
-"""Shared fixtures: small generated stores (realistic calibrated values, see birdzarr._synthetic)."""
+"""Shared fixtures: small generated stores (realistic calibrated values, see birdzarr.demo._synthetic)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import birdzarr
-from birdzarr import _synthetic
+from birdzarr.demo import _synthetic
 
 
 @pytest.fixture(scope="session")

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 
 import birdzarr
-from birdzarr import _synthetic
 from birdzarr._errors import AppendError, BirdzarrError, IncompleteStoreError
-from birdzarr._repair import leftovers
-from birdzarr._verify import verify
 from birdzarr.cli import main
 from birdzarr.convert import append
 from birdzarr.convert._append import append_detailed
 from birdzarr.convert._writer import StoreWriter, checksum_hasher
+from birdzarr.demo import _synthetic
+from birdzarr.maintenance._verify import verify
+from birdzarr.store._tail import leftovers
 
 CHUNK = 100  # small and not a divisor of the stores' sizes: appends start inside a chunk
 
@@ -40,9 +40,9 @@ def csv_parts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Pat
 
 def _windows_of(source: pathlib.Path, device: int) -> np.ndarray:
     """The windows a conversion of ``source`` alone gives a device (the independent truth)."""
-    from birdzarr._format import Curation
-    from birdzarr._storage import resolve
     from birdzarr.convert._sources import discover
+    from birdzarr.format._spec import Curation
+    from birdzarr.storage._location import resolve
 
     _, devices = discover(resolve(source))
     blocks = [b.windows for d in devices if d.device_id == device

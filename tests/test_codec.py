@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import zarr
 
-from birdzarr import _synthetic
-from birdzarr._codec import MAGIC, decode_dict16, encode_dict16, gimu_codecs
+from birdzarr.demo import _synthetic
+from birdzarr.format._codec import MAGIC, decode_dict16, encode_dict16, gimu_codecs
 
 
 def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
@@ -78,7 +78,7 @@ def test_dict16_beats_parquet_class_ratio() -> None:
     """On calibrated values the dict16 chain must stay well above Parquet's ~2.1x (CONTEXT.md)."""
     from numcodecs import Blosc
 
-    from birdzarr._codec import DEFAULT_CLEVEL, DEFAULT_CNAME
+    from birdzarr.format._codec import DEFAULT_CLEVEL, DEFAULT_CNAME
 
     windows = _synthetic.curated_windows(8192, seed=9)
     default = Blosc(cname=DEFAULT_CNAME, clevel=DEFAULT_CLEVEL, shuffle=Blosc.BITSHUFFLE, typesize=2)
@@ -129,7 +129,7 @@ def _numpy_gdict16(b: bytes, shape: tuple[int, ...]) -> np.ndarray:
 
 @pytest.mark.parametrize("grouped", [True, False])
 def test_gdict16_round_trip_and_numpy_decoder(grouped: bool) -> None:
-    from birdzarr._codec import GMAGIC, decode_gdict16, encode_gdict16
+    from birdzarr.format._codec import GMAGIC, decode_gdict16, encode_gdict16
 
     windows, devices = _shuffled_devices(6, 500, seed=3)
     windows[0, 0] = [np.nan, -0.0, np.float32(1e-45), np.inf]  # any bit pattern, NaN payloads too
@@ -146,7 +146,7 @@ def test_gdict16_round_trip_and_numpy_decoder(grouped: bool) -> None:
 
 
 def test_gdict16_raw_mode_when_a_group_has_too_many_values() -> None:
-    from birdzarr._codec import decode_gdict16, encode_gdict16
+    from birdzarr.format._codec import decode_gdict16, encode_gdict16
 
     windows = np.random.default_rng(0).standard_normal((4000, 20, 4)).astype(np.float32)  # 80,000 distinct
     blob = encode_gdict16(windows, np.zeros(4000, np.int32))
@@ -163,7 +163,7 @@ def test_gdict16_chunk_encoder_matches_zarr_without_groups() -> None:
     """Without groups the fast path's bytes are zarr-python's; with groups zarr reads them back."""
     import zarr.storage
 
-    from birdzarr._codec import chunk_encoder
+    from birdzarr.format._codec import chunk_encoder
 
     windows, devices = _shuffled_devices(5, 400, seed=8)
     store = zarr.storage.MemoryStore()
@@ -188,7 +188,7 @@ def test_gdict16_shuffled_chunk_is_smaller_than_parquet() -> None:
     below the per-device Parquet size (~2.2x, CONTEXT.md)."""
     from numcodecs import Blosc
 
-    from birdzarr._codec import GDICT16_CLEVEL, GDICT16_CNAME, encode_gdict16
+    from birdzarr.format._codec import GDICT16_CLEVEL, GDICT16_CNAME, encode_gdict16
 
     windows, devices = _shuffled_devices(40, 205, seed=5)
     windows, devices = windows[:8192], devices[:8192]

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import birdzarr
-from birdzarr import _synthetic
+from birdzarr.demo import _synthetic
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "data"  # copied from the shared fixtures (MIT)
 SPEED_LIMIT = 30.0

@@ -17,9 +17,9 @@ from birdzarr import (
     NotAStoreError,
     StoreExistsError,
     StoreNotFoundError,
-    _synthetic,
 )
-from birdzarr._verify import verify
+from birdzarr.demo import _synthetic
+from birdzarr.maintenance._verify import verify
 
 GOOD = "7,2014-01-01 10:00:00,{i},-1,0.100000,-0.200000,0.900000,3.5\n"
 

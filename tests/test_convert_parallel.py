@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import birdzarr
-from birdzarr import _synthetic
 from birdzarr.convert import _cpus, _pipeline
+from birdzarr.demo import _synthetic
 
 # Root attributes that record when and how fast a conversion ran, not what it stored.
 _VOLATILE = {"started_at", "finished_at", "committed_at", "seconds", "cpu_seconds", "cores_used", "workers",

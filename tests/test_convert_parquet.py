@@ -10,7 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 import birdzarr
-from birdzarr import TIMESTAMP_UNKNOWN, _synthetic
+from birdzarr import TIMESTAMP_UNKNOWN
+from birdzarr.demo import _synthetic
 
 
 def _write(windows: np.ndarray, path: pathlib.Path, **options: object) -> None:

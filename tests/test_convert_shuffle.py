@@ -79,7 +79,7 @@ def test_shuffled_store_is_a_seeded_permutation(
 def test_shuffle_csv_counts_and_cli(
     tmp_path: pathlib.Path, small_buckets: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from birdzarr import _synthetic
+    from birdzarr.demo import _synthetic
 
     _synthetic.make_csv_dir(tmp_path / "csv", n_devices=3, bursts_per_device=300, parts=2, seed=2)
     plain = birdzarr.convert(tmp_path / "csv", tmp_path / "plain.zarr", progress=False)

@@ -34,12 +34,12 @@ import numpy as np
 import pytest
 
 import birdzarr
-from birdzarr import _synthetic
 from birdzarr._errors import IncompleteStoreError
-from birdzarr._format import ATTRS_KEY
-from birdzarr._repair import repair
-from birdzarr._verify import verify
 from birdzarr.convert import append
+from birdzarr.demo import _synthetic
+from birdzarr.format._spec import ATTRS_KEY
+from birdzarr.maintenance._repair import repair
+from birdzarr.maintenance._verify import verify
 
 CHUNK = 64
 MODES = ("before", "after", "torn")
@@ -177,7 +177,7 @@ def _context() -> Any:
             "numpy", "pandas", "pyarrow.compute", "pyarrow.csv", "pyarrow.parquet", "zarr",
             "zarr.storage._local",
             "fsspec.implementations.local", "numcodecs", "birdzarr", "birdzarr.convert",
-            "birdzarr._store", "test_crash",
+            "birdzarr.store._handle", "test_crash",
         ])
     return _CTX
 
@@ -345,7 +345,7 @@ def test_killed_append_keeps_the_previous_commit(
 def test_repair_removes_leftovers_of_a_killed_append(
     sources: dict[str, pathlib.Path], tmp_path: pathlib.Path
 ) -> None:
-    from birdzarr._repair import leftovers
+    from birdzarr.store._tail import leftovers
 
     dest = tmp_path / "store.zarr"
     birdzarr.convert(sources["csv_base"], dest, chunk_windows=CHUNK, progress=False)

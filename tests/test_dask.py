@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import birdzarr
-from birdzarr import _synthetic
 from birdzarr.cli import main as cli_main
+from birdzarr.demo import _synthetic
 
 distributed = pytest.importorskip("distributed")
 
@@ -115,10 +115,10 @@ def test_write_task_abandons_the_next_device_part_way(tmp_path: pathlib.Path) ->
     import threading
     import time
 
-    from birdzarr._format import Curation
-    from birdzarr._storage import resolve
     from birdzarr.convert._dask import _span_blocks, count_device, plan_spans
     from birdzarr.convert._sources import discover
+    from birdzarr.format._spec import Curation
+    from birdzarr.storage._location import resolve
 
     src = tmp_path / "src"
     src.mkdir()

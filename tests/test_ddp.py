@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import birdzarr
-from birdzarr import _synthetic
+from birdzarr.demo import _synthetic
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*stored in device order")
 

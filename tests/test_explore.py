@@ -21,10 +21,11 @@ import pytest
 from s3_support import moto, new_bucket, s3_options  # noqa: F401  (moto is a fixture)
 
 import birdzarr
-from birdzarr import _storage, _synthetic
-from birdzarr._format import GIMU_DIMS_BEFORE_SAMPLE, TIMESTAMP_UNKNOWN
 from birdzarr.cli import main
+from birdzarr.demo import _synthetic
 from birdzarr.explore import _stats
+from birdzarr.format._spec import GIMU_DIMS_BEFORE_SAMPLE, TIMESTAMP_UNKNOWN
+from birdzarr.storage import _location as _storage
 
 pytest.importorskip("matplotlib")
 pytest.importorskip("xarray")
@@ -505,7 +506,7 @@ def test_stats_on_a_read_only_location_stay_in_memory(csv_case, monkeypatch, tmp
 
 def test_stats_are_not_saved_into_a_locked_store(csv_case, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A writer holds the store: the cache stays in memory and a warning names the holder."""
-    from birdzarr._lock import StoreLock, read_holder
+    from birdzarr.storage._lock import StoreLock, read_holder
 
     store = copy_of(csv_case[0], tmp_path)
     with StoreLock(store.location, command="birdzarr append (test)") as lock:

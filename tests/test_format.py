@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from birdzarr import FormatVersionError, NotAStoreError
-from birdzarr._format import (
+from birdzarr.format._spec import (
     FORMAT_VERSION,
     TIMESTAMP_UNKNOWN,
     Curation,

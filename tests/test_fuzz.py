@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 
 import birdzarr
 from birdzarr._errors import BadInputError, BirdzarrError
-from birdzarr._verify import verify
 from birdzarr.convert._csv import parse_csv
+from birdzarr.maintenance._verify import verify
 
 _SCALE = int(os.environ.get("BIRDZARR_FUZZ_EXAMPLES", "0"))
 CASES_RUN: dict[str, int] = {}  # cases run per fuzz test, filled while that test runs
@@ -260,7 +260,7 @@ def _hostile_file_name_cases(names: list[str], suffix: str) -> None:
             if suffix == ".csv":
                 path.write_text("\n".join(_GOOD_ROW.format(i=i) for i in range(20)) + "\n")
             else:
-                birdzarr._synthetic.write_parquet(np.zeros((3, 20, 4), np.float32), path)
+                birdzarr.demo._synthetic.write_parquet(np.zeros((3, 20, 4), np.float32), path)
         if not any((root / "src").iterdir()):
             return
         _outcome("file names", convert_outcome(root / "src", root / "out.zarr"))
@@ -280,7 +280,7 @@ def test_one_device_from_two_inputs_is_refused(tmp_path: pathlib.Path, names: tu
         if name.endswith(".csv"):
             path.write_text("\n".join(_GOOD_ROW.format(i=i) for i in range(20)) + "\n")
         else:
-            birdzarr._synthetic.write_parquet(np.zeros((3, 20, 4), np.float32), path)
+            birdzarr.demo._synthetic.write_parquet(np.zeros((3, 20, 4), np.float32), path)
     with pytest.raises(BadInputError, match="same device"):
         birdzarr.convert(tmp_path / "src", tmp_path / "out.zarr", progress=False)
     assert not (tmp_path / "out.zarr").exists()
@@ -291,7 +291,7 @@ def test_a_parquet_footer_with_a_non_utf8_column_name(tmp_path: pathlib.Path, sk
     """Found by the fuzzer: pyarrow raised UnicodeDecodeError, not a BirdzarrError."""
     (tmp_path / "src").mkdir()
     path = tmp_path / "src" / "12.parquet"
-    birdzarr._synthetic.write_parquet(np.zeros((3, 20, 4), np.float32), path)
+    birdzarr.demo._synthetic.write_parquet(np.zeros((3, 20, 4), np.float32), path)
     path.write_bytes(path.read_bytes().replace(b"gimu", b"\x9aimu"))
     if skip:  # the only file skipped: no window at all, which is an error, not an empty store
         with pytest.raises(BadInputError, match=r"gives no windows \(0 rows read.* 1 unreadable file"):

@@ -16,8 +16,8 @@ import torch
 from torch.utils.data import DataLoader
 
 import birdzarr
-from birdzarr.read import _handoff
-from birdzarr.read._torch import _SharedBatch
+from birdzarr.loader import _handoff
+from birdzarr.loader._dataset import _SharedBatch
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*stored in device order"),

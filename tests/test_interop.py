@@ -24,8 +24,8 @@ from s3_support import (  # noqa: F401  (moto is a fixture)
 )
 
 import birdzarr
-from birdzarr._copy import copy_store
 from birdzarr._errors import ReadOnlyLocationError
+from birdzarr.maintenance._copy import copy_store
 
 ARRAYS = ("gimu", "device", "timestamp", "label")
 
@@ -44,7 +44,7 @@ def standard_store(parquet_source: Any, tmp_path_factory: pytest.TempPathFactory
 @pytest.fixture(scope="module")
 def csv_store(tmp_path_factory: pytest.TempPathFactory) -> birdzarr.Store:
     """A small store with burst times (CSV input)."""
-    from birdzarr import _synthetic
+    from birdzarr.demo import _synthetic
 
     root = tmp_path_factory.mktemp("interop_csv")
     _synthetic.make_csv_dir(root / "csv", n_devices=2, bursts_per_device=40, parts=1, seed=3)
@@ -130,7 +130,7 @@ def test_dict16_decodes_in_plain_zarr_through_the_entry_point(small_store: birdz
     code = (
         "import sys, zarr, numpy as np\n"
         "a = zarr.open_array(sys.argv[1] + '/gimu', mode='r', zarr_format=3)\n"
-        "assert 'birdzarr' not in sys.modules or 'birdzarr._codec' in sys.modules\n"
+        "assert 'birdzarr' not in sys.modules or 'birdzarr.format._codec' in sys.modules\n"
         "sys.stdout.buffer.write(np.ascontiguousarray(a[:100]).tobytes())\n"
     )
     done = subprocess.run(

@@ -175,7 +175,7 @@ def test_resume_refuses_a_different_configuration(small_store: birdzarr.Store) -
 
 
 def test_ldt_rows_match_their_windows(tmp_path: object) -> None:
-    from birdzarr import _synthetic
+    from birdzarr.demo import _synthetic
 
     source = tmp_path / "csv"  # type: ignore[operator]
     _synthetic.make_csv_dir(source, n_devices=3, bursts_per_device=150, parts=2, seed=4, labelled=True)
@@ -320,7 +320,7 @@ def test_every_chunk_is_decoded_by_exactly_one_reader(
 ) -> None:
     """Shuffled, a chunk belongs to one pool of one rank, and a pool to one worker, whatever the
     number of ranks, workers, pool size and batch size."""
-    from birdzarr.read._sampling import plan_epoch
+    from birdzarr.loader._sampling import plan_epoch
 
     chunk_counts = np.array(counts, dtype=np.int64)
     if (chunk_counts > 0).sum() < world_size:

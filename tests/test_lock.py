@@ -17,12 +17,12 @@ import pytest
 from s3_support import MotoEndpoint, moto, new_bucket, s3_options  # noqa: F401  (moto is a fixture)
 
 import birdzarr
-from birdzarr import _synthetic
 from birdzarr._errors import StoreLockedError
-from birdzarr._lock import LOCK_NAME, StoreLock, read_holder
-from birdzarr._repair import repair
-from birdzarr._storage import resolve
 from birdzarr.convert import append
+from birdzarr.demo import _synthetic
+from birdzarr.maintenance._repair import repair
+from birdzarr.storage._location import resolve
+from birdzarr.storage._lock import LOCK_NAME, StoreLock, read_holder
 
 
 @pytest.fixture()
@@ -52,7 +52,8 @@ def test_a_second_writer_is_refused_with_the_holders_name(
     birdzarr.convert(source, dest, chunk_windows=128, progress=False)
     holder = subprocess.Popen(
         [sys.executable, "-c",
-         "import sys, time; from birdzarr._lock import StoreLock; from birdzarr._storage import resolve; "
+         "import sys, time; from birdzarr.storage._lock import StoreLock; "
+         "from birdzarr.storage._location import resolve; "
          "StoreLock(resolve(sys.argv[1]), 'birdzarr append holder-test').acquire(); "
          "print('held', flush=True); time.sleep(60)", str(dest)],
         stdout=subprocess.PIPE, text=True,
@@ -108,7 +109,7 @@ def test_a_lock_from_another_host_is_never_broken_silently(
     _write_lock(dest, host="node-17.hpc", pid=1234)
     with pytest.raises(StoreLockedError, match="pid 1234 on node-17.hpc"):
         append(dest, source, progress=False)
-    report = repair(dest, force_unlock=True)
+    report = repair(dest, break_lock=True)
     assert any("broke the lock" in action for action in report.actions)
     assert not (dest / LOCK_NAME).exists()
 

@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import birdzarr
-from birdzarr.read import _resident as resident_module
+from birdzarr.loader import _resident as resident_module
 
 
 def _resident(store: birdzarr.Store, **options: object) -> birdzarr.WindowDataset:
@@ -65,7 +65,7 @@ def test_a_new_uniform_permutation_every_epoch_from_seed_and_epoch(small_store: 
     first = {np.sort(i).tobytes() for i in _epoch(a)}
     assert not any(np.sort(i).tobytes() in first for i in _epoch(b)), "no batch comes back"
     # a batch is a uniform sample: its device mix matches the store's (device-ordered store!)
-    from birdzarr.read._quality import quality_ratio
+    from birdzarr.loader._quality import quality_ratio
 
     devices = small_store.window_devices[:]
     ids, counts = np.unique(devices, return_counts=True)

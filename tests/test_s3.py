@@ -28,8 +28,6 @@ from s3_support import (  # noqa: F401  (moto, proxy are fixtures)
 )
 
 import birdzarr
-from birdzarr._cache import attach_cache
-from birdzarr._copy import copy_store
 from birdzarr._errors import (
     ChunkFetchError,
     MissingChunkError,
@@ -38,7 +36,9 @@ from birdzarr._errors import (
     StoreNotFoundError,
     TransferError,
 )
-from birdzarr._storage import RetryPolicy, resolve
+from birdzarr.maintenance._copy import copy_store
+from birdzarr.storage._cache import attach_cache
+from birdzarr.storage._location import RetryPolicy, resolve
 
 CHUNK = 4096
 
@@ -208,7 +208,7 @@ def test_copy_interrupted_by_faults_resumes(
     flaky = resolve(remote, s3_options(proxy.url, **no_library_retries), retry=RetryPolicy(attempts=2))
     proxy.inject("reset", 1000, method="PUT", path_contains="/gimu/c/9/")
     with pytest.raises(TransferError, match=r"gimu/c/9/0/0.*same command"):
-        copy_store(small_store.location, flaky, workers=4, progress=False)
+        copy_store(small_store.location, flaky, requests=4, progress=False)
     with pytest.raises((StoreNotFoundError, NotAStoreError)):  # never committed
         birdzarr.open_store(remote, storage_options=s3_options(moto.url))
     resumed = copy_store(small_store.location, remote, progress=False,
@@ -294,7 +294,7 @@ def test_optional_obstore_fetcher(
     """BIRDZARR_S3_FETCHER=obstore: same bytes, one GET per chunk, throttling retried, and never
     used in a process forked after its runtime started (it would hang there)."""
     pytest.importorskip("obstore")
-    from birdzarr import _storage
+    from birdzarr.storage import _location as _storage
 
     monkeypatch.setenv(_storage.FETCHER_ENV, "obstore")
     monkeypatch.setattr(_storage, "_obstore_pid", None)
@@ -345,7 +345,7 @@ def test_overwrite_with_bad_input_keeps_the_old_store_on_s3(
     store = birdzarr.convert(bad, dest, overwrite=True, chunk_windows=CHUNK, progress=False,
                              storage_options=options)
     assert len(store.device_table) == 3
-    from birdzarr._verify import verify
+    from birdzarr.maintenance._verify import verify
 
     assert verify(dest, storage_options=options).ok
     location.fs.invalidate_cache()

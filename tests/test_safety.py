@@ -30,10 +30,10 @@ from birdzarr._errors import (
     StoreExistsError,
     StoreLockedError,
 )
-from birdzarr._lock import StoreLock
-from birdzarr._storage import Location, resolve
-from birdzarr._verify import verify
 from birdzarr.cli import main
+from birdzarr.maintenance._verify import verify
+from birdzarr.storage._location import Location, resolve
+from birdzarr.storage._lock import StoreLock
 
 ROW = "{device},2014-01-01 10:{minute:02d}:00,{i},-1,0.{v:03d},-0.2,0.9,3.5\n"
 
@@ -110,7 +110,7 @@ def test_overwrite_replaces_a_store_but_not_a_store_with_other_files(
 def test_copy_refuses_foreign_destinations_and_its_own_source(
     csv_source: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
-    from birdzarr._copy import copy_store
+    from birdzarr.maintenance._copy import copy_store
 
     store = tmp_path / "s.zarr"
     birdzarr.convert(csv_source, store, progress=False)
@@ -129,7 +129,7 @@ def test_copy_refuses_foreign_destinations_and_its_own_source(
 
 
 def test_copy_takes_the_destination_lock(csv_source: pathlib.Path, tmp_path: pathlib.Path) -> None:
-    from birdzarr._copy import copy_store
+    from birdzarr.maintenance._copy import copy_store
 
     store, dest = tmp_path / "s.zarr", tmp_path / "copy.zarr"
     birdzarr.convert(csv_source, store, progress=False)
@@ -312,7 +312,7 @@ def test_skipping_every_row_commits_nothing(
 def test_plain_zarr_fallback_raises_on_a_missing_chunk(tmp_path: pathlib.Path) -> None:
     import zarr
 
-    from birdzarr.read._chunks import ArrayLayout, ChunkReader
+    from birdzarr.store._chunks import ArrayLayout, ChunkReader
 
     root = tmp_path / "plain.zarr"
     group = zarr.open_group(str(root), mode="w", zarr_format=3)
@@ -360,7 +360,7 @@ def test_lock_fallback_is_loud_and_a_type_error_is_not_swallowed() -> None:
 
 
 def test_obstore_fallback_is_loud(monkeypatch: pytest.MonkeyPatch) -> None:
-    from birdzarr import _storage
+    from birdzarr.storage import _location as _storage
 
     monkeypatch.setenv(_storage.FETCHER_ENV, "obstore")
     monkeypatch.setattr(_storage, "_fallbacks_warned", set())
@@ -500,8 +500,8 @@ def test_verify_names_each_arrays_own_first_difference(tmp_path: pathlib.Path) -
 def test_verify_source_of_a_shuffled_store_reads_each_chunk_once(
     parquet_source: Any, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from birdzarr._verify import verify
-    from birdzarr.read._chunks import ChunkReader
+    from birdzarr.maintenance._verify import verify
+    from birdzarr.store._chunks import ChunkReader
 
     directory, _ = parquet_source
     dest = tmp_path / "shuffled.zarr"
@@ -529,7 +529,7 @@ def test_verify_source_of_a_shuffled_store_reads_each_chunk_once(
 def test_repair_removes_a_killed_overwrites_sibling_and_names_shuffle_spills(
     csv_source: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from birdzarr._repair import repair
+    from birdzarr.maintenance._repair import repair
 
     dest = tmp_path / "s.zarr"
     birdzarr.convert(csv_source, dest, progress=False)
@@ -549,7 +549,8 @@ def test_repair_removes_a_killed_overwrites_sibling_and_names_shuffle_spills(
 
 
 def test_dead_code_is_gone() -> None:
-    from birdzarr import _lock, _storage
+    from birdzarr.storage import _location as _storage
+    from birdzarr.storage import _lock
 
     assert not hasattr(_lock, "lock_info") and not hasattr(_storage, "remove_tree")
 

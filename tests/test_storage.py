@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import birdzarr
-from birdzarr._cache import attach_cache
-from birdzarr._copy import copy_store
 from birdzarr._errors import MissingChunkError, ReadOnlyLocationError
-from birdzarr._storage import (
+from birdzarr.maintenance._copy import copy_store
+from birdzarr.storage._cache import attach_cache
+from birdzarr.storage._location import (
     RetryPolicy,
     is_transient,
     redact,

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import birdzarr
-from birdzarr import _synthetic
+from birdzarr.demo import _synthetic
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train.py"
 BATCH = 256

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import birdzarr
-from birdzarr import _synthetic
 from birdzarr._errors import MissingChunkError
-from birdzarr._verify import verify
 from birdzarr.cli import main
+from birdzarr.demo import _synthetic
+from birdzarr.maintenance._verify import verify
 
 
 @pytest.fixture()

@@ -51,7 +51,7 @@ _HINTS = {
 
 def _one_line(exc: BaseException) -> tuple[str, int]:
     """The message and exit code for an error that ends a command."""
-    from birdzarr._storage import environment_error, redact
+    from birdzarr.storage._location import environment_error, redact
 
     if isinstance(exc, BirdzarrError):
         return str(exc), EXIT_ERROR

@@ -6,11 +6,11 @@ import argparse
 
 
 def _cmd_copy(args: argparse.Namespace) -> int:
-    from birdzarr._copy import copy_store
-    from birdzarr._storage import redact
+    from birdzarr.maintenance._copy import copy_store
+    from birdzarr.storage._location import redact
 
     result = copy_store(
-        args.source, args.dest, overwrite=args.overwrite, workers=args.workers, progress=not args.quiet
+        args.source, args.dest, overwrite=args.overwrite, requests=args.requests, progress=not args.quiet
     )
     print(f"{redact(args.dest)}: {result.summary()}")
     return 0
@@ -31,7 +31,7 @@ def add_copy(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("dest", help="destination path or URL (s3://bucket/prefix/store.zarr, /scratch/x.zarr)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a different store at DEST (identical objects are kept)")
-    p.add_argument("--workers", type=int, default=16, help="objects in flight at once (default 16)")
+    p.add_argument("--requests", type=int, default=16, help="objects transferred at once (default 16)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_copy)
 

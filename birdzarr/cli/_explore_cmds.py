@@ -8,7 +8,7 @@ import sys
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from birdzarr._store import open_store
+    from birdzarr.store._handle import open_store
 
     store = open_store(args.store)
     if args.window is not None:
@@ -23,7 +23,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
-    from birdzarr._store import open_store
+    from birdzarr.store._handle import open_store
 
     store = open_store(args.store)
     stats = store.stats(cache=not args.recompute, progress=not args.quiet and sys.stderr.isatty())

@@ -7,8 +7,8 @@ import json
 
 
 def _cmd_append(args: argparse.Namespace) -> int:
-    from birdzarr._summary import format_summary, summary
     from birdzarr.convert._append import append_detailed
+    from birdzarr.store._summary import format_summary, summary
 
     result = append_detailed(
         args.store, args.source, on_bad_rows=args.on_bad_rows, workers=args.workers,
@@ -24,7 +24,7 @@ def _cmd_append(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from birdzarr._verify import verify
+    from birdzarr.maintenance._verify import verify
 
     result = verify(args.store, source=args.source, progress=not args.quiet and not args.json)
     print(json.dumps(result.to_json(), indent=2) if args.json else result.format())
@@ -32,9 +32,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_repair(args: argparse.Namespace) -> int:
-    from birdzarr._repair import repair
+    from birdzarr.maintenance._repair import repair
 
-    print(repair(args.store, force_unlock=args.break_lock).format())
+    print(repair(args.store, break_lock=args.break_lock).format())
     return 0
 
 

@@ -7,8 +7,8 @@ import json
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from birdzarr._summary import format_summary, summary
     from birdzarr.convert import convert
+    from birdzarr.store._summary import format_summary, summary
 
     client = None
     if args.dask_scheduler:  # read, curate and write on a Dask cluster (docs/scaling.md#dask)
@@ -36,8 +36,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from birdzarr._store import open_store
-    from birdzarr._summary import format_summary, summary
+    from birdzarr.store._handle import open_store
+    from birdzarr.store._summary import format_summary, summary
 
     store = open_store(args.store)
     if args.devices:
@@ -54,7 +54,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from birdzarr._demo import run_demo
+    from birdzarr.demo._run import run_demo
 
     return run_demo(args.directory, windows=args.windows)
 

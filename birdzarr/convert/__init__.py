@@ -10,11 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import zarr
 
-from birdzarr._codec import compressor_of
 from birdzarr._errors import BadInputError
-from birdzarr._format import MIXED_LABEL_POLICY, WINDOW_RULE, Curation
 from birdzarr._progress import progress_bar
-from birdzarr._storage import Location, StoreLike, require_writable, resolve
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._cpus import cpu_report, cpu_seconds, resolve_workers
 from birdzarr.convert._duplicates import DuplicateCounter
@@ -23,9 +20,12 @@ from birdzarr.convert._pipeline import counted, device_blocks
 from birdzarr.convert._shuffle import bucket_count, write_shuffled
 from birdzarr.convert._sources import DeviceSource, find_inputs
 from birdzarr.convert._writer import StoreWriter
+from birdzarr.format._codec import compressor_of
+from birdzarr.format._spec import MIXED_LABEL_POLICY, WINDOW_RULE, Curation
+from birdzarr.storage._location import Location, StoreLike, require_writable, resolve
 
 if TYPE_CHECKING:
-    from birdzarr._store import Store
+    from birdzarr.store._handle import Store
 
 __all__ = ["append", "convert"]
 
@@ -78,7 +78,7 @@ def convert(
     ``distributed.Client``) runs the reading, curation and chunk writing on a Dask cluster
     instead, with a byte-identical result (docs/scaling.md).
     """
-    from birdzarr._store import open_store
+    from birdzarr.store._handle import open_store
 
     if on_bad_rows not in ON_BAD_ROWS:
         raise ValueError(f"on_bad_rows must be one of {ON_BAD_ROWS}, got {on_bad_rows!r}")

@@ -22,7 +22,11 @@ import numpy as np
 import zarr
 
 from birdzarr._errors import AppendError, IncompleteStoreError
-from birdzarr._format import (
+from birdzarr.convert._blocks import WindowBlock
+from birdzarr.convert._duplicates import DuplicateCounter, window_hashes
+from birdzarr.convert._sources import DeviceSource, find_inputs
+from birdzarr.convert._writer import StoreWriter, _now
+from birdzarr.format._spec import (
     ATTRS_KEY,
     DEVICE,
     GIMU,
@@ -34,17 +38,13 @@ from birdzarr._format import (
     DeviceReport,
     check_root_attrs,
 )
-from birdzarr._repair import discard_uncommitted
-from birdzarr._storage import Location, StoreLike, resolve, zarr_store
-from birdzarr.convert._blocks import WindowBlock
-from birdzarr.convert._duplicates import DuplicateCounter, window_hashes
-from birdzarr.convert._sources import DeviceSource, find_inputs
-from birdzarr.convert._writer import StoreWriter, _now
+from birdzarr.storage._location import Location, StoreLike, resolve, zarr_store
+from birdzarr.store._tail import discard_uncommitted
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
-    from birdzarr._store import Store
+    from birdzarr.store._handle import Store
 
 _PIECE = 65536  # committed windows read at a time when looking for duplicates
 _NOT_STATIC = ("format_version", "window_length", "channels", "converter", "committed", "devices", "report")
@@ -65,14 +65,14 @@ def store_curation(meta: dict[str, Any]) -> Curation:
 
 
 class AppendWriter(StoreWriter):
-    """A :class:`StoreWriter` that opens a committed store and writes past its committed count."""
+    """A ``StoreWriter`` that opens a committed store and writes past its committed count."""
 
     def __enter__(self) -> AppendWriter:
         super().__enter__()
         return self
 
     def _open(self) -> AppendWriter:
-        from birdzarr._store import _read_root
+        from birdzarr.storage._root import read_root as _read_root
 
         meta = check_root_attrs(_read_root(self.location), where=self.location.display)
         committed = meta.get("committed")
@@ -160,7 +160,7 @@ class AppendWriter(StoreWriter):
 
 
 def _version() -> str:
-    from birdzarr import __version__
+    from birdzarr._version import __version__
 
     return __version__
 
@@ -236,11 +236,11 @@ def append_detailed(
     source_storage_options: dict[str, Any] | None = None,
     skip_unknown_files: bool = False,
 ) -> AppendResult:
-    """:func:`append`, returning what was done as well as the store."""
+    """``append``, returning what was done as well as the store."""
     from birdzarr._progress import progress_bar
-    from birdzarr._store import open_store
     from birdzarr.convert import ON_BAD_ROWS, _counted
     from birdzarr.convert._readahead import read_ahead
+    from birdzarr.store._handle import open_store
 
     if on_bad_rows not in ON_BAD_ROWS:
         raise ValueError(f"on_bad_rows must be one of {ON_BAD_ROWS}, got {on_bad_rows!r}")
@@ -305,12 +305,25 @@ def _committed_hashes(store: Store, entry: DeviceEntry) -> Callable[[np.ndarray]
     return hashes
 
 
-def append(store: StoreLike, source: StoreLike, **options: Any) -> Store:
+def append(
+    store: StoreLike,
+    source: StoreLike,
+    *,
+    on_bad_rows: str = "error",
+    workers: int | None = None,
+    progress: bool = True,
+    storage_options: dict[str, Any] | None = None,
+    source_storage_options: dict[str, Any] | None = None,
+    skip_unknown_files: bool = False,
+) -> Store:
     """Add the windows of ``source`` (new devices, or new CSV parts of existing ones) to ``store``.
 
-    Same curation (the store's recorded parameters) and validation as :func:`birdzarr.convert`.
-    Files already in the store are skipped, so re-running an interrupted append completes it.
-    Options: ``on_bad_rows``, ``workers``, ``progress``, ``storage_options``,
-    ``source_storage_options``. Returns the store, opened read-only, at its new commit.
+    Same curation (the store's recorded parameters) and validation as ``birdzarr.convert``, and
+    the same options. Files already in the store are skipped, so re-running an interrupted append
+    completes it. Returns the store, opened read-only, at its new commit.
     """
-    return append_detailed(store, source, **options).store
+    return append_detailed(
+        store, source, on_bad_rows=on_bad_rows, workers=workers, progress=progress,
+        storage_options=storage_options, source_storage_options=source_storage_options,
+        skip_unknown_files=skip_unknown_files,
+    ).store

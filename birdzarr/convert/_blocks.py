@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from birdzarr._format import DeviceReport
+from birdzarr.format._spec import DeviceReport
 
 
 @dataclass

@@ -3,7 +3,7 @@
 zarr-python's generic write path (an event loop, a thread hop per codec, read-modify-write
 checks) costs more than the encoding itself for 2.6 MB chunks of 320-byte windows. A slab that
 starts on a chunk boundary is therefore encoded here with the codec chain declared in each
-array's zarr.json (:func:`birdzarr._codec.chunk_encoder`, byte-identical to zarr-python's) and
+array's zarr.json (``birdzarr.format._codec.chunk_encoder``, byte-identical to zarr-python's) and
 put under the array's chunk keys. Anything else (a slab that starts inside a chunk, as an append
 can) goes through zarr-python. Each chunk's bytes depend only on its windows, so the store is
 identical whatever the number of workers.
@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from birdzarr._codec import ChunkEncoder, chunk_encoder
-from birdzarr._format import DEVICE
-from birdzarr._storage import Location
 from birdzarr.convert._cpus import resolve_workers
+from birdzarr.format._codec import ChunkEncoder, chunk_encoder
+from birdzarr.format._spec import DEVICE
+from birdzarr.storage._location import Location
 
 
 @contextlib.contextmanager

@@ -19,11 +19,11 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
 from birdzarr._errors import BadInputError
-from birdzarr._format import N_CHANNELS, WINDOW_LENGTH, Curation, DeviceReport
-from birdzarr._storage import Location
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._curation import curate_windows, window_labels, window_rows
 from birdzarr.convert._input import read_bytes
+from birdzarr.format._spec import N_CHANNELS, WINDOW_LENGTH, Curation, DeviceReport
+from birdzarr.storage._location import Location
 
 COLUMNS = ("device_id", "date_time", "index", "label", "imu_x", "imu_y", "imu_z", "gps_speed")
 _TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
@@ -232,7 +232,7 @@ def parse_csv(data: bytes, source: str, *, on_bad_rows: str = "error") -> _Rows:
 
 @dataclass
 class CsvDeviceReader:
-    """Turns the ordered parts of one device into curated :class:`WindowBlock` s."""
+    """Turns the ordered parts of one device into curated ``WindowBlock`` s."""
 
     device_id: int
     parts: list[Location]
@@ -240,8 +240,8 @@ class CsvDeviceReader:
     on_bad_rows: str = "error"
 
     def blocks(self) -> Iterator[WindowBlock]:
-        """Every part read, parsed and curated in order, in this thread (see :func:`read_part`
-        and :class:`Stitcher` for the same work spread over several processes)."""
+        """Every part read, parsed and curated in order, in this thread (see ``read_part``
+        and ``Stitcher`` for the same work spread over several processes)."""
         stitcher = Stitcher(self.curation)
         for part in self.parts:
             yield from stitcher.add(self.part(part))
@@ -304,7 +304,7 @@ class PartPieces:
 
     Only the part's first burst can continue the previous part's unfinished burst, and only the
     unfinished remainder of its last burst can continue into the next part; every burst in
-    between is windowed and curated here. :class:`Stitcher` joins the pieces in part order, and
+    between is windowed and curated here. ``Stitcher`` joins the pieces in part order, and
     the windows are exactly those of reading all parts as one sequence of rows.
     """
 
@@ -329,7 +329,7 @@ def _split(rows: _Rows, curation: Curation, report: DeviceReport) -> PartPieces:
 
 
 class Stitcher:
-    """Joins the :class:`PartPieces` of one device's parts, in part order, into curated blocks."""
+    """Joins the ``PartPieces`` of one device's parts, in part order, into curated blocks."""
 
     def __init__(self, curation: Curation) -> None:
         self.curation = curation
@@ -358,5 +358,5 @@ class Stitcher:
 
 
 def read_part(device_id: int, part: Location, curation: Curation, on_bad_rows: str) -> PartPieces:
-    """:meth:`CsvDeviceReader.part` as a plain function (what a worker process runs)."""
+    """``CsvDeviceReader.part`` as a plain function (what a worker process runs)."""
     return CsvDeviceReader(device_id, [part], curation, on_bad_rows).part(part)

@@ -11,7 +11,7 @@ from collections import Counter
 
 import numpy as np
 
-from birdzarr._format import WINDOW_LENGTH, Curation, DeviceReport
+from birdzarr.format._spec import WINDOW_LENGTH, Curation, DeviceReport
 
 
 def window_rows(burst_ids: np.ndarray) -> tuple[np.ndarray, int]:

@@ -17,7 +17,7 @@ The plan, in three steps:
    to the next owned chunk boundary). No two tasks write the same chunk: writes are chunk-aligned
    and conflict-free, straight to a local path or a bucket (each chunk is one object PUT).
 3. **Write** (on the workers): each task streams its devices through the reader, writes slabs of
-   whole chunks with :class:`~birdzarr.convert._chunkwrite.ChunkSink` (the local writer's fast
+   whole chunks with ``birdzarr.convert._chunkwrite.ChunkSink`` (the local writer's fast
    path; zarr-python otherwise), and summarises every device it reads to the end (row count,
    checksum, labels, times, the reader's report) for the device table. Devices no task read to
    the end (empty ones) are summarised by small extra tasks.
@@ -41,7 +41,12 @@ from typing import Any
 import numpy as np
 
 from birdzarr._errors import BadInputError
-from birdzarr._format import (
+from birdzarr._progress import progress_bar
+from birdzarr.convert._blocks import WindowBlock
+from birdzarr.convert._readahead import read_ahead
+from birdzarr.convert._sources import DeviceSource
+from birdzarr.convert._writer import StoreWriter, checksum_hasher
+from birdzarr.format._spec import (
     DEVICE,
     GIMU,
     LABEL,
@@ -54,12 +59,7 @@ from birdzarr._format import (
     DeviceRange,
     DeviceReport,
 )
-from birdzarr._progress import progress_bar
-from birdzarr._storage import Location, resolve
-from birdzarr.convert._blocks import WindowBlock
-from birdzarr.convert._readahead import read_ahead
-from birdzarr.convert._sources import DeviceSource
-from birdzarr.convert._writer import StoreWriter, checksum_hasher
+from birdzarr.storage._location import Location, resolve
 
 SLAB_CHUNKS = 8  # chunks written at a time by a task (bounds a worker's memory)
 
@@ -182,8 +182,8 @@ def write_span(span: Span, dest_url: str, dest_options: dict[str, Any], curation
     """Write every chunk of a span (step 3); returns the summaries of the devices it finished."""
     import zarr
 
-    from birdzarr._storage import zarr_store
     from birdzarr.convert._chunkwrite import ChunkSink
+    from birdzarr.storage._location import zarr_store
 
     location = resolve(dest_url, dest_options)
     store = zarr_store(location, read_only=False)

@@ -3,7 +3,7 @@ every value (a part exported twice under two names, rows repeated in an export).
 
 They are kept (birdzarr does not guess which copy is wrong), counted in the report
 (``report.duplicate_windows``: device id -> count) and announced with a
-:class:`~birdzarr._errors.DuplicateWindowsWarning`. Each window is reduced to a 64-bit hash of
+``birdzarr._errors.DuplicateWindowsWarning``. Each window is reduced to a 64-bit hash of
 its timestamp and float32 bytes (8 bytes a window, for one device at a time); two distinct windows
 collide with probability about 2**-64. Parquet input has no timestamps, so there equal values
 alone count: a bird sitting perfectly still for a whole window would count too.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pyarrow as pa
 
 from birdzarr._errors import BadInputError
-from birdzarr._storage import Location
+from birdzarr.storage._location import Location
 
 # extension (lower case) -> pyarrow codec name; "" = stored as is
 CSV_SUFFIXES = {".csv": "", ".csv.gz": "gzip", ".csv.zst": "zstd"}
@@ -32,7 +32,7 @@ def read_bytes(file: Location) -> bytes:
     """The file's content, decompressed according to its name (``.gz``, ``.zst``).
 
     A stream that does not decompress (truncated, another format under that name) raises
-    :class:`BadInputError` naming the file.
+    ``BadInputError`` naming the file.
     """
     data = bytes(file.fs.cat_file(file.path))
     found = split_suffix(file.path.rsplit("/", 1)[-1])

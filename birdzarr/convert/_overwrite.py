@@ -1,6 +1,6 @@
 """What may be written where, and replacing an existing store without a moment where it is lost.
 
-**Destinations** (:func:`check_destination`, for ``convert`` and ``copy``): birdzarr writes only
+**Destinations** (``check_destination``, for ``convert`` and ``copy``): birdzarr writes only
 to a new or empty location, over an unfinished store of its own, or, with ``overwrite``, over a
 committed birdzarr store. Anything else (a directory of notes, a source tree, someone else's
 Zarr group, a store with other files beside its arrays) is refused with a message naming what
@@ -43,9 +43,9 @@ from contextlib import contextmanager
 from typing import Any, Literal
 
 from birdzarr._errors import DestinationError, StoreExistsError
-from birdzarr._format import ATTRS_KEY, DEVICE, GIMU, LABEL, TIMESTAMP
-from birdzarr._lock import LOCK_NAME, StoreLock
-from birdzarr._storage import Location, resolve
+from birdzarr.format._spec import ATTRS_KEY, DEVICE, GIMU, LABEL, TIMESTAMP
+from birdzarr.storage._location import Location, resolve
+from birdzarr.storage._lock import LOCK_NAME, StoreLock
 
 NEW_INFIX = ".birdzarr-new-"
 OLD_INFIX = ".birdzarr-old-"

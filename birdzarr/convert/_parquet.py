@@ -16,7 +16,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from birdzarr._errors import BadInputError
-from birdzarr._format import (
+from birdzarr.convert._blocks import WindowBlock
+from birdzarr.format._spec import (
     LABEL_UNLABELLED,
     N_CHANNELS,
     TIMESTAMP_UNKNOWN,
@@ -24,8 +25,7 @@ from birdzarr._format import (
     WINDOW_VALUES,
     DeviceReport,
 )
-from birdzarr._storage import Location
-from birdzarr.convert._blocks import WindowBlock
+from birdzarr.storage._location import Location
 
 COLUMN = "gimu"
 # Measured: 16,384-row batches decode 2x faster than 65,536 (they stay in the CPU caches), and
@@ -104,7 +104,7 @@ def _describe(column: pa.Array, row: int) -> str:
 
 @dataclass
 class ParquetDeviceReader:
-    """Streams one device file into :class:`WindowBlock` s of at most ``BATCH_ROWS`` windows."""
+    """Streams one device file into ``WindowBlock`` s of at most ``BATCH_ROWS`` windows."""
 
     device_id: int
     path: Location
@@ -112,7 +112,7 @@ class ParquetDeviceReader:
 
     def row_groups(self) -> int | None:
         """The file's number of row groups (a footer read), or None if it cannot tell: then
-        :meth:`blocks` of the whole file reports why, in the order the file comes in."""
+        ``blocks`` of the whole file reports why, in the order the file comes in."""
         try:
             local = self.path.is_local
             with pa.OSFile(self.path.path) if local else self.path.fs.open(self.path.path, "rb") as handle:

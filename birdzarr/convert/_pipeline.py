@@ -9,9 +9,9 @@ to the writer strictly in task order, so the store is the same whatever the numb
   ``HEAD_DEPTH`` batches, and all later tasks together at most ``workers * AHEAD_PER_WORKER``
   (they wait when that is full, so a huge row group never lets the others run away with memory).
 - CSV parts run in worker processes: parsing and window curation hold the GIL for much of their
-  time. A worker reads, parses and curates one part (:func:`birdzarr.convert._csv.read_part`);
+  time. A worker reads, parses and curates one part (``birdzarr.convert._csv.read_part``);
   at most ``workers + 1`` parts are in flight and the part's ends (a burst may continue from one
-  part into the next) are joined here, in order, by :class:`birdzarr.convert._csv.Stitcher`.
+  part into the next) are joined here, in order, by ``birdzarr.convert._csv.Stitcher``.
 
 With ``workers=1`` everything runs in the calling thread, one task after another.
 """
@@ -26,11 +26,11 @@ from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
-from birdzarr._format import Curation
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._csv import PartPieces, Stitcher, read_part
 from birdzarr.convert._parquet import ParquetDeviceReader
 from birdzarr.convert._sources import DeviceSource
+from birdzarr.format._spec import Curation
 
 HEAD_DEPTH = 4  # batches buffered for the task the writer reads now
 AHEAD_PER_WORKER = 2  # batches buffered per worker for all the tasks after it
@@ -132,7 +132,7 @@ def _parquet_stream(devices: list[DeviceSource], on_bad_rows: str, workers: int)
 
 
 class _State:
-    """What the workers and the consumer of :func:`ordered_streams` share, under its lock."""
+    """What the workers and the consumer of ``ordered_streams`` share, under its lock."""
 
     def __init__(self) -> None:
         self.next_task = 0  # the number of the next task to start
@@ -285,7 +285,7 @@ def _csv_stream(
 def _csv_executor(devices: list[DeviceSource], workers: int) -> Executor:
     """Worker processes for a large local-or-remote CSV input (threads for a small one, or where
     ``fork`` is unavailable). ``fork``: a worker starts in milliseconds and imports nothing; it
-    only runs :func:`read_part` (pyarrow and numpy re-initialise their thread pools after fork)."""
+    only runs ``read_part`` (pyarrow and numpy re-initialise their thread pools after fork)."""
     size = 0
     for device in devices:
         for part in device.files:

@@ -7,9 +7,9 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from birdzarr._format import Curation
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._sources import DeviceSource
+from birdzarr.format._spec import Curation
 
 READAHEAD_BLOCKS = 4
 

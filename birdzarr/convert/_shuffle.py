@@ -28,16 +28,16 @@ from typing import Any, BinaryIO
 import numpy as np
 from numcodecs import Blosc
 
-from birdzarr._codec import decode_dict16, encode_dict16
-from birdzarr._format import (
+from birdzarr.convert._blocks import WindowBlock
+from birdzarr.convert._writer import StoreWriter, checksum_hasher, label_counts
+from birdzarr.format._codec import decode_dict16, encode_dict16
+from birdzarr.format._spec import (
     N_CHANNELS,
     TIMESTAMP_UNKNOWN,
     WINDOW_LENGTH,
     DeviceEntry,
     DeviceReport,
 )
-from birdzarr.convert._blocks import WindowBlock
-from birdzarr.convert._writer import StoreWriter, checksum_hasher, label_counts
 
 BUCKET_WINDOWS = 262_144  # target windows per bucket: ~84 MB of float32 in memory in pass 2
 MAX_BUCKETS = 512  # open files in pass 1
@@ -69,7 +69,7 @@ class _Buckets:
         self.write(bucket, encode_piece(records))
 
     def write(self, bucket: int, piece: bytes) -> None:
-        """Append a piece made by :func:`encode_piece` (pieces of a bucket are kept in order)."""
+        """Append a piece made by ``encode_piece`` (pieces of a bucket are kept in order)."""
         self.files[bucket].write(piece)
         self.bytes_written += len(piece)
 

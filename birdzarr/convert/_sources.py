@@ -3,7 +3,7 @@
 File names carry the device id: ``{device}_{part}.csv`` (parts sort numerically: ``298_10``
 after ``298_9``; also ``.csv.gz`` and ``.csv.zst``, extensions in any case) or
 ``{device}.parquet``. A single CSV with another name takes its device id from its first row.
-Every entry of a source directory is read or named: see :func:`find_inputs`.
+Every entry of a source directory is read or named: see ``find_inputs``.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from birdzarr._errors import BadInputError, StoreNotFoundError
-from birdzarr._format import Curation
-from birdzarr._storage import Location
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._csv import CsvDeviceReader
 from birdzarr.convert._input import CSV_SUFFIXES, read_bytes, split_suffix
 from birdzarr.convert._parquet import ParquetDeviceReader
+from birdzarr.format._spec import Curation
+from birdzarr.storage._location import Location
 
 Kind = Literal["csv", "parquet"]
 _CSV_STEM = re.compile(r"^(\d{1,9})_(\d{1,9})$")
@@ -75,7 +75,7 @@ def _listed(names: list[str]) -> str:
 
 def discover(source: Location) -> tuple[Kind, list[DeviceSource]]:
     """Classify the input and group its files per device, sorted by device id. Every entry of a
-    source directory must be an input file (see :func:`find_inputs`)."""
+    source directory must be an input file (see ``find_inputs``)."""
     found = find_inputs(source)
     return found.kind, found.devices
 
@@ -85,8 +85,8 @@ def find_inputs(source: Location, *, skip_unknown_files: bool = False) -> Inputs
 
     Every entry of a source directory is either read or named: one whose name is not an input
     file (``{device}_{part}.csv``, ``.csv.gz``, ``.csv.zst`` or ``{device}.parquet``, any case)
-    raises :class:`BadInputError`, or with ``skip_unknown_files`` is listed in
-    :attr:`Inputs.skipped` (and in the report). Nothing is skipped silently.
+    raises ``BadInputError``, or with ``skip_unknown_files`` is listed in
+    ``Inputs.skipped`` (and in the report). Nothing is skipped silently.
     """
     fs = source.fs
     if not fs.exists(source.path):

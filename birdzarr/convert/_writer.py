@@ -18,10 +18,13 @@ import google_crc32c
 import numpy as np
 import zarr
 
-from birdzarr import __version__
-from birdzarr._codec import gimu_codecs, per_window_codecs
 from birdzarr._errors import NotAStoreError, StoreExistsError
-from birdzarr._format import (
+from birdzarr._version import __version__
+from birdzarr.convert._blocks import WindowBlock
+from birdzarr.convert._chunkwrite import ChunkSink
+from birdzarr.convert._cpus import resolve_workers
+from birdzarr.format._codec import gimu_codecs, per_window_codecs
+from birdzarr.format._spec import (
     ATTRS_KEY,
     CHANNELS,
     DEVICE,
@@ -39,11 +42,8 @@ from birdzarr._format import (
     DeviceReport,
     array_attributes,
 )
-from birdzarr._lock import LOCK_NAME, StoreLock, clear_except_lock, release_and_tidy
-from birdzarr._storage import Location, exists, zarr_store
-from birdzarr.convert._blocks import WindowBlock
-from birdzarr.convert._chunkwrite import ChunkSink
-from birdzarr.convert._cpus import resolve_workers
+from birdzarr.storage._location import Location, exists, zarr_store
+from birdzarr.storage._lock import LOCK_NAME, StoreLock, clear_except_lock, release_and_tidy
 
 _PER_WINDOW_DTYPES = {DEVICE: np.int32, TIMESTAMP: np.int64, LABEL: np.int32}
 _FILL = {DEVICE: -1, TIMESTAMP: TIMESTAMP_UNKNOWN, LABEL: LABEL_UNLABELLED}
@@ -70,7 +70,7 @@ class WindowChecksum:
 
 
 def checksum_hasher() -> WindowChecksum:
-    """The checksum of a run of curated windows (see :class:`WindowChecksum`)."""
+    """The checksum of a run of curated windows (see ``WindowChecksum``)."""
     return WindowChecksum()
 
 
@@ -107,7 +107,7 @@ class StoreWriter:
         # encoded in the calling thread, one chunk after another
         self.workers = resolve_workers(workers)
         self.location = location
-        self.lock = StoreLock(location, lock_command)  # one writer per store (birdzarr/_lock.py)
+        self.lock = StoreLock(location, lock_command)  # one writer per store (birdzarr/storage/_lock.py)
         self.codec = codec
         self.chunk_windows = chunk_windows
         self.overwrite = overwrite

@@ -11,7 +11,7 @@ _INSTALL_HINT = 'pip install "birdzarr[explore]"'
 
 
 def require(module: str, feature: str) -> ModuleType:
-    """Import ``module`` or raise :class:`MissingDependencyError` naming the extra to install."""
+    """Import ``module`` or raise ``MissingDependencyError`` naming the extra to install."""
     try:
         return importlib.import_module(module)
     except ImportError as exc:

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from birdzarr._format import LABEL_UNLABELLED, TIMESTAMP_UNKNOWN, DeviceEntry
+from birdzarr.format._spec import LABEL_UNLABELLED, TIMESTAMP_UNKNOWN, DeviceEntry
 
 if TYPE_CHECKING:
-    from birdzarr._store import Store
+    from birdzarr.store._handle import Store
 
 _DEVICES_INLINE = 8  # devices named in the text repr before "..."
 _DEVICES_HTML = 25  # rows of the device table shown in the HTML summary

@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from birdzarr._format import CHANNELS, LABEL_UNLABELLED, TIMESTAMP_UNKNOWN, WINDOW_LENGTH
 from birdzarr.explore._deps import require
 from birdzarr.explore._html import format_time
 from birdzarr.explore._units import CHANNEL_UNITS, gps_scale
+from birdzarr.format._spec import CHANNELS, LABEL_UNLABELLED, TIMESTAMP_UNKNOWN, WINDOW_LENGTH
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from birdzarr._store import Store
+    from birdzarr.store._handle import Store
 
 IMU_COLOURS = ("tab:red", "tab:green", "tab:blue")
 GPS_COLOUR = "tab:purple"

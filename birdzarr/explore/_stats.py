@@ -32,16 +32,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from birdzarr._errors import StoreLockedError
-from birdzarr._format import CHANNELS, GIMU, N_CHANNELS, WINDOW_LENGTH, Curation
-from birdzarr._lock import StoreLock, read_holder
 from birdzarr._progress import progress_bar
 from birdzarr.explore._units import gps_scale
+from birdzarr.format._spec import CHANNELS, GIMU, N_CHANNELS, WINDOW_LENGTH, Curation
+from birdzarr.storage._lock import StoreLock, read_holder
 
 if TYPE_CHECKING:
     import pandas as pd
     from matplotlib.figure import Figure
 
-    from birdzarr._store import Store
+    from birdzarr.store._handle import Store
 
 STATS_NODE = "stats"
 STATS_ATTR = "birdzarr_stats"
@@ -58,7 +58,7 @@ class StoreStats:
 
     Stored units are g for imu_x/y/z and m/s divided by ``gps_scale`` for gps_speed (what a
     model is fed; ``gps_scale`` is the store's recorded divisor, kept here so that
-    :meth:`plot` can show m/s). ``std`` is the population standard deviation (numpy's default,
+    ``plot`` can show m/s). ``std`` is the population standard deviation (numpy's default,
     ``ddof=0``).
     ``counts[c]`` is the histogram of channel ``c`` over ``edges[c]``; values outside the edges
     are counted in ``below`` and ``above``.
@@ -242,7 +242,7 @@ def _is_read_only_error(exc: OSError) -> bool:
 
 def _describes_the_store_now(store: Store, stats: StoreStats) -> bool:
     """Under the lock: the store still holds the commit the numbers were computed from."""
-    from birdzarr._store import _read_root
+    from birdzarr.storage._root import read_root as _read_root
 
     current = (_read_root(store.location).get("birdzarr") or {})
     committed = current.get("committed") or {}

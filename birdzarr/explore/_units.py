@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from birdzarr._format import Curation
+from birdzarr.format._spec import Curation
 
 if TYPE_CHECKING:
-    from birdzarr._store import Store
+    from birdzarr.store._handle import Store
 
 CHANNEL_UNITS = {"imu_x": "g", "imu_y": "g", "imu_z": "g", "gps_speed": "m/s"}
 
@@ -16,7 +16,7 @@ def gps_scale(store: Store) -> float:
     """The divisor applied to gps_speed; stored value x scale = m/s.
 
     Stores converted from CSV record it. Parquet sources were curated before conversion by the
-    original script, which used the same constant as :class:`~birdzarr.Curation`.
+    original script, which used the same constant as ``birdzarr.Curation``.
     """
     curation = store.meta.get("curation") or {}
     return float(curation.get("gps_scale", Curation().gps_scale))

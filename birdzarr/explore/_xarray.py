@@ -2,14 +2,14 @@
 
 Why not ``xr.open_zarr``: zarr-python returns fill values for a missing chunk (the store's reader
 raises), it would see windows past the committed count during an append, and it needs the
-``birdzarr.dict16`` codec registered. Reading through :class:`~birdzarr.read._chunks.ChunkReader`
+``birdzarr.dict16`` codec registered. Reading through ``birdzarr.store._chunks.ChunkReader``
 keeps all three guarantees and counts every request, on local disks and S3 alike.
 Each variable is wrapped in xarray's lazy indexing: selecting windows reads only their chunks,
 and nothing is read when the Dataset is built or displayed.
 
 The 20 samples of a window are the dimension ``sample`` whatever the store calls it on disk
 (stores written before the rename say ``time``), so ``time`` is only the burst-time coordinate.
-That coordinate carries a :class:`BurstTimeIndex`: ``ds.sel(time=...)`` works on it, although
+That coordinate carries a ``BurstTimeIndex``: ``ds.sel(time=...)`` works on it, although
 burst times are neither unique nor sorted (several windows share a burst; a device-ordered store
 starts over at each device), and the timestamps are read on the first selection, not before.
 """
@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from birdzarr._format import (
+from birdzarr.explore._deps import require
+from birdzarr.explore._units import gps_scale
+from birdzarr.format._spec import (
     CHANNELS,
     DEVICE,
     GIMU,
@@ -33,13 +35,11 @@ from birdzarr._format import (
     WINDOW_LENGTH,
     array_attributes,
 )
-from birdzarr.explore._deps import require
-from birdzarr.explore._units import gps_scale
 
 if TYPE_CHECKING:
     import xarray as xr
 
-    from birdzarr._store import Store
+    from birdzarr.store._handle import Store
 
 
 _FEATURE = "store.to_xarray()"
@@ -72,10 +72,8 @@ class WindowArray(_backends.BackendArray):  # type: ignore[misc,name-defined]
         )
 
     def _read(self, key: tuple[Any, ...]) -> np.ndarray:
-        from birdzarr._store import WindowsView
-
         windows, rest = key[0], key[1:]
-        data = WindowsView(self.store, self.name)[windows]
+        data = self.store.array_view(self.name)[windows]
         if rest:
             data = data[rest] if isinstance(windows, (int, np.integer)) else data[(slice(None), *rest)]
         # int64 unix seconds with INT64_MIN for "unknown" is exactly datetime64[s] with NaT.

@@ -7,10 +7,10 @@ import os
 import shutil
 import time
 
-from birdzarr import _synthetic
 from birdzarr._errors import BadInputError
-from birdzarr._summary import format_summary, summary
 from birdzarr.convert import convert
+from birdzarr.demo import _synthetic
+from birdzarr.store._summary import format_summary, summary
 
 MARKER = ".birdzarr-demo"  # a directory holding it was made by the demo, and only its files are replaced
 
@@ -60,9 +60,9 @@ def _train_epoch(source: str, dest: str) -> None:
     shuffle-quality figures of each (docs/training.md#shuffle-quality)."""
     import numpy as np
 
-    from birdzarr._store import open_store
-    from birdzarr.read._quality import pair_cooccurrence_ratio, quality_ratio, repeated_batch_fraction
-    from birdzarr.read._torch import WindowDataset  # torch only when the demo gets here
+    from birdzarr.loader._dataset import WindowDataset  # torch only when the demo gets here
+    from birdzarr.loader._quality import pair_cooccurrence_ratio, quality_ratio, repeated_batch_fraction
+    from birdzarr.store._handle import open_store
 
     device_ordered = os.path.join(os.path.dirname(dest), "from_parquet.zarr")
     convert(source, dest, overwrite=True, shuffle=True, seed=1, progress=False)

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from birdzarr._errors import IncompleteStoreError, NotAStoreError, StoreAccessError, StoreNotFoundError
-from birdzarr._format import (
+from birdzarr._errors import IncompleteStoreError
+from birdzarr.format._spec import (
     DEVICE,
     GIMU,
     LABEL,
@@ -20,8 +19,9 @@ from birdzarr._format import (
     DeviceReport,
     check_root_attrs,
 )
-from birdzarr._storage import Location, StoreLike, resolve, zarr_store
-from birdzarr.read._chunks import ChunkReader
+from birdzarr.storage._location import Location, StoreLike, resolve, zarr_store
+from birdzarr.storage._root import read_root as _read_root
+from birdzarr.store._chunks import ChunkReader
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -30,42 +30,6 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from birdzarr.explore._stats import StoreStats
-
-
-def _read_root(location: Location) -> dict[str, Any]:
-    try:
-        raw = location.fs.cat_file(location.join("zarr.json"))
-    except FileNotFoundError:
-        if location.fs.exists(location.join(".zgroup")) or location.fs.exists(location.join(".zarray")):
-            raise NotAStoreError(
-                f"{location.display} is a Zarr v2 hierarchy, not a birdzarr store (Zarr v3)."
-            ) from None
-        if location.fs.exists(location.join(".birdzarr.lock")):  # birdzarr/_lock.py LOCK_NAME
-            raise IncompleteStoreError(
-                f"{location.display}: a conversion started here and never wrote its first metadata "
-                "(it was interrupted, or is still starting). Re-run the same `birdzarr convert` "
-                "command to finish it, or `birdzarr repair` to see who holds the lock."
-            ) from None
-        if location.fs.exists(location.path):
-            raise NotAStoreError(
-                f"{location.display} exists but is not a Zarr v3 group (no zarr.json). "
-                "Create a store with `birdzarr convert SOURCE DEST`; if it is an unfinished "
-                "`birdzarr copy`, run the same copy again (the root zarr.json is copied last)."
-            ) from None
-        raise StoreNotFoundError(f"no store at {location.display}") from None
-    except PermissionError as exc:
-        raise StoreAccessError(
-            f"{location.display}: access denied ({type(exc).__name__}). Check the credentials "
-            "(the AWS_* environment, profile or instance role, or storage_options) and that they "
-            "may read this bucket and prefix."
-        ) from None
-    try:
-        meta = json.loads(raw)
-    except ValueError:
-        raise NotAStoreError(f"{location.display}/zarr.json is not valid JSON") from None
-    if meta.get("node_type") != "group" or meta.get("zarr_format") != 3:
-        raise NotAStoreError(f"{location.display} is not a Zarr v3 group")
-    return dict(meta.get("attributes", {}))
 
 
 class Store:
@@ -181,22 +145,27 @@ class Store:
                 pieces.append(self.reader.read(GIMU, i)[mask])
         return np.concatenate(pieces) if pieces else np.empty((0, 20, 4), dtype=np.float32)
 
+    def array_view(self, name: str) -> WindowsView:
+        """Chunk-aware reads of one stored array (``gimu``, ``label``, ``timestamp``, ``device``)
+        by global window index."""
+        return WindowsView(self, name)
+
     @property
     def windows(self) -> WindowsView:
         """Chunk-aware random access by global index: ``store.windows[1000:1016]``."""
-        return WindowsView(self, GIMU)
+        return self.array_view(GIMU)
 
     @property
     def labels(self) -> WindowsView:
-        return WindowsView(self, LABEL)
+        return self.array_view(LABEL)
 
     @property
     def timestamps(self) -> WindowsView:
-        return WindowsView(self, TIMESTAMP)
+        return self.array_view(TIMESTAMP)
 
     @property
     def window_devices(self) -> WindowsView:
-        return WindowsView(self, DEVICE)
+        return self.array_view(DEVICE)
 
     def __repr__(self) -> str:
         from birdzarr.explore._html import text_repr

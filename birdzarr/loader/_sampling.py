@@ -20,7 +20,7 @@ membership is **redrawn every epoch**:
    every window delivered once) or, with ``drop_last``, ranks with more drop their last batches.
 5. **Workers**: DataLoader worker ``w`` of ``k`` takes pools ``w, w + k, ...`` whole (the pool's
    chunks are decoded by that worker alone). DataLoader takes batches from its workers
-   round-robin, skipping finished ones; :func:`delivery_order` is that interleaving. So which
+   round-robin, skipping finished ones; ``delivery_order`` is that interleaving. So which
    windows form a batch does not depend on ``num_workers``; the order batches arrive in does.
 """
 

@@ -25,12 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from birdzarr._errors import NotAStoreError, StoreLockedError
-from birdzarr._format import GIMU, PER_WINDOW_ARRAYS, check_root_attrs
-from birdzarr._lock import StoreLock, break_lock, clear_except_lock, read_holder
-from birdzarr._storage import Location, StoreLike, resolve, zarr_store
-
-ARRAYS = (GIMU, *PER_WINDOW_ARRAYS)
-_TEMP_SUFFIXES = (".partial", ".broken", ".tmp", ".breaking")
+from birdzarr.format._spec import check_root_attrs
+from birdzarr.storage._location import Location, StoreLike, resolve, zarr_store
+from birdzarr.storage._lock import StoreLock, clear_except_lock, read_holder
+from birdzarr.storage._lock import break_lock as _break_lock
+from birdzarr.store._tail import discard_uncommitted
 
 
 @dataclass
@@ -54,90 +53,11 @@ class RepairReport:
         return head + "\n" + "\n".join(f"  - {a}" for a in self.actions) + notes
 
 
-def _array_meta(location: Location, name: str) -> dict[str, Any] | None:
-    try:
-        return dict(json.loads(location.fs.cat_file(location.join(name, "zarr.json"))))
-    except FileNotFoundError:
-        return None
-
-
-def _chunk_indices(location: Location, name: str) -> list[tuple[int, str]]:
-    """(chunk index along windows, path) of every chunk file of one array (default "/" keys)."""
-    fs, root = location.fs, location.join(name, "c")
-    try:
-        entries = fs.ls(root, detail=False)
-    except FileNotFoundError:
-        return []
-    found = []
-    for entry in entries:
-        tail = entry.rstrip("/").rsplit("/", 1)[-1]
-        if tail.isdigit():
-            found.append((int(tail), entry))
-    return found
-
-
-def leftovers(location: Location, n_windows: int) -> list[str]:
-    """Describe uncommitted leftovers without changing anything (verify reports these as notes)."""
-    found = []
-    for name in ARRAYS:
-        meta = _array_meta(location, name)
-        if meta is None:
-            continue
-        length = int(meta["shape"][0])
-        if length != n_windows:
-            found.append(f"array '{name}' has shape {length:,} along windows; {n_windows:,} are committed")
-        chunk = int(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
-        n_chunks = -(-n_windows // chunk)
-        extra = [path for index, path in _chunk_indices(location, name) if index >= n_chunks]
-        if extra:
-            found.append(f"array '{name}' has {len(extra)} chunk file(s) past the committed windows")
-    temps = _temp_files(location)
-    if temps:
-        found.append(f"{len(temps)} partial temp file(s) of an interrupted write")
-    holder = read_holder(location)
-    if holder is not None and holder.is_stale():
-        found.append(f"a stale lock left by {holder.describe()}")
-    return found
-
-
-def _temp_files(location: Location) -> list[str]:
-    if not location.is_local:
-        return []  # object stores have no temp files: a PUT is all or nothing
-    return [p for p in location.fs.find(location.path) if p.endswith(_TEMP_SUFFIXES)]
-
-
-def discard_uncommitted(location: Location, group: Any, n_windows: int) -> list[str]:
-    """Cut every array back to the committed count and delete what lies past it.
-
-    ``group`` is the store's zarr group opened for writing; the caller holds the lock.
-    """
-    actions = []
-    for name in ARRAYS:
-        array = group[name]
-        length = int(array.shape[0])
-        if length != n_windows:
-            # zarr deletes the chunks that fall wholly outside the new shape
-            array.resize((n_windows, *array.shape[1:]))
-            actions.append(f"resized '{name}' from {length:,} to the committed {n_windows:,} windows")
-        chunk = int(array.chunks[0])
-        n_chunks = -(-n_windows // chunk)
-        extra = [path for index, path in _chunk_indices(location, name) if index >= n_chunks]
-        for path in extra:
-            location.fs.rm(path, recursive=True)
-        if extra:
-            actions.append(f"deleted {len(extra)} chunk file(s) of '{name}' past the committed windows")
-    temps = _temp_files(location)
-    for path in temps:
-        location.fs.rm_file(path)
-    if temps:
-        actions.append(f"deleted {len(temps)} partial temp file(s)")
-    return actions
-
-
 def repair(
-    store: StoreLike, *, force_unlock: bool = False, storage_options: dict[str, Any] | None = None
+    store: StoreLike, *, break_lock: bool = False, storage_options: dict[str, Any] | None = None
 ) -> RepairReport:
-    """Remove uncommitted leftovers; a live writer's lock is respected unless ``force_unlock``."""
+    """Remove uncommitted leftovers; a live writer's lock is respected unless ``break_lock``
+    (the CLI's ``--break-lock``)."""
     import zarr
 
     location = resolve(store, storage_options)
@@ -153,13 +73,13 @@ def repair(
             ) from None
         meta = {"committed": None}  # a conversion killed before it wrote any metadata
     if holder is not None and not holder.is_stale():
-        if not force_unlock:
+        if not break_lock:
             raise StoreLockedError(
                 f"{location.display} is locked by {holder.describe()}, which may still be writing. "
                 "Wait for it, or if you know that process is gone (another host), re-run with "
                 "--break-lock."
             )
-        break_lock(location, expected=holder)
+        _break_lock(location, expected=holder)
         report.actions.append(f"broke the lock of {holder.describe()} (--break-lock)")
     lock = StoreLock(location, command="birdzarr repair")
     lock.acquire()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from birdzarr._format import GIMU
-from birdzarr._store import Store
+from birdzarr.format._spec import GIMU
+from birdzarr.store._handle import Store
 
 
 def stored_bytes(store: Store, name: str = GIMU) -> int:

@@ -7,11 +7,11 @@ credential chain (environment, profile, instance role) applies whenever they hol
 chain, options are nested by protocol as fsspec expects: ``{"s3": {...}, "simplecache": {...}}``.
 
 Credentials never leave this module in clear: every string birdzarr prints, raises or stores goes
-through :func:`redact`, which removes ``user:password@`` parts of URLs and every secret value
+through ``redact``, which removes ``user:password@`` parts of URLs and every secret value
 that was ever passed in ``storage_options`` in this process.
 
 Object stores fail transiently (503 SlowDown, connection resets, timeouts). s3fs and botocore
-already retry each request a few times; :func:`read_object` adds a slower outer retry with
+already retry each request a few times; ``read_object`` adds a slower outer retry with
 exponential backoff for every filesystem (the HTTP one has none of its own) and turns what still
 fails into an error that names the store and the key.
 """
@@ -161,7 +161,7 @@ def redact(text: str) -> str:
 def resolve(
     store: StoreLike, storage_options: dict[str, Any] | None = None, *, retry: RetryPolicy | None = None
 ) -> Location:
-    """Turn any accepted store or source reference into a :class:`Location`."""
+    """Turn any accepted store or source reference into a ``Location``."""
     if isinstance(store, Location):
         return store
     url = os.fspath(store)
@@ -384,8 +384,8 @@ def _obstore_fetch(location: Location, path: str) -> bytes:
 def read_object(location: Location, key: str) -> bytes:
     """The bytes of ``key`` under the location, with retries.
 
-    A missing object raises :class:`MissingChunkError` (a committed chunk must never read as fill
-    values); one that still fails after the retries raises :class:`ChunkFetchError`. Both name the
+    A missing object raises ``MissingChunkError`` (a committed chunk must never read as fill
+    values); one that still fails after the retries raises ``ChunkFetchError``. Both name the
     store and the key, never a credential.
     """
     path = location.join(key)
@@ -419,7 +419,7 @@ _UNREACHABLE = ("EndpointConnectionError", "ConnectTimeoutError", "ConnectionClo
 
 
 def environment_error(exc: BaseException) -> StorageError | None:
-    """A one-line :class:`StorageError` (what, where, what to do) for an error of the storage or
+    """A one-line ``StorageError`` (what, where, what to do) for an error of the storage or
     network that is not birdzarr's (no credentials, unreachable endpoint, access denied); None
     for anything else."""
     names = {cls.__name__ for cls in type(exc).__mro__}

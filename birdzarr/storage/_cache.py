@@ -29,10 +29,10 @@ import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from birdzarr._storage import redact
+from birdzarr.storage._location import redact
 
 if TYPE_CHECKING:
-    from birdzarr._store import Store
+    from birdzarr.store._handle import Store
 
 _USAGE = "usage"
 _LOCK = "lock"

@@ -9,7 +9,7 @@ no longer exists is *stale* (the writer was killed): the next writer takes it ov
 On object stores the lock is created with an exclusive write (``fs.open(path, "xb")``: S3's
 ``If-None-Match: *`` conditional PUT with s3fs). Where the filesystem cannot do an exclusive
 create, birdzarr falls back to check-then-write plus a read-back of its token, which narrows but
-does not close the race, and says so with a :class:`~birdzarr._errors.FallbackWarning`;
+does not close the race, and says so with a ``birdzarr._errors.FallbackWarning``;
 docs/reliability.md says what is guaranteed where. A lock on another host
 is never judged stale automatically: only its own host can tell whether the process is alive.
 """
@@ -28,7 +28,7 @@ import warnings
 from dataclasses import asdict, dataclass
 
 from birdzarr._errors import FallbackWarning, StoreExistsError, StoreLockedError
-from birdzarr._storage import Location, redact
+from birdzarr.storage._location import Location, redact
 
 LOCK_NAME = ".birdzarr.lock"
 
@@ -118,7 +118,7 @@ class StoreLock:
         return lock_path(self.location)
 
     def acquire(self) -> StoreLock:
-        """Take the lock or raise :class:`StoreLockedError` naming the live holder."""
+        """Take the lock or raise ``StoreLockedError`` naming the live holder."""
         self._make_root()
         for attempt in range(10):  # a stale lock is taken over, then creation is retried
             if self._create():

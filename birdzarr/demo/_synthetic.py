@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from birdzarr._format import WINDOW_LENGTH, Curation
+from birdzarr.format._spec import WINDOW_LENGTH, Curation
 
 _EPOCH = int(dt.datetime(2012, 5, 15, tzinfo=dt.UTC).timestamp())
 

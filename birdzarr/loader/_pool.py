@@ -1,6 +1,6 @@
 """Loading one pool of chunks into a reader's reused buffers, every chunk once, concurrently.
 
-A reader (the main process, or one DataLoader worker) owns one :class:`PoolBuffers`: a float32
+A reader (the main process, or one DataLoader worker) owns one ``PoolBuffers``: a float32
 array of ``capacity`` chunks for the windows, plus label, device and timestamp arrays when the
 dataset yields ``ldt``. Each chunk of a pool decodes straight into its slot of those arrays (on a
 small thread pool: decoding releases the GIL, and remote fetches overlap), so a batch is then one
@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from birdzarr._format import DEVICE, GIMU, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH
-from birdzarr.read._chunks import ChunkReader
-from birdzarr.read._sampling import Pool
-from birdzarr.read._selection import Selection
+from birdzarr.format._spec import DEVICE, GIMU, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH
+from birdzarr.loader._sampling import Pool
+from birdzarr.loader._selection import Selection
+from birdzarr.store._chunks import ChunkReader
 
 PER_WINDOW = {LABEL: np.int32, DEVICE: np.int32, TIMESTAMP: np.int64}
 

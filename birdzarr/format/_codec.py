@@ -90,7 +90,7 @@ def encode_dict16(array: np.ndarray) -> bytes:
 
 
 def decode_dict16(data: bytes | memoryview | np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """Decode bytes written by :func:`encode_dict16` into a new float32 array of ``shape``."""
+    """Decode bytes written by ``encode_dict16`` into a new float32 array of ``shape``."""
     raw = np.frombuffer(data, dtype=np.uint8)
     header = raw[: _HEADER.itemsize].view(_HEADER)[0]
     n_channels = int(header["n_channels"])
@@ -242,7 +242,7 @@ def encode_gdict16(array: np.ndarray, groups: np.ndarray | None = None) -> bytes
 def decode_gdict16(
     data: bytes | memoryview | np.ndarray, shape: tuple[int, ...], out: np.ndarray | None = None
 ) -> np.ndarray:
-    """Decode bytes written by :func:`encode_gdict16` into a float32 array of ``shape``: ``out``
+    """Decode bytes written by ``encode_gdict16`` into a float32 array of ``shape``: ``out``
     (a C-contiguous float32 array of that shape, which a reader may recycle) or a new one."""
     raw = np.frombuffer(data, dtype=np.uint8)
     header = raw[: _GHEADER.itemsize].view(_GHEADER)[0]
@@ -402,7 +402,7 @@ _CRC32C_RESIDUE = 0x48674BC7
 
 
 def strip_crc32c(data: bytes) -> memoryview:
-    """Check and remove the trailing CRC-32C written by :func:`with_crc32c` (no copy: a view).
+    """Check and remove the trailing CRC-32C written by ``with_crc32c`` (no copy: a view).
 
     Checking the residue of the whole object instead of comparing the CRC of ``data[:-4]`` spares
     two copies of every chunk (slicing bytes copies, and google_crc32c takes no memoryview).

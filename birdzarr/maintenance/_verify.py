@@ -4,7 +4,7 @@ sources say.
 Checks, in one pass over the committed chunks (each chunk file is read once):
 
 - every chunk of every array below the committed count exists and decodes (zarr would return
-  fill values for a missing chunk; birdzarr's reader raises :class:`MissingChunkError`);
+  fill values for a missing chunk; birdzarr's reader raises ``MissingChunkError``);
 - every device range's checksum (CRC-32C of the little-endian float32 bytes of its windows,
   as written by the converter) matches; shuffled stores check each device's scattered checksum
   (its windows in ascending global index order) instead;
@@ -28,12 +28,12 @@ from typing import Any
 import numpy as np
 
 from birdzarr._errors import BirdzarrError, MissingChunkError
-from birdzarr._format import DEVICE, GIMU, LABEL, TIMESTAMP, DeviceEntry
-from birdzarr._lock import read_holder
-from birdzarr._repair import leftovers
-from birdzarr._storage import StoreLike, resolve
-from birdzarr._store import Store, open_store
 from birdzarr.convert._writer import checksum_hasher
+from birdzarr.format._spec import DEVICE, GIMU, LABEL, TIMESTAMP, DeviceEntry
+from birdzarr.storage._location import StoreLike, resolve
+from birdzarr.storage._lock import read_holder
+from birdzarr.store._handle import Store, open_store
+from birdzarr.store._tail import leftovers
 
 _ARRAYS = (GIMU, DEVICE, TIMESTAMP, LABEL)
 _MAX_LISTED = 50  # problems listed one by one; beyond that they are counted

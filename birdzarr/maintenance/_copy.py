@@ -29,9 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from birdzarr._errors import ChecksumMismatchError, StoreExistsError, TransferError
-from birdzarr._lock import StoreLock, release_and_tidy
 from birdzarr._progress import progress_bar
-from birdzarr._storage import (
+from birdzarr.storage._location import (
     Location,
     StoreLike,
     is_transient,
@@ -40,6 +39,7 @@ from birdzarr._storage import (
     resolve,
     with_retries,
 )
+from birdzarr.storage._lock import StoreLock, release_and_tidy
 
 ROOT = "zarr.json"
 # The writer's lock belongs to the source's writer; a copy must not carry it to the destination.
@@ -85,7 +85,7 @@ def copy_store(
     dest: StoreLike,
     *,
     overwrite: bool = False,
-    workers: int = 16,
+    requests: int = 16,
     progress: bool = True,
     storage_options: dict[str, Any] | None = None,
     dest_storage_options: dict[str, Any] | None = None,
@@ -98,8 +98,8 @@ def copy_store(
     Anything else at ``dest`` (a file, a directory with other things in it) is refused, as is a
     ``dest`` that is, holds or sits inside ``source``. The copy holds ``dest``'s writer lock.
     """
-    from birdzarr._store import open_store
     from birdzarr.convert._overwrite import check_destination
+    from birdzarr.store._handle import open_store
 
     started = time.perf_counter()
     src = resolve(source, storage_options)
@@ -111,14 +111,14 @@ def copy_store(
     lock = StoreLock(dst, f"birdzarr copy {src.display}")
     lock.acquire()  # one writer at a time at DEST: no convert, append or other copy meanwhile
     try:
-        return _copy_locked(src, dst, overwrite=overwrite, workers=workers, progress=progress,
+        return _copy_locked(src, dst, overwrite=overwrite, requests=requests, progress=progress,
                             started=started)
     finally:
         release_and_tidy(lock, remove_root=True)
 
 
 def _copy_locked(
-    src: Location, dst: Location, *, overwrite: bool, workers: int, progress: bool, started: float
+    src: Location, dst: Location, *, overwrite: bool, requests: int, progress: bool, started: float
 ) -> CopyResult:
     root = with_retries(lambda: bytes(src.fs.cat_file(src.join(ROOT))), src.retry)
     wanted = {o.key: o for o in _listing(src) if o.key != ROOT and _basename(o.key) not in _NOT_COPIED}
@@ -160,12 +160,12 @@ def _copy_locked(
                 result.bytes_copied += obj.size
                 bar.update(obj.size)
 
-        _run_all(one, list(wanted.values()), workers)
+        _run_all(one, list(wanted.values()), requests)
         stale = [key for key in present if key not in wanted and _basename(key) not in _NOT_COPIED]
         if overwrite and stale:
             dst.fs.rm([dst.join(key) for key in stale])
             result.deleted = len(stale)
-        _verify(src, dst, wanted, md5s, workers)
+        _verify(src, dst, wanted, md5s, requests)
         with_retries(lambda: dst.fs.pipe_file(dst.join(ROOT), root), dst.retry)
         if with_retries(lambda: bytes(dst.fs.cat_file(dst.join(ROOT))), dst.retry) != root:
             raise ChecksumMismatchError(f"{dst.display}/{ROOT} does not read back as written")
@@ -275,11 +275,11 @@ def _stream(src: Location, dst: Location, key: str) -> str:
     return digest.hexdigest()
 
 
-def _run_all(work: Callable[[_Object], None], objects: list[_Object], workers: int) -> None:
+def _run_all(work: Callable[[_Object], None], objects: list[_Object], requests: int) -> None:
     """``work(obj)`` for every object on a thread pool; the first error stops the rest."""
     if not objects:
         return
-    pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="birdzarr-copy")
+    pool = ThreadPoolExecutor(max_workers=max(1, requests), thread_name_prefix="birdzarr-copy")
     try:
         futures: list[Future[None]] = [pool.submit(work, obj) for obj in objects]
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
@@ -291,7 +291,7 @@ def _run_all(work: Callable[[_Object], None], objects: list[_Object], workers: i
 
 
 def _verify(
-    src: Location, dst: Location, wanted: dict[str, _Object], md5s: dict[str, str], workers: int
+    src: Location, dst: Location, wanted: dict[str, _Object], md5s: dict[str, str], requests: int
 ) -> None:
     """Every destination object has the source's size and MD5, or ChecksumMismatchError."""
     present = {o.key: o for o in _listing(dst)}
@@ -309,7 +309,7 @@ def _verify(
         if actual != expected:
             bad.append(obj.key)
 
-    _run_all(check, list(wanted.values()), workers)
+    _run_all(check, list(wanted.values()), requests)
     if bad:
         shown = ", ".join(sorted(bad)[:5])
         raise ChecksumMismatchError(

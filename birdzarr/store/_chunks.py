@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 from numcodecs import Blosc
 
-from birdzarr._codec import (
+from birdzarr._errors import CorruptChunkError, MissingChunkError, NotAStoreError
+from birdzarr.format._codec import (
     _MODE_DICT,
     _MODE_RAW,
     DICT16,
@@ -27,9 +28,8 @@ from birdzarr._codec import (
     decode_gdict16,
     strip_crc32c,
 )
-from birdzarr._errors import MissingChunkError, NotAStoreError
-from birdzarr._format import DEVICE, GIMU, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH
-from birdzarr._storage import Location
+from birdzarr.format._spec import DEVICE, GIMU, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH
+from birdzarr.storage._location import Location
 
 _BLOSC = Blosc()
 _SCRATCH = threading.local()  # per decoding thread: a reusable blosc output buffer
@@ -149,7 +149,7 @@ class ChunkReader:
         self.n_chunks = -(-n_windows // self.chunk_windows)
         self.requests = 0
         self.bytes_read = 0
-        self.cache: Any = None  # an opt-in local chunk cache (birdzarr._cache.ChunkCache)
+        self.cache: Any = None  # an opt-in local chunk cache (birdzarr.storage._cache.ChunkCache)
         self._zarr_arrays: dict[str, Any] = {}
 
     @classmethod
@@ -169,12 +169,12 @@ class ChunkReader:
         return start, min(start + self.chunk_windows, self.n_windows)
 
     def _fetch(self, layout: ArrayLayout, index: int) -> bytes:
-        """One chunk's bytes: from the opt-in local cache (birdzarr/_cache.py) or the store.
+        """One chunk's bytes: from the opt-in local cache (birdzarr/storage/_cache.py) or the store.
 
         Transient faults are retried with backoff; a missing chunk raises MissingChunkError and
         one that still fails raises ChunkFetchError, both naming store and key (_storage.py).
         """
-        from birdzarr._storage import read_object
+        from birdzarr.storage._location import read_object
 
         key = f"{layout.name}/{layout.key(index)}"
         cache = self.cache
@@ -227,7 +227,7 @@ class ChunkReader:
             else:
                 array = np.frombuffer(decoded, dtype=layout.dtype.newbyteorder("<"))
         except (ValueError, RuntimeError, IndexError) as exc:
-            raise MissingChunkError(
+            raise CorruptChunkError(
                 f"{self.location.display}: chunk '{layout.name}/{layout.key(index)}' cannot be decoded "
                 f"({exc}). The store is damaged; run `birdzarr verify`."
             ) from None
@@ -236,7 +236,7 @@ class ChunkReader:
     def _read_with_zarr(self, name: str, start: int, stop: int) -> np.ndarray:
         import zarr
 
-        from birdzarr._storage import zarr_store
+        from birdzarr.storage._location import zarr_store
 
         if name not in self._zarr_arrays:
             group = zarr.open_group(zarr_store(self.location, read_only=True), mode="r", zarr_format=3)
@@ -284,7 +284,7 @@ class ChunkReader:
             if any(len(c) and int(c.max()) >= len(d) for c, d in zip(codes, dictionaries, strict=True)):
                 raise ValueError("dict16 code out of range")
         except (ValueError, RuntimeError, IndexError) as exc:
-            raise MissingChunkError(
+            raise CorruptChunkError(
                 f"{self.location.display}: chunk '{layout.name}/{layout.key(index)}' cannot be decoded "
                 f"({exc}). The store is damaged; run `birdzarr verify`."
             ) from None

@@ -31,14 +31,14 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from birdzarr._errors import SamplingError
-from birdzarr._format import DEVICE, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH
-from birdzarr._storage import StoreLike, resolve
-from birdzarr._store import open_store
-from birdzarr.read import _handoff
-from birdzarr.read._chunks import ChunkReader
-from birdzarr.read._pool import LoadedPool, PoolBuffers
-from birdzarr.read._sampling import EpochPlan, plan_epoch, resumed_worker
-from birdzarr.read._selection import make_selection
+from birdzarr.format._spec import DEVICE, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH
+from birdzarr.loader import _handoff
+from birdzarr.loader._pool import LoadedPool, PoolBuffers
+from birdzarr.loader._sampling import EpochPlan, plan_epoch, resumed_worker
+from birdzarr.loader._selection import make_selection
+from birdzarr.storage._location import StoreLike, resolve
+from birdzarr.store._chunks import ChunkReader
+from birdzarr.store._handle import open_store
 
 _STATE_VERSION = 3  # 3: pools of whole chunks taken by workers (order depends on num_workers)
 Batch = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -126,7 +126,7 @@ class WindowDataset(IterableDataset[Batch]):
         store: path or URL of a committed store (``s3://...`` works the same).
         batch_size: windows per batch. Streaming, each pool's last batch may be shorter unless
             ``drop_last``.
-        shuffle: new batches every epoch (call :meth:`set_epoch`). Streaming from a
+        shuffle: new batches every epoch (call ``set_epoch``). Streaming from a
             device-ordered store this is refused (batches would mix only the devices of a pool's
             chunks); convert with ``--shuffle``, or use ``resident=``.
         seed: the shuffle seed; which windows form a batch is a pure function of (seed, epoch,
@@ -232,13 +232,13 @@ class WindowDataset(IterableDataset[Batch]):
         self._layouts = opened.reader.layouts
         self._cache = None
         if cache_dir is not None:
-            from birdzarr._cache import cache_for
+            from birdzarr.storage._cache import cache_for
 
             self._cache = cache_for(opened, cache_dir, cache_max_bytes)
         self.n_selected = int(self.counts.sum())
         self.resident: Any = None
         if resident is not False and resident is not None:
-            from birdzarr.read._resident import ResidentSelection
+            from birdzarr.loader._resident import ResidentSelection
 
             self.resident = ResidentSelection.load(
                 opened, self.selection, device=resident, with_ldt=with_ldt, prefetch=self.prefetch,
@@ -401,7 +401,7 @@ class WindowDataset(IterableDataset[Batch]):
 
     def batch_indices(self, batch: int, plan: EpochPlan | None = None) -> np.ndarray:
         """Global window indices of batch number ``batch`` of this rank, in the order its rows
-        are delivered (see :meth:`delivery_order` for which batch arrives when)."""
+        are delivered (see ``delivery_order`` for which batch arrives when)."""
         if self.resident is not None:
             return self.resident.batch_indices(self._resident_plan(), batch)
         plan = plan or self.plan()

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from birdzarr._format import DEVICE, DeviceEntry
-from birdzarr.read._chunks import ChunkReader
+from birdzarr.format._spec import DEVICE, DeviceEntry
+from birdzarr.store._chunks import ChunkReader
 
 SPLITS = ("train", "val")
 SPLIT_BY = ("device", "window")
@@ -82,7 +82,7 @@ class Selection:
     def read_mask(
         self, reader: ChunkReader, chunk: int, device_ids: np.ndarray | None = None
     ) -> np.ndarray | None:
-        """:meth:`chunk_mask`, reading the chunk's device ids first if the selection needs them."""
+        """``chunk_mask``, reading the chunk's device ids first if the selection needs them."""
         if device_ids is None and self.reads_device_array:
             device_ids = reader.read(DEVICE, chunk)
         return self.chunk_mask(reader, chunk, device_ids)
@@ -114,7 +114,7 @@ def make_selection(
     val_fraction: float,
     split_seed: int,
 ) -> Selection:
-    """Validate the user's subset options and turn them into a :class:`Selection`."""
+    """Validate the user's subset options and turn them into a ``Selection``."""
     known = {e.device_id for e in table}
     chosen: set[int] | None = None
     if devices is not None:

@@ -25,10 +25,10 @@ import numpy as np
 import torch
 
 from birdzarr._errors import ResidentMemoryError
-from birdzarr._format import DEVICE, GIMU, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH
 from birdzarr._progress import progress_bar
-from birdzarr.read._chunks import ChunkReader
-from birdzarr.read._selection import Selection
+from birdzarr.format._spec import DEVICE, GIMU, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH
+from birdzarr.loader._selection import Selection
+from birdzarr.store._chunks import ChunkReader
 
 _VALUES = WINDOW_LENGTH * N_CHANNELS  # 80 float32 values a window
 _LDT = {LABEL: torch.int32, DEVICE: torch.int32, TIMESTAMP: torch.int64}

@@ -1,1 +1,0 @@
-"""Reading: chunk fetching and decoding, epoch planning, and the PyTorch dataset."""

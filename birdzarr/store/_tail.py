@@ -1,0 +1,99 @@
+"""What lies past a store's committed count, and cutting it away.
+
+A writer resizes arrays before writing their data and commits the window count last, so a killed
+convert or append can leave longer arrays, chunk files past the last committed chunk and partial
+temp files. ``append`` discards them before it writes; ``repair`` reports and removes them;
+``verify`` names them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from birdzarr.format._spec import GIMU, PER_WINDOW_ARRAYS
+from birdzarr.storage._location import Location
+from birdzarr.storage._lock import read_holder
+
+ARRAYS = (GIMU, *PER_WINDOW_ARRAYS)
+_TEMP_SUFFIXES = (".partial", ".broken", ".tmp", ".breaking")
+
+
+def _array_meta(location: Location, name: str) -> dict[str, Any] | None:
+    try:
+        return dict(json.loads(location.fs.cat_file(location.join(name, "zarr.json"))))
+    except FileNotFoundError:
+        return None
+
+
+def _chunk_indices(location: Location, name: str) -> list[tuple[int, str]]:
+    """(chunk index along windows, path) of every chunk file of one array (default "/" keys)."""
+    fs, root = location.fs, location.join(name, "c")
+    try:
+        entries = fs.ls(root, detail=False)
+    except FileNotFoundError:
+        return []
+    found = []
+    for entry in entries:
+        tail = entry.rstrip("/").rsplit("/", 1)[-1]
+        if tail.isdigit():
+            found.append((int(tail), entry))
+    return found
+
+
+def leftovers(location: Location, n_windows: int) -> list[str]:
+    """Describe uncommitted leftovers without changing anything (verify reports these as notes)."""
+    found = []
+    for name in ARRAYS:
+        meta = _array_meta(location, name)
+        if meta is None:
+            continue
+        length = int(meta["shape"][0])
+        if length != n_windows:
+            found.append(f"array '{name}' has shape {length:,} along windows; {n_windows:,} are committed")
+        chunk = int(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
+        n_chunks = -(-n_windows // chunk)
+        extra = [path for index, path in _chunk_indices(location, name) if index >= n_chunks]
+        if extra:
+            found.append(f"array '{name}' has {len(extra)} chunk file(s) past the committed windows")
+    temps = _temp_files(location)
+    if temps:
+        found.append(f"{len(temps)} partial temp file(s) of an interrupted write")
+    holder = read_holder(location)
+    if holder is not None and holder.is_stale():
+        found.append(f"a stale lock left by {holder.describe()}")
+    return found
+
+
+def _temp_files(location: Location) -> list[str]:
+    if not location.is_local:
+        return []  # object stores have no temp files: a PUT is all or nothing
+    return [p for p in location.fs.find(location.path) if p.endswith(_TEMP_SUFFIXES)]
+
+
+def discard_uncommitted(location: Location, group: Any, n_windows: int) -> list[str]:
+    """Cut every array back to the committed count and delete what lies past it.
+
+    ``group`` is the store's zarr group opened for writing; the caller holds the lock.
+    """
+    actions = []
+    for name in ARRAYS:
+        array = group[name]
+        length = int(array.shape[0])
+        if length != n_windows:
+            # zarr deletes the chunks that fall wholly outside the new shape
+            array.resize((n_windows, *array.shape[1:]))
+            actions.append(f"resized '{name}' from {length:,} to the committed {n_windows:,} windows")
+        chunk = int(array.chunks[0])
+        n_chunks = -(-n_windows // chunk)
+        extra = [path for index, path in _chunk_indices(location, name) if index >= n_chunks]
+        for path in extra:
+            location.fs.rm(path, recursive=True)
+        if extra:
+            actions.append(f"deleted {len(extra)} chunk file(s) of '{name}' past the committed windows")
+    temps = _temp_files(location)
+    for path in temps:
+        location.fs.rm_file(path)
+    if temps:
+        actions.append(f"deleted {len(temps)} partial temp file(s)")
+    return actions
