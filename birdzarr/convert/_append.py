@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 import numpy as np
 import zarr
@@ -305,25 +305,24 @@ def _committed_hashes(store: Store, entry: DeviceEntry) -> Callable[[np.ndarray]
     return hashes
 
 
-def append(
-    store: StoreLike,
-    source: StoreLike,
-    *,
-    on_bad_rows: str = "error",
-    workers: int | None = None,
-    progress: bool = True,
-    storage_options: dict[str, Any] | None = None,
-    source_storage_options: dict[str, Any] | None = None,
-    skip_unknown_files: bool = False,
-) -> Store:
+class AppendOptions(TypedDict, total=False):
+    """The keyword options of ``append`` (those of ``convert`` that apply to an append)."""
+
+    on_bad_rows: str
+    workers: int | None
+    progress: bool
+    storage_options: dict[str, Any] | None
+    source_storage_options: dict[str, Any] | None
+    skip_unknown_files: bool
+
+
+def append(store: StoreLike, source: StoreLike, **options: Unpack[AppendOptions]) -> Store:
     """Add the windows of ``source`` (new devices, or new CSV parts of existing ones) to ``store``.
 
-    Same curation (the store's recorded parameters) and validation as ``birdzarr.convert``, and
-    the same options. Files already in the store are skipped, so re-running an interrupted append
-    completes it. Returns the store, opened read-only, at its new commit.
+    Same curation (the store's recorded parameters), validation and options as
+    ``birdzarr.convert``: ``on_bad_rows``, ``workers``, ``progress``, ``storage_options``,
+    ``source_storage_options``, ``skip_unknown_files`` (an unknown option is a ``TypeError``).
+    Files already in the store are skipped, so re-running an interrupted append completes it.
+    Returns the store, opened read-only, at its new commit.
     """
-    return append_detailed(
-        store, source, on_bad_rows=on_bad_rows, workers=workers, progress=progress,
-        storage_options=storage_options, source_storage_options=source_storage_options,
-        skip_unknown_files=skip_unknown_files,
-    ).store
+    return append_detailed(store, source, **options).store

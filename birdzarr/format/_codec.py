@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import google_crc32c
 import numpy as np
@@ -89,56 +89,98 @@ def encode_dict16(array: np.ndarray) -> bytes:
     return b"".join(parts)
 
 
-def decode_dict16(data: bytes | memoryview | np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """Decode bytes written by ``encode_dict16`` into a new float32 array of ``shape``."""
+@dataclass(frozen=True)
+class Dict16Body:
+    """A parsed dict16 chunk: ``codes`` uint16 ``(channels, values)`` channel-major and one
+    dictionary per channel (dictionary mode), or ``raw`` float32 ``(channels, values)``."""
+
+    n_per_channel: int
+    n_channels: int
+    dictionaries: list[np.ndarray]
+    codes: np.ndarray | None
+    raw: np.ndarray | None
+
+
+def parse_dict16(data: bytes | memoryview | np.ndarray) -> Dict16Body:
+    """Parse (without decoding) bytes written by ``encode_dict16``; checks the magic, the
+    lengths and that every code has a dictionary entry (``ValueError`` otherwise)."""
     raw = np.frombuffer(data, dtype=np.uint8)
+    if len(raw) < _HEADER.itemsize:
+        raise ValueError("dict16 chunk is truncated")
     header = raw[: _HEADER.itemsize].view(_HEADER)[0]
-    n_channels = int(header["n_channels"])
-    n_per_channel = int(header["n_per_channel"])
-    if bytes(header["magic"]) != MAGIC or n_channels != shape[-1] or (
-        n_per_channel * n_channels != int(np.prod(shape))
-    ):
-        raise ValueError(f"not a dict16 chunk of shape {shape}")
-    offset = _HEADER.itemsize
-    out = np.empty((n_per_channel, n_channels), dtype=np.float32)
+    n_channels, n_per_channel = int(header["n_channels"]), int(header["n_per_channel"])
+    if bytes(header["magic"]) != MAGIC or int(header["mode"]) not in (_MODE_DICT, _MODE_RAW):
+        raise ValueError("not a dict16 chunk")
+    offset, n_values = _HEADER.itemsize, n_per_channel * n_channels
     if int(header["mode"]) == _MODE_RAW:
-        body = raw[offset : offset + 4 * n_per_channel * n_channels].view("<f4")
-        out[:] = body.reshape(n_channels, n_per_channel).T
-        return out.reshape(shape)
+        body = raw[offset : offset + 4 * n_values]
+        if len(body) != 4 * n_values:
+            raise ValueError("dict16 chunk is truncated")
+        values = body.view("<f4").reshape(n_channels, n_per_channel)
+        return Dict16Body(n_per_channel, n_channels, [], None, values)
     sizes = raw[offset : offset + 4 * n_channels].view("<u4").astype(np.int64)
     offset += 4 * n_channels
     dictionaries = []
-    for size in sizes:
+    for size in sizes.tolist():
         dictionaries.append(raw[offset : offset + 4 * size].view("<f4"))
-        offset += 4 * int(size)
-    codes = raw[offset : offset + 2 * n_per_channel * n_channels].view("<u2")
+        offset += 4 * size
+    codes = raw[offset : offset + 2 * n_values].view("<u2")
+    if len(codes) != n_values or any(len(d) != n for d, n in zip(dictionaries, sizes.tolist(), strict=True)):
+        raise ValueError("dict16 chunk is truncated")
     codes = codes.reshape(n_channels, n_per_channel)
-    channel_major = np.empty((n_channels, n_per_channel), dtype=np.float32)
     for c in range(n_channels):
-        np.take(dictionaries[c], codes[c], out=channel_major[c])
-    out[:] = channel_major.T
-    return out.reshape(shape)
+        if len(codes[c]) and int(codes[c].max()) >= len(dictionaries[c]):
+            raise ValueError(f"dict16 code out of range in channel {c}")
+    return Dict16Body(n_per_channel, n_channels, dictionaries, codes, None)
+
+
+def decode_dict16(
+    data: bytes | memoryview | np.ndarray, shape: tuple[int, ...], out: np.ndarray | None = None
+) -> np.ndarray:
+    """Decode bytes written by ``encode_dict16`` into a float32 array of ``shape``: ``out`` (a
+    C-contiguous float32 array of that shape, which a reader may recycle) or a new one."""
+    body = parse_dict16(data)
+    if body.n_channels != shape[-1] or body.n_per_channel * body.n_channels != int(np.prod(shape)):
+        raise ValueError(f"not a dict16 chunk of shape {shape}")
+    if out is None:
+        out = np.empty(shape, dtype=np.float32)
+    elif out.dtype != np.float32 or out.shape != tuple(shape) or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a C-contiguous float32 array of shape {shape}")
+    flat = out.reshape(body.n_per_channel, body.n_channels)
+    if body.raw is not None:  # channel-major float32 (chunks with too many distinct values)
+        flat[:] = body.raw.T
+        return out
+    assert body.codes is not None
+    for c in range(body.n_channels):
+        # mode="clip" (codes checked by the parser) writes straight into the strided column; the
+        # default mode="raise" would go through a temporary array
+        np.take(body.dictionaries[c], body.codes[c], out=flat[:, c], mode="clip")
+    return out
 
 
 @dataclass(frozen=True)
-class Dict16Codec(ArrayBytesCodec):
-    """Zarr v3 array-to-bytes codec ``birdzarr.dict16`` (see module docstring)."""
+class _WindowCodec(ArrayBytesCodec):
+    """A Zarr v3 array-to-bytes codec over float32 windows: subclasses name the codec and give
+    its encode and decode functions (the registered classes below)."""
 
     is_fixed_size = False
+    codec_name: ClassVar[str]
+    encode_chunk: ClassVar[Callable[..., bytes]]
+    decode_chunk: ClassVar[Callable[..., np.ndarray]]
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Self:
         return cls()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": DICT16}
+        return {"name": self.codec_name}
 
     def _decode_sync(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> NDBuffer:
-        array = decode_dict16(chunk_bytes.as_numpy_array(), chunk_spec.shape)
+        array = type(self).decode_chunk(chunk_bytes.as_numpy_array(), chunk_spec.shape)
         return chunk_spec.prototype.nd_buffer.from_numpy_array(array)
 
     def _encode_sync(self, chunk_array: NDBuffer, chunk_spec: ArraySpec) -> Buffer | None:
-        encoded = encode_dict16(np.asarray(chunk_array.as_numpy_array(), dtype=np.float32))
+        encoded = type(self).encode_chunk(np.asarray(chunk_array.as_numpy_array(), dtype=np.float32))
         return chunk_spec.prototype.buffer.from_bytes(encoded)
 
     async def _decode_single(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> NDBuffer:
@@ -148,7 +190,16 @@ class Dict16Codec(ArrayBytesCodec):
         return await asyncio.to_thread(self._encode_sync, chunk_array, chunk_spec)
 
     def compute_encoded_size(self, input_byte_length: int, _chunk_spec: ArraySpec) -> int:
-        raise NotImplementedError("dict16 output size depends on the data")
+        raise NotImplementedError(f"{self.codec_name} output size depends on the data")
+
+
+@dataclass(frozen=True)
+class Dict16Codec(_WindowCodec):
+    """Zarr v3 array-to-bytes codec ``birdzarr.dict16`` (see module docstring)."""
+
+    codec_name: ClassVar[str] = DICT16
+    encode_chunk = staticmethod(encode_dict16)
+    decode_chunk = staticmethod(decode_dict16)
 
 
 register_codec(DICT16, Dict16Codec)
@@ -299,35 +350,13 @@ def decode_gdict16(
 
 
 @dataclass(frozen=True)
-class GDict16Codec(ArrayBytesCodec):
+class GDict16Codec(_WindowCodec):
     """Zarr v3 array-to-bytes codec ``birdzarr.gdict16``. zarr-python's own write path knows no
     groups and writes one group a chunk; birdzarr's converter passes the device ids."""
 
-    is_fixed_size = False
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Self:
-        return cls()
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": GDICT16}
-
-    def _decode_sync(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> NDBuffer:
-        array = decode_gdict16(chunk_bytes.as_numpy_array(), chunk_spec.shape)
-        return chunk_spec.prototype.nd_buffer.from_numpy_array(array)
-
-    def _encode_sync(self, chunk_array: NDBuffer, chunk_spec: ArraySpec) -> Buffer | None:
-        encoded = encode_gdict16(np.asarray(chunk_array.as_numpy_array(), dtype=np.float32))
-        return chunk_spec.prototype.buffer.from_bytes(encoded)
-
-    async def _decode_single(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> NDBuffer:
-        return await asyncio.to_thread(self._decode_sync, chunk_bytes, chunk_spec)
-
-    async def _encode_single(self, chunk_array: NDBuffer, chunk_spec: ArraySpec) -> Buffer | None:
-        return await asyncio.to_thread(self._encode_sync, chunk_array, chunk_spec)
-
-    def compute_encoded_size(self, input_byte_length: int, _chunk_spec: ArraySpec) -> int:
-        raise NotImplementedError("gdict16 output size depends on the data")
+    codec_name: ClassVar[str] = GDICT16
+    encode_chunk = staticmethod(encode_gdict16)
+    decode_chunk = staticmethod(decode_gdict16)
 
 
 register_codec(GDICT16, GDict16Codec)

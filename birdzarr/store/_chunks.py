@@ -19,13 +19,11 @@ from numcodecs import Blosc
 
 from birdzarr._errors import CorruptChunkError, MissingChunkError, NotAStoreError
 from birdzarr.format._codec import (
-    _MODE_DICT,
-    _MODE_RAW,
     DICT16,
     GDICT16,
-    MAGIC,
     decode_dict16,
     decode_gdict16,
+    parse_dict16,
     strip_crc32c,
 )
 from birdzarr.format._spec import DEVICE, GIMU, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH
@@ -48,47 +46,6 @@ def _blosc_decode_scratch(raw: bytes | memoryview) -> np.ndarray:
     view = buffer[:nbytes]
     _BLOSC.decode(raw, out=view)
     return view
-
-
-def _decode_dict16_into(decoded: np.ndarray, out: np.ndarray) -> bool:
-    """Decode a dict16 body (either mode) straight into ``out`` (channel-last); False if it must
-    take the general path (a header or shape that does not match)."""
-    header = decoded[:16].view("<u4")
-    n_per_channel, n_channels = int(header[2]), int(header[3])
-    if (
-        bytes(decoded[:4]) != MAGIC
-        or int(header[1]) not in (_MODE_DICT, _MODE_RAW)
-        or (
-            n_channels != out.shape[-1]
-            or n_per_channel * n_channels != out.size
-            or not out.flags.c_contiguous
-        )
-    ):
-        return False
-    flat = out.reshape(n_per_channel, n_channels)
-    if int(header[1]) == _MODE_RAW:  # channel-major float32 (chunks with too many distinct values)
-        body = decoded[16 : 16 + 4 * n_per_channel * n_channels]
-        if len(body) != 4 * n_per_channel * n_channels:
-            raise ValueError("dict16 chunk is truncated")
-        flat[:] = body.view("<f4").reshape(n_channels, n_per_channel).T
-        return True
-    sizes = decoded[16 : 16 + 4 * n_channels].view("<u4").astype(np.int64)
-    offset = 16 + 4 * n_channels
-    dictionaries = []
-    for size in sizes.tolist():
-        dictionaries.append(decoded[offset : offset + 4 * size].view("<f4"))
-        offset += 4 * size
-    codes = decoded[offset : offset + 2 * n_per_channel * n_channels].view("<u2")
-    if len(codes) != n_per_channel * n_channels:
-        raise ValueError("dict16 chunk is truncated")
-    codes = codes.reshape(n_channels, n_per_channel)
-    for c in range(n_channels):
-        if len(codes[c]) and int(codes[c].max()) >= len(dictionaries[c]):
-            raise ValueError(f"dict16 code out of range in channel {c}")
-        # mode="clip" (codes checked above) writes straight into the strided column; the default
-        # mode="raise" would go through a temporary array
-        np.take(dictionaries[c], codes[c], out=flat[:, c], mode="clip")
-    return True
 
 
 @dataclass(frozen=True)
@@ -210,8 +167,8 @@ class ChunkReader:
                 return decode_gdict16(scratch, shape, out=out if usable else None)[: stop - start]
             if out is not None and layout.chain in ("dict16", "standard"):
                 decoded = _blosc_decode_scratch(raw)
-                if layout.chain == "dict16" and _decode_dict16_into(decoded, out):
-                    return out[: stop - start]
+                if layout.chain == "dict16" and out.shape == shape and out.flags.c_contiguous:
+                    return decode_dict16(decoded, shape, out=out)[: stop - start]
                 if layout.chain == "standard" and len(decoded) == out.nbytes and out.flags.c_contiguous:
                     channel_major = decoded.view("<f4").reshape(N_CHANNELS, self.chunk_windows, WINDOW_LENGTH)
                     for channel in range(N_CHANNELS):  # 4x faster here than one 3-D transposed copy
@@ -267,28 +224,15 @@ class ChunkReader:
             return None
         fetched = self._fetch(layout, index)
         try:
-            decoded = _BLOSC.decode(strip_crc32c(fetched) if layout.crc32c else fetched)
-            body = np.frombuffer(decoded, dtype=np.uint8)
-            header = body[:16].view("<u4")
-            if bytes(body[:4]) != MAGIC or int(header[1]) != _MODE_DICT:
-                return None
-            n_per_channel, n_channels = int(header[2]), int(header[3])
-            sizes = body[16 : 16 + 4 * n_channels].view("<u4").astype(np.int64)
-            offset = 16 + 4 * n_channels
-            dictionaries = []
-            for size in sizes.tolist():
-                dictionaries.append(body[offset : offset + 4 * size].view("<f4"))
-                offset += 4 * size
-            codes = body[offset : offset + 2 * n_per_channel * n_channels].view("<u2")
-            codes = codes.reshape(n_channels, n_per_channel)
-            if any(len(c) and int(c.max()) >= len(d) for c, d in zip(codes, dictionaries, strict=True)):
-                raise ValueError("dict16 code out of range")
+            body = parse_dict16(_BLOSC.decode(strip_crc32c(fetched) if layout.crc32c else fetched))
         except (ValueError, RuntimeError, IndexError) as exc:
             raise CorruptChunkError(
                 f"{self.location.display}: chunk '{layout.name}/{layout.key(index)}' cannot be decoded "
                 f"({exc}). The store is damaged; run `birdzarr verify`."
             ) from None
-        return codes, dictionaries
+        if body.codes is None:
+            return None
+        return body.codes, body.dictionaries
 
     def read_range(self, name: str, start: int, stop: int, *, threads: int = 8) -> np.ndarray:
         """Windows ``[start, stop)`` of one array, each needed chunk read once, several at a time,
