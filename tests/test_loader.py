@@ -376,3 +376,63 @@ def test_persistent_workers_follow_set_epoch_and_resume(small_store: birdzarr.St
     assert len(tail) == len(ds) - 3
     ds.set_epoch(2)
     assert len([x for x in loader]) == len(ds)
+
+
+@pytest.fixture(scope="module")
+def shuffled_store(parquet_source, tmp_path_factory) -> birdzarr.Store:  # type: ignore[no-untyped-def]
+    directory, _ = parquet_source
+    dest = tmp_path_factory.mktemp("shuffled") / "shuffled.zarr"
+    return birdzarr.convert(directory, dest, chunk_windows=1024, shuffle=True, seed=5, progress=False)
+
+
+def test_a_shuffled_store_gives_fresh_uniform_batches_every_epoch(shuffled_store: birdzarr.Store) -> None:
+    """The three quality figures (docs/training.md#shuffle-quality) with the default settings'
+    shape: pools of several chunks, batches of one chunk's size."""
+    from birdzarr.loader._quality import pair_cooccurrence_ratio, quality_ratio, repeated_batch_fraction
+
+    ds = birdzarr.WindowDataset(shuffled_store.url, batch_size=1024, shuffle_buffer=8 * 1024, seed=3)
+    epochs = []
+    for epoch in (0, 1):
+        ds.set_epoch(epoch)
+        epochs.append(_epoch_indices(ds, 2))
+    n = len(shuffled_store)
+    devices = shuffled_store.window_devices[:]
+    ids, counts = np.unique(devices, return_counts=True)
+    assert quality_ratio([devices[b] for b in epochs[1]], ids, counts) < 1.3
+    assert repeated_batch_fraction(epochs[0], epochs[1]) == 0.0
+    # pools of G = 8 chunks of P = 1024 windows: about 1 - 1/G + n / (G * G * P) = 1.33
+    assert pair_cooccurrence_ratio(epochs[0], epochs[1], n) < 2.0
+    # the same figures for one chunk a batch ("shuffle once"): every batch comes back
+    once = birdzarr.WindowDataset(shuffled_store.url, batch_size=1024, shuffle_buffer=1024, seed=3)
+    again = [_epoch_indices(once)]
+    once.set_epoch(1)
+    again.append(_epoch_indices(once))
+    assert repeated_batch_fraction(again[0], again[1]) > 0.9
+
+
+@pytest.mark.parametrize(
+    "selection",
+    [{}, {"devices": [200, 228, 249]}, {"exclude_devices": [200]}, {"split": "train"}, {"split": "val"},
+     {"split": "train", "split_by": "window"}],
+    ids=["all", "devices", "exclude", "train", "val", "window-split"],
+)
+@pytest.mark.parametrize("order", ["device", "shuffled"])
+def test_memory_is_one_pool_buffer_for_every_selection(
+    small_store: birdzarr.Store, shuffled_store: birdzarr.Store, selection: dict[str, object], order: str
+) -> None:
+    """The reader owns exactly one pool buffer of pool_chunks chunks and reuses it: nothing is
+    allocated per chunk or per epoch, whatever the subset (a subset's masked copies once leaked)."""
+    store = small_store if order == "device" else shuffled_store
+    ds = _dataset(store, batch_size=500, shuffle_buffer=4096, with_ldt=True, **selection)
+    buffers = ds._local().pool
+    seen = []
+    for epoch in (0, 1, 2):
+        ds.set_epoch(epoch)
+        assert sum(len(x) for x, _ in ds) == ds.windows_per_epoch
+        seen.append((buffers.capacity, buffers.gimu.__array_interface__["data"][0], buffers.gimu.nbytes))
+    chunks = max(len(p.chunks) for p in ds.plan().pools)  # the largest pool, at most pool_chunks
+    assert buffers.capacity == chunks <= ds.pool_chunks == 4
+    assert len(set(seen)) == 1, "the pool buffer was reallocated"
+    assert buffers.gimu.nbytes == chunks * 1024 * 320
+    assert {name: array.nbytes for name, array in buffers.ldt.items()} == {
+        "label": chunks * 1024 * 4, "device": chunks * 1024 * 4, "timestamp": chunks * 1024 * 8}
