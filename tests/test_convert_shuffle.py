@@ -109,3 +109,18 @@ def test_shuffle_csv_counts_and_cli(
         assert entry.first_time == plain.device(entry.device_id).first_time
     assert store.report == plain.report
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("birdzarr-shuffle-")] == []  # tmp removed
+
+
+def test_the_compressor_is_an_option_and_recorded(parquet_source, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    directory, _ = parquet_source
+    lz4 = birdzarr.convert(directory, tmp_path / "lz4.zarr", shuffle=True, seed=1, compressor="lz4",
+                           chunk_windows=4096, progress=False)
+    zstd = birdzarr.convert(directory, tmp_path / "zstd.zarr", shuffle=True, seed=1, chunk_windows=4096,
+                            progress=False)
+    for store, cname, clevel in ((lz4, "lz4", 5), (zstd, "zstd", 1)):
+        assert store.meta["layout"]["compressor"] == {"cname": cname, "clevel": clevel}
+        blosc = next(c for c in store.gimu.metadata.codecs if type(c).__name__ == "BloscCodec")
+        assert (str(blosc.cname.value), blosc.clevel) == (cname, clevel)
+    assert np.array_equal(lz4.windows[:], zstd.windows[:])
+    with pytest.raises(ValueError, match="unknown blosc compressor 'brotli'"):
+        birdzarr.convert(directory, tmp_path / "x.zarr", compressor="brotli", progress=False)

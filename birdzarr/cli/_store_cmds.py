@@ -16,7 +16,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
         client = connect(args.dask_scheduler)
     store = convert(
-        args.source, args.dest, overwrite=args.overwrite, codec=args.codec,
+        args.source, args.dest, overwrite=args.overwrite, codec=args.codec, compressor=args.compressor,
         chunk_windows=args.chunk_windows, on_bad_rows=args.on_bad_rows, workers=args.workers,
         progress=not args.quiet, shuffle=args.shuffle, seed=args.seed, shuffle_tmp=args.shuffle_tmp,
         client=client, skip_unknown_files=args.skip_unknown_files,
@@ -70,6 +70,9 @@ def add_convert(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
                    help="dict16 (default: smallest, needs birdzarr to read), gdict16 (a dictionary per "
                         "device: the default with --shuffle) or standard (blosc only: TensorStore and "
                         "plain zarr read it)")
+    p.add_argument("--compressor", choices=("lz4", "lz4hc", "zstd", "blosclz", "zlib"), default=None,
+                   help="blosc compressor after the codec (default lz4; zstd for gdict16): smaller "
+                        "with zstd, faster to read with lz4")
     p.add_argument("--chunk-windows", type=int, default=8192, help="windows per chunk (default 8192)")
     p.add_argument("--on-bad-rows", choices=("error", "skip"), default="error",
                    help="stop at the first malformed row (default) or skip and count them")

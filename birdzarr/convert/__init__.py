@@ -38,6 +38,7 @@ def convert(
     *,
     overwrite: bool = False,
     codec: str | None = None,
+    compressor: str | None = None,
     chunk_windows: int = 8192,
     on_bad_rows: str = "error",
     curation: Curation | None = None,
@@ -72,7 +73,9 @@ def convert(
     ``codec`` is ``"dict16"`` (default), ``"gdict16"`` (the default of shuffled stores: a
     chunk mixing all devices holds too many distinct values for dict16, gdict16 keeps one
     dictionary per device; docs/format.md#gdict16) or ``"standard"`` (readable without
-    birdzarr). ``workers`` is the number of processes or threads doing conversion work (default:
+    birdzarr). ``compressor`` is the blosc compressor after the codec (``"lz4"``, ``"zstd"``,
+    ``"lz4hc"``, ...; default lz4 level 5, zstd level 1 for gdict16): a size against decode-speed
+    trade (docs/format.md). ``workers`` is the number of processes or threads doing conversion work (default:
     all usable cores, as CPU affinity and the cgroup quota allow; 1: all in the calling thread);
     it never changes the stored bytes. ``client`` (a
     ``distributed.Client``) runs the reading, curation and chunk writing on a Dask cluster
@@ -99,7 +102,7 @@ def convert(
         else {"applied_by": "source", "note": "Parquet input holds windows curated before conversion"}
     )
     layout: dict[str, Any] = {
-        "codec": codec, "compressor": compressor_of(codec),
+        "codec": codec, "compressor": compressor_of(codec, compressor),
         "chunk_windows": chunk_windows, "shuffled": False,
     }
     static: dict[str, Any] = {

@@ -147,7 +147,8 @@ class StoreWriter:
             GIMU, shape=(0, WINDOW_LENGTH, N_CHANNELS), dtype="float32",
             chunks=(self.chunk_windows, WINDOW_LENGTH, N_CHANNELS), fill_value=0.0,
             dimension_names=GIMU_DIMS, attributes=array_attributes(GIMU),
-            overwrite=True, config=_EVERY_CHUNK, **gimu_codecs(self.codec),
+            overwrite=True, config=_EVERY_CHUNK,
+            **gimu_codecs(self.codec, **self.static_attrs.get("layout", {}).get("compressor", {})),
         )
         self.per_window = {
             name: self.group.create_array(

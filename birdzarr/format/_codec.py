@@ -369,11 +369,16 @@ GDICT16_CNAME: Any = "zstd"
 GDICT16_CLEVEL = 1
 
 
-def compressor_of(codec: str) -> dict[str, Any]:
-    """The blosc compressor (cname, clevel) of a codec's ``gimu`` chain, as the layout records it."""
-    if codec == "gdict16":
-        return {"cname": GDICT16_CNAME, "clevel": GDICT16_CLEVEL}
-    return {"cname": DEFAULT_CNAME, "clevel": DEFAULT_CLEVEL}
+def compressor_of(codec: str, cname: str | None = None) -> dict[str, Any]:
+    """The blosc compressor (cname, clevel) of a codec's ``gimu`` chain, as the layout records it:
+    the codec's default, or ``cname`` at its usual level (zstd 1, the others 5)."""
+    if cname is None:
+        if codec == "gdict16":
+            return {"cname": GDICT16_CNAME, "clevel": GDICT16_CLEVEL}
+        return {"cname": DEFAULT_CNAME, "clevel": DEFAULT_CLEVEL}
+    if cname not in CNAMES:
+        raise ValueError(f"unknown blosc compressor {cname!r}; choose one of {', '.join(CNAMES)}")
+    return {"cname": cname, "clevel": 1 if cname == "zstd" else 5}
 CNAMES = ("zstd", "lz4", "lz4hc", "blosclz", "zlib")
 # Chosen by measurement (docs/format.md#codec-and-chunk-size-measured): after dict16, lz4 costs
 # ~9% in size against zstd level 1 but encodes ~3x and decodes ~2x faster, which is what lets
@@ -382,8 +387,12 @@ DEFAULT_CNAME = "lz4"
 DEFAULT_CLEVEL = 5
 
 
-def gimu_codecs(codec: str, *, clevel: int = DEFAULT_CLEVEL, cname: Any = DEFAULT_CNAME) -> dict[str, Any]:
-    """Keyword arguments for ``zarr.create_array`` that give ``gimu`` the chosen codec chain."""
+def gimu_codecs(codec: str, *, cname: Any = None, clevel: int | None = None) -> dict[str, Any]:
+    """Keyword arguments for ``zarr.create_array`` that give ``gimu`` the chosen codec chain
+    (the codec's default compressor unless ``cname`` and ``clevel`` say otherwise)."""
+    default = compressor_of(codec if codec in CODECS else "dict16")
+    cname = default["cname"] if cname is None else cname
+    clevel = default["clevel"] if clevel is None else clevel
     if cname not in CNAMES:
         raise ValueError(f"unknown blosc compressor {cname!r}; choose one of {', '.join(CNAMES)}")
     if codec == "dict16":
@@ -396,13 +405,11 @@ def gimu_codecs(codec: str, *, clevel: int = DEFAULT_CLEVEL, cname: Any = DEFAUL
             ),
         }
     if codec == "gdict16":
-        explicit = cname != DEFAULT_CNAME or clevel != DEFAULT_CLEVEL
         return {
             "filters": (),
             "serializer": GDict16Codec(),
             "compressors": (
-                BloscCodec(cname=cname if explicit else GDICT16_CNAME,
-                           clevel=clevel if explicit else GDICT16_CLEVEL, shuffle="bitshuffle", typesize=2),
+                BloscCodec(cname=cname, clevel=clevel, shuffle="bitshuffle", typesize=2),
                 Crc32cCodec(),
             ),
         }
