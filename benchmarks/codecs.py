@@ -225,17 +225,16 @@ def plot(rows: list[dict[str, Any]], out: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 6))
-    for row in rows:
+    # numbered points and a legend: the labels of neighbouring codecs would overlap on the plot
+    fig, ax = plt.subplots(figsize=(10, 6))
+    markers = "osD^v<>ph*X"
+    for number, row in enumerate(rows, start=1):
         speed = row["decode MB/s/core"] or row["read MB/s"]
-        ax.scatter(speed, row["ratio"], s=40)
-        ax.annotate(
-            f"{row['codec']} [{row['chunk']}{'/' + str(row['shard']) if row['shard'] else ''}]",
-            (speed, row["ratio"]),
-            fontsize=7,
-            xytext=(4, 2),
-            textcoords="offset points",
-        )
+        label = f"{row['codec']} [{row['chunk']}{'/' + str(row['shard']) if row['shard'] else ''}]"
+        ax.scatter(speed, row["ratio"], s=50, marker=markers[number % len(markers)],
+                   label=f"{number}: {label}")
+        ax.annotate(str(number), (speed, row["ratio"]), fontsize=9, xytext=(5, 3), textcoords="offset points")
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     ax.axhline(2.1, color="grey", linestyle="--", linewidth=1)
     ax.text(ax.get_xlim()[0], 2.12, " per-device Parquet (~2.1-2.2x)", fontsize=8, color="grey")
     ax.set_xlabel("decode MB/s per core (sharded: zarr read MB/s)")
