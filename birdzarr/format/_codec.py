@@ -317,33 +317,46 @@ def decode_gdict16(
             raise ValueError("gdict16 chunk is truncated")
         out[:] = body.reshape(n_channels, n_windows, n_per_window).transpose(1, 2, 0)
         return result
-    group = raw[offset : offset + 2 * n_windows].view("<u2").astype(np.int64)
+    group = raw[offset : offset + 2 * n_windows].view("<u2")
     offset += 2 * n_windows
-    sizes = raw[offset : offset + 4 * n_channels * n_groups].view("<u4").reshape(n_channels, n_groups)
+    sizes = raw[offset : offset + 4 * n_channels * n_groups].view("<u4")
+    if len(group) != n_windows or len(sizes) != n_channels * n_groups:
+        raise ValueError("gdict16 chunk is truncated")
+    sizes = sizes.reshape(n_channels, n_groups).astype(np.int64)
     offset += 4 * n_channels * n_groups
-    dictionaries, starts = [], []
+    starts = np.cumsum(sizes, axis=1) - sizes  # where each group's dictionary begins
+    dictionaries = []
     for c in range(n_channels):
         count = int(sizes[c].sum())
         halves = raw[offset : offset + 4 * count].view("<u2")
         offset += 4 * count
-        deltas = halves[:count].astype(np.uint32) | (halves[count:].astype(np.uint32) << np.uint32(16))
-        first = np.cumsum(sizes[c].astype(np.int64)) - sizes[c]
-        running = np.cumsum(deltas, dtype=np.uint32)
-        before = np.where(first > 0, running[np.maximum(first - 1, 0)] if count else 0, 0).astype(np.uint32)
-        dictionaries.append((running - np.repeat(before, sizes[c])).view("<f4"))  # modulo 2**32
-        starts.append(first)
+        if len(halves) != 2 * count:
+            raise ValueError("gdict16 chunk is truncated")
+        # the low and high uint16 planes interleaved into uint32 deltas (little-endian), summed
+        # in place, then each group's running total restarted at zero (modulo 2**32)
+        deltas = np.empty(count, np.uint32)
+        pairs = deltas.view(np.uint16).reshape(count, 2)
+        pairs[:, 0], pairs[:, 1] = halves[:count], halves[count:]
+        np.cumsum(deltas, dtype=np.uint32, out=deltas)
+        before = np.zeros(n_groups, np.uint32)
+        later = starts[c] > 0
+        before[later] = deltas[starts[c][later] - 1]
+        deltas -= np.repeat(before, sizes[c])
+        dictionaries.append(deltas.view("<f4"))
     codes = raw[offset : offset + 2 * n_values * n_channels].view("<u2")
     if codes.size != n_values * n_channels:
         raise ValueError("gdict16 chunk is truncated")
     codes = codes.reshape(n_channels, n_windows, n_per_window)
     index = np.empty((n_windows, n_per_window), dtype=np.int32)
     values = np.empty((n_windows, n_per_window), dtype=np.float32)
+    ends = starts + sizes
     for c in range(n_channels):
-        if (codes[c] >= sizes[c].astype(np.int32)[group][:, None]).any():
-            raise ValueError(f"gdict16 code out of range in channel {c}")
-        # int32 arithmetic in place; a contiguous take (mode="clip": indices checked above) then
-        # one column copy is faster than int64 temporaries and a buffered take into the column
+        # int32 arithmetic in place; every index must fall inside its own window's group
         np.add(codes[c], starts[c].astype(np.int32)[group][:, None], out=index)
+        if (index >= ends[c].astype(np.int32)[group][:, None]).any():
+            raise ValueError(f"gdict16 code out of range in channel {c}")
+        # a contiguous take (mode="clip": indices checked above) then one column copy is faster
+        # than a buffered take into the strided column
         np.take(dictionaries[c], index, out=values, mode="clip")
         out[:, :, c] = values
     return result
