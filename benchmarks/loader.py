@@ -373,7 +373,8 @@ def main() -> int:
     parser.add_argument("--item-batches", type=int, default=30,
                         help="batches timed for the slow per-item loaders (b)-(d)")
     parser.add_argument("--quality-batches", type=int, default=100)
-    parser.add_argument("--only", default=None, help="run only cases whose label contains this")
+    parser.add_argument("--only", default=None,
+                        help="run only cases whose label contains this (several: separated by |)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="run every case this many times, interleaved; report the median run")
     parser.add_argument("--plot", default=os.path.join(REPO, "benchmarks", "out", "loader.png"))
@@ -402,7 +403,9 @@ def main() -> int:
     started = time.perf_counter()
     try:
         meta = prepare(workdir, args.windows, args.devices, scale_check=args.scale_check, log=log)
-        selected = [spec for spec in cases(meta, args) if not args.only or args.only in spec["label"]]
+        wanted = args.only.split("|") if args.only else []
+        selected = [spec for spec in cases(meta, args)
+                    if not wanted or any(w in spec["label"] for w in wanted)]
         runs: dict[str, list[dict[str, Any]]] = {spec["label"]: [] for spec in selected}
         for _ in range(args.repeat):  # interleaved, so a noisy minute does not hit one case only
             for spec in selected:
