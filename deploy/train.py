@@ -5,9 +5,9 @@
 
 STORE is a path or URL (``s3://bucket/x.zarr``) of a store converted with ``--shuffle`` (streaming
 shuffled batches from a large device-ordered store is refused); S3 credentials come from the
-standard AWS chain (``AWS_*`` variables, profile, instance role) and ``AWS_ENDPOINT_URL`` points at MinIO. The model
-is a small autoencoder of the 20x4 windows, enough to show the data path end to end; replace it
-with yours.
+standard AWS chain (``AWS_*`` variables, profile, instance role) and ``AWS_ENDPOINT_URL`` points
+at MinIO. The model is a small autoencoder of the 20x4 windows, enough to show the data path end
+to end; replace it with yours.
 """
 
 from __future__ import annotations
