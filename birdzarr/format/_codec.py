@@ -403,39 +403,21 @@ DEFAULT_CLEVEL = 5
 def gimu_codecs(codec: str, *, cname: Any = None, clevel: int | None = None) -> dict[str, Any]:
     """Keyword arguments for ``zarr.create_array`` that give ``gimu`` the chosen codec chain
     (the codec's default compressor unless ``cname`` and ``clevel`` say otherwise)."""
-    default = compressor_of(codec if codec in CODECS else "dict16")
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
+    default = compressor_of(codec)
     cname = default["cname"] if cname is None else cname
     clevel = default["clevel"] if clevel is None else clevel
     if cname not in CNAMES:
         raise ValueError(f"unknown blosc compressor {cname!r}; choose one of {', '.join(CNAMES)}")
-    if codec == "dict16":
-        return {
-            "filters": (),
-            "serializer": Dict16Codec(),
-            "compressors": (
-                BloscCodec(cname=cname, clevel=clevel, shuffle="bitshuffle", typesize=2),
-                Crc32cCodec(),
-            ),
-        }
-    if codec == "gdict16":
-        return {
-            "filters": (),
-            "serializer": GDict16Codec(),
-            "compressors": (
-                BloscCodec(cname=cname, clevel=clevel, shuffle="bitshuffle", typesize=2),
-                Crc32cCodec(),
-            ),
-        }
-    if codec == "standard":
-        return {
-            "filters": (TransposeCodec(order=(2, 0, 1)),),
-            "serializer": BytesCodec(endian="little"),
-            "compressors": (
-                BloscCodec(cname=cname, clevel=clevel, shuffle="bitshuffle", typesize=4),
-                Crc32cCodec(),
-            ),
-        }
-    raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
+    if codec == "standard":  # channel-major float32: core Zarr v3 codecs only
+        filters: tuple[Any, ...] = (TransposeCodec(order=(2, 0, 1)),)
+        serializer: Any = BytesCodec(endian="little")
+        typesize = 4
+    else:  # the dictionary codecs write uint16 codes
+        filters, serializer, typesize = (), Dict16Codec() if codec == "dict16" else GDict16Codec(), 2
+    compressor = BloscCodec(cname=cname, clevel=clevel, shuffle="bitshuffle", typesize=typesize)
+    return {"filters": filters, "serializer": serializer, "compressors": (compressor, Crc32cCodec())}
 
 
 _SHUFFLES = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}

@@ -442,8 +442,8 @@ class WindowDataset(IterableDataset[Batch]):
         self,
         plan_batches: Callable[[int, int], np.ndarray],
         per_worker_counts: Callable[[int], list[int]],
-    ) -> tuple[np.ndarray, int]:
-        """This reader's batch numbers this epoch, after any resume point; and the worker count."""
+    ) -> np.ndarray:
+        """This reader's batch numbers this epoch, after any resume point."""
         info = get_worker_info()
         worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
         role, skip = worker, 0
@@ -456,40 +456,64 @@ class WindowDataset(IterableDataset[Batch]):
                     f"depends on num_workers. Resume with num_workers={saved if saved > 1 else 0}."
                 )
             role, skip = resumed_worker(per_worker_counts(num_workers), self._resume_at, worker)
-        return plan_batches(role, num_workers)[skip + self._skip_own :], num_workers
+        return plan_batches(role, num_workers)[skip + self._skip_own :]
 
     def __iter__(self) -> Iterator[Batch]:
         self._follow()
-        if self.resident is not None:
-            yield from self._iter_resident()
-            return
-        plan = self.plan()
-        batches, _ = self._my_batches(
-            plan.worker_batches, lambda k: [len(plan.worker_batches(w, k)) for w in range(k)]
-        )
+        batches = self._streamed() if self.resident is None else self._held()
         self._yielded = self._skip_own
         self._skip_own = 0
-        local = self._local()
         try:
-            for pool, in_pool in itertools.groupby(batches.tolist(), key=lambda b: int(plan.batch_pool[b])):
-                loaded = local.pool.load(plan.pools[pool])
-                order = plan.pool_order(pool)
-                for batch in in_pool:
-                    rows = loaded.rows[plan.batch_positions(batch, order)]
-                    assembled = self._assemble(len(rows), _pool_filler(loaded, rows))
-                    self._yielded += 1  # counted before handing over: state_dict() names the next batch
-                    # a _SharedBatch only in a DataLoader worker, which the transport turns into a Batch
-                    yield cast(Batch, assembled)
+            for assembled in batches:
+                self._yielded += 1  # counted before handing over: state_dict() names the next batch
+                # a _SharedBatch only in a DataLoader worker, which the transport turns into a Batch
+                yield cast(Batch, assembled)
         finally:
-            if local.slots is not None:  # the receiver may drop its mappings
+            local = self._per_process
+            if local is not None and local.slots is not None:  # the receiver may drop its mappings
                 local.slots.retire()
-        self._finish_epoch()
-
-    def _finish_epoch(self) -> None:
         if get_worker_info() is None:  # a finished in-process epoch consumes its resume point
             self._yielded += self._resume_at
             self._resume_at, self._resume_epoch, self._resume_workers = 0, None, 0
             self._publish()
+
+    def _streamed(self) -> Iterator[Batch | _SharedBatch]:
+        """This reader's batches of the epoch: its pools, each loaded once, cut into batches.
+        Which batches are this reader's is decided now, not when the first one is asked for."""
+        plan = self.plan()
+        batches = self._my_batches(
+            plan.worker_batches, lambda k: [len(plan.worker_batches(w, k)) for w in range(k)]
+        )
+        pool_buffers = self._local().pool
+
+        def produce() -> Iterator[Batch | _SharedBatch]:
+            for pool, in_pool in itertools.groupby(batches.tolist(), key=lambda b: int(plan.batch_pool[b])):
+                loaded = pool_buffers.load(plan.pools[pool])
+                order = plan.pool_order(pool)
+                for batch in in_pool:
+                    rows = loaded.rows[plan.batch_positions(batch, order)]
+                    yield self._assemble(len(rows), _pool_filler(loaded, rows))
+
+        return produce()
+
+    def _held(self) -> Iterator[Batch | _SharedBatch]:
+        """Resident mode: this reader's batches of the epoch's permutation (every k-th)."""
+        plan = self._resident_plan()
+        n = plan.n_batches
+        batches = self._my_batches(
+            lambda worker, k: np.arange(worker, n, k), lambda k: [len(range(w, n, k)) for w in range(k)]
+        )
+        return (self._held_batch(plan, batch) for batch in batches.tolist())
+
+    def _held_batch(self, plan: Any, batch: int) -> Batch | _SharedBatch:
+        """One resident batch: gathered into a reused slot on the host, by torch on a device."""
+        if self.resident.device.type == "cpu":
+            rows = plan.rows(batch).numpy()
+            return self._assemble(len(rows), self.resident.filler(rows))
+        x, ldt = self.resident.gather(plan, batch, channel_first=self.channel_first)
+        if self.transform is not None:
+            x = self.transform(x)
+        return x if ldt is None else (x, ldt)
 
     def _resident_plan(self) -> Any:
         """This rank's slice of the epoch's permutation (resident mode), computed once an epoch."""
@@ -500,34 +524,6 @@ class WindowDataset(IterableDataset[Batch]):
                 batch_size=self.batch_size, drop_last=self.drop_last, shuffle=self.shuffle,
             )}
         return self._plans[key]
-
-    def _iter_resident(self) -> Iterator[Batch]:
-        plan = self._resident_plan()
-        n = plan.n_batches
-
-        def batches_of(worker: int, k: int) -> np.ndarray:
-            return np.arange(worker, n, k)
-
-        batches, _ = self._my_batches(batches_of, lambda k: [len(range(w, n, k)) for w in range(k)])
-        self._yielded = self._skip_own
-        self._skip_own = 0
-        local = self._local() if self.resident.device.type == "cpu" else None
-        try:
-            for batch in batches.tolist():
-                if local is not None:  # host memory: gather into a reused slot, like streaming
-                    rows = plan.rows(batch).numpy()
-                    assembled: Any = self._assemble(len(rows), self.resident.filler(rows))
-                else:
-                    x, ldt = self.resident.gather(plan, batch, channel_first=self.channel_first)
-                    if self.transform is not None:
-                        x = self.transform(x)
-                    assembled = x if ldt is None else (x, ldt)
-                self._yielded += 1
-                yield cast(Batch, assembled)
-        finally:
-            if local is not None and local.slots is not None:
-                local.slots.retire()
-        self._finish_epoch()
 
     def _slot(self) -> _handoff.Slot | None:
         """A free batch slot when batches go to the training process through reused shared memory."""

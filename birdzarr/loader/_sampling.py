@@ -115,15 +115,17 @@ def _sequential_pools(run: np.ndarray, counts: np.ndarray, sizes: list[int]) -> 
     return pools
 
 
-def _split_largest(sizes: list[int], times: int) -> list[int]:
-    """Split the largest batch (the first of equals) in two, ``times`` times."""
-    sizes = list(sizes)
+def _split_largest(sizes: list[int], times: int) -> tuple[list[int], list[int]]:
+    """Split the largest batch (the first of equals) in two, ``times`` times; returns the new
+    sizes and, for each, the position of the batch it came from."""
+    sizes, origin = list(sizes), list(range(len(sizes)))
     for _ in range(times):
         i = int(np.argmax(sizes))
         if sizes[i] < 2:
             raise ValueError("too few windows for the number of batches every rank must yield")
         sizes[i : i + 1] = [sizes[i] - sizes[i] // 2, sizes[i] // 2]
-    return sizes
+        origin[i : i + 1] = [origin[i], origin[i]]
+    return sizes, origin
 
 
 @dataclass(frozen=True)
@@ -258,7 +260,7 @@ def plan_epoch(
         pools = _equalize_pools(per_rank[rank], target, drop_last)
     else:
         mine = stream[rank]
-        sizes = mine[:target] if drop_last else _split_largest(mine, target - len(mine))
+        sizes = mine[:target] if drop_last else _split_largest(mine, target - len(mine))[0]
         pools = _sequential_pools(runs[rank], counts, sizes)
     return EpochPlan(tuple(pools), seed, epoch, rank, shuffle)
 
@@ -276,13 +278,7 @@ def _equalize_pools(pools: list[Pool], target: int, drop_last: bool) -> list[Poo
             keep -= n
             out.append(Pool(p.chunks, p.lo, p.hi, p.sizes[:n]))
         return [p for p in out if len(p.sizes)]
-    flat = [int(s) for p in pools for s in p.sizes]
-    owner = [i for i, p in enumerate(pools) for _ in p.sizes]
-    for _ in range(target - have):
-        i = int(np.argmax(flat))
-        if flat[i] < 2:
-            raise ValueError("too few windows for the number of batches every rank must yield")
-        flat[i : i + 1] = [flat[i] - flat[i] // 2, flat[i] // 2]
-        owner[i : i + 1] = [owner[i], owner[i]]
-    owner_arr, flat_arr = np.array(owner), np.array(flat, dtype=np.int64)
+    pool_of = np.repeat(np.arange(len(pools)), [len(p.sizes) for p in pools])
+    sizes, origin = _split_largest([int(size) for p in pools for size in p.sizes], target - have)
+    owner_arr, flat_arr = pool_of[origin], np.array(sizes, dtype=np.int64)
     return [Pool(p.chunks, p.lo, p.hi, flat_arr[owner_arr == i]) for i, p in enumerate(pools)]

@@ -147,10 +147,18 @@ class ChunkReader:
     def read(self, name: str, index: int, out: np.ndarray | None = None) -> np.ndarray:
         """Chunk ``index`` of array ``name``, trimmed to committed windows.
 
-        ``out`` (``gimu`` of the dict16 and standard chains): a C-contiguous float32
-        ``(chunk_windows, 20, 4)`` buffer
-        to decode into, so a reader can recycle chunk buffers instead of faulting in fresh pages.
+        ``out`` (``gimu``): a C-contiguous float32 ``(chunk_windows, 20, 4)`` buffer the chunk is
+        decoded into (straight into it on birdzarr's own chains, copied otherwise), so a reader
+        can recycle chunk buffers instead of faulting in fresh pages; the result is then a view
+        of ``out``.
         """
+        data = self._decode(name, index, out)
+        if out is not None and not np.shares_memory(data, out):  # a chain decoded elsewhere
+            out[: len(data)] = data
+            return out[: len(data)]
+        return data
+
+    def _decode(self, name: str, index: int, out: np.ndarray | None) -> np.ndarray:
         layout = self.layouts[name]
         start, stop = self.chunk_span(index)
         if not 0 <= index < self.n_chunks:
@@ -249,10 +257,7 @@ class ChunkReader:
             lo, hi = max(start, chunk_start), min(stop, chunk_stop)
             whole = lo == chunk_start and chunk_start + width <= stop  # a full-length chunk inside
             if whole and name == GIMU:
-                view = out[lo - start : lo - start + width]
-                got = self.read(name, index, out=view)
-                if not np.shares_memory(got, view):  # a chain decoded elsewhere
-                    view[:] = got
+                self.read(name, index, out=out[lo - start : lo - start + width])
                 return
             data = self.read(name, index)
             out[lo - start : hi - start] = data[lo - chunk_start : hi - chunk_start]
