@@ -155,7 +155,7 @@ def raw_fetches(proxy_url: str, n_chunks: int, threads: int) -> dict[str, float]
     """MB/s of fetching every gimu chunk object (no decoding): s3fs (birdzarr's path) vs obstore."""
     from birdzarr.storage._location import read_object
 
-    location = resolve("s3://bench/dict16.zarr", s3_options(proxy_url))
+    location = resolve("s3://bench/shuffled.zarr", s3_options(proxy_url))
     keys = [f"gimu/c/{i}/0/0" for i in range(n_chunks)]
     started = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
@@ -171,7 +171,7 @@ def raw_fetches(proxy_url: str, n_chunks: int, threads: int) -> dict[str, float]
                     secret_access_key=options["secret"], client_options={"allow_http": True})
     started = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
-        total = sum(pool.map(lambda k: len(obstore.get(store, f"dict16.zarr/{k}").bytes()), keys))
+        total = sum(pool.map(lambda k: len(obstore.get(store, f"shuffled.zarr/{k}").bytes()), keys))
     out["obstore_mb_per_s"] = total / 1e6 / (time.perf_counter() - started)
     return out
 
@@ -209,8 +209,9 @@ def main() -> None:
         source = workdir / "parquet"
         if not source.exists():
             _synthetic.make_parquet_dir(source, n_devices=args.devices, total_windows=args.windows, seed=1)
-        local = birdzarr.convert(source, workdir / "dict16.zarr", chunk_windows=args.chunk_windows,
-                                 overwrite=True, progress=False)
+        # the training layout: WindowDataset refuses to stream shuffled batches from device order
+        local = birdzarr.convert(source, workdir / "shuffled.zarr", chunk_windows=args.chunk_windows,
+                                 overwrite=True, progress=False, shuffle=True, seed=1)
         moto = Server("moto")
         servers.append(moto)
         options = s3_options(moto.url)
@@ -218,7 +219,7 @@ def main() -> None:
 
         boto3.client("s3", endpoint_url=moto.url, region_name=REGION, aws_access_key_id=options["key"],
                      aws_secret_access_key=options["secret"]).create_bucket(Bucket="bench")
-        copied = copy_store(local.location, "s3://bench/dict16.zarr", progress=False,
+        copied = copy_store(local.location, "s3://bench/shuffled.zarr", progress=False,
                             dest_storage_options=options)
         results["upload"] = {"mb": copied.bytes_copied / 1e6, "seconds": copied.seconds,
                              "mb_per_s": copied.bytes_copied / 1e6 / copied.seconds,
@@ -226,20 +227,20 @@ def main() -> None:
         print(f"upload: {copied.summary()}", flush=True)
 
         rows: list[dict[str, Any]] = []
-        local_url = str(workdir / "dict16.zarr")
+        local_url = str(workdir / "shuffled.zarr")
         epoch(local_url, None, args)  # warm-up: the page cache holds the store
         rows.append({"source": "local disk", "rtt_ms": 0.0, **epoch(local_url, None, args)})
         for delay in [0.0, *args.delays_ms]:
             proxy = Server("proxy", "--upstream", str(moto.port), "--delay", str(delay / 1000))
             servers.append(proxy)
             if delay == 0.0:  # the loopback endpoint itself, then a zero-delay proxy to count requests
-                direct = epoch("s3://bench/dict16.zarr", options, args)
-                counted = epoch("s3://bench/dict16.zarr", s3_options(proxy.url), args)
+                direct = epoch("s3://bench/shuffled.zarr", options, args)
+                counted = epoch("s3://bench/shuffled.zarr", s3_options(proxy.url), args)
                 stats = proxy.stats()
                 row = {"source": "moto S3, loopback", "rtt_ms": 0.0, **direct,
                        "windows_per_s_via_counting_proxy": counted["windows_per_s"]}
             else:
-                measured = epoch("s3://bench/dict16.zarr", s3_options(proxy.url), args)
+                measured = epoch("s3://bench/shuffled.zarr", s3_options(proxy.url), args)
                 stats = proxy.stats()
                 row = {"source": f"moto S3 +{delay:g} ms each way", "rtt_ms": 2 * delay, **measured}
             row.update(requests=stats["requests"] / EPOCHS,
@@ -251,7 +252,7 @@ def main() -> None:
                 # process must not have started obstore before they fork).
                 os.environ[FETCHER_ENV] = "obstore"
                 try:
-                    fast = epoch("s3://bench/dict16.zarr", s3_options(proxy.url), args)
+                    fast = epoch("s3://bench/shuffled.zarr", s3_options(proxy.url), args)
                 finally:
                     del os.environ[FETCHER_ENV]
                 stats = proxy.stats()

@@ -258,7 +258,8 @@ def main() -> int:
     parser.add_argument("--convert-workers", type=int, nargs="+", default=[2],
                         help="`birdzarr convert --workers` values to measure, in order "
                              "(the last store is read)")
-    parser.add_argument("--convert-args", default="", help="extra arguments for `birdzarr convert`")
+    parser.add_argument("--convert-args", default="--shuffle --seed 1",
+                        help="arguments for `birdzarr convert` (default: the training layout)")
     parser.add_argument("--dask-workers", type=int, default=0,
                         help="also convert on a dask LocalCluster of this many worker processes and "
                              "compare every chunk file with the local store (needs birdzarr[dask])")

@@ -45,7 +45,8 @@ from birdzarr._errors import (
 StoreLike = Union[str, "os.PathLike[str]", "Location"]
 T = TypeVar("T")
 
-# s3fs issues a HEAD before each whole-object GET unless max_concurrency is 1 (CONTEXT.md).
+# s3fs issues a HEAD before each whole-object GET unless max_concurrency is 1 (test_s3.py counts
+# the requests).
 # Bounded waiting: an unreachable endpoint fails in seconds, not minutes (docs/reliability.md).
 # botocore's "standard" retry mode still retries throttling and resets; read_object adds its
 # own slower outer retry for chunk reads.
