@@ -351,10 +351,10 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
             axes[0].text(axes[0].get_xlim()[0], yi, "  refused: SamplingError", va="center", fontsize=8,
                          color="#555555")
     axes[1].axvline(1000, color="red", ls="--", lw=1)
-    axes[1].text(1000, -0.9, " 1 GB target", color="red", fontsize=8)
+    axes[1].text(1000, -0.9, " 1 GB", color="red", fontsize=8)
     axes[2].set_xscale("log")
     axes[2].axvline(1.3, color="red", ls="--", lw=1)
-    axes[2].text(1.3, -0.9, " 1.3 target", color="red", fontsize=8)
+    axes[2].text(1.3, -0.9, " 1.3: well mixed", color="red", fontsize=8)
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
