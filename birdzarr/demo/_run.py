@@ -31,8 +31,9 @@ def run_demo(directory: str, *, windows: int = 200_000) -> int:
         print(format_summary(summary(store)))
     _train_epoch(parquet_dir, os.path.join(directory, "train.zarr"))
     print(
-        f"\nnext: birdzarr info {os.path.join(directory, 'from_parquet.zarr')} --json, or in Python "
-        f"birdzarr.open_store({os.path.join(directory, 'from_parquet.zarr')!r})"
+        f"\nnext: train on it, `python examples/train.py {os.path.join(directory, 'train.zarr')} "
+        f"--epochs 2 --checkpoint ckpt.pt`; look at it, `birdzarr info "
+        f"{os.path.join(directory, 'from_parquet.zarr')} --devices` (docs/quickstart.md)"
     )
     return 0
 
