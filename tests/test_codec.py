@@ -188,11 +188,12 @@ def test_gdict16_shuffled_chunk_is_smaller_than_parquet() -> None:
     below the per-device Parquet size (~2.2x, CONTEXT.md)."""
     from numcodecs import Blosc
 
-    from birdzarr.format._codec import GDICT16_CLEVEL, GDICT16_CNAME, encode_gdict16
+    from birdzarr.format._codec import GDICT16_CLEVEL, GDICT16_CNAME, ZSTD_BLOCKSIZE, encode_gdict16
 
     windows, devices = _shuffled_devices(40, 205, seed=5)
     windows, devices = windows[:8192], devices[:8192]
-    zstd = Blosc(cname=GDICT16_CNAME, clevel=GDICT16_CLEVEL, shuffle=Blosc.BITSHUFFLE, typesize=2)
+    zstd = Blosc(cname=GDICT16_CNAME, clevel=GDICT16_CLEVEL, shuffle=Blosc.BITSHUFFLE,
+                 blocksize=ZSTD_BLOCKSIZE, typesize=2)
     assert windows.nbytes / len(zstd.encode(encode_gdict16(windows, devices))) > 2.2
 
 

@@ -117,10 +117,12 @@ def test_the_compressor_is_an_option_and_recorded(parquet_source, tmp_path) -> N
                            chunk_windows=4096, progress=False)
     zstd = birdzarr.convert(directory, tmp_path / "zstd.zarr", shuffle=True, seed=1, chunk_windows=4096,
                             progress=False)
-    for store, cname, clevel in ((lz4, "lz4", 5), (zstd, "zstd", 1)):
-        assert store.meta["layout"]["compressor"] == {"cname": cname, "clevel": clevel}
+    for store, recorded in ((lz4, {"cname": "lz4", "clevel": 5}),
+                            (zstd, {"cname": "zstd", "clevel": 1, "blocksize": 2**18})):
+        assert store.meta["layout"]["compressor"] == recorded
         blosc = next(c for c in store.gimu.metadata.codecs if type(c).__name__ == "BloscCodec")
-        assert (str(blosc.cname.value), blosc.clevel) == (cname, clevel)
+        assert (str(blosc.cname.value), blosc.clevel, blosc.blocksize) == (
+            recorded["cname"], recorded["clevel"], recorded.get("blocksize", 0))
     assert np.array_equal(lz4.windows[:], zstd.windows[:])
     with pytest.raises(ValueError, match="unknown blosc compressor 'brotli'"):
         birdzarr.convert(directory, tmp_path / "x.zarr", compressor="brotli", progress=False)
