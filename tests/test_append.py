@@ -16,7 +16,8 @@ from birdzarr._errors import AppendError, BirdzarrError, IncompleteStoreError
 from birdzarr.cli import main
 from birdzarr.convert import append
 from birdzarr.convert._append import append_detailed
-from birdzarr.convert._writer import StoreWriter, checksum_hasher
+from birdzarr.convert._slabs import SlabWriter
+from birdzarr.convert._writer import checksum_hasher
 from birdzarr.demo import _synthetic
 from birdzarr.maintenance._verify import verify
 from birdzarr.store._tail import leftovers
@@ -144,17 +145,17 @@ def test_readers_during_an_append_see_one_committed_snapshot(
     truth = append(final, csv_parts["more"], progress=False).windows[:]
     n0 = len(birdzarr.open_store(dest))
 
-    original = StoreWriter._write_slab
+    original = SlabWriter._write_slab
     passes = threading.Semaphore(0)  # one release per complete read of the store by a reader
     saw_new = threading.Event()
 
-    def overlapped(self: StoreWriter, start: int, stop: int, data: dict[str, np.ndarray]) -> None:
+    def overlapped(self: SlabWriter, start: int, stop: int, data: dict[str, np.ndarray]) -> None:
         # each slab is written only after a reader has completed a read while the append is
         # under way (an event, not a sleep): readers overlap the writer at every slab
         assert passes.acquire(timeout=60), "no reader completed a read during the append"
         original(self, start, stop, data)
 
-    monkeypatch.setattr(StoreWriter, "_write_slab", overlapped)
+    monkeypatch.setattr(SlabWriter, "_write_slab", overlapped)
     done = threading.Event()
     seen: list[int] = []
     errors: list[BaseException] = []

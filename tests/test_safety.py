@@ -376,15 +376,15 @@ def test_obstore_fallback_is_loud(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_writer_leaving_on_an_error_writes_no_buffered_windows(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from birdzarr.convert._writer import StoreWriter
+    from birdzarr.convert._slabs import SlabWriter
 
     src = tmp_path / "src"
     src.mkdir()
     (src / "500_0.csv").write_text(_csv(500, range(3)))
     (src / "600_0.csv").write_text(_csv(600, range(3)).replace("0.9,", "bad,", 1))
     slabs: list[tuple[int, int]] = []
-    original = StoreWriter._write_slab
-    monkeypatch.setattr(StoreWriter, "_write_slab",
+    original = SlabWriter._write_slab
+    monkeypatch.setattr(SlabWriter, "_write_slab",
                         lambda self, a, b, data: (slabs.append((a, b)), original(self, a, b, data))[1])
     with pytest.raises(BadInputError, match="600_0.csv, line 1"):
         birdzarr.convert(src, tmp_path / "s.zarr", progress=False, workers=1)

@@ -163,9 +163,9 @@ def _convert_here(
         if shuffle:
             assert seed is not None
 
-            def second_pass(name: str) -> None:
+            def second_pass(name: str, windows: int) -> None:
                 bar.set_description(f"convert {kind}: {name} shuffled")
-                bar.reset(total=sum(e.n_windows for e in writer.devices.values()))
+                bar.reset(total=windows)
 
             shuffled = write_shuffled(writer, inputs, seed=seed, buckets=buckets, tmp_dir=shuffle_tmp,
                                       on_pass=second_pass)
@@ -212,8 +212,7 @@ def _device_inputs(
             raise BadInputError(f"{where}: device {device.device_id} appears in more than one input.")
         seen.add(device.device_id)
     for device, blocks in device_blocks(devices, curation, on_bad_rows, workers=workers):
-        sources = [f.display.rsplit("/", 1)[-1] for f in device.files]
-        yield device.device_id, sources, counted(blocks, bar)
+        yield device.device_id, device.source_names(), counted(blocks, bar)
 
 
 def _estimated_windows(kind: str, devices: list[DeviceSource]) -> int:

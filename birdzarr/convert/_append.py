@@ -24,13 +24,11 @@ import zarr
 from birdzarr._errors import AppendError, IncompleteStoreError
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._duplicates import DuplicateCounter, window_hashes
-from birdzarr.convert._sources import DeviceSource, find_inputs
-from birdzarr.convert._writer import StoreWriter, _now
+from birdzarr.convert._slabs import writable_arrays
+from birdzarr.convert._sources import DeviceSource, file_name, find_inputs
+from birdzarr.convert._writer import Writer, _now
 from birdzarr.format._spec import (
-    ATTRS_KEY,
-    DEVICE,
     GIMU,
-    LABEL,
     TIMESTAMP,
     TIMESTAMP_UNKNOWN,
     Curation,
@@ -47,11 +45,6 @@ if TYPE_CHECKING:
     from birdzarr.store._handle import Store
 
 _PIECE = 65536  # committed windows read at a time when looking for duplicates
-_NOT_STATIC = ("format_version", "window_length", "channels", "converter", "committed", "devices", "report")
-
-
-def _file_name(file: Location) -> str:
-    return file.display.rsplit("/", 1)[-1]
 
 
 def store_curation(meta: dict[str, Any]) -> Curation:
@@ -64,14 +57,19 @@ def store_curation(meta: dict[str, Any]) -> Curation:
                     gps_scale=float(raw["gps_scale"]))
 
 
-class AppendWriter(StoreWriter):
-    """A ``StoreWriter`` that opens a committed store and writes past its committed count."""
+class AppendWriter(Writer):
+    """A ``Writer`` that opens a committed store and writes past its committed count."""
 
-    def __enter__(self) -> AppendWriter:
-        super().__enter__()
-        return self
+    def __init__(
+        self, location: Location, *, lock_command: str | None = None, workers: int | None = None
+    ) -> None:
+        super().__init__(location, lock_command=lock_command, workers=workers)
+        self.meta: dict[str, Any] = {}  # the root attributes of the commit appended to
+        self.previous_windows = 0  # its committed count
+        self.cleaned: list[str] = []  # what an interrupted write had left past it, removed first
+        self.appended: dict[int, list[str]] = {}  # device -> the source files appended
 
-    def _open(self) -> AppendWriter:
+    def _open(self) -> tuple[dict[str, Any], int]:
         from birdzarr.storage._root import read_root as _read_root
 
         meta = check_root_attrs(_read_root(self.location), where=self.location.display)
@@ -89,28 +87,16 @@ class AppendWriter(StoreWriter):
         self.meta = meta
         self.previous_windows = int(committed["n_windows"])
         group = zarr.open_group(zarr_store(self.location, read_only=False), mode="r+", zarr_format=3)
-        self.group = group
         self.cleaned = discard_uncommitted(self.location, group, self.previous_windows)
-        # Committed chunks are always written, even when equal to the fill value (see _writer.py).
-        config: Any = {"write_empty_chunks": True}
-        arrays: dict[str, Any] = {name: group[name] for name in (GIMU, DEVICE, TIMESTAMP, LABEL)}
-        self.gimu = arrays[GIMU].with_config(config)
-        self.per_window = {name: arrays[name].with_config(config) for name in (DEVICE, TIMESTAMP, LABEL)}
-        slab_chunks = max(self.slab_windows // self.chunk_windows, 1)
-        self.chunk_windows = int(self.gimu.chunks[0])
-        self.slab_windows = self.chunk_windows * slab_chunks
-        self.codec = str(meta.get("layout", {}).get("codec", self.codec))
-        self.n_windows = self.previous_windows
+        self.group = group  # from here on, a failure cuts the arrays back again (_abandon)
         self.devices = {e.device_id: e for e in (DeviceEntry.from_json(d) for d in meta.get("devices", []))}
         report = meta.get("report", {}).get("devices", {})
         self.reports = {int(k): DeviceReport.from_json(v) for k, v in report.items()}
-        self.static_attrs = {k: v for k, v in meta.items() if k not in _NOT_STATIC}
-        self.appended: dict[int, list[str]] = {}
-        return self
+        return writable_arrays(group), self.previous_windows
 
     def _abandon(self) -> None:
         """A failed append leaves its previous commit exactly as it was, leftovers removed."""
-        if hasattr(self, "group"):
+        if self.group is not None:
             # the append's own error is the one to report; `birdzarr repair` can finish this
             with contextlib.suppress(Exception):
                 discard_uncommitted(self.location, self.group, self.previous_windows)
@@ -119,21 +105,22 @@ class AppendWriter(StoreWriter):
         """Write one device's new windows as a new range; merge its table entry and report."""
         if device_id in self.appended:
             raise AppendError(f"device {device_id} was given twice in one append")
-        previous = self.devices.pop(device_id, None)
-        previous_report = self.reports.pop(device_id, None)
-        report = super().write_device(device_id, blocks, sources)
+        summary = self._write(device_id, blocks, sources)
         self.appended[device_id] = list(sources)
-        if previous is not None:
-            self.devices[device_id] = _merge_entries(previous, self.devices[device_id])
-        if previous_report is not None:
+        previous = self.devices.get(device_id)
+        entry = summary.entry
+        self.devices[device_id] = entry if previous is None else _merge_entries(previous, entry)
+        previous_report = self.reports.get(device_id)
+        if previous_report is None:
+            self.reports[device_id] = summary.report
+        else:
             merged = DeviceReport.from_json(previous_report.to_json())
-            merged.merge(report)
+            merged.merge(summary.report)
             self.reports[device_id] = merged
-        return report
+        return summary.report
 
-    def commit(self, extra_report: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The one write that makes the appended windows visible (generation + 1)."""
-        self._drain()
+    def _committed_attrs(self, extra_report: dict[str, Any] | None) -> dict[str, Any]:
+        """The appended windows become visible as generation + 1."""
         meta = dict(self.meta)
         previous = meta["committed"]
         report = dict(meta.get("report", {}))
@@ -154,8 +141,6 @@ class AppendWriter(StoreWriter):
         }
         meta["devices"] = [self.devices[d].to_json() for d in sorted(self.devices)]
         meta["report"] = report
-        self.group.attrs.put({ATTRS_KEY: meta})
-        self._committed = True
         return meta
 
 
@@ -218,8 +203,8 @@ def plan_append(
     work, skipped = [], []
     for device in devices:
         known = set(table[device.device_id].sources) if device.device_id in table else set()
-        fresh = [f for f in device.files if _file_name(f) not in known]
-        skipped += [_file_name(f) for f in device.files if _file_name(f) in known]
+        fresh = [f for f in device.files if file_name(f) not in known]
+        skipped += [file_name(f) for f in device.files if file_name(f) in known]
         if fresh:
             work.append(DeviceSource(device.device_id, device.kind, fresh))
     return work, skipped
@@ -269,7 +254,7 @@ def append_detailed(
                 entry = writer.devices.get(device.device_id)
                 existing = None if entry is None else _committed_hashes(before, entry)
                 blocks = duplicates.watch(device.device_id, blocks, existing)
-                writer.write_device(device.device_id, blocks, [_file_name(f) for f in device.files])
+                writer.write_device(device.device_id, blocks, device.source_names())
         if work:
             seconds = round(time.perf_counter() - started, 3)
             extra: dict[str, Any] = {"source": src.display, "seconds": seconds, "skipped_files": len(skipped)}

@@ -32,9 +32,14 @@ class WindowBlock:
             return self.devices
         return np.full(len(self), device_id, dtype=np.int32)
 
+    def part(self, start: int, stop: int) -> WindowBlock:
+        """Windows ``[start, stop)`` (views, no copies), with the whole block's report."""
+        devices = None if self.devices is None else self.devices[start:stop]
+        window = slice(start, stop)
+        return WindowBlock(
+            self.windows[window], self.timestamps[window], self.labels[window], self.report, devices
+        )
+
     def tail(self, start: int) -> WindowBlock:
         """The windows from ``start`` on (views, no copies)."""
-        devices = None if self.devices is None else self.devices[start:]
-        return WindowBlock(
-            self.windows[start:], self.timestamps[start:], self.labels[start:], self.report, devices
-        )
+        return self.part(start, len(self))

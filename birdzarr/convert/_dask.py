@@ -17,10 +17,10 @@ The plan, in three steps:
    to the next owned chunk boundary). No two tasks write the same chunk: writes are chunk-aligned
    and conflict-free, straight to a local path or a bucket (each chunk is one object PUT).
 3. **Write** (on the workers): each task streams its devices through the reader, writes slabs of
-   whole chunks with ``birdzarr.convert._chunkwrite.ChunkSink`` (the local writer's fast
-   path; zarr-python otherwise), and summarises every device it reads to the end (row count,
-   checksum, labels, times, the reader's report) for the device table. Devices no task read to
-   the end (empty ones) are summarised by small extra tasks.
+   whole chunks with ``birdzarr.convert._slabs.SlabWriter`` (the local writer's), and
+   summarises every device it reads to the end with ``birdzarr.convert._summary.Summarizer``
+   (the local writer's: row count, checksum, labels, times, the reader's report). Devices no
+   task read to the end (empty ones) are summarised by small extra tasks.
 
 Only then does the driver commit (root attributes last), so a failure anywhere leaves an
 uncommitted store that the next conversion replaces. The driver holds the store's lock.
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -44,21 +44,11 @@ from birdzarr._errors import BadInputError
 from birdzarr._progress import progress_bar
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._readahead import read_ahead
+from birdzarr.convert._slabs import SlabWriter, writable_arrays
 from birdzarr.convert._sources import DeviceSource
-from birdzarr.convert._writer import StoreWriter, checksum_hasher
-from birdzarr.format._spec import (
-    DEVICE,
-    GIMU,
-    LABEL,
-    N_CHANNELS,
-    TIMESTAMP,
-    TIMESTAMP_UNKNOWN,
-    WINDOW_LENGTH,
-    Curation,
-    DeviceEntry,
-    DeviceRange,
-    DeviceReport,
-)
+from birdzarr.convert._summary import DeviceSummary, Summarizer
+from birdzarr.convert._writer import StoreWriter
+from birdzarr.format._spec import Curation
 from birdzarr.storage._location import Location, resolve
 
 SLAB_CHUNKS = 8  # chunks written at a time by a task (bounds a worker's memory)
@@ -81,51 +71,9 @@ def count_device(device: DeviceSource, curation: Curation, on_bad_rows: str) -> 
     return sum(len(block) for block in device.blocks(curation=curation, on_bad_rows=on_bad_rows))
 
 
-@dataclass
-class _Summary:
-    """What StoreWriter.write_device records about one device, computed on a worker."""
-
-    entry: DeviceEntry
-    report: DeviceReport = field(default_factory=DeviceReport)
-
-
-class _Summarizer:
-    """Mirrors StoreWriter.write_device (checksum, label counts, time range, report)."""
-
-    def __init__(self, device: DeviceSource, start: int) -> None:
-        self.entry = DeviceEntry(device_id=device.device_id, sources=_source_names(device))
-        self.report = DeviceReport()
-        self.start = start
-        self.hasher = checksum_hasher()
-        self.times: list[np.ndarray] = []
-
-    def add(self, block: WindowBlock) -> None:
-        self.report.merge(block.report)
-        if not len(block):
-            return
-        self.hasher.update(np.ascontiguousarray(block.windows, dtype="<f4").data.cast("B"))
-        labels, counts = np.unique(block.labels, return_counts=True)
-        for label, count in zip(labels.tolist(), counts.tolist(), strict=True):
-            self.entry.label_counts[label] = self.entry.label_counts.get(label, 0) + count
-        known = block.timestamps[block.timestamps != TIMESTAMP_UNKNOWN]
-        if len(known):
-            self.times.append(np.array([known.min(), known.max()]))
-        self.entry.n_windows += len(block)
-
-    def finish(self) -> _Summary:
-        if self.entry.n_windows:
-            self.entry.ranges.append(
-                DeviceRange(self.start, self.start + self.entry.n_windows, self.hasher.hexdigest())
-            )
-        if self.times:
-            stacked = np.concatenate(self.times)
-            self.entry.first_time, self.entry.last_time = int(stacked.min()), int(stacked.max())
-        return _Summary(self.entry, self.report)
-
-
-def summarize_device(device: DeviceSource, start: int, curation: Curation, on_bad_rows: str) -> _Summary:
+def summarize_device(device: DeviceSource, start: int, curation: Curation, on_bad_rows: str) -> DeviceSummary:
     """Read a device to the end only to summarise it (devices no write task finished)."""
-    summary = _Summarizer(device, start)
+    summary = Summarizer(device.device_id, device.source_names(), start)
     for block in device.blocks(curation=curation, on_bad_rows=on_bad_rows):
         summary.add(block)
     return summary.finish()
@@ -141,12 +89,12 @@ class Span:
 
 
 def _span_blocks(span: Span, curation: Curation, on_bad_rows: str,
-                 summaries: dict[int, _Summary]) -> Iterator[tuple[int, WindowBlock]]:
+                 summaries: dict[int, DeviceSummary]) -> Iterator[tuple[int, WindowBlock]]:
     """(device id, block) for the span's windows, in order; summarises devices read to the end."""
     for device, first, count in span.devices:
         lo, hi = max(span.start, first) - first, min(span.stop, first + count) - first
         to_end = first + count <= span.stop  # this task reads the device to its end: summarise it
-        summary = _Summarizer(device, first) if to_end else None
+        summary = Summarizer(device.device_id, device.source_names(), first) if to_end else None
         position = 0
         for block in read_ahead(device, curation, on_bad_rows):
             if summary is not None:
@@ -154,7 +102,7 @@ def _span_blocks(span: Span, curation: Curation, on_bad_rows: str,
             n = len(block)
             a, b = max(lo, position), min(hi, position + n)
             if a < b:
-                yield device.device_id, _slice(block, a - position, b - position)
+                yield device.device_id, block.part(a - position, b - position)
             position += n
             if summary is None and position >= hi:
                 break  # the rest belongs to the next task
@@ -172,66 +120,25 @@ def _span_blocks(span: Span, curation: Curation, on_bad_rows: str,
             )
 
 
-def _slice(block: WindowBlock, a: int, b: int) -> WindowBlock:
-    devices = None if block.devices is None else block.devices[a:b]
-    return WindowBlock(block.windows[a:b], block.timestamps[a:b], block.labels[a:b], block.report, devices)
-
-
 def write_span(span: Span, dest_url: str, dest_options: dict[str, Any], curation: Curation,
-               on_bad_rows: str, chunk_windows: int, encode_threads: int) -> dict[int, _Summary]:
+               on_bad_rows: str, encode_threads: int) -> dict[int, DeviceSummary]:
     """Write every chunk of a span (step 3); returns the summaries of the devices it finished."""
     import zarr
 
-    from birdzarr.convert._chunkwrite import ChunkSink
     from birdzarr.storage._location import zarr_store
 
     location = resolve(dest_url, dest_options)
-    store = zarr_store(location, read_only=False)
-    arrays = {
-        name: zarr.open_array(store, path=name, mode="r+", zarr_format=3).with_config(
-            {"write_empty_chunks": True}
-        )
-        for name in (GIMU, DEVICE, TIMESTAMP, LABEL)
-    }
-    sink = ChunkSink(location, arrays, workers=encode_threads)
-    summaries: dict[int, _Summary] = {}
-    slab = SLAB_CHUNKS * chunk_windows
-    parts: list[tuple[int, WindowBlock]] = []
-    buffered, position = 0, span.start
-
-    def flush(n: int) -> None:
-        nonlocal parts, buffered, position
-        take: dict[str, list[np.ndarray]] = {GIMU: [], DEVICE: [], TIMESTAMP: [], LABEL: []}
-        need, rest = n, []
-        for device_id, block in parts:
-            k = min(need, len(block))
-            if k:
-                take[GIMU].append(block.windows[:k])
-                take[DEVICE].append(block.device_column(device_id)[:k])
-                take[TIMESTAMP].append(block.timestamps[:k])
-                take[LABEL].append(block.labels[:k])
-                need -= k
-            if k < len(block):
-                rest.append((device_id, _slice(block, k, len(block))))
-        data = {name: np.concatenate(chunks) for name, chunks in take.items()}
-        data[GIMU] = data[GIMU].reshape(-1, WINDOW_LENGTH, N_CHANNELS)
-        stop = position + n
-        if sink.can_write(position):
-            sink.write(position, stop, data)
-        else:  # an encoder the fast path lacks: zarr-python writes the same bytes
-            for name, array in arrays.items():
-                array[position:stop] = data[name]
-        parts, buffered, position = rest, buffered - n, stop
-
+    group = zarr.open_group(zarr_store(location, read_only=False), mode="r+", zarr_format=3)
+    # the driver sized the arrays (StoreWriter.reserve); slabs are written in this thread, their
+    # chunks encoded on ``encode_threads``
+    slabs = SlabWriter(location, writable_arrays(group), start=span.start,
+                       slab_chunks=SLAB_CHUNKS, workers=encode_threads, in_flight=0)
+    summaries: dict[int, DeviceSummary] = {}
     for device_id, block in _span_blocks(span, curation, on_bad_rows, summaries):
-        parts.append((device_id, block))
-        buffered += len(block)
-        while buffered >= slab:
-            flush(slab)
-    if buffered:
-        flush(buffered)
-    if position != span.stop:
-        raise BadInputError(f"windows {span.start}-{span.stop}: wrote up to {position}; input changed?")
+        slabs.add(device_id, block)
+    slabs.drain()
+    if slabs.written != span.stop:
+        raise BadInputError(f"windows {span.start}-{span.stop}: wrote up to {slabs.written}; input changed?")
     return summaries
 
 
@@ -294,15 +201,13 @@ def convert_on_cluster(
         starts, spans = plan_spans(devices, counts, chunk_windows)
         total = int(sum(counts))
         bar.reset(total=total)
-        writer.gimu.resize((total, WINDOW_LENGTH, N_CHANNELS))
-        for array in writer.per_window.values():
-            array.resize((total,))
+        writer.reserve(total)  # the tasks write every window
         futures = client.map(
             write_span, spans, dest_url=dst.url, dest_options=dst.storage_options, curation=curation,
-            on_bad_rows=on_bad_rows, chunk_windows=chunk_windows, encode_threads=workers or 1, pure=False,
+            on_bad_rows=on_bad_rows, encode_threads=workers or 1, pure=False,
         )
         sizes = {f.key: s.stop - s.start for f, s in zip(futures, spans, strict=True)}
-        summaries: dict[int, _Summary] = {}
+        summaries: dict[int, DeviceSummary] = {}
         try:
             for future in as_completed(futures):
                 summaries.update(future.result())
@@ -324,9 +229,7 @@ def convert_on_cluster(
             if summary.entry.n_windows != count:
                 raise BadInputError(f"device {device.device_id}: {summary.entry.n_windows} windows, "
                                     f"counted {count}; did the input change during the conversion?")
-            writer.devices[device.device_id] = summary.entry
-            writer.reports[device.device_id] = summary.report
-        writer.n_windows = total
+            writer.record(summary)
         writer.commit({
             "source": src.display, "seconds": round(time.perf_counter() - started, 3),
             "dask": {"scheduler": _scheduler_address(client), "tasks": len(spans),
@@ -339,10 +242,6 @@ def _scheduler_address(client: Any) -> str:
         return str(client.scheduler.address)
     except AttributeError:  # pragma: no cover
         return "unknown"
-
-
-def _source_names(device: DeviceSource) -> list[str]:
-    return [f.display.rsplit("/", 1)[-1] for f in device.files]
 
 
 def connect(address: str) -> Any:

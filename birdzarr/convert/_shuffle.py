@@ -29,13 +29,12 @@ import numpy as np
 from numcodecs import Blosc
 
 from birdzarr.convert._blocks import WindowBlock
-from birdzarr.convert._writer import StoreWriter, checksum_hasher, label_counts
+from birdzarr.convert._summary import DeviceSummary, Summarizer, checksum_hasher
+from birdzarr.convert._writer import StoreWriter
 from birdzarr.format._codec import decode_dict16, encode_dict16
 from birdzarr.format._spec import (
     N_CHANNELS,
-    TIMESTAMP_UNKNOWN,
     WINDOW_LENGTH,
-    DeviceEntry,
     DeviceReport,
 )
 
@@ -112,17 +111,6 @@ def _records(device_id: int, block: WindowBlock) -> np.ndarray:
     return records
 
 
-def _account(entry: DeviceEntry, block: WindowBlock) -> None:
-    for label, count in zip(*label_counts(block.labels), strict=True):
-        entry.label_counts[label] = entry.label_counts.get(label, 0) + count
-    known = block.timestamps[block.timestamps != TIMESTAMP_UNKNOWN]
-    if len(known):
-        low, high = int(known.min()), int(known.max())
-        entry.first_time = low if entry.first_time == TIMESTAMP_UNKNOWN else min(entry.first_time, low)
-        entry.last_time = high if entry.last_time == TIMESTAMP_UNKNOWN else max(entry.last_time, high)
-    entry.n_windows += len(block)
-
-
 def write_shuffled(
     writer: StoreWriter,
     devices: Iterable[tuple[int, list[str], Iterator[WindowBlock]]],
@@ -130,12 +118,13 @@ def write_shuffled(
     seed: int,
     buckets: int,
     tmp_dir: str | None = None,
-    on_pass: Callable[[str], Any] | None = None,
+    on_pass: Callable[[str, int], Any] | None = None,
 ) -> dict[str, Any]:
     """Write every device's windows to ``writer`` in one seeded global random order.
 
-    Fills ``writer.devices`` (no ranges; ``scattered_checksum`` set) and ``writer.reports``;
-    returns facts for the conversion report (buckets, spill bytes).
+    Records every device with ``writer`` (no ranges; ``scattered_checksum`` set); returns facts
+    for the conversion report (buckets, spill bytes). ``on_pass`` is told when the second pass
+    starts, with the number of windows it writes.
     """
     directory = tempfile.mkdtemp(prefix="birdzarr-shuffle-", dir=tmp_dir)
     workers = max(1, writer.workers)
@@ -156,30 +145,28 @@ def write_shuffled(
                 spill.write(done_bucket, future.result())
 
         draw = np.random.default_rng(seed)
+        summaries: dict[int, DeviceSummary] = {}
         for device_id, sources, blocks in devices:
-            entry = DeviceEntry(device_id=device_id, sources=sources)
-            report = DeviceReport()
+            summarizer = Summarizer(device_id, sources, start=None)  # scattered: no range
             for block in blocks:
-                report.merge(block.report)
+                summarizer.add(block)
                 if not len(block):
                     continue
-                _account(entry, block)
                 target = draw.integers(0, buckets, size=len(block))
                 order = np.argsort(target, kind="stable")
                 records = _records(device_id, block)[order]
                 bounds = np.searchsorted(target[order], np.arange(buckets + 1))
                 for bucket in np.flatnonzero(np.diff(bounds)).tolist():
                     spill_piece(bucket, records[bounds[bucket] : bounds[bucket + 1]])
-            writer.devices[device_id] = entry
-            writer.reports[device_id] = report
+            summaries[device_id] = summarizer.finish()
         while pieces:
             done_bucket, future = pieces.popleft()
             spill.write(done_bucket, future.result())
         spill.close()
         spill_bytes = spill.bytes_written
         if on_pass is not None:
-            on_pass("write")
-        hashers = {device_id: checksum_hasher() for device_id in writer.devices}
+            on_pass("write", sum(s.entry.n_windows for s in summaries.values()))
+        hashers = {device_id: checksum_hasher() for device_id in summaries}
         # the next bucket is read and decoded on a thread while this one is permuted and written
         loading = pool.submit(spill.load, 0) if pool is not None and buckets else None
         for bucket in range(buckets):
@@ -195,11 +182,11 @@ def write_shuffled(
             block = WindowBlock(
                 columns["window"], columns["timestamp"], columns["label"], DeviceReport(), columns["device"]
             )
-            if len(block):
-                writer._add(-1, block)  # the block carries its own device ids
+            writer.write_mixed(block)
             del records, block
-        for device_id, entry in writer.devices.items():
-            entry.scattered_checksum = hashers[device_id].hexdigest()
+        for device_id, summary in summaries.items():
+            summary.entry.scattered_checksum = hashers[device_id].hexdigest()
+            writer.record(summary)
         return {"buckets": buckets, "spill_bytes": spill_bytes}
     finally:
         if pool is not None:

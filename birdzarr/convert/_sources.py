@@ -36,12 +36,21 @@ class DeviceSource:
     kind: Kind
     files: list[Location] = field(default_factory=list)
 
+    def source_names(self) -> list[str]:
+        """The names of its files, as the device table lists them (``sources``)."""
+        return [file_name(f) for f in self.files]
+
     def blocks(self, *, curation: Curation, on_bad_rows: str) -> Iterator[WindowBlock]:
         if self.kind == "csv":
             yield from CsvDeviceReader(self.device_id, self.files, curation, on_bad_rows).blocks()
         else:
             for file in self.files:
                 yield from ParquetDeviceReader(self.device_id, file, on_bad_rows).blocks()
+
+
+def file_name(file: Location) -> str:
+    """A source file's name within its device: what appends compare to skip known files."""
+    return file.display.rsplit("/", 1)[-1]
 
 
 def _name_hint(name: str, kind: Kind) -> str:

@@ -1,0 +1,151 @@
+"""Slab buffering: blocks in, slabs of whole chunks out, written to a store's four arrays.
+
+One implementation for the local writers (new store, append) and the Dask write tasks. Blocks
+are buffered until a slab is full; a slab is cut at a chunk boundary, so no two slabs ever
+write the same chunk (slabs in flight at once never conflict, and a Dask task writes exactly
+the chunks it owns). A slab that starts on a chunk boundary goes through the fast path
+(``_chunkwrite.ChunkSink``), any other (the first slab of an append that starts inside a
+chunk) through zarr-python; both give the same bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from birdzarr.convert._blocks import WindowBlock
+from birdzarr.convert._chunkwrite import ChunkSink
+from birdzarr.format._spec import DEVICE, GIMU, LABEL, TIMESTAMP
+from birdzarr.storage._location import Location
+
+ARRAYS = (GIMU, DEVICE, TIMESTAMP, LABEL)  # the order in which arrays are grown and written
+# Every committed chunk is written, even one equal to the fill value (an all-unlabelled label
+# chunk): readers treat a missing chunk as damage, never as fill values.
+EVERY_CHUNK: Any = {"write_empty_chunks": True}
+
+
+def writable_arrays(group: Any) -> dict[str, Any]:
+    """The four arrays of an existing store (an append's, a Dask task's), opened to write."""
+    return {name: group[name].with_config(EVERY_CHUNK) for name in ARRAYS}
+
+
+class SlabWriter:
+    """Buffers blocks and writes them, from global window ``start`` on, as slabs of
+    ``slab_chunks`` chunks.
+
+    ``in_flight``: slabs written on background threads while the caller reads on (their
+    memory is the bound); 0 writes each slab in the calling thread before ``add`` returns.
+    ``workers``: the threads encoding one slab's chunks (``ChunkSink``).
+    """
+
+    def __init__(self, location: Location, arrays: dict[str, Any], *, start: int, slab_chunks: int,
+                 workers: int, in_flight: int) -> None:
+        self.arrays = arrays
+        self.sink = ChunkSink(location, arrays, workers=workers)
+        self.chunk_windows = int(arrays[GIMU].chunks[0])
+        self.slab_windows = self.chunk_windows * max(slab_chunks, 1)
+        self.written = start  # windows handed to zarr so far: where the next slab starts
+        self._buffer: list[tuple[int, WindowBlock]] = []
+        self._buffered = 0
+        self._in_flight = in_flight
+        self._pool = ThreadPoolExecutor(in_flight, thread_name_prefix="birdzarr-write") if in_flight else None
+        self._pending: list[Future[None]] = []
+
+    @property
+    def end(self) -> int:
+        """The global index of the next window added."""
+        return self.written + self._buffered
+
+    def add(self, device_id: int, block: WindowBlock) -> None:
+        """Buffer a block of ``device_id`` (ignored when the block carries its own device ids);
+        write every slab that is full."""
+        if not len(block):
+            return
+        self._buffer.append((device_id, block))
+        self._buffered += len(block)
+        while self._buffered >= self._slab_room():
+            self._flush(self._slab_room())
+
+    def reserve(self, n: int) -> None:
+        """Windows ``[end, end + n)`` are written by others (Dask tasks): grow the arrays to hold
+        them once, and add after them."""
+        assert not self._buffered and not self._pending, "reserve before adding anything"
+        self._grow(self.written + n)
+        self.written += n
+
+    def drain(self) -> None:
+        """Write everything buffered and wait for every slab in flight."""
+        if self._buffered:
+            self._flush(self._buffered)
+        self._wait(0)
+
+    def abandon(self) -> None:
+        """Leaving on an error: write nothing more, only let slabs in flight finish."""
+        self._buffer.clear()
+        self._buffered = 0
+        for pending in self._pending:
+            pending.cancel()
+            with contextlib.suppress(BaseException):  # the original error is the one to raise
+                pending.result()
+        self._pending.clear()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    # -- inside ----------------------------------------------------------------------------------
+    def _slab_room(self) -> int:
+        """Windows to the next slab boundary: an append that starts inside a chunk first fills
+        that chunk, so no two slabs in flight ever rewrite the same chunk."""
+        return self.slab_windows - self.written % self.chunk_windows
+
+    def _take(self, n: int) -> dict[str, np.ndarray]:
+        """Remove the first ``n`` buffered windows and return them as arrays."""
+        parts: dict[str, list[np.ndarray]] = {name: [] for name in ARRAYS}
+        need = n
+        while need:
+            device_id, block = self._buffer[0]
+            take = min(need, len(block))
+            parts[GIMU].append(block.windows[:take])
+            parts[TIMESTAMP].append(block.timestamps[:take])
+            parts[LABEL].append(block.labels[:take])
+            parts[DEVICE].append(block.device_column(device_id)[:take])
+            if take == len(block):
+                self._buffer.pop(0)
+            else:
+                self._buffer[0] = (device_id, block.tail(take))
+            need -= take
+        self._buffered -= n
+        return {name: np.concatenate(arrays) for name, arrays in parts.items()}
+
+    def _flush(self, n: int) -> None:
+        data = self._take(n)
+        start, stop = self.written, self.written + n
+        if self._pool is not None:
+            self._wait(self._in_flight - 1)
+        self._grow(stop)
+        self.written = stop
+        if self._pool is None:
+            self._write_slab(start, stop, data)
+            return
+        self._pending.append(self._pool.submit(self._write_slab, start, stop, data))
+
+    def _grow(self, stop: int) -> None:
+        """Arrays that end before ``stop`` are resized to it (a Dask task's are already sized)."""
+        for array in self.arrays.values():
+            if array.shape[0] < stop:
+                array.resize((stop, *array.shape[1:]))
+
+    def _write_slab(self, start: int, stop: int, data: dict[str, np.ndarray]) -> None:
+        if self.sink.can_write(start):
+            self.sink.write(start, stop, data)  # whole chunks, no zarr overhead: _chunkwrite.py
+            return
+        for name, array in self.arrays.items():
+            array[start:stop] = data[name]
+
+    def _wait(self, keep: int) -> None:
+        while len(self._pending) > keep:
+            self._pending.pop(0).result()

@@ -1,0 +1,97 @@
+"""What the device table and the conversion report say about one device, built from its blocks.
+
+One implementation for every way a store is written: the local writer (new store or append),
+the Dask write tasks and the shuffle's first pass all feed a device's blocks, in store order,
+to a ``Summarizer`` and record the ``DeviceSummary`` it finishes with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import google_crc32c
+import numpy as np
+
+from birdzarr.convert._blocks import WindowBlock
+from birdzarr.format._spec import TIMESTAMP_UNKNOWN, DeviceEntry, DeviceRange, DeviceReport
+
+
+class WindowChecksum:
+    """CRC-32C (Castagnoli) of windows' little-endian float32 bytes, fed in order.
+
+    Hardware CRC-32C runs at several GB/s, over ten times BLAKE2b, which cost a fifth of the
+    conversion's CPU; the checksums guard against damage, not against an adversary.
+    """
+
+    def __init__(self) -> None:
+        self._crc = 0
+
+    def update(self, data: bytes | memoryview) -> None:
+        self._crc = google_crc32c.extend(self._crc, data if isinstance(data, bytes) else bytes(data))
+
+    def hexdigest(self) -> str:
+        return f"{self._crc:08x}"
+
+
+def checksum_hasher() -> WindowChecksum:
+    """The checksum of a run of curated windows (see ``WindowChecksum``)."""
+    return WindowChecksum()
+
+
+def label_counts(labels: np.ndarray) -> tuple[list[int], list[int]]:
+    """The distinct labels (ascending) and their counts; one label (all Parquet input, most
+    blocks of CSV input) is counted without sorting."""
+    if len(labels) and labels.min() == labels.max():
+        return [int(labels[0])], [len(labels)]
+    values, counts = np.unique(labels, return_counts=True)
+    return values.tolist(), counts.tolist()
+
+
+@dataclass
+class DeviceSummary:
+    """One device's row of the device table and its part of the conversion report.
+
+    Dask write tasks return these to the driver, so they stay plain picklable data.
+    """
+
+    entry: DeviceEntry
+    report: DeviceReport
+
+
+class Summarizer:
+    """Accumulates a device's summary from its blocks, fed in store order.
+
+    ``start`` is the device's first global window when its windows are stored as one run: the
+    entry then gets that range with the checksum of its windows. ``None`` when they are
+    scattered (a shuffled store): no range, and the shuffle computes the checksum in store order
+    itself (``scattered_checksum``), so nothing is hashed here.
+    """
+
+    def __init__(self, device_id: int, sources: list[str], start: int | None) -> None:
+        self.entry = DeviceEntry(device_id=device_id, sources=sources)
+        self.report = DeviceReport()
+        self.start = start
+        self._hasher = checksum_hasher() if start is not None else None
+
+    def add(self, block: WindowBlock) -> None:
+        self.report.merge(block.report)  # an empty block still reports what was read and dropped
+        if not len(block):
+            return
+        entry = self.entry
+        if self._hasher is not None:
+            self._hasher.update(np.ascontiguousarray(block.windows, dtype="<f4").data.cast("B"))
+        for label, count in zip(*label_counts(block.labels), strict=True):
+            entry.label_counts[label] = entry.label_counts.get(label, 0) + count
+        known = block.timestamps[block.timestamps != TIMESTAMP_UNKNOWN]
+        if len(known):
+            low, high = int(known.min()), int(known.max())
+            entry.first_time = low if entry.first_time == TIMESTAMP_UNKNOWN else min(entry.first_time, low)
+            entry.last_time = high if entry.last_time == TIMESTAMP_UNKNOWN else max(entry.last_time, high)
+        entry.n_windows += len(block)
+
+    def finish(self) -> DeviceSummary:
+        """The summary, once every block has been added (call once)."""
+        if self.start is not None and self._hasher is not None and self.entry.n_windows:
+            stop = self.start + self.entry.n_windows
+            self.entry.ranges.append(DeviceRange(self.start, stop, self._hasher.hexdigest()))
+        return DeviceSummary(self.entry, self.report)
