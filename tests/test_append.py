@@ -17,7 +17,7 @@ from birdzarr.cli import main
 from birdzarr.convert import append
 from birdzarr.convert._append import append_detailed
 from birdzarr.convert._slabs import SlabWriter
-from birdzarr.convert._writer import checksum_hasher
+from birdzarr.convert._summary import checksum_hasher
 from birdzarr.demo import _synthetic
 from birdzarr.maintenance._verify import verify
 from birdzarr.store._tail import leftovers

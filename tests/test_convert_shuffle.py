@@ -68,7 +68,7 @@ def test_shuffled_store_is_a_seeded_permutation(
             _sorted_rows(got.reshape(len(got), -1)),
             _sorted_rows(windows.reshape(len(windows), -1)),
         )
-        from birdzarr.convert._writer import checksum_hasher
+        from birdzarr.convert._summary import checksum_hasher
 
         hasher = checksum_hasher()
         hasher.update(got.astype("<f4").tobytes())

@@ -25,7 +25,6 @@ from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._cpus import resolve_workers
 from birdzarr.convert._slabs import EVERY_CHUNK, SlabWriter
 from birdzarr.convert._summary import DeviceSummary, Summarizer
-from birdzarr.convert._summary import checksum_hasher as checksum_hasher  # for maintenance/_verify.py
 from birdzarr.format._codec import gimu_codecs, per_window_codecs
 from birdzarr.format._spec import (
     ATTRS_KEY,

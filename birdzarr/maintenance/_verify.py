@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from birdzarr._errors import BirdzarrError, MissingChunkError
-from birdzarr.convert._writer import checksum_hasher
+from birdzarr.convert._summary import checksum_hasher
 from birdzarr.format._spec import DEVICE, GIMU, LABEL, TIMESTAMP, DeviceEntry
 from birdzarr.storage._location import StoreLike, resolve
 from birdzarr.storage._lock import read_holder
