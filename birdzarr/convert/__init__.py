@@ -122,22 +122,22 @@ def convert(
         raise ValueError("shuffle=True is not supported with a Dask client yet; convert locally")
     # overwriting a local store: write the new one aside and swap it in once committed
     staged = staged_location(dst, overwrite=overwrite, state=state)
-    duplicates = DuplicateCounter()
-    if inputs.skipped:
-        static["skipped_files"] = inputs.skipped
-    with replacing(dst, staged) if staged is not None else contextlib.nullcontext():
-        target = staged or dst
-        if client is not None:  # a distributed.Client: read, curate and write on its workers
-            from birdzarr.convert._dask import convert_on_cluster
+    with DuplicateCounter() as duplicates:
+        if inputs.skipped:
+            static["skipped_files"] = inputs.skipped
+        with replacing(dst, staged) if staged is not None else contextlib.nullcontext():
+            target = staged or dst
+            if client is not None:  # a distributed.Client: read, curate and write on its workers
+                from birdzarr.convert._dask import convert_on_cluster
 
-            convert_on_cluster(client, src, target, devices, kind=kind, curation=curation,
-                               on_bad_rows=on_bad_rows, codec=codec, chunk_windows=chunk_windows,
-                               overwrite=overwrite, static=static, workers=workers, progress=progress)
-        else:
-            _convert_here(src, target, kind, devices, codec=codec, chunk_windows=chunk_windows,
-                          overwrite=overwrite, static=static, workers=workers, progress=progress,
-                          curation=curation, on_bad_rows=on_bad_rows, shuffle=shuffle, seed=seed,
-                          buckets=buckets, shuffle_tmp=shuffle_tmp, duplicates=duplicates)
+                convert_on_cluster(client, src, target, devices, kind=kind, curation=curation,
+                                   on_bad_rows=on_bad_rows, codec=codec, chunk_windows=chunk_windows,
+                                   overwrite=overwrite, static=static, workers=workers, progress=progress)
+            else:
+                _convert_here(src, target, kind, devices, codec=codec, chunk_windows=chunk_windows,
+                              overwrite=overwrite, static=static, workers=workers, progress=progress,
+                              curation=curation, on_bad_rows=on_bad_rows, shuffle=shuffle, seed=seed,
+                              buckets=buckets, shuffle_tmp=shuffle_tmp, duplicates=duplicates)
     duplicates.warn(dst.display)
     return open_store(dst)
 

@@ -234,10 +234,11 @@ def append_detailed(
     before = open_store(dst)  # a clear error (not a store, unfinished, newer format) before the lock
     inputs = find_inputs(src, skip_unknown_files=skip_unknown_files)
     kind, devices = inputs.kind, inputs.devices
-    duplicates = DuplicateCounter()
     started = time.perf_counter()
     config = {"threading.max_workers": workers} if workers else {}
-    with zarr.config.set(config), AppendWriter(dst, lock_command=f"birdzarr append {src.display}") as writer:
+    with zarr.config.set(config), DuplicateCounter() as duplicates, AppendWriter(
+        dst, lock_command=f"birdzarr append {src.display}"
+    ) as writer:
         if kind != writer.meta.get("source_kind"):
             raise AppendError(
                 f"{dst.display} was converted from {writer.meta.get('source_kind')} input and "

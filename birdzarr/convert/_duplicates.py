@@ -11,8 +11,10 @@ alone count: a bird sitting perfectly still for a whole window would count too.
 
 from __future__ import annotations
 
+import collections
 import warnings
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -42,11 +44,31 @@ def fmix64(z: np.ndarray) -> np.ndarray:
         return z ^ (z >> np.uint64(31))
 
 
+_IN_FLIGHT = 8  # blocks hashed ahead at most: the hasher holds no more than this many blocks
+
+
+def _block_keys(block: WindowBlock) -> tuple[np.ndarray, np.ndarray]:
+    return window_hashes(block.windows, block.timestamps), np.unique(block.timestamps)
+
+
 class DuplicateCounter:
-    """Watches each device's blocks as they stream to the writer and counts repeated windows."""
+    """Watches each device's blocks as they stream to the writer and counts repeated windows.
+
+    The hashing runs on one thread of its own (numpy releases the GIL), beside the thread that
+    hands blocks to the writer, which every block passes through: measured 11% of that thread's
+    time when it hashed in line."""
 
     def __init__(self) -> None:
         self.counts: dict[int, int] = {}
+        self._hasher: ThreadPoolExecutor | None = None
+
+    def __enter__(self) -> DuplicateCounter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._hasher is not None:
+            self._hasher.shutdown(wait=True, cancel_futures=True)
+            self._hasher = None
 
     def watch(
         self, device_id: int, blocks: Iterator[WindowBlock],
@@ -55,13 +77,24 @@ class DuplicateCounter:
         """Pass ``blocks`` through; when they end, count the device's duplicates. ``existing``
         maps the new windows' timestamps to the hashes of the device's committed windows that
         could match (an append compares with what the store holds)."""
+        if self._hasher is None:
+            self._hasher = ThreadPoolExecutor(1, thread_name_prefix="birdzarr-duplicates")
+        pending: collections.deque[Future[tuple[np.ndarray, np.ndarray]]] = collections.deque()
         hashes: list[np.ndarray] = []
         times: list[np.ndarray] = []
+
+        def collect(keep: int) -> None:
+            while len(pending) > keep:
+                block_hashes, block_times = pending.popleft().result()
+                hashes.append(block_hashes)
+                times.append(block_times)
+
         for block in blocks:
             if len(block):
-                hashes.append(window_hashes(block.windows, block.timestamps))
-                times.append(np.unique(block.timestamps))
+                pending.append(self._hasher.submit(_block_keys, block))
+                collect(_IN_FLIGHT)
             yield block
+        collect(0)
         if not hashes:
             return
         new = np.concatenate(hashes)
