@@ -26,8 +26,8 @@ membership is **redrawn every epoch**:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
 
 import numpy as np
 
@@ -130,23 +130,28 @@ def _split_largest(sizes: list[int], times: int) -> tuple[list[int], list[int]]:
 
 @dataclass(frozen=True)
 class EpochPlan:
-    """One rank's epoch: its pools and batches. Batches are numbered pool after pool."""
+    """One rank's epoch: its pools and batches. Batches are numbered pool after pool.
+
+    Immutable, with no cache: the batch numbering (``first_batch``, ``batch_pool``) is computed
+    once by ``EpochPlan.of`` and held as read-only arrays.
+    """
 
     pools: tuple[Pool, ...]
     seed: int
     epoch: int
     rank: int
     shuffle: bool
+    first_batch: np.ndarray  # number of the first batch of each pool; len(pools) + 1
+    batch_pool: np.ndarray  # the pool of each batch
 
-    @cached_property
-    def batch_pool(self) -> np.ndarray:
-        """The pool of each batch."""
-        return np.repeat(np.arange(len(self.pools)), [len(p.sizes) for p in self.pools]).astype(np.int64)
-
-    @cached_property
-    def first_batch(self) -> np.ndarray:
-        """Number of the first batch of each pool; len(pools) + 1."""
-        return np.concatenate(([0], np.cumsum([len(p.sizes) for p in self.pools]))).astype(np.int64)
+    @classmethod
+    def of(cls, pools: Sequence[Pool], *, seed: int, epoch: int, rank: int, shuffle: bool) -> EpochPlan:
+        """The plan of these pools, with its batch numbering."""
+        per_pool = [len(p.sizes) for p in pools]
+        first_batch = np.concatenate(([0], np.cumsum(per_pool))).astype(np.int64)
+        batch_pool = np.repeat(np.arange(len(pools)), per_pool).astype(np.int64)
+        first_batch.flags.writeable = batch_pool.flags.writeable = False
+        return cls(tuple(pools), seed, epoch, rank, shuffle, first_batch, batch_pool)
 
     @property
     def n_batches(self) -> int:
@@ -262,7 +267,7 @@ def plan_epoch(
         mine = stream[rank]
         sizes = mine[:target] if drop_last else _split_largest(mine, target - len(mine))[0]
         pools = _sequential_pools(runs[rank], counts, sizes)
-    return EpochPlan(tuple(pools), seed, epoch, rank, shuffle)
+    return EpochPlan.of(pools, seed=seed, epoch=epoch, rank=rank, shuffle=shuffle)
 
 
 def _equalize_pools(pools: list[Pool], target: int, drop_last: bool) -> list[Pool]:
