@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 import birdzarr
 from birdzarr.loader import _handoff
-from birdzarr.loader._dataset import _SharedBatch
+from birdzarr.loader._sink import SharedBatch
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*stored in device order"),
@@ -27,7 +27,7 @@ pytestmark = [
 
 def _send(slot: _handoff.Slot, fields: list[tuple[str, tuple[int, ...], int]]) -> object:
     """Through the pickler DataLoader uses, back into this process (a worker's fd via DupFd)."""
-    return pickle.loads(ForkingPickler.dumps(_SharedBatch(slot, fields)))
+    return pickle.loads(ForkingPickler.dumps(SharedBatch(slot, fields)))
 
 
 def test_a_slot_is_reused_only_after_every_tensor_and_view_is_freed() -> None:

@@ -436,3 +436,36 @@ def test_memory_is_one_pool_buffer_for_every_selection(
     assert buffers.gimu.nbytes == chunks * 1024 * 320
     assert {name: array.nbytes for name, array in buffers.ldt.items()} == {
         "label": chunks * 1024 * 4, "device": chunks * 1024 * 4, "timestamp": chunks * 1024 * 8}
+
+
+def test_state_dict_format_round_trips_and_options_fail_at_once(small_store: birdzarr.Store) -> None:
+    """The saved format (version 3) is what ResumeState reads and writes; bad options fail in the
+    constructor, before the store is read; the options and the plan are immutable."""
+    import dataclasses
+
+    from birdzarr.loader._state import ResumeState
+
+    ds = _dataset(small_store, seed=3)
+    iterator = iter(ds)
+    next(iterator), next(iterator)
+    state = ds.state_dict()
+    assert state == {"version": 3, "seed": 3, "epoch": 0, "world_size": 1, "rank": 0, "batch_size": 1000,
+                     "pool_chunks": ds.pool_chunks, "resident": False, "next_batch": 2, "num_workers": 1}
+    assert ResumeState.from_dict(state).to_dict() == state
+    in_worker = {**{k: v for k, v in state.items() if k != "next_batch"},
+                 "start": 4, "start_workers": 2, "worker_yielded": 3, "num_workers": 2}
+    assert ResumeState.from_dict(in_worker).to_dict() == in_worker
+    with pytest.raises(ValueError, match="state version 2"):
+        ds.load_state_dict({**state, "version": 2})
+    for options, message in [({"batch_size": 0}, "batch_size must be positive"),
+                             ({"shuffle_buffer": 0}, "shuffle_buffer must be positive"),
+                             ({"world_size": 2, "rank": 2}, r"rank 2 is outside 0\.\.1"),
+                             ({"split": "test"}, "split must be one of"),
+                             ({"split": "val", "split_by": "bird"}, "split_by must be one of"),
+                             ({"split": "val", "val_fraction": 1.5}, "val_fraction must be between")]:
+        with pytest.raises(ValueError, match=message):
+            _dataset(small_store, **options)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ds.config.batch_size = 7  # type: ignore[misc]
+    assert (ds.batch_size, ds.seed, ds.world_size) == (ds.config.batch_size, 3, 1)
+    assert not ds.plan().batch_pool.flags.writeable and not ds.plan().first_batch.flags.writeable

@@ -1,0 +1,137 @@
+"""``LoaderConfig``: the options of a ``WindowDataset``, resolved and validated in one place.
+
+``WindowDataset(store, batch_size=..., ...)`` keeps its keyword options (what users and the docs
+write); it turns them into one frozen ``LoaderConfig`` before anything is opened, so a bad option
+fails at once with a message naming it, and the rest of the loader reads typed fields instead of
+re-checking them. The store-dependent values (the selection's counts, ``pool_chunks``) are not
+options and live on the dataset.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from birdzarr.loader._selection import SPLIT_BY, SPLITS
+
+Transform = Callable[[torch.Tensor], torch.Tensor]
+DEFAULT_SHUFFLE_BUFFER = 2**18  # windows per pool: 80 MiB of float32, 32 chunks of 8192
+
+
+def _ids(devices: Iterable[int] | None) -> tuple[int, ...] | None:
+    return None if devices is None else tuple(int(d) for d in devices)
+
+
+@dataclass(frozen=True)
+class SubsetOptions:
+    """Which windows to draw from: device filters and one side of a seeded split."""
+
+    devices: tuple[int, ...] | None = None
+    exclude_devices: tuple[int, ...] | None = None
+    split: str | None = None
+    split_by: str = "device"
+    val_fraction: float = 0.1
+    split_seed: int = 0
+
+    @classmethod
+    def of(cls, devices: Iterable[int] | None, exclude_devices: Iterable[int] | None, split: str | None,
+           split_by: str, val_fraction: float, split_seed: int) -> SubsetOptions:
+        """The options as given (device iterables are read once, here)."""
+        return cls(_ids(devices), _ids(exclude_devices), split, split_by, float(val_fraction),
+                   int(split_seed))
+
+    def __post_init__(self) -> None:
+        if self.split is None:  # split_by and val_fraction only matter with a split
+            return
+        if self.split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS} or None, got {self.split!r}")
+        if self.split_by not in SPLIT_BY:
+            raise ValueError(f"split_by must be one of {SPLIT_BY}, got {self.split_by!r}")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be between 0 and 1, got {self.val_fraction}")
+
+
+@dataclass(frozen=True)
+class ResidentOptions:
+    """Resident mode: where the selection is held, in which form, and whether loading shows a bar."""
+
+    device: torch.device
+    codes: bool = True  # a dict16 store's 16-bit codes, decoded in each gather
+    progress: bool = True
+
+    @classmethod
+    def of(
+        cls, resident: bool | str | torch.device | None, codes: bool, progress: bool
+    ) -> ResidentOptions | None:
+        """``None`` when streaming (``resident=False``); ``True`` means ``"cpu"``."""
+        if resident is False or resident is None:
+            return None
+        try:
+            device = torch.device("cpu" if resident is True else resident)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"resident must be False, 'cpu' or a torch device, got {resident!r}") from exc
+        return cls(device, bool(codes), bool(progress))
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """The opt-in local disk cache of a remote store's chunks."""
+
+    directory: str | os.PathLike[str]
+    max_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoaderConfig:
+    """The validated options of one ``WindowDataset`` (see its docstring for each option)."""
+
+    batch_size: int
+    shuffle: bool
+    seed: int
+    drop_last: bool
+    shuffle_buffer: int
+    channel_first: bool
+    with_ldt: bool
+    transform: Transform | None
+    prefetch: int  # at least 1
+    reuse_batch_memory: bool
+    allow_device_order: bool
+    world_size: int
+    rank: int
+    subset: SubsetOptions
+    resident: ResidentOptions | None  # None: streaming
+    cache: CacheOptions | None
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError("batch_size must be positive")
+        if self.shuffle_buffer < 1:
+            raise ValueError("shuffle_buffer must be positive")
+        if self.prefetch < 1:
+            raise ValueError("prefetch must be positive")
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be positive, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside 0..{self.world_size - 1}")
+        if self.transform is not None and not callable(self.transform):
+            raise TypeError(f"transform must be a callable or None, got {self.transform!r}")
+
+    def pool_chunks(self, chunk_windows: int) -> int:
+        """Chunks per pool: ``shuffle_buffer`` windows rounded up to whole chunks."""
+        return max(1, -(-self.shuffle_buffer // chunk_windows))
+
+
+def distributed_defaults() -> tuple[int, int]:
+    """(world_size, rank) from torch.distributed if initialised, else torchrun's environment."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size(), torch.distributed.get_rank()
+    return int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+
+
+def resolve_ranks(world_size: int | None, rank: int | None) -> tuple[int, int]:
+    """The given world size and rank, each defaulting to what torch.distributed or torchrun say."""
+    env_world, env_rank = distributed_defaults()
+    return (env_world if world_size is None else int(world_size)), (env_rank if rank is None else int(rank))
