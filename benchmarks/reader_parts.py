@@ -29,7 +29,7 @@ sys.path.insert(0, str(HERE))
 from _util import table  # noqa: E402
 
 from birdzarr.loader import _handoff  # noqa: E402
-from birdzarr.loader._dataset import _SharedBatch  # noqa: E402
+from birdzarr.loader._sink import SharedBatch  # noqa: E402
 
 B = 8192  # windows per batch and per chunk
 
@@ -75,7 +75,7 @@ def local_rows(repeat: int) -> list[dict[str, Any]]:
                 slot.fd = os.dup(slot.fd) if slot.fd is not None else os.memfd_create("x")
                 os.ftruncate(slot.fd, slot.size)
                 _handoff._RECEIVED.pop(slot.key, None)
-            batch = pickle.loads(ForkingPickler.dumps(_SharedBatch(slot, [("float32", (B, 20, 4), 0)])))
+            batch = pickle.loads(ForkingPickler.dumps(SharedBatch(slot, [("float32", (B, 20, 4), 0)])))
             del batch
         return run
 

@@ -54,7 +54,6 @@ from birdzarr.store._handle import Store, open_store
 if TYPE_CHECKING:
     from birdzarr.loader._resident import ResidentPlan, ResidentSelection
 
-_SharedBatch = SharedBatch  # the name benchmarks/reader_parts.py imports from here
 _T = TypeVar("_T")
 
 
