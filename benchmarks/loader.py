@@ -4,11 +4,11 @@
     python benchmarks/loader.py --windows 500000 --no-scale-check   # quicker
 
 Generates realistic data (186 devices as skewed as the real set, calibrated values) into
---workdir (under /tmp, removed at the end unless --keep), writes it as the old per-device Parquet
+--workdir (under /tmp, removed at the end unless --keep), writes it as per-device Parquet
 files, one ``.npy`` of all windows and one ``.npy`` per device, converts it with birdzarr (device
 order, and pre-shuffled when ``birdzarr.convert`` has ``shuffle=``), then compares:
 
-  (a) the old in-RAM BirdDataset + DataLoader with a shuffled sampler (per-item, default collate)
+  (a) the in-RAM BirdDataset birdzarr replaces, DataLoader with a shuffled sampler (per item)
   (b) one memory-mapped .npy, per-item __getitem__
   (c) per-device .npy memmaps, per-item __getitem__
   (d) a block-random sampler over the memmap (shuffled block order, blocks read sequentially)
@@ -262,7 +262,7 @@ def cases(meta: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]
     common = {"meta": meta, "quality_batches": args.quality_batches}
     items = {"max_batches": args.item_batches}
     out: list[dict[str, Any]] = [
-        {"label": "(a) old in-RAM BirdDataset", "kind": "old", "max_batches": None},
+        {"label": "(a) in-RAM BirdDataset (baseline)", "kind": "old", "max_batches": None},
         {"label": "(b) one .npy memmap, per item", "kind": "memmap", **items},
         {"label": "(c) per-device .npy memmaps", "kind": "perdevice", **items},
         {"label": "(d) block-random sampler", "kind": "block", **items},
@@ -342,8 +342,10 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
         ax.grid(axis="x", alpha=0.3)
         for yi, v in zip(y, values, strict=True):
             if np.isfinite(v):
-                ax.text(v, yi, f" {v:.2f}" if v < 100 else f" {v:,.0f}", va="center", fontsize=8)
-    axes[0].set_yticks(y, labels, fontsize=9)
+                # a white backing keeps a value readable where it crosses a reference line
+                ax.text(v, yi, f" {v:.2f}" if v < 100 else f" {v:,.0f}", va="center", fontsize=9,
+                        bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.3, "alpha": 0.85})
+    axes[0].set_yticks(y, labels, fontsize=10)
     axes[0].set_xscale("log")
     axes[0].set_xlim(min(v for v in speed if v > 0) / 2, max(speed) * 3)
     for yi, v, label in zip(y, quality, labels, strict=True):
@@ -351,10 +353,10 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
             axes[0].text(axes[0].get_xlim()[0], yi, "  refused: SamplingError", va="center", fontsize=8,
                          color="#555555")
     axes[1].axvline(1000, color="red", ls="--", lw=1)
-    axes[1].text(1000, -0.9, " 1 GB", color="red", fontsize=8)
+    axes[1].text(1000, -0.9, " 1 GB", color="red", fontsize=9)
     axes[2].set_xscale("log")
     axes[2].axvline(1.3, color="red", ls="--", lw=1)
-    axes[2].text(1.3, -0.9, " 1.3: well mixed", color="red", fontsize=8)
+    axes[2].text(1.3, -0.9, " 1.3: well mixed", color="red", fontsize=9)
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=80)

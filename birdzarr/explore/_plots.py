@@ -154,7 +154,8 @@ def plot_device(
     x: np.ndarray = times.astype("datetime64[s]") if timed else indices
 
     colours = label_colours(labels)
-    fig = _figure(figsize=(10, 8))
+    # about the width of a notebook cell or a docs column, so text is not scaled down to ~6 px
+    fig = _figure(figsize=(8.5, 7))
     axes = fig.subplots(len(CHANNELS), 1, sharex=True)
     for channel, (ax, name) in enumerate(zip(axes, CHANNELS, strict=True)):
         ax.vlines(x, lows[:, channel], highs[:, channel], color=RANGE_COLOUR, linewidth=1,
@@ -179,7 +180,7 @@ def plot_device(
         axes[-1].set_xlabel(f"global window index ({order}; the source has no timestamps)")
         axes[-1].ticklabel_format(axis="x", style="plain", useOffset=False)
     handles, names = axes[0].get_legend_handles_labels()
-    fig.legend(handles, names, loc="outside right center", fontsize="small", title="window mean")
+    fig.legend(handles, names, loc="outside right center", title="window mean")
 
     span = f", {format_time(int(times.min()))} .. {format_time(int(times.max()))} UTC" if timed else ""
     fig.suptitle(f"device {device_id}: {len(indices):,} of {len(all_indices):,} windows{span}")

@@ -95,7 +95,7 @@ class StoreStats:
         from birdzarr.explore._plots import _figure
         from birdzarr.explore._units import CHANNEL_UNITS
 
-        fig = _figure(figsize=(10, 6))
+        fig = _figure(figsize=(8.5, 6))
         axes = fig.subplots(2, 2).ravel()
         for c, (ax, name) in enumerate(zip(axes, self.channels, strict=True)):
             scale = self.gps_scale if name == "gps_speed" else 1.0
@@ -111,7 +111,7 @@ class StoreStats:
             ax.set_ylabel("count")
             ax.ticklabel_format(axis="y", style="plain")
         handles, names = axes[0].get_legend_handles_labels()
-        fig.legend(handles, names, loc="outside lower center", ncols=2, fontsize="small")
+        fig.legend(handles, names, loc="outside lower center", ncols=2)
         fig.suptitle(f"value histograms over {self.n_windows:,} windows ({self.count:,} values a channel)")
         return fig
 

@@ -86,8 +86,8 @@ class WindowDataset(IterableDataset[Batch]):
         with_ldt: yield ``(x, ldt)`` with ``ldt`` int64 ``(B, 3)`` = label, device id, unix seconds.
         devices / exclude_devices: keep only / drop these device ids.
         split: ``"train"`` or ``"val"`` to take one side of a seeded split; ``split_by`` is
-            ``"device"`` (default: birds stay on one side) or ``"window"`` (per-window, like the
-            old 90/10 code); ``val_fraction`` and ``split_seed`` set it.
+            ``"device"`` (default: birds stay on one side) or ``"window"`` (a seeded per-window
+            split, one bird on both sides); ``val_fraction`` and ``split_seed`` set it.
         shuffle_buffer: windows shuffled together per pool, rounded up to whole chunks (default
             262,144 = 80 MiB of float32 per reader). Larger pools make batches less likely to meet
             again next epoch (docs/training.md#shuffle-quality).

@@ -51,30 +51,37 @@ class Store:
 
     # -- basic facts -----------------------------------------------------------------------------
     def __len__(self) -> int:
+        """The number of committed windows."""
         return self.n_windows
 
     @property
     def url(self) -> str:
+        """Where the store is, as given (credentials left out)."""
         return self.location.display
 
     @property
     def format_version(self) -> int:
+        """The birdzarr format version the store was written with (docs/format.md)."""
         return int(self.meta["format_version"])
 
     @property
     def chunk_windows(self) -> int:
+        """Windows per chunk (the read unit)."""
         return self.reader.chunk_windows
 
     @property
     def shuffled(self) -> bool:
+        """True for a ``--shuffle`` store: windows in one seeded random order, not by device."""
         return bool(self.meta.get("layout", {}).get("shuffled", False))
 
     @property
     def report(self) -> dict[int, DeviceReport]:
+        """The conversion report of each device: rows read, dropped and why (device id -> report)."""
         devices = self.meta.get("report", {}).get("devices", {})
         return {int(k): DeviceReport.from_json(v) for k, v in devices.items()}
 
     def device(self, device_id: int) -> DeviceEntry:
+        """The device table's entry for ``device_id`` (KeyError if the store has no such device)."""
         for entry in self.device_table:
             if entry.device_id == device_id:
                 return entry
@@ -157,14 +164,18 @@ class Store:
 
     @property
     def labels(self) -> WindowsView:
+        """The label of every window (int32), sliced like ``windows``."""
         return self.array_view(LABEL)
 
     @property
     def timestamps(self) -> WindowsView:
+        """The burst time of every window (int64 unix seconds; the minimum int64 when the source
+        has none, as in Parquet input)."""
         return self.array_view(TIMESTAMP)
 
     @property
     def window_devices(self) -> WindowsView:
+        """The device id of every window (int32), sliced like ``windows``."""
         return self.array_view(DEVICE)
 
     def __repr__(self) -> str:
