@@ -143,7 +143,7 @@ def test_summary_of_a_parquet_store_says_times_and_labels_are_unknown(parquet_ca
     assert "unknown (the source has no timestamps)" in text
     assert f"none ({len(store):,} windows unlabelled)" in text
     assert "... 4 more" in text  # 12 devices, 8 named inline
-    assert "curated before conversion" in store._repr_html_()
+    assert "<th>curation</th><td>done before conversion (values copied exactly)</td>" in store._repr_html_()
 
 
 # -- device table and window access ------------------------------------------------------------

@@ -87,7 +87,8 @@ class Overview:
     @property
     def layout(self) -> str:
         order = "pre-shuffled" if self.shuffled else "in device order"
-        return f"{self.n_chunks:,} chunks of {self.chunk_windows:,} windows, codec {self.codec}, {order}"
+        chunks = "1 chunk" if self.n_chunks == 1 else f"{self.n_chunks:,} chunks"
+        return f"{chunks} of {self.chunk_windows:,} windows, codec {self.codec}, {order}"
 
     @property
     def version(self) -> str:
@@ -114,10 +115,10 @@ def describe_curation(curation: dict[str, Any]) -> str:
     if curation.get("applied_by") == "birdzarr":
         low, high = curation["clip"]
         return (
-            f"by birdzarr: windows with gps_speed >= {curation['speed_limit']:g} m/s dropped, "
-            f"imu clipped to [{low:g}, {high:g}] g, gps_speed divided by {curation['gps_scale']:g}"
+            f"by birdzarr: gps_speed >= {curation['speed_limit']:g} m/s dropped, "
+            f"imu clipped to [{low:g}, {high:g}] g, gps_speed / {curation['gps_scale']:g}"
         )
-    return "before conversion (values copied exactly)"
+    return "done before conversion (values copied exactly)"
 
 
 def describe_sources(sources: list[str]) -> str:
@@ -140,7 +141,8 @@ def text_repr(store: Store) -> str:
         f"<birdzarr.Store {o.url}: {o.n_windows:,} windows, {o.n_devices} devices>",
         f"  format   {o.version}",
         f"  layout   {o.layout}",
-        f"  source   {o.source_kind}, curated {o.curation}",
+        f"  source   {o.source_kind}",
+        f"  curation {o.curation}",
         f"  time     {o.time_span}",
         f"  labels   {o.labels}",
         f"  devices  {_devices_inline(store)}",
@@ -214,7 +216,8 @@ def html_repr(store: Store) -> str:
         ("windows", f"{o.n_windows:,} from {o.n_devices} devices"),
         ("format", o.version),
         ("layout", o.layout),
-        ("source", f"{o.source_kind}, curated {o.curation}"),
+        ("source", o.source_kind or "unknown"),
+        ("curation", o.curation),
         ("time", o.time_span),
         ("labels", o.labels),
     ]
