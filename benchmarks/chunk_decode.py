@@ -31,7 +31,6 @@ from numcodecs import Blosc
 import birdzarr
 from birdzarr.format import _codec
 from birdzarr.format._spec import GIMU, N_CHANNELS, WINDOW_LENGTH
-from birdzarr.store._chunks import _blosc_decode_scratch
 
 
 def best_ms(steps: dict[str, Callable[[Any], Any]], items: list[Any], repeat: int) -> dict[str, float]:
@@ -70,7 +69,7 @@ def main() -> None:
           f"{np.mean([len(r) for r in stored]) / 1e3:,.0f} KB stored a chunk, best of {args.repeat}")
     steps = best_ms({
         "fetch + CRC-32C": lambda c: _codec.strip_crc32c(reader._fetch(layout, c)),
-        "blosc": lambda c: _blosc_decode_scratch(_codec.strip_crc32c(reader._fetch(layout, c))),
+        "blosc": lambda c: _codec.blosc_decode_scratch(_codec.strip_crc32c(reader._fetch(layout, c))),
         "ChunkReader.read (all)": lambda c: reader.read(GIMU, c, out=out),
     }, chunks, args.repeat)
     in_memory = best_ms({"d": lambda d: decode(d, shape, out=out)}, decompressed, args.repeat)

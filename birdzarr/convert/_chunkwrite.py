@@ -3,7 +3,7 @@
 zarr-python's generic write path (an event loop, a thread hop per codec, read-modify-write
 checks) costs more than the encoding itself for 2.6 MB chunks of 320-byte windows. A slab that
 starts on a chunk boundary is therefore encoded here with the codec chain declared in each
-array's zarr.json (``birdzarr.format._codec.chunk_encoder``, byte-identical to zarr-python's) and
+array's zarr.json (``birdzarr.format._codec.ChunkCodec``, byte-identical to zarr-python's) and
 put under the array's chunk keys. Anything else (a slab that starts inside a chunk, as an append
 can) goes through zarr-python. Each chunk's bytes depend only on its windows, so the store is
 identical whatever the number of workers.
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from birdzarr.convert._cpus import resolve_workers
-from birdzarr.format._codec import ChunkEncoder, chunk_encoder
+from birdzarr.format._codec import ChunkCodec
 from birdzarr.format._spec import DEVICE
 from birdzarr.storage._location import Location
 
@@ -46,13 +46,14 @@ class ChunkSink:
         self.location = location
         self.workers = resolve_workers(workers)
         self.arrays = arrays
-        self.encoders: dict[str, ChunkEncoder | None] = {}
-        for name, array in arrays.items():
-            self.encoders[name] = chunk_encoder(array.metadata.to_dict()["codecs"])
+        self.codecs: dict[str, ChunkCodec | None] = {
+            name: ChunkCodec.parse(array.metadata.to_dict()["codecs"], dtype=array.dtype)
+            for name, array in arrays.items()
+        }
         self.chunk_windows = {name: int(array.chunks[0]) for name, array in arrays.items()}
 
     def can_write(self, start: int) -> bool:
-        return all(e is not None for e in self.encoders.values()) and all(
+        return all(c is not None for c in self.codecs.values()) and all(
             start % c == 0 for c in self.chunk_windows.values()
         )
 
@@ -84,10 +85,10 @@ class ChunkSink:
             values = padded
             if groups is not None:  # padding windows form a group of their own
                 groups = np.concatenate([groups, np.full(shape[0] - len(groups), -1, groups.dtype)])
-        encode = self.encoders[name]
-        assert encode is not None
+        codec = self.codecs[name]
+        assert codec is not None
         key = array.metadata.encode_chunk_key((index,) + (0,) * (len(shape) - 1))
         path = self.location.join(array.path, key)
         if self.location.is_local:  # object stores have no directories; local files need them
             os.makedirs(os.path.dirname(path), exist_ok=True)
-        self.location.fs.pipe_file(path, encode(np.ascontiguousarray(values), groups))
+        self.location.fs.pipe_file(path, codec.encode(np.ascontiguousarray(values), groups))

@@ -12,6 +12,7 @@ docs/format.md; it is lossless for every float32 bit pattern, NaN included.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -461,45 +462,119 @@ def strip_crc32c(data: bytes) -> memoryview:
 
 ChunkEncoder = Callable[..., bytes]  # (chunk, groups=None) -> bytes
 
+_BLOSC = Blosc()  # decoding needs no settings: every blosc frame describes itself
+_SCRATCH = threading.local()  # per decoding thread: a reusable blosc output buffer
+
+
+def blosc_decode(raw: bytes | memoryview) -> bytes:
+    """Blosc-decode into new memory (for results that outlive the next chunk)."""
+    return bytes(_BLOSC.decode(raw))
+
+
+def blosc_decode_scratch(raw: bytes | memoryview) -> np.ndarray:
+    """Blosc-decode into this thread's reusable buffer (valid until its next call).
+
+    Decoding into fresh memory for every chunk costs a page fault per 4 KiB page, which on some
+    virtual machines is slower than the decompression itself.
+    """
+    nbytes = int.from_bytes(bytes(raw[4:8]), "little")  # blosc header: uncompressed size
+    buffer = getattr(_SCRATCH, "buffer", None)
+    if buffer is None or len(buffer) < nbytes:
+        buffer = _SCRATCH.buffer = np.empty(max(nbytes, 1), dtype=np.uint8)
+    view = buffer[:nbytes]
+    _BLOSC.decode(raw, out=view)
+    return view
+
+
+@dataclass(frozen=True)
+class ChunkCodec:
+    """One array's codec chain, parsed once from the ``codecs`` list of its zarr.json: encodes a
+    whole chunk to the bytes zarr stores, and decodes them (into a caller's buffer where given).
+
+    ``kind`` names the chains format version 1 writes: ``dict16`` and ``gdict16`` (float32
+    windows, then blosc), ``standard`` (float32 windows, transpose (2, 0, 1), little-endian bytes,
+    blosc) and ``plain`` (little-endian bytes, blosc: the per-window arrays); each may end with
+    the ``crc32c`` codec. ``parse`` returns None for any other chain (callers then go through
+    zarr-python). tests/test_codec.py checks the encoded bytes equal zarr-python's own.
+    """
+
+    kind: str
+    compressor: Blosc
+    crc32c: bool
+    dtype: np.dtype[Any]
+
+    @classmethod
+    def parse(cls, codecs: list[dict[str, Any]], *, dtype: Any = "float32") -> ChunkCodec | None:
+        crc32c = bool(codecs) and codecs[-1]["name"] == "crc32c"
+        inner = codecs[:-1] if crc32c else codecs
+        names = [c["name"] for c in inner]
+        if names[-1:] != ["blosc"]:
+            return None
+        bytes_codec = next((c for c in inner if c["name"] == "bytes"), {})
+        little = bytes_codec.get("configuration", {}).get("endian", "little") == "little"
+        if names == [DICT16, "blosc"]:
+            kind = "dict16"
+        elif names == [GDICT16, "blosc"]:
+            kind = "gdict16"
+        elif names == ["transpose", "bytes", "blosc"] and little and (
+            list(inner[0]["configuration"]["order"]) == [2, 0, 1]
+        ):
+            kind = "standard"
+        elif names == ["bytes", "blosc"] and little:
+            kind = "plain"
+        else:
+            return None
+        config = inner[-1]["configuration"]
+        compressor = Blosc(
+            cname=config["cname"], clevel=int(config["clevel"]), shuffle=_SHUFFLES[config["shuffle"]],
+            blocksize=int(config.get("blocksize", 0)), typesize=int(config["typesize"]),
+        )
+        return cls(kind, compressor, crc32c, np.dtype(dtype))
+
+    def encode(self, chunk: np.ndarray, groups: np.ndarray | None = None) -> bytes:
+        """The stored bytes of one whole chunk; ``groups`` (a label per window: device ids) is
+        used by ``gdict16`` only (one dictionary per group)."""
+        if self.kind == "dict16":
+            body: Any = encode_dict16(chunk)
+        elif self.kind == "gdict16":
+            body = encode_gdict16(chunk, groups)
+        else:
+            ordered = chunk.transpose(2, 0, 1) if self.kind == "standard" else chunk
+            body = np.ascontiguousarray(ordered).astype(chunk.dtype.newbyteorder("<"), copy=False)
+        data = bytes(self.compressor.encode(body))
+        return with_crc32c(data) if self.crc32c else data
+
+    def decode(self, data: bytes, shape: tuple[int, ...], out: np.ndarray | None = None) -> np.ndarray:
+        """One whole chunk of ``shape`` from its stored bytes; float32 window chains decode into
+        ``out`` when it is a C-contiguous float32 array of that shape. Damaged bytes raise
+        ValueError (or blosc's RuntimeError)."""
+        raw: bytes | memoryview = strip_crc32c(data) if self.crc32c else data
+        if self.kind == "plain":  # a new array: the scratch buffer is reused by the next chunk
+            return np.frombuffer(blosc_decode(raw), dtype=self.dtype.newbyteorder("<"))
+        usable = out is not None and out.shape == tuple(shape) and out.dtype == np.float32 and (
+            out.flags.c_contiguous
+        )
+        target = out if usable else None
+        scratch = blosc_decode_scratch(raw)
+        if self.kind == "gdict16":
+            return decode_gdict16(scratch, shape, out=target)
+        if self.kind == "dict16":
+            return decode_dict16(scratch, shape, out=target)
+        n_windows, n_samples, n_channels = shape  # standard: channel-major float32
+        channel_major = scratch.view("<f4")
+        if len(channel_major) != n_windows * n_samples * n_channels:
+            raise ValueError(f"a standard chunk of shape {shape} has {len(channel_major)} values")
+        channel_major = channel_major.reshape(n_channels, n_windows, n_samples)
+        target = np.empty(shape, np.float32) if target is None else target
+        for channel in range(n_channels):  # 4x faster here than one 3-D transposed copy
+            target[:, :, channel] = channel_major[channel]
+        return target
+
 
 def chunk_encoder(codecs: list[dict[str, Any]]) -> ChunkEncoder | None:
-    """A function that encodes one whole chunk to the bytes zarr stores for this codec chain.
-
-    It takes the chunk and, optionally, a group label per window (``groups``: device ids), which
-    only ``gdict16`` uses (one dictionary per group); the others ignore it.
-
-    ``codecs`` is the ``codecs`` list of an array's zarr.json, so the fast write path always
-    follows what the metadata declares. None for chains other than the three format v1 uses
-    (the caller then writes through zarr-python). tests/test_codec.py checks the bytes equal
-    zarr-python's own.
-    """
-    if codecs and codecs[-1]["name"] == "crc32c":
-        inner = chunk_encoder(codecs[:-1])
-        if inner is None:
-            return None
-        return lambda chunk, groups=None: with_crc32c(inner(chunk, groups))
-    names = [c["name"] for c in codecs]
-    if names[-1:] != ["blosc"]:
-        return None
-    config = codecs[-1]["configuration"]
-    compressor = Blosc(
-        cname=config["cname"], clevel=int(config["clevel"]), shuffle=_SHUFFLES[config["shuffle"]],
-        blocksize=int(config.get("blocksize", 0)), typesize=int(config["typesize"]),
-    )
-    if names == [DICT16, "blosc"]:
-        return lambda chunk, groups=None: bytes(compressor.encode(encode_dict16(chunk)))
-    if names == [GDICT16, "blosc"]:
-        return lambda chunk, groups=None: bytes(compressor.encode(encode_gdict16(chunk, groups)))
-    little = any(c["name"] == "bytes" and c.get("configuration", {}).get("endian") == "little"
-                 for c in codecs)
-    if names == ["transpose", "bytes", "blosc"] and little:
-        order = tuple(codecs[0]["configuration"]["order"])
-        return lambda chunk, groups=None: bytes(compressor.encode(np.ascontiguousarray(
-            chunk.transpose(order)).astype(chunk.dtype.newbyteorder("<"), copy=False)))
-    if names == ["bytes", "blosc"] and little:
-        return lambda chunk, groups=None: bytes(compressor.encode(np.ascontiguousarray(chunk).astype(
-            chunk.dtype.newbyteorder("<"), copy=False)))
-    return None
+    """``ChunkCodec.parse(codecs).encode``, or None for a chain format version 1 does not write."""
+    codec = ChunkCodec.parse(codecs)
+    return None if codec is None else codec.encode
 
 
 def per_window_codecs() -> dict[str, Any]:

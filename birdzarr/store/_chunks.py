@@ -9,86 +9,47 @@ chains are those of format version 1 (docs/format.md); other chains fall back to
 from __future__ import annotations
 
 import json
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from numcodecs import Blosc
 
 from birdzarr._errors import CorruptChunkError, MissingChunkError, NotAStoreError
-from birdzarr.format._codec import (
-    DICT16,
-    GDICT16,
-    decode_dict16,
-    decode_gdict16,
-    parse_dict16,
-    strip_crc32c,
-)
+from birdzarr.format._codec import ChunkCodec, blosc_decode, parse_dict16, strip_crc32c
 from birdzarr.format._spec import DEVICE, GIMU, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH
 from birdzarr.storage._location import Location
-
-_BLOSC = Blosc()
-_SCRATCH = threading.local()  # per decoding thread: a reusable blosc output buffer
-
-
-def _blosc_decode_scratch(raw: bytes | memoryview) -> np.ndarray:
-    """Blosc-decode into this thread's reusable buffer (valid until its next call).
-
-    Decoding into fresh memory for every chunk costs a page fault per 4 KiB page, which on some
-    virtual machines is slower than the decompression itself.
-    """
-    nbytes = int.from_bytes(bytes(raw[4:8]), "little")  # blosc header: uncompressed size
-    buffer = getattr(_SCRATCH, "buffer", None)
-    if buffer is None or len(buffer) < nbytes:
-        buffer = _SCRATCH.buffer = np.empty(max(nbytes, 1), dtype=np.uint8)
-    view = buffer[:nbytes]
-    _BLOSC.decode(raw, out=view)
-    return view
 
 
 @dataclass(frozen=True)
 class ArrayLayout:
-    """What the reader needs from one array's zarr.json."""
+    """What the reader needs from one array's zarr.json, its codec chain parsed once."""
 
     name: str
     chunk_windows: int
     dtype: np.dtype[Any]
-    chain: str  # "dict16" | "gdict16" | "standard" | "per_window" | "zarr" (anything else)
+    codec: ChunkCodec | None  # None: a chain birdzarr does not write, read through zarr-python
     separator: str
     fill_value: Any
-    crc32c: bool = False  # chunks end with the zarr v3 crc32c codec's checksum
+
+    @property
+    def chain(self) -> str:
+        """``dict16`` | ``gdict16`` | ``standard`` | ``plain`` (per-window arrays) | ``zarr``."""
+        return "zarr" if self.codec is None else self.codec.kind
 
     @classmethod
     def from_metadata(cls, name: str, meta: dict[str, Any]) -> ArrayLayout:
         chunk_shape = meta["chunk_grid"]["configuration"]["chunk_shape"]
         encoding = meta.get("chunk_key_encoding", {})
         separator = encoding.get("configuration", {}).get("separator", "/")
-        if encoding.get("name", "default") != "default":
-            separator = ""  # v2-style keys: let zarr-python read it
-        codecs = [c["name"] for c in meta["codecs"]]
-        crc32c = codecs[-1:] == ["crc32c"]
-        if crc32c:
-            codecs = codecs[:-1]
         dtype = np.dtype(meta["data_type"])
-        blosc_last = codecs[-1:] == ["blosc"]
-        if codecs == [DICT16, "blosc"]:
-            chain = "dict16"
-        elif codecs == [GDICT16, "blosc"]:
-            chain = "gdict16"
-        elif codecs == ["transpose", "bytes", "blosc"] and (
-            meta["codecs"][0]["configuration"]["order"] == [2, 0, 1]
-        ):
-            chain = "standard"
-        elif codecs == ["bytes", "blosc"] and blosc_last and len(chunk_shape) == 1:
-            chain = "per_window"
-        else:
-            chain = "zarr"
-        bytes_codec: dict[str, Any] = next((c for c in meta["codecs"] if c["name"] == "bytes"), {})
-        if bytes_codec.get("configuration", {}).get("endian", "little") != "little":
-            chain = "zarr"
-        return cls(name, int(chunk_shape[0]), dtype, chain, separator, meta.get("fill_value"), crc32c)
+        codec = ChunkCodec.parse(meta["codecs"], dtype=dtype)
+        if encoding.get("name", "default") != "default":
+            separator, codec = "", None  # v2-style keys: let zarr-python read it
+        windows_chain = codec is not None and codec.kind in ("dict16", "gdict16", "standard")
+        if codec is not None and windows_chain != (len(chunk_shape) == 3):
+            codec = None  # a chain on an array of another shape than birdzarr writes: zarr-python
+        return cls(name, int(chunk_shape[0]), dtype, codec, separator, meta.get("fill_value"))
 
     def key(self, index: int) -> str:
         tail = ["0", "0"] if self.name == GIMU else []
@@ -165,32 +126,11 @@ class ChunkReader:
             raise IndexError(f"chunk {index} out of range 0..{self.n_chunks - 1}")
         if layout.chain == "zarr":
             return self._read_with_zarr(name, start, stop)
+        assert layout.codec is not None
         fetched = self._fetch(layout, index)
+        shape = (self.chunk_windows, WINDOW_LENGTH, N_CHANNELS) if name == GIMU else (self.chunk_windows,)
         try:
-            raw: bytes | memoryview = strip_crc32c(fetched) if layout.crc32c else fetched
-            shape = (self.chunk_windows, WINDOW_LENGTH, N_CHANNELS)
-            if layout.chain == "gdict16":
-                scratch = _blosc_decode_scratch(raw)
-                usable = out is not None and out.shape == shape and out.flags.c_contiguous
-                return decode_gdict16(scratch, shape, out=out if usable else None)[: stop - start]
-            if out is not None and layout.chain in ("dict16", "standard"):
-                decoded = _blosc_decode_scratch(raw)
-                if layout.chain == "dict16" and out.shape == shape and out.flags.c_contiguous:
-                    return decode_dict16(decoded, shape, out=out)[: stop - start]
-                if layout.chain == "standard" and len(decoded) == out.nbytes and out.flags.c_contiguous:
-                    channel_major = decoded.view("<f4").reshape(N_CHANNELS, self.chunk_windows, WINDOW_LENGTH)
-                    for channel in range(N_CHANNELS):  # 4x faster here than one 3-D transposed copy
-                        out[:, :, channel] = channel_major[channel]
-                    return out[: stop - start]
-            decoded = _BLOSC.decode(raw)
-            if layout.chain == "dict16":
-                array = decode_dict16(decoded, (self.chunk_windows, WINDOW_LENGTH, N_CHANNELS))
-            elif layout.chain == "standard":
-                shape = (N_CHANNELS, self.chunk_windows, WINDOW_LENGTH)
-                flat = np.frombuffer(decoded, dtype="<f4").reshape(shape)
-                array = flat.transpose(1, 2, 0)
-            else:
-                array = np.frombuffer(decoded, dtype=layout.dtype.newbyteorder("<"))
+            array = layout.codec.decode(fetched, shape, out=out)
         except (ValueError, RuntimeError, IndexError) as exc:
             raise CorruptChunkError(
                 f"{self.location.display}: chunk '{layout.name}/{layout.key(index)}' cannot be decoded "
@@ -232,7 +172,8 @@ class ChunkReader:
             return None
         fetched = self._fetch(layout, index)
         try:
-            body = parse_dict16(_BLOSC.decode(strip_crc32c(fetched) if layout.crc32c else fetched))
+            assert layout.codec is not None
+            body = parse_dict16(blosc_decode(strip_crc32c(fetched) if layout.codec.crc32c else fetched))
         except (ValueError, RuntimeError, IndexError) as exc:
             raise CorruptChunkError(
                 f"{self.location.display}: chunk '{layout.name}/{layout.key(index)}' cannot be decoded "
