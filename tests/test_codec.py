@@ -179,6 +179,24 @@ def test_gdict16_round_trip_and_numpy_decoder(grouped: bool) -> None:
         decode_gdict16(blob[:-10], windows.shape)
 
 
+def test_gdict16_rejects_a_code_outside_its_window_dictionary() -> None:
+    """Both decoding paths (one value a window, as gps_speed; one a sample) check every code."""
+    from birdzarr.format._codec import decode_gdict16, encode_gdict16
+
+    windows, devices = _shuffled_devices(5, 40, seed=3)
+    assert (windows[:, :, 3] == windows[:, :1, 3]).all()  # gps_speed: one value a window
+    blob = bytearray(encode_gdict16(windows, devices))
+    n_values = windows.shape[0] * windows.shape[1]
+    codes_at = len(blob) - 2 * n_values * 4  # channel-major uint16 codes end the chunk
+    for channel, span in ((3, slice(0, windows.shape[1])), (0, slice(5, 6))):
+        bad = bytearray(blob)
+        codes = np.frombuffer(bad, dtype="<u2", offset=codes_at).reshape(4, -1)
+        codes[channel, span] = 65535  # a whole window (constant path) or one sample
+        with pytest.raises(ValueError, match=f"gdict16 code out of range in channel {channel}"):
+            decode_gdict16(bytes(bad), windows.shape)
+    assert _same_bits(decode_gdict16(bytes(blob), windows.shape), windows)
+
+
 def test_gdict16_raw_mode_when_a_group_has_too_many_values() -> None:
     from birdzarr.format._codec import decode_gdict16, encode_gdict16
 

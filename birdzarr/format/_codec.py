@@ -360,15 +360,31 @@ def decode_gdict16(
     index = np.empty((n_windows, n_per_window), dtype=np.int32)
     values = np.empty((n_windows, n_per_window), dtype=np.float32)
     for c in range(n_channels):
+        channel = codes[c]
+        limit, base = limits[c][group], bases[c][group]
+        if n_per_window > 1 and _constant_rows(channel):
+            # one value a window (gps_speed: one fix a burst): look up 1/20 of the values
+            first = channel[:, 0]
+            if (first >= limit).any():
+                raise ValueError(f"gdict16 code out of range in channel {c}")
+            out[:, :, c] = np.take(values_table, first + base, mode="clip")[:, None]
+            continue
         # every code must fall inside its own window's dictionary
-        if (codes[c] >= limits[c][group][:, None]).any():
+        if (channel >= limit[:, None]).any():
             raise ValueError(f"gdict16 code out of range in channel {c}")
-        np.add(codes[c], bases[c][group][:, None], out=index)  # int32 arithmetic in place
+        np.add(channel, base[:, None], out=index)  # int32 arithmetic in place
         # a contiguous take (mode="clip": indices checked above) then one column copy is faster
         # than a buffered take into the strided column
         np.take(values_table, index, out=values, mode="clip")
         out[:, :, c] = values
     return result
+
+
+def _constant_rows(codes: np.ndarray) -> bool:
+    """Whether every row of a (windows, values) code array repeats its first code; a few rows
+    are tried first, so a channel that varies (the IMU axes) costs almost nothing to rule out."""
+    head = codes[:16]
+    return bool((head == head[:, :1]).all()) and bool((codes == codes[:, :1]).all())
 
 
 @dataclass(frozen=True)
