@@ -67,7 +67,8 @@ def _write_device(job: tuple[str, int, int, int]) -> int:
 def generate(directory: str, n_devices: int, n_windows: int, *, seed: int, processes: int) -> dict[str, Any]:
     from birdzarr.demo import _synthetic
 
-    marker = os.path.join(directory, ".complete")
+    # beside the input directory, not in it: the converter refuses files that are not inputs
+    marker = directory.rstrip(os.sep) + ".complete"
     ids = _synthetic.device_ids(n_devices).tolist()
     sizes = _synthetic.device_sizes(n_devices, n_windows, seed=seed).tolist()
     started = time.perf_counter()
