@@ -193,20 +193,12 @@ def epoch_child(store: str, batch_size: int, workers: int, seed: int, quality_ba
     peak_uss, peak_main = sampler.peak
     series = [(at, values[0]) for at, values in sampler.series]
 
-    # Shuffle quality from a sample of this epoch's batches (global indices -> device via the table).
+    # Shuffle quality from a sample of this epoch's batches: each window's device from the
+    # store's per-window device array (a shuffled store's devices have no index ranges)
     opened = birdzarr.open_store(store)
-    starts, stops, ids = [], [], []
-    for entry in opened.device_table:
-        for r in entry.ranges:
-            starts.append(r.start)
-            stops.append(r.stop)
-            ids.append(entry.device_id)
-    order = np.argsort(starts)
-    starts_a, ids_a = np.asarray(starts)[order], np.asarray(ids)[order]
     plan = ds.plan()
     pick = np.unique(np.linspace(0, plan.n_batches - 1, min(quality_batches, plan.n_batches)).astype(int))
-    sampled = [ids_a[np.searchsorted(starts_a, ds.batch_indices(int(b), plan), side="right") - 1]
-               for b in pick]
+    sampled = [opened.window_devices[np.sort(ds.batch_indices(int(b), plan))] for b in pick]
     devices = np.asarray([e.device_id for e in opened.device_table])
     counts = np.asarray([e.n_windows for e in opened.device_table])
     return {
