@@ -55,7 +55,9 @@ def _write_device(job: tuple[str, int, int, int]) -> int:
     pieces = []
     for done in range(0, size, PIECE):
         n = min(PIECE, size - done)
-        windows = _synthetic.curated_windows(n, seed=seed * 100_003 + device * 1009 + done)
+        # one calibration per device (a tracker's sensor), fresh samples in every piece
+        windows = _synthetic.curated_windows(n, seed=seed * 100_003 + device * 1009 + done,
+                                             calibration_seed=seed * 100_003 + device)
         offsets = pa.array(np.arange(0, n * 80 + 1, 80, dtype=np.int32))
         pieces.append(pa.ListArray.from_arrays(offsets, pa.array(windows.reshape(-1), type=pa.float32())))
     # Default writer settings, as the real files were written: row groups of up to 1,048,576 rows.

@@ -46,19 +46,28 @@ class RawDevice:
     values: np.ndarray  # float64 (rows, 4): imu_x, imu_y, imu_z, gps_speed in m/s
 
 
-def _calibrated(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
-    offset = rng.normal(2048, 40, 3)
-    scale = rng.uniform(900.0, 1100.0, 3)
+def _calibrated(rng: np.random.Generator, shape: tuple[int, ...],
+                calibration: np.random.Generator | None = None) -> np.ndarray:
+    """12-bit sensor counts through one device's calibration (drawn from ``calibration``, or
+    from ``rng`` when not given), in g."""
+    source = rng if calibration is None else calibration
+    offset = source.normal(2048, 40, 3)
+    scale = source.uniform(900.0, 1100.0, 3)
     posture = rng.normal(0, 0.35, (shape[0], 1, 3)) + np.array([0.0, 0.0, 1.0])
     motion = rng.normal(0, 0.2, (*shape, 3)) * rng.uniform(0.05, 2.0, (shape[0], 1, 1))
     counts = np.clip(np.round((posture + motion) * scale + offset), 0, 4095)
     return (counts - offset) / scale
 
 
-def curated_windows(n_windows: int, *, seed: int) -> np.ndarray:
-    """Curated float32 windows (n, 20, 4), as the per-device Parquet files hold them."""
+def curated_windows(n_windows: int, *, seed: int, calibration_seed: int | None = None) -> np.ndarray:
+    """Curated float32 windows (n, 20, 4), as the per-device Parquet files hold them.
+
+    ``calibration_seed`` fixes the device's sensor calibration apart from the samples, so a
+    device generated in pieces (different ``seed`` each) keeps one calibration, as a tracker does.
+    """
     rng = np.random.default_rng(seed)
-    imu = np.clip(_calibrated(rng, (n_windows, WINDOW_LENGTH)), -2.0, 2.0)
+    calibration = None if calibration_seed is None else np.random.default_rng(calibration_seed)
+    imu = np.clip(_calibrated(rng, (n_windows, WINDOW_LENGTH), calibration), -2.0, 2.0)
     speed = np.round(rng.lognormal(0.0, 1.0, (n_windows, 1)), 2)
     speed = np.minimum(speed, 29.0) / Curation().gps_scale
     out = np.empty((n_windows, WINDOW_LENGTH, 4), dtype=np.float32)
