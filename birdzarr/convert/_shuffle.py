@@ -40,6 +40,11 @@ from birdzarr.format._spec import (
 
 BUCKET_WINDOWS = 262_144  # target windows per bucket: ~84 MB of float32 in memory in pass 2
 MAX_BUCKETS = 512  # open files in pass 1
+# Pass 1 keeps a device's windows per bucket until a piece is this large (or the device ends):
+# pieces of a block's share of 96 buckets (~170 windows at 25 M windows) made the per-piece
+# encoding overhead the conversion's main cost. All buckets together hold at most this many
+# windows (~88 MB); the spill files, and so the store, are the same.
+PASS1_BUFFER_WINDOWS = 2**18
 RECORD = np.dtype([
     ("window", "<f4", (WINDOW_LENGTH, N_CHANNELS)), ("device", "<i4"), ("label", "<i4"), ("timestamp", "<i8"),
 ])
@@ -146,6 +151,15 @@ def write_shuffled(
 
         draw = np.random.default_rng(seed)
         summaries: dict[int, DeviceSummary] = {}
+        piece_windows = max(256, PASS1_BUFFER_WINDOWS // max(1, buckets))
+        held: dict[int, list[np.ndarray]] = collections.defaultdict(list)  # bucket -> records
+        held_windows = np.zeros(max(1, buckets), dtype=np.int64)
+
+        def release(bucket: int) -> None:
+            parts = held.pop(bucket)
+            held_windows[bucket] = 0
+            spill_piece(bucket, parts[0] if len(parts) == 1 else np.concatenate(parts))
+
         for device_id, sources, blocks in devices:
             summarizer = Summarizer(device_id, sources, start=None)  # scattered: no range
             for block in blocks:
@@ -157,7 +171,13 @@ def write_shuffled(
                 records = _records(device_id, block)[order]
                 bounds = np.searchsorted(target[order], np.arange(buckets + 1))
                 for bucket in np.flatnonzero(np.diff(bounds)).tolist():
-                    spill_piece(bucket, records[bounds[bucket] : bounds[bucket + 1]])
+                    # a copy: a view would keep the whole block alive until its bucket is released
+                    held[bucket].append(records[bounds[bucket] : bounds[bucket + 1]].copy())
+                    held_windows[bucket] += bounds[bucket + 1] - bounds[bucket]
+                    if held_windows[bucket] >= piece_windows:
+                        release(bucket)
+            for bucket in sorted(held):  # a piece never mixes devices: it compresses as one
+                release(bucket)
             summaries[device_id] = summarizer.finish()
         while pieces:
             done_bucket, future = pieces.popleft()
