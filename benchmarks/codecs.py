@@ -122,10 +122,11 @@ def parquet_bytes(n_devices: int, n_windows: int) -> int:
 
 def write_grouped(array: Any, data: np.ndarray, devices: np.ndarray, path: str) -> None:
     """Store every chunk as the converter does: encoded with its windows' device ids."""
-    from birdzarr.format._codec import chunk_encoder
+    from birdzarr.format._codec import ChunkCodec
 
-    encode = chunk_encoder(array.metadata.to_dict()["codecs"])
-    assert encode is not None
+    codec = ChunkCodec.parse(array.metadata.to_dict()["codecs"])
+    assert codec is not None
+    encode = codec.encode
     size = array.chunks[0]
     for index, first in enumerate(range(0, len(data), size)):
         chunk, groups = data[first : first + size], devices[first : first + size]

@@ -215,15 +215,16 @@ def test_gdict16_chunk_encoder_matches_zarr_without_groups() -> None:
     """Without groups the fast path's bytes are zarr-python's; with groups zarr reads them back."""
     import zarr.storage
 
-    from birdzarr.format._codec import chunk_encoder
+    from birdzarr.format._codec import ChunkCodec
 
     windows, devices = _shuffled_devices(5, 400, seed=8)
     store = zarr.storage.MemoryStore()
     array = zarr.create_array(store, shape=windows.shape, chunks=windows.shape, dtype="float32",
                               fill_value=0.0, zarr_format=3, **gimu_codecs("gdict16"))
     array[:] = windows
-    encode = chunk_encoder(array.metadata.to_dict()["codecs"])
-    assert encode is not None
+    codec = ChunkCodec.parse(array.metadata.to_dict()["codecs"])
+    assert codec is not None
+    encode = codec.encode
     key = "c/0/0/0"
     stored = store._store_dict[key].to_bytes()
     assert encode(windows) == stored

@@ -48,7 +48,7 @@ def _distinct_and_codes(values: np.ndarray, run: int = 1) -> tuple[np.ndarray, n
 
     if run > 1 and len(values) % run == 0 and len(values):
         by_run = values.reshape(-1, run)
-        if (by_run == by_run[:, :1]).all():
+        if _constant_rows(by_run):
             found = _distinct_and_codes(np.ascontiguousarray(by_run[:, 0]))
             return None if found is None else (found[0], np.repeat(found[1], run))
 
@@ -251,7 +251,7 @@ def encode_gdict16(array: np.ndarray, groups: np.ndarray | None = None) -> bytes
     for c in range(n_channels):
         channel = bits[c].reshape(n_windows, n_per_window)
         # a channel constant within each window (gps_speed) is dictionary-coded per window
-        per_window = n_per_window > 1 and bool((channel == channel[:, :1]).all())
+        per_window = n_per_window > 1 and _constant_rows(channel)
         keys = (high[::n_per_window] if per_window else high) | (
             channel[:, 0] if per_window else channel.reshape(-1)
         ).astype(np.uint64)
@@ -381,8 +381,9 @@ def decode_gdict16(
 
 
 def _constant_rows(codes: np.ndarray) -> bool:
-    """Whether every row of a (windows, values) code array repeats its first code; a few rows
-    are tried first, so a channel that varies (the IMU axes) costs almost nothing to rule out."""
+    """Whether every row of a (windows, samples) array repeats its first entry (one value a
+    window, as gps_speed); a few rows are tried first, so a channel that varies (the IMU axes)
+    costs almost nothing to rule out."""
     head = codes[:16]
     return bool((head == head[:, :1]).all()) and bool((codes == codes[:, :1]).all())
 
@@ -476,8 +477,6 @@ def strip_crc32c(data: bytes) -> memoryview:
     return memoryview(data)[:-4]
 
 
-ChunkEncoder = Callable[..., bytes]  # (chunk, groups=None) -> bytes
-
 _BLOSC = Blosc()  # decoding needs no settings: every blosc frame describes itself
 _SCRATCH = threading.local()  # per decoding thread: a reusable blosc output buffer
 
@@ -560,6 +559,10 @@ class ChunkCodec:
         data = bytes(self.compressor.encode(body))
         return with_crc32c(data) if self.crc32c else data
 
+    def payload(self, data: bytes) -> bytes:
+        """The checked, decompressed bytes of a chunk (new memory), before the window codec."""
+        return blosc_decode(strip_crc32c(data) if self.crc32c else data)
+
     def decode(self, data: bytes, shape: tuple[int, ...], out: np.ndarray | None = None) -> np.ndarray:
         """One whole chunk of ``shape`` from its stored bytes; float32 window chains decode into
         ``out`` when it is a C-contiguous float32 array of that shape. Damaged bytes raise
@@ -585,12 +588,6 @@ class ChunkCodec:
         for channel in range(n_channels):  # 4x faster here than one 3-D transposed copy
             target[:, :, channel] = channel_major[channel]
         return target
-
-
-def chunk_encoder(codecs: list[dict[str, Any]]) -> ChunkEncoder | None:
-    """``ChunkCodec.parse(codecs).encode``, or None for a chain format version 1 does not write."""
-    codec = ChunkCodec.parse(codecs)
-    return None if codec is None else codec.encode
 
 
 def per_window_codecs() -> dict[str, Any]:

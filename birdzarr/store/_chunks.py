@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from birdzarr._errors import CorruptChunkError, MissingChunkError, NotAStoreError
-from birdzarr.format._codec import ChunkCodec, blosc_decode, parse_dict16, strip_crc32c
+from birdzarr.format._codec import ChunkCodec, parse_dict16
 from birdzarr.format._spec import DEVICE, GIMU, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH
 from birdzarr.storage._location import Location
 
@@ -173,7 +173,7 @@ class ChunkReader:
         fetched = self._fetch(layout, index)
         try:
             assert layout.codec is not None
-            body = parse_dict16(blosc_decode(strip_crc32c(fetched) if layout.codec.crc32c else fetched))
+            body = parse_dict16(layout.codec.payload(fetched))
         except (ValueError, RuntimeError, IndexError) as exc:
             raise CorruptChunkError(
                 f"{self.location.display}: chunk '{layout.name}/{layout.key(index)}' cannot be decoded "
