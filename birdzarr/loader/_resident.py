@@ -119,6 +119,7 @@ class ResidentSelection:
         self.chunk_bounds = chunk_bounds  # int64: first resident row of each chunk; len chunks + 1
         self.ldt = ldt
         self.global_index = global_index  # the store's window index of each resident row
+        self._offsets32: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.global_index)
@@ -277,16 +278,31 @@ class ResidentSelection:
         return fill
 
     def _decode_on_host(self, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """Gather the rows' codes and look them up in their chunks' dictionaries (numpy: int32
-        index arithmetic in place and ``take`` with ``mode="clip"`` are several times faster
-        here than torch's advanced indexing on the CPU)."""
-        assert self.table is not None and self.table_offsets is not None and self.chunk_bounds is not None
-        index = self.x.numpy().view(np.uint16)[rows].astype(np.int32)
+        """Gather the rows' codes and look them up in their chunks' dictionaries.
+
+        Measured on the benchmark's 2.5 M-window store (306 chunks, a 16 MB table), one batch of
+        8192 windows: adding each window's four dictionary offsets as one contiguous row (``tile``)
+        instead of a broadcast over the short channel axis, and torch's ``index_select`` with
+        int32 indices instead of numpy's ``take``, cost 7.0 against 10.4 ms (medians of 40
+        alternating batches; the lookups miss the caches, and ``index_select`` overlaps more of
+        them)."""
+        assert self.table is not None and self.chunk_bounds is not None
+        index = self.x.numpy().view(np.uint16)[rows].astype(np.int32)  # (batch, 20, 4)
         chunk = np.searchsorted(self.chunk_bounds.numpy(), rows, side="right") - 1
-        index += self.table_offsets.numpy()[chunk].astype(np.int32)[:, None, :]
+        by_window = index.reshape(len(rows), _VALUES)
+        by_window += np.tile(self._host_offsets()[chunk], (1, WINDOW_LENGTH))  # channel-last rows
         out = np.empty(index.shape, np.float32) if out is None else out
-        np.take(self.table.numpy(), index, out=out, mode="clip")  # offsets point inside the table
+        torch.index_select(self.table, 0, torch.from_numpy(index.reshape(-1)),
+                           out=torch.from_numpy(out).view(-1))  # view: never a silent copy
         return out
+
+    def _host_offsets(self) -> np.ndarray:
+        """Where each chunk's four dictionaries start in the table, as int32 (the table of a
+        selection that fits in memory has far fewer than 2**31 entries)."""
+        if self._offsets32 is None:
+            assert self.table_offsets is not None
+            self._offsets32 = self.table_offsets.numpy().astype(np.int32)
+        return self._offsets32
 
 
 def _size(n: float) -> str:
