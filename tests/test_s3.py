@@ -304,7 +304,7 @@ def test_optional_obstore_fetcher(
     proxy.inject("503", 2, path_contains="/gimu/c/1/")
     assert np.array_equal(bits(store.windows[: 3 * CHUNK]), bits(s3_store.windows[: 3 * CHUNK]))
     log = proxy.requests()
-    assert Counter(r.method for r in log) == {"GET": 5} and sum(r.fault == "503" for r in log) == 2
+    assert Counter(r.method for r in log) == {"GET": 5} and sum(r.fault == "503" for r in log) == 2, log
     assert _storage._obstore_pid == os.getpid()
     with pytest.raises(MissingChunkError, match="gimu/c/99/0/0"):
         _storage.read_object(store.location, "gimu/c/99/0/0")
