@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -51,6 +52,23 @@ class ChunkSink:
             for name, array in arrays.items()
         }
         self.chunk_windows = {name: int(array.chunks[0]) for name, array in arrays.items()}
+        # One pool for every slab (not one per slab): the slabs in flight at once share the
+        # ``workers`` threads instead of starting ``workers`` more each.
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._made: set[str] = set()  # local chunk directories known to exist
+
+    def close(self) -> None:
+        """Stop the encoding threads (after the last ``write``)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:  # two slab threads may ask at once
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="birdzarr-encode")
+            return self._pool
 
     def can_write(self, start: int) -> bool:
         return all(c is not None for c in self.codecs.values()) and all(
@@ -72,9 +90,9 @@ class ChunkSink:
                 for task in tasks:
                     self._put(*task)
             return
-        with ThreadPoolExecutor(self.workers, thread_name_prefix="birdzarr-encode") as pool:
-            for future in [pool.submit(self._put, *task) for task in tasks]:
-                future.result()
+        pool = self._executor()
+        for future in [pool.submit(self._put, *task) for task in tasks]:
+            future.result()
 
     def _put(self, name: str, array: Any, index: int, values: np.ndarray, groups: np.ndarray | None) -> None:
         shape = (self.chunk_windows[name], *array.shape[1:])
@@ -89,6 +107,15 @@ class ChunkSink:
         assert codec is not None
         key = array.metadata.encode_chunk_key((index,) + (0,) * (len(shape) - 1))
         path = self.location.join(array.path, key)
-        if self.location.is_local:  # object stores have no directories; local files need them
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-        self.location.fs.pipe_file(path, codec.encode(np.ascontiguousarray(values), groups))
+        data = codec.encode(np.ascontiguousarray(values), groups)
+        if not self.location.is_local:
+            self.location.fs.pipe_file(path, data)
+            return
+        # Local files: a plain write (what fsspec's local pipe_file does, without its layers),
+        # and each chunk directory made once (object stores have no directories)
+        directory = os.path.dirname(path)
+        if directory not in self._made:
+            os.makedirs(directory, exist_ok=True)
+            self._made.add(directory)
+        with open(path, "wb") as handle:
+            handle.write(data)

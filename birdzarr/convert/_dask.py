@@ -134,9 +134,12 @@ def write_span(span: Span, dest_url: str, dest_options: dict[str, Any], curation
     slabs = SlabWriter(location, writable_arrays(group), start=span.start,
                        slab_chunks=SLAB_CHUNKS, workers=encode_threads, in_flight=0)
     summaries: dict[int, DeviceSummary] = {}
-    for device_id, block in _span_blocks(span, curation, on_bad_rows, summaries):
-        slabs.add(device_id, block)
-    slabs.drain()
+    try:
+        for device_id, block in _span_blocks(span, curation, on_bad_rows, summaries):
+            slabs.add(device_id, block)
+        slabs.drain()
+    finally:
+        slabs.close()
     if slabs.written != span.stop:
         raise BadInputError(f"windows {span.start}-{span.stop}: wrote up to {slabs.written}; input changed?")
     return summaries

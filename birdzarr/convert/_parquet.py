@@ -52,6 +52,16 @@ def _schema_problem(schema: pa.Schema) -> str | None:
     return None
 
 
+def _values(array: pa.Array, dtype: type[np.generic]) -> np.ndarray:
+    """A primitive array without nulls as numpy, without copying. ``to_numpy`` does the same
+    through pyarrow's pandas conversion, which imports pandas (0.3 s) on its first call and
+    costs a little on every call."""
+    item = np.dtype(dtype).itemsize
+    if not len(array):  # an empty array may have no data buffer at all
+        return np.empty(0, dtype=dtype)
+    return np.frombuffer(array.buffers()[1], dtype=dtype, count=len(array), offset=array.offset * item)
+
+
 def _exact_windows(column: pa.Array) -> np.ndarray | None:
     """The batch as float32 (n, 20, 4) without copying, if every row is 80 finite values."""
     if column.null_count or column.values.null_count:
@@ -62,11 +72,11 @@ def _exact_windows(column: pa.Array) -> np.ndarray | None:
             return None
         flat = column.flatten()
     else:
-        offsets = column.offsets.to_numpy()
+        offsets = _values(column.offsets, np.int64 if pa.types.is_large_list(column.type) else np.int32)
         if offsets[-1] - offsets[0] != n * WINDOW_VALUES or (np.diff(offsets) != WINDOW_VALUES).any():
             return None
         flat = column.values.slice(int(offsets[0]), n * WINDOW_VALUES)
-    values = flat.to_numpy(zero_copy_only=True)
+    values = _values(flat, np.float32)
     # A finite sum proves every value finite (NaN and inf propagate) and costs a tenth of
     # isfinite(); a sum that overflowed falls back to the exact check.
     if not np.isfinite(values.sum()) and not np.isfinite(values).all():

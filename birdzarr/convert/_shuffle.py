@@ -223,4 +223,4 @@ def _hash_in_order(hashers: dict[int, Any], records: np.ndarray) -> None:
     starts = np.flatnonzero(np.concatenate(([True], ids[1:] != ids[:-1])))
     for start, stop in zip(starts.tolist(), [*starts[1:].tolist(), len(ids)], strict=True):
         windows = np.ascontiguousarray(records["window"][by_device[start:stop]], dtype="<f4")
-        hashers[int(ids[start])].update(windows.tobytes())
+        hashers[int(ids[start])].update(windows)

@@ -95,6 +95,7 @@ class SlabWriter:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        self.sink.close()
 
     # -- inside ----------------------------------------------------------------------------------
     def _slab_room(self) -> int:

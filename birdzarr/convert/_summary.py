@@ -26,8 +26,14 @@ class WindowChecksum:
     def __init__(self) -> None:
         self._crc = 0
 
-    def update(self, data: bytes | memoryview) -> None:
-        self._crc = google_crc32c.extend(self._crc, data if isinstance(data, bytes) else bytes(data))
+    def update(self, data: bytes | memoryview | np.ndarray) -> None:
+        """Feed bytes, or a C-contiguous array's bytes: google_crc32c reads an array's buffer
+        in place (a memoryview it refuses, and ``bytes()`` of a block is a 5 MB copy)."""
+        if isinstance(data, memoryview):
+            data = bytes(data)
+        elif isinstance(data, np.ndarray):
+            data = np.ascontiguousarray(data).view(np.uint8)
+        self._crc = google_crc32c.extend(self._crc, data)
 
     def hexdigest(self) -> str:
         return f"{self._crc:08x}"
@@ -79,7 +85,7 @@ class Summarizer:
             return
         entry = self.entry
         if self._hasher is not None:
-            self._hasher.update(np.ascontiguousarray(block.windows, dtype="<f4").data.cast("B"))
+            self._hasher.update(np.ascontiguousarray(block.windows, dtype="<f4"))
         for label, count in zip(*label_counts(block.labels), strict=True):
             entry.label_counts[label] = entry.label_counts.get(label, 0) + count
         known = block.timestamps[block.timestamps != TIMESTAMP_UNKNOWN]

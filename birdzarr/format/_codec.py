@@ -44,7 +44,7 @@ def _distinct_and_codes(values: np.ndarray, run: int = 1) -> tuple[np.ndarray, n
     ``run``: values come in runs of this length (one window's samples of a channel); a channel
     constant within every run (gps_speed) is coded once per run, the same codes a quarter of the
     work cheaper."""
-    import pyarrow as pa  # only encoding needs it; readers and DataLoader workers never import it
+    import pandas as pd  # only encoding needs it; readers and DataLoader workers never import it
 
     if run > 1 and len(values) % run == 0 and len(values):
         by_run = values.reshape(-1, run)
@@ -52,17 +52,19 @@ def _distinct_and_codes(values: np.ndarray, run: int = 1) -> tuple[np.ndarray, n
             found = _distinct_and_codes(np.ascontiguousarray(by_run[:, 0]))
             return None if found is None else (found[0], np.repeat(found[1], run))
 
-    # A hash dictionary-encoding, then a sort of the few thousand distinct values: measured 30%
-    # faster than pandas' factorize and 5x faster than np.unique; the bytes are the same (the
-    # dictionary is sorted, so the first-seen order of the hash table does not matter).
-    encoded = pa.array(values).dictionary_encode()
-    distinct = encoded.dictionary.to_numpy()
+    # A hash factorisation, then a sort of the few thousand distinct values: pandas' hash table
+    # measured 1.7-2x faster than pyarrow's dictionary_encode and 5x faster than np.unique
+    # (alternating runs on stored chunks); the bytes are the same (the dictionary is sorted, so
+    # the first-seen order of the hash table does not matter). The distinct values are unique,
+    # so the default (unstable, SIMD) sort orders them as a stable one would.
+    first_seen, distinct = pd.factorize(values, sort=False)
     if len(distinct) > _MAX_CODES:
         return None
-    order = np.argsort(distinct, kind="stable")
+    distinct = np.asarray(distinct, dtype=values.dtype)
+    order = np.argsort(distinct)
     rank = np.empty(len(distinct), dtype=np.uint16)
     rank[order] = np.arange(len(distinct), dtype=np.uint16)
-    return distinct[order], rank[encoded.indices.to_numpy()]
+    return distinct[order], rank[first_seen]
 
 
 def encode_dict16(array: np.ndarray) -> bytes:
