@@ -73,7 +73,10 @@ class ResidentPlan:
 
     def rows(self, batch: int) -> torch.Tensor:
         """Resident rows of one batch, ascending (a batch is a set; sorted gathers are faster)."""
-        return torch.sort(self.order[int(self.offsets[batch]) : int(self.offsets[batch + 1])]).values
+        rows = self.order[int(self.offsets[batch]) : int(self.offsets[batch + 1])]
+        if rows.device.type == "cpu":  # numpy sorts 8192 int64 in 0.06 ms, torch in 0.38 ms
+            return torch.from_numpy(np.sort(rows.numpy()))
+        return torch.sort(rows).values
 
 
 def memory_limit() -> tuple[int, str]:
