@@ -293,6 +293,10 @@ def _csv_executor(devices: list[DeviceSource], workers: int) -> Executor:
             if size >= PROCESS_MIN_BYTES:
                 break
     if size >= PROCESS_MIN_BYTES and "fork" in multiprocessing.get_all_start_methods():
+        # pyarrow's to_numpy imports pandas on first use (0.2 s of CPU), and so do the encoders
+        # here: imported before the fork, once, instead of once in every worker
+        import pandas  # noqa: F401
+
         return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
     return ThreadPoolExecutor(workers, thread_name_prefix="birdzarr-csv")
 
