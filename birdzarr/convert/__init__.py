@@ -173,6 +173,9 @@ def _convert_here(
         else:
             for device_id, sources, blocks in inputs:
                 writer.write_device(device_id, blocks, sources)
+        # the last slabs are written (and waited for) before the clock stops: the time and CPU
+        # reported are the whole conversion's (commit only writes the root attributes)
+        writer.slabs.drain()
         seconds = time.perf_counter() - started
         extra.update(cpu_report(seconds, cpu, workers))
         require_windows(src.display, writer)

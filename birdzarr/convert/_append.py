@@ -257,6 +257,7 @@ def append_detailed(
                 blocks = duplicates.watch(device.device_id, blocks, existing)
                 writer.write_device(device.device_id, blocks, device.source_names())
         if work:
+            writer.slabs.drain()  # the last slabs written before the clock stops
             seconds = round(time.perf_counter() - started, 3)
             extra: dict[str, Any] = {"source": src.display, "seconds": seconds, "skipped_files": len(skipped)}
             if duplicates.counts:
