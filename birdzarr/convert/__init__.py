@@ -15,6 +15,7 @@ from birdzarr._progress import progress_bar
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._cpus import cpu_report, cpu_seconds, resolve_workers
 from birdzarr.convert._duplicates import DuplicateCounter
+from birdzarr.convert._memory import arrow_pool
 from birdzarr.convert._overwrite import check_destination, replacing, staged_location
 from birdzarr.convert._pipeline import counted, device_blocks
 from birdzarr.convert._shuffle import bucket_count, write_shuffled
@@ -152,7 +153,7 @@ def _convert_here(
     started, cpu = time.perf_counter(), cpu_seconds()
     workers = resolve_workers(workers)
     config = {"threading.max_workers": workers}
-    with zarr.config.set(config), StoreWriter(
+    with arrow_pool(), zarr.config.set(config), StoreWriter(
         dst, codec=codec, chunk_windows=chunk_windows, overwrite=overwrite, static_attrs=static,
         workers=workers,
     ) as writer, progress_bar(progress, desc=f"convert {kind}", unit=" windows") as bar:

@@ -24,6 +24,7 @@ import zarr
 from birdzarr._errors import AppendError, IncompleteStoreError
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._duplicates import DuplicateCounter, window_hashes
+from birdzarr.convert._memory import arrow_pool
 from birdzarr.convert._slabs import writable_arrays
 from birdzarr.convert._sources import DeviceSource, file_name, find_inputs
 from birdzarr.convert._writer import Writer, _now
@@ -236,7 +237,7 @@ def append_detailed(
     kind, devices = inputs.kind, inputs.devices
     started = time.perf_counter()
     config = {"threading.max_workers": workers} if workers else {}
-    with zarr.config.set(config), DuplicateCounter() as duplicates, AppendWriter(
+    with arrow_pool(), zarr.config.set(config), DuplicateCounter() as duplicates, AppendWriter(
         dst, lock_command=f"birdzarr append {src.display}"
     ) as writer:
         if kind != writer.meta.get("source_kind"):
