@@ -4,14 +4,17 @@ CPU seconds, cores used, store size against the Parquet source, peak memory, loa
     python benchmarks/convert.py                       # 186 devices, 1 M windows, CSV, shuffle
     python benchmarks/convert.py --windows 300000      # quicker
     python benchmarks/convert.py --workers 1 2 16      # on a larger machine
+    python benchmarks/convert.py --repeat 5            # median of 5 alternating runs each
 
 Generated data goes to --workdir (default: a temporary directory) and is removed at the end
 unless --keep is given. Each conversion runs in its own process (the CLI) so its peak RSS (whole
 process tree, sampled every 50 ms) and CPU time (children's rusage) are its own. Parquet MB/s
 counts float32 window bytes (320 per window), CSV MB/s counts CSV text bytes. The machine's load
 average (1 minute) is printed beside each run: on a shared machine the wall-clock figures are
-only comparable between runs of similar load; "MB per CPU s" is the robust one. The last table
-gives the ratios the targets of issue 15 are stated in.
+only comparable between runs of similar load; "MB per CPU s" is the robust one. With
+``--repeat R`` every conversion runs R times, the rounds interleaved (1 worker, 2 workers,
+--shuffle, CSV, then again), and each figure is the run of median seconds: on a shared machine a
+single run can be off by 20%. The last table gives the ratios the targets of issue 15 are stated in.
 """
 
 from __future__ import annotations
@@ -130,6 +133,8 @@ def main() -> int:
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--keep", action="store_true", help="keep the generated data and stores")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="runs of each conversion, interleaved; figures are the medians")
     args = parser.parse_args()
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="birdzarr-bench-convert-")
@@ -143,30 +148,52 @@ def main() -> int:
         corpus = os.path.join(workdir, f"parquet_{args.devices}_{args.windows}")
         make_parquet(corpus, dict(zip(ids, sizes, strict=True)), seed=0)
 
+        runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
+
         def run(name: str, workers: int, source: str, dest: str, *extra: str) -> dict[str, Any]:
             is_parquet = any(f.endswith(".parquet") for f in os.listdir(source))
             row = {"input": name, "workers": workers,
                    **convert_measured(source, os.path.join(workdir, dest), "--workers", str(workers), *extra,
                                       parquet=source if is_parquet else None)}
-            rows.append(row)
             print(table([row]), flush=True)
+            runs.setdefault((name, workers), []).append(row)
             return row
 
-        ordered = {w: run(f"parquet, {args.devices} devices", w, corpus, "corpus.zarr") for w in args.workers}
-        if not args.skip_shuffle:
-            shuffled = run(f"parquet, {args.devices} devices, --shuffle", most, corpus, "shuffled.zarr",
-                           "--shuffle", "--seed", "1", "--shuffle-tmp", workdir)
-        csv_rows = {}
+        def median(name: str, workers: int) -> dict[str, Any]:
+            """The run of median seconds (of ``--repeat``), in the summary tables."""
+            done = sorted(runs[(name, workers)], key=lambda r: float(r["seconds"]))
+            row = dict(done[(len(done) - 1) // 2])
+            if len(done) > 1:
+                row["runs"] = len(done)
+            rows.append(row)
+            return row
+
+        parquet_name = f"parquet, {args.devices} devices"
+        shuffle_name = f"parquet, {args.devices} devices, --shuffle"
+        csv_name = f"csv, {args.csv_devices} devices x {args.csv_parts} parts"
+        csv_dir = os.path.join(workdir, f"csv_{args.csv_devices}_{args.csv_bursts}")
         if not args.skip_csv:
-            csv_dir = os.path.join(workdir, f"csv_{args.csv_devices}_{args.csv_bursts}")
             make_csv(csv_dir, devices=args.csv_devices, bursts=args.csv_bursts, parts=args.csv_parts, seed=0)
-            csv_rows = {w: run(f"csv, {args.csv_devices} devices x {args.csv_parts} parts", w, csv_dir,
-                               "csv.zarr") for w in args.workers}
+        for round_ in range(max(1, args.repeat)):
+            order = args.workers if round_ % 2 == 0 else args.workers[::-1]
+            for w in order:
+                run(parquet_name, w, corpus, "corpus.zarr")
+            if not args.skip_shuffle:
+                run(shuffle_name, most, corpus, "shuffled.zarr",
+                    "--shuffle", "--seed", "1", "--shuffle-tmp", workdir)
+            if not args.skip_csv:
+                for w in order:
+                    run(csv_name, w, csv_dir, "csv.zarr")
+        ordered = {w: median(parquet_name, w) for w in args.workers}
+        if not args.skip_shuffle:
+            shuffled = median(shuffle_name, most)
+        csv_rows = {w: median(csv_name, w) for w in args.workers} if not args.skip_csv else {}
         if not args.skip_memory:
             for size in args.device_sizes:
                 source = os.path.join(workdir, f"one_{size}")
                 make_parquet(source, {900 + size % 97: size}, seed=1)
                 run(f"one device ({size:,} windows)", most, source, f"one_{size}.zarr")
+                median(f"one device ({size:,} windows)", most)
         print()
         print(table(rows))
         targets: list[dict[str, object]] = []
@@ -192,7 +219,9 @@ def main() -> int:
         print(table(targets))
         if args.json:
             with open(args.json, "w") as handle:
-                json.dump({"runs": rows, "targets": targets}, handle, indent=2, default=str)
+                every = [row for done in runs.values() for row in done]
+                results = {"runs": rows, "all_runs": every, "targets": targets}
+                json.dump(results, handle, indent=2, default=str)
     finally:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
