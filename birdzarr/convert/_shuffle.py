@@ -168,11 +168,13 @@ def write_shuffled(
                     continue
                 target = draw.integers(0, buckets, size=len(block))
                 order = np.argsort(target, kind="stable")
-                records = _records(device_id, block)[order]
+                records = _records(device_id, block)
                 bounds = np.searchsorted(target[order], np.arange(buckets + 1))
                 for bucket in np.flatnonzero(np.diff(bounds)).tolist():
-                    # a copy: a view would keep the whole block alive until its bucket is released
-                    held[bucket].append(records[bounds[bucket] : bounds[bucket + 1]].copy())
+                    # each bucket's windows gathered straight from the block (a new array, not
+                    # a view that would keep the whole block alive until the bucket is released;
+                    # and no permuted copy of the whole block first)
+                    held[bucket].append(records[order[bounds[bucket] : bounds[bucket + 1]]])
                     held_windows[bucket] += bounds[bucket + 1] - bounds[bucket]
                     if held_windows[bucket] >= piece_windows:
                         release(bucket)
