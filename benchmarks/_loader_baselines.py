@@ -19,9 +19,10 @@ from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 
 
 class BirdDataset(Dataset[torch.Tensor]):
-    """The old loader: every window of every per-device Parquet file in one float32 tensor.
+    """The in-RAM loader birdzarr replaces: every window of every per-device Parquet file in one
+    float32 tensor.
 
-    Loaded the way the old code did it: pandas reads each file, ``np.stack`` turns the column of
+    Loaded the way that loader does it: pandas reads each file, ``np.stack`` turns the column of
     per-row arrays into a matrix, and the per-device matrices are concatenated.
     """
 

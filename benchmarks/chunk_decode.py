@@ -80,7 +80,7 @@ def main() -> None:
         print(f"| {name}{' (without the fetch)' if name == 'blosc' else ''} | {value:.2f} |")
 
     config = next(c for c in store.gimu.metadata.to_dict()["codecs"] if c["name"] == "blosc")["configuration"]
-    shuffle = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}[config["shuffle"]]
+    shuffle = _codec._SHUFFLES[config["shuffle"]]
     variants = {
         f"{config['cname']} {config['clevel']}, automatic block": 0,
         f"{config['cname']} {config['clevel']}, 256 KiB blocks": 2**18,

@@ -3,8 +3,8 @@
     python benchmarks/reader_parts.py            # local steps (~10 s)
     python benchmarks/reader_parts.py --s3       # also an S3 client in a fresh worker (moto, ~20 s)
 
-The figures behind docs/benchmarks.md ("What changed since the previous measurement") and
-docs/cloud.md (the S3 client's cost per worker and per GET). Every row is the mean over
+The figures behind docs/training.md (the cost of a batch's chunk) and docs/cloud.md (the S3
+client's cost per worker and per GET). Every row is the mean over
 ``--repeat`` calls on an 8192-window chunk (2.6 MB of float32), after one warm-up call.
 """
 

@@ -316,8 +316,8 @@ def test_optional_obstore_fetcher(
 def test_overwrite_with_bad_input_keeps_the_old_store_on_s3(
     parquet_source: Any, moto: MotoEndpoint, bucket: str, tmp_path: Path  # noqa: F811
 ) -> None:
-    """Issue 14: the old store was cleared before the input was read; now it stays, byte for byte,
-    until the replacement (written under a sibling prefix) has committed."""
+    """Bad input for an overwrite leaves the old store on S3 byte for byte: the replacement is
+    written under a sibling prefix and replaces the old store only once it has committed."""
     from birdzarr._errors import BadInputError
 
     directory, _ = parquet_source

@@ -1,7 +1,4 @@
-"""Issue 14: never destroy what is not ours, no silent partial conversion, one-line errors.
-
-Each test here fails on the code before the fix (see the issue for the reproductions).
-"""
+"""Never destroy what is not ours, no silent partial conversion, one-line errors."""
 
 from __future__ import annotations
 
@@ -148,7 +145,7 @@ def test_copy_takes_the_destination_lock(csv_source: pathlib.Path, tmp_path: pat
 
 
 def test_memory_overwrite_with_bad_input_keeps_the_old_store(csv_source: pathlib.Path) -> None:
-    dest = "memory://issue14/keep.zarr"
+    dest = "memory://safety/keep.zarr"
     birdzarr.convert(csv_source, dest, progress=False)
     location = resolve(dest)
     before = {p: location.fs.cat_file(p) for p in location.fs.find(location.path)}
@@ -176,7 +173,8 @@ def test_local_overwrite_swap_keeps_dest_locked_or_committed(
     csv_source: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, exchange: bool
 ) -> None:
     """At every rename of the swap, DEST is a committed store or still locked by the swapper: a
-    concurrent writer can never take it (before the fix DEST did not exist between two renames)."""
+    concurrent writer can never take it (between the two renames no DEST exists, so the lock
+    must cover that moment)."""
     from birdzarr.convert import _overwrite
 
     dest = tmp_path / "s.zarr"
@@ -346,7 +344,7 @@ class _NoExclusive(MemoryFileSystem):
 
 def test_lock_fallback_is_loud_and_a_type_error_is_not_swallowed() -> None:
     fs = _NoExclusive(skip_instance_cache=True)
-    location = Location(url="memory://issue14/lock.zarr", fs=fs, path="/issue14/lock.zarr")
+    location = Location(url="memory://safety/lock.zarr", fs=fs, path="/safety/lock.zarr")
     with pytest.warns(FallbackWarning, match="cannot create a file exclusively .* best effort"):
         lock = StoreLock(location, "one").acquire()
     lock.release()
@@ -354,7 +352,7 @@ def test_lock_fallback_is_loud_and_a_type_error_is_not_swallowed() -> None:
     class Broken(_NoExclusive):
         error = TypeError
 
-    broken = Location(url="memory://issue14/l2", fs=Broken(skip_instance_cache=True), path="/issue14/l2")
+    broken = Location(url="memory://safety/l2", fs=Broken(skip_instance_cache=True), path="/safety/l2")
     with pytest.raises(TypeError):
         StoreLock(broken, "two").acquire()
 

@@ -26,11 +26,10 @@ class WindowBlock:
     def __len__(self) -> int:
         return int(self.windows.shape[0])
 
-    def device_column(self, device_id: int) -> np.ndarray:
-        """The device id of each window: ``devices``, or ``device_id`` repeated."""
-        if self.devices is not None:
-            return self.devices
-        return np.full(len(self), device_id, dtype=np.int32)
+    def device_ids(self, device_id: int) -> np.ndarray | int:
+        """The device id of each window, to assign into a column: ``devices``, or ``device_id``
+        itself (numpy broadcasts it; no array of copies is made)."""
+        return device_id if self.devices is None else self.devices
 
     def part(self, start: int, stop: int) -> WindowBlock:
         """Windows ``[start, stop)`` (views, no copies), with the whole block's report."""

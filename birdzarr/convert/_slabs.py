@@ -118,9 +118,8 @@ class SlabWriter:
                 for name, array in self.arrays.items()
             }
 
-    def _take(self, n: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """Remove the first ``n`` buffered windows; returns them as arrays (views of the slab
-        buffers, which are returned second)."""
+    def _take(self, n: int) -> dict[str, np.ndarray]:
+        """Remove the first ``n`` buffered windows into slab buffers (their first ``n`` rows)."""
         buffers = self._slab_buffers()
         at = 0
         while at < n:
@@ -129,26 +128,27 @@ class SlabWriter:
             buffers[GIMU][at : at + take] = block.windows[:take]
             buffers[TIMESTAMP][at : at + take] = block.timestamps[:take]
             buffers[LABEL][at : at + take] = block.labels[:take]
-            buffers[DEVICE][at : at + take] = device_id if block.devices is None else block.devices[:take]
+            devices = block.device_ids(device_id)
+            buffers[DEVICE][at : at + take] = devices if isinstance(devices, int) else devices[:take]
             if take == len(block):
                 self._buffer.pop(0)
             else:
                 self._buffer[0] = (device_id, block.tail(take))
             at += take
         self._buffered -= n
-        return {name: array[:n] for name, array in buffers.items()}, buffers
+        return buffers
 
     def _flush(self, n: int) -> None:
-        data, buffers = self._take(n)
+        buffers = self._take(n)
         start, stop = self.written, self.written + n
         if self._pool is not None:
             self._wait(self._in_flight - 1)
         self._grow(stop)
         self.written = stop
         if self._pool is None:
-            self._write_and_free(start, stop, data, buffers)
+            self._write_and_free(start, stop, buffers)
             return
-        self._pending.append(self._pool.submit(self._write_and_free, start, stop, data, buffers))
+        self._pending.append(self._pool.submit(self._write_and_free, start, stop, buffers))
 
     def _grow(self, stop: int) -> None:
         """Arrays that end before ``stop`` are resized to it (a Dask task's are already sized)."""
@@ -156,10 +156,8 @@ class SlabWriter:
             if array.shape[0] < stop:
                 array.resize((stop, *array.shape[1:]))
 
-    def _write_and_free(
-        self, start: int, stop: int, data: dict[str, np.ndarray], buffers: dict[str, np.ndarray]
-    ) -> None:
-        self._write_slab(start, stop, data)
+    def _write_and_free(self, start: int, stop: int, buffers: dict[str, np.ndarray]) -> None:
+        self._write_slab(start, stop, {name: array[: stop - start] for name, array in buffers.items()})
         self._free.append(buffers)  # written: the next slab may fill them (deque: thread-safe)
 
     def _write_slab(self, start: int, stop: int, data: dict[str, np.ndarray]) -> None:
