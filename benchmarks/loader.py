@@ -15,8 +15,9 @@ order, and pre-shuffled when ``birdzarr.convert`` has ``shuffle=``), then compar
   (e) an ideal in-RAM numpy gather of sorted random indices (no DataLoader: the upper limit)
   (g) torch's own transport: 2 workers that only hand over a new shared-memory batch each (what any
       loader pays that does not reuse shared memory, as WindowDataset does)
-  (f) birdzarr.WindowDataset, default settings and shuffle_buffer of 1, 4, 16 batches, on the
-      device-ordered and the pre-shuffled store
+  (f) birdzarr.WindowDataset, default settings, on the device-ordered and the pre-shuffled
+      store; and one chunk a batch (a pool of one 8192-window chunk of a --shuffle store written
+      in 8192-window chunks), the reference the default pools are measured against
 
 Every case runs in its own process. Reported: windows/s after the first batch (a full epoch, or
 the first --item-batches batches for the slow per-item loaders (b)-(d)), time to the first batch
@@ -58,8 +59,17 @@ def prepare(workdir: str, n_windows: int, n_devices: int, *, scale_check: bool, 
     import birdzarr
     from birdzarr.demo import _synthetic
 
+    shuffled: dict[str, Any] = {"shuffle": True, "seed": 0}
+    # one chunk a batch, the reference the default pools are measured against: a --shuffle store
+    # in 8192-window chunks (zstd keeps it as small as the default one)
+    one_batch_chunks = {**shuffled, "chunk_windows": BATCH, "compressor": "zstd"}
+    conversions = [("device", "parquet", {}), ("shuffled", "parquet", shuffled),
+                   ("shuffled8k", "parquet", one_batch_chunks)]
+    if scale_check:
+        conversions += [("device2x", "parquet2x", {}), ("shuffled2x", "parquet2x", shuffled)]
     meta_path = os.path.join(workdir, "meta.json")
-    wanted = {"windows": n_windows, "devices": n_devices, "scale_check": scale_check}
+    wanted = {"windows": n_windows, "devices": n_devices, "scale_check": scale_check,
+              "conversions": {name: options for name, _, options in conversions}}
     if os.path.exists(meta_path):
         with open(meta_path) as handle:
             meta = json.load(handle)
@@ -92,15 +102,11 @@ def prepare(workdir: str, n_windows: int, n_devices: int, *, scale_check: bool, 
         f"(largest device {max(sizes):,}, smallest {min(sizes):,})")
     has_shuffle = "shuffle" in inspect.signature(birdzarr.convert).parameters
     stores: dict[str, str] = {}
-    conversions = [("device", "parquet", False), ("shuffled", "parquet", True)]
-    if scale_check:
-        conversions += [("device2x", "parquet2x", False), ("shuffled2x", "parquet2x", True)]
-    for name, source, shuffled in conversions:
-        if shuffled and not has_shuffle:
+    for name, source, options in conversions:
+        if options and not has_shuffle:
             continue
         dest = os.path.join(workdir, f"{name}.zarr")
         started = time.perf_counter()
-        options = {"shuffle": True, "seed": 0} if shuffled else {}
         birdzarr.convert(paths[source], dest, overwrite=True, progress=False, **options)
         stores[name] = dest
         log(f"converted {name} store in {time.perf_counter() - started:.0f} s")
@@ -272,8 +278,8 @@ def cases(meta: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]
     shuffled = {"kind": "birdzarr", "store": "shuffled", "ldt": True}
     device = {"kind": "birdzarr", "store": "device", "ldt": True}
     out += [
-        {"label": "(f) WindowDataset pool of 1 chunk (one chunk a batch), --shuffle store", **shuffled,
-         "shuffle_buffer": BATCH},
+        {"label": "(f) one chunk a batch: pool of 1 chunk, --shuffle store in 8192-window chunks",
+         **shuffled, "store": "shuffled8k", "shuffle_buffer": BATCH},
         {"label": "(f) WindowDataset default, --shuffle store", **shuffled},
         {"label": "(f) WindowDataset default, x only, --shuffle store", **shuffled, "ldt": False},
         {"label": "(f) WindowDataset default, --shuffle store, split=train", **shuffled, "split": "train"},

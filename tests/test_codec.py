@@ -237,17 +237,19 @@ def test_gdict16_chunk_encoder_matches_zarr_without_groups() -> None:
 
 
 def test_gdict16_shuffled_chunk_is_smaller_than_parquet() -> None:
-    """A chunk mixing 40 calibrated devices: dict16 falls back to raw floats, gdict16 stays
-    below the per-device Parquet size (~2.2x, CONTEXT.md)."""
+    """A shuffled store's chunk (its default size and compressor) mixing 40 calibrated devices:
+    dict16 falls back to raw floats, gdict16 stays below the per-device Parquet size (~2.2x,
+    CONTEXT.md)."""
     from numcodecs import Blosc
 
-    from birdzarr.format._codec import GDICT16_CLEVEL, GDICT16_CNAME, ZSTD_BLOCKSIZE, encode_gdict16
+    from birdzarr.format._codec import DEFAULT_CLEVEL, DEFAULT_CNAME, encode_gdict16
+    from birdzarr.format._spec import SHUFFLED_CHUNK_WINDOWS
 
-    windows, devices = _shuffled_devices(40, 205, seed=5)
-    windows, devices = windows[:8192], devices[:8192]
-    zstd = Blosc(cname=GDICT16_CNAME, clevel=GDICT16_CLEVEL, shuffle=Blosc.BITSHUFFLE,
-                 blocksize=ZSTD_BLOCKSIZE, typesize=2)
-    assert windows.nbytes / len(zstd.encode(encode_gdict16(windows, devices))) > 2.2
+    windows, devices = _shuffled_devices(40, 820, seed=5)
+    windows, devices = windows[:SHUFFLED_CHUNK_WINDOWS], devices[:SHUFFLED_CHUNK_WINDOWS]
+    lz4 = Blosc(cname=DEFAULT_CNAME, clevel=DEFAULT_CLEVEL, shuffle=Blosc.BITSHUFFLE, typesize=2)
+    codes = np.frombuffer(encode_gdict16(windows, devices), np.uint16)  # typesize 2, as zarr's chain
+    assert windows.nbytes / len(lz4.encode(codes)) > 2.2
 
 
 def _reference_dict16(array: np.ndarray) -> bytes:

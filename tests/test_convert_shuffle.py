@@ -113,10 +113,10 @@ def test_shuffle_csv_counts_and_cli(
 
 def test_the_compressor_is_an_option_and_recorded(parquet_source, tmp_path) -> None:  # type: ignore[no-untyped-def]
     directory, _ = parquet_source
-    lz4 = birdzarr.convert(directory, tmp_path / "lz4.zarr", shuffle=True, seed=1, compressor="lz4",
-                           chunk_windows=4096, progress=False)
-    zstd = birdzarr.convert(directory, tmp_path / "zstd.zarr", shuffle=True, seed=1, chunk_windows=4096,
-                            progress=False)
+    lz4 = birdzarr.convert(directory, tmp_path / "lz4.zarr", shuffle=True, seed=1, chunk_windows=4096,
+                           progress=False)  # the default
+    zstd = birdzarr.convert(directory, tmp_path / "zstd.zarr", shuffle=True, seed=1, compressor="zstd",
+                            chunk_windows=4096, progress=False)
     for store, recorded in ((lz4, {"cname": "lz4", "clevel": 5}),
                             (zstd, {"cname": "zstd", "clevel": 1, "blocksize": 2**18})):
         assert store.meta["layout"]["compressor"] == recorded

@@ -71,9 +71,10 @@ def add_convert(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
                         "device: the default with --shuffle) or standard (blosc only: TensorStore and "
                         "plain zarr read it)")
     p.add_argument("--compressor", choices=("lz4", "lz4hc", "zstd", "blosclz", "zlib"), default=None,
-                   help="blosc compressor after the codec (default lz4; zstd for gdict16): smaller "
-                        "with zstd, faster to read with lz4")
-    p.add_argument("--chunk-windows", type=int, default=8192, help="windows per chunk (default 8192)")
+                   help="blosc compressor after the codec (default lz4): smaller with zstd, faster to "
+                        "read with lz4")
+    p.add_argument("--chunk-windows", type=int, default=None,
+                   help="windows per chunk (default 8192; 32768 with --shuffle)")
     p.add_argument("--on-bad-rows", choices=("error", "skip"), default="error",
                    help="stop at the first malformed row (default) or skip and count them")
     p.add_argument("--skip-unknown-files", action="store_true",

@@ -22,7 +22,13 @@ from birdzarr.convert._shuffle import bucket_count, write_shuffled
 from birdzarr.convert._sources import DeviceSource, find_inputs
 from birdzarr.convert._writer import StoreWriter
 from birdzarr.format._codec import compressor_of
-from birdzarr.format._spec import MIXED_LABEL_POLICY, WINDOW_RULE, Curation
+from birdzarr.format._spec import (
+    DEFAULT_CHUNK_WINDOWS,
+    MIXED_LABEL_POLICY,
+    SHUFFLED_CHUNK_WINDOWS,
+    WINDOW_RULE,
+    Curation,
+)
 from birdzarr.storage._location import Location, StoreLike, require_writable, resolve
 
 if TYPE_CHECKING:
@@ -40,7 +46,7 @@ def convert(
     overwrite: bool = False,
     codec: str | None = None,
     compressor: str | None = None,
-    chunk_windows: int = 8192,
+    chunk_windows: int | None = None,
     on_bad_rows: str = "error",
     curation: Curation | None = None,
     workers: int | None = None,
@@ -75,8 +81,10 @@ def convert(
     chunk mixing all devices holds too many distinct values for dict16, gdict16 keeps one
     dictionary per device; docs/format.md#gdict16) or ``"standard"`` (readable without
     birdzarr). ``compressor`` is the blosc compressor after the codec (``"lz4"``, ``"zstd"``,
-    ``"lz4hc"``, ...; default lz4 level 5, zstd level 1 for gdict16): a size against decode-speed
-    trade (docs/format.md). ``workers`` is the number of processes or threads doing conversion work (default:
+    ``"lz4hc"``, ...; default lz4 level 5): a size against decode-speed trade (docs/format.md).
+    ``chunk_windows`` is the windows per chunk (default 8192; 32768 for shuffled stores, whose
+    chunks hold ~190 per-device dictionaries: larger chunks share them over more windows).
+    ``workers`` is the number of processes or threads doing conversion work (default:
     all usable cores, as CPU affinity and the cgroup quota allow; 1: all in the calling thread);
     it never changes the stored bytes. ``client`` (a
     ``distributed.Client``) runs the reading, curation and chunk writing on a Dask cluster
@@ -86,6 +94,8 @@ def convert(
 
     if on_bad_rows not in ON_BAD_ROWS:
         raise ValueError(f"on_bad_rows must be one of {ON_BAD_ROWS}, got {on_bad_rows!r}")
+    if chunk_windows is None:
+        chunk_windows = SHUFFLED_CHUNK_WINDOWS if shuffle else DEFAULT_CHUNK_WINDOWS
     if chunk_windows < 1:
         raise ValueError("chunk_windows must be positive")
     if codec is None:
@@ -103,7 +113,7 @@ def convert(
         else {"applied_by": "source", "note": "Parquet input holds windows curated before conversion"}
     )
     layout: dict[str, Any] = {
-        "codec": codec, "compressor": compressor_of(codec, compressor),
+        "codec": codec, "compressor": compressor_of(compressor),
         "chunk_windows": chunk_windows, "shuffled": False,
     }
     static: dict[str, Any] = {

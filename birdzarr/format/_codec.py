@@ -4,7 +4,7 @@
 channel. Sensor values are calibrated integer counts, so one chunk holds only a few thousand
 distinct float32 values per channel: the codec stores, per channel, the sorted distinct values and
 a uint16 code per value (channel-major), and falls back to raw channel-major float32 when a
-channel has more than 65,535 distinct values. A standard bytes-to-bytes compressor (blosc zstd
+channel has more than 65,535 distinct values. A standard bytes-to-bytes compressor (blosc
 with bit-shuffle, typesize 2) follows it in the chain. The byte layout is specified in
 docs/format.md; it is lossless for every float32 bit pattern, NaN included.
 """
@@ -431,31 +431,31 @@ class GDict16Codec(_WindowCodec):
 register_codec(GDICT16, GDict16Codec)
 
 CODECS = ("dict16", "gdict16", "standard")
-# gdict16 (shuffled stores): after per-device dictionaries the codes of ~190 devices are mixed,
-# and only an entropy coder finds their skew: blosc zstd level 1 stores 1.35x less than lz4
-# (docs/format.md#gdict16).
-GDICT16_CNAME: Any = "zstd"
-GDICT16_CLEVEL = 1
+ZSTD_CLEVEL = 1  # blosc zstd level 1 (zstd's own level 1): higher levels encode 3-4x slower
 # Blosc's automatic block for zstd level 1 is small; 256 KiB blocks decode a shuffled store's
 # chunk 1.55x and encode it 1.15x faster, and store 0.6% less (benchmarks/chunk_decode.py).
 ZSTD_BLOCKSIZE = 2**18
 
 
-def compressor_of(codec: str, cname: str | None = None) -> dict[str, Any]:
-    """The blosc compressor (cname, clevel, blocksize when not automatic) of a codec's ``gimu``
-    chain, as the layout records it: the codec's default, or ``cname`` at its usual settings
-    (zstd level 1 in 256 KiB blocks, the others level 5)."""
+def compressor_of(cname: str | None = None) -> dict[str, Any]:
+    """The blosc compressor (cname, clevel, blocksize when not automatic) of the ``gimu`` chain,
+    as the layout records it: ``cname`` (default lz4) at its usual settings (zstd level 1 in
+    256 KiB blocks, the others level 5)."""
     if cname is None:
-        cname = GDICT16_CNAME if codec == "gdict16" else DEFAULT_CNAME
+        cname = DEFAULT_CNAME
     if cname not in CNAMES:
         raise ValueError(f"unknown blosc compressor {cname!r}; choose one of {', '.join(CNAMES)}")
     if cname == "zstd":
-        return {"cname": "zstd", "clevel": GDICT16_CLEVEL, "blocksize": ZSTD_BLOCKSIZE}
+        return {"cname": "zstd", "clevel": ZSTD_CLEVEL, "blocksize": ZSTD_BLOCKSIZE}
     return {"cname": cname, "clevel": DEFAULT_CLEVEL}
+
+
 CNAMES = ("zstd", "lz4", "lz4hc", "blosclz", "zlib")
-# Chosen by measurement (docs/format.md#codec-and-chunk-size-measured): after dict16, lz4 costs
-# ~9% in size against zstd level 1 but decodes 1.6x faster per core (the DataLoader workers'
-# cost) and writes 11% more per CPU second.
+# Chosen by measurement (docs/format.md#codec-and-chunk-size-measured), for both codecs. After
+# dict16, lz4 costs ~9% in size against zstd level 1 but decodes 1.6x faster per core (the
+# DataLoader workers' cost) and writes 11% more per CPU second. After gdict16 (shuffled stores,
+# 32768-window chunks), lz4 decodes 1.7x and encodes 2x faster than zstd level 1 for a store
+# 1.15x larger, still 0.86x the Parquet source; zstd is the choice when bytes matter more.
 DEFAULT_CNAME = "lz4"
 DEFAULT_CLEVEL = 5
 
@@ -468,7 +468,7 @@ def gimu_codecs(
     ``clevel`` and ``blocksize`` say otherwise; blocksize 0 is blosc's automatic choice)."""
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
-    default = compressor_of(codec, cname)
+    default = compressor_of(cname)
     cname = default["cname"]
     clevel = default["clevel"] if clevel is None else clevel
     blocksize = default.get("blocksize", 0) if blocksize is None else blocksize

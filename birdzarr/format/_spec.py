@@ -45,6 +45,11 @@ TIMESTAMP_UNKNOWN = -(2**63)
 LABEL_UNLABELLED = -1
 
 DEFAULT_CHUNK_WINDOWS = 8192
+# A shuffled store's chunk is a uniform sample of every device, so it holds ~190 per-device
+# dictionaries: in chunks of 32768 windows each is shared by 4x more windows than in 8192, which
+# makes the store 0.75x the size with the same compressor and decoding cheaper per window
+# (docs/format.md, shuffled stores).
+SHUFFLED_CHUNK_WINDOWS = 32768
 
 # The window rule, recorded verbatim in every store converted from CSV.
 WINDOW_RULE = (

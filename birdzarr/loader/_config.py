@@ -18,7 +18,10 @@ import torch
 from birdzarr.loader._selection import SPLIT_BY, SPLITS
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
-DEFAULT_SHUFFLE_BUFFER = 2**18  # windows per pool: 80 MiB of float32, 32 chunks of 8192
+# windows per pool: 160 MiB of float32, 16 chunks of a shuffled store (32768 windows), 64 of 8192.
+# Pair co-occurrence grows with n_windows x chunk_windows / shuffle_buffer**2: this keeps it
+# under 4 at 25 M windows (docs/training.md#shuffle-quality)
+DEFAULT_SHUFFLE_BUFFER = 2**19
 
 
 def _ids(devices: Iterable[int] | None) -> tuple[int, ...] | None:

@@ -89,7 +89,7 @@ class WindowDataset(IterableDataset[Batch]):
             ``"device"`` (default: birds stay on one side) or ``"window"`` (a seeded per-window
             split, one bird on both sides); ``val_fraction`` and ``split_seed`` set it.
         shuffle_buffer: windows shuffled together per pool, rounded up to whole chunks (default
-            262,144 = 80 MiB of float32 per reader). Larger pools make batches less likely to meet
+            524,288 = 160 MiB of float32 per reader). Larger pools make batches less likely to meet
             again next epoch (docs/training.md#shuffle-quality).
         prefetch: chunks fetched and decoded at once per reader (raise it for object stores).
         transform: optional callable applied to each batch tensor ``x`` in the reader.
