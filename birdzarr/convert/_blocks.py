@@ -22,6 +22,10 @@ class WindowBlock:
     labels: np.ndarray  # int32 (n,)
     report: DeviceReport  # what producing this block read, wrote and dropped
     devices: np.ndarray | None = None  # int32 (n,), only in blocks that mix devices
+    # (n, channels, samples): the windows as codes into per-device dictionaries, from which the
+    # shuffle's writer encodes gdict16 chunks without a sort (birdzarr/convert/_gdict_encode.py);
+    # a block with codes is written from them alone, its ``windows`` may be a placeholder
+    codes: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.windows.shape[0])
@@ -33,10 +37,11 @@ class WindowBlock:
 
     def part(self, start: int, stop: int) -> WindowBlock:
         """Windows ``[start, stop)`` (views, no copies), with the whole block's report."""
-        devices = None if self.devices is None else self.devices[start:stop]
         window = slice(start, stop)
+        devices = None if self.devices is None else self.devices[window]
+        codes = None if self.codes is None else self.codes[window]
         return WindowBlock(
-            self.windows[window], self.timestamps[window], self.labels[window], self.report, devices
+            self.windows[window], self.timestamps[window], self.labels[window], self.report, devices, codes
         )
 
     def tail(self, start: int) -> WindowBlock:

@@ -6,11 +6,15 @@ it with a generator seeded with ``(seed, bucket)`` and appends it to the store. 
 per window followed by a uniform permutation inside each bucket is a uniform permutation of all
 windows, and the same input and seed give the same store.
 
+Pass 1 spills each window as codes into its device's dictionaries (``DeviceCoder``: a device's
+distinct values per channel, found as its windows pass in order). After it, every device's
+sorted dictionaries form a ``DictionaryTable``, and pass 2 hands the writer codes into it, from
+which gdict16 chunks are encoded without sorting (``_gdict_encode.py``).
+
 Where the bytes go: the bucket files live in a fresh ``birdzarr-shuffle-*`` directory under
-``tmp_dir`` (default: the system temporary directory, ``$TMPDIR``), hold every window once,
-compressed with the store's own dict16 + lz4 chain (each spilled piece comes from one device,
-so it compresses about 3x, like an unshuffled store), and are removed when the conversion ends,
-whether it succeeds or fails.
+``tmp_dir`` (default: the system temporary directory, ``$TMPDIR``), hold every window once as
+uint16 codes compressed with lz4 (about 3x smaller than float32), and are removed when the
+conversion ends, whether it succeeds or fails.
 """
 
 from __future__ import annotations
@@ -23,37 +27,47 @@ import struct
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import numpy as np
 from numcodecs import Blosc
 
 from birdzarr.convert._blocks import WindowBlock
-from birdzarr.convert._summary import DeviceSummary, Summarizer, checksum_hasher
+from birdzarr.convert._gdict_encode import DeviceCoder, DictionaryTable
+from birdzarr.convert._summary import DeviceSummary, Summarizer, WindowChecksum, checksum_hasher
 from birdzarr.convert._writer import StoreWriter
-from birdzarr.format._codec import decode_dict16, encode_dict16
 from birdzarr.format._spec import (
+    GIMU,
     N_CHANNELS,
     WINDOW_LENGTH,
     DeviceReport,
 )
 
-BUCKET_WINDOWS = 262_144  # target windows per bucket: ~84 MB of float32 in memory in pass 2
+BUCKET_WINDOWS = 131_072  # target windows per bucket (pass 2 holds about two: docs/conversion.md)
 MAX_BUCKETS = 512  # open files in pass 1
 # Pass 1 keeps a device's windows per bucket until a piece is this large (or the device ends):
 # pieces of a block's share of 96 buckets (~170 windows at 25 M windows) made the per-piece
 # encoding overhead the conversion's main cost. All buckets together hold at most this many
-# windows (~88 MB); the spill files, and so the store, are the same.
+# windows (~44 MB of uint16 codes); the spill files, and so the store, are the same.
 PASS1_BUFFER_WINDOWS = 2**18
-RECORD = np.dtype([
-    ("window", "<f4", (WINDOW_LENGTH, N_CHANNELS)), ("device", "<i4"), ("label", "<i4"), ("timestamp", "<i8"),
-])
-_FRAME = struct.Struct("<QQQ")  # records, bytes of the windows blob, bytes of the metadata blob
-_WINDOWS_CODEC = Blosc(cname="lz4", clevel=5, shuffle=Blosc.BITSHUFFLE)  # after dict16
+# A piece: windows, device id, bytes per code, bytes of the codes blob, bytes of the metadata blob
+_FRAME = struct.Struct("<QqQQQ")
+# Byte shuffle, not bit shuffle, before lz4: on dict16-style codes it measured 0.95x the size,
+# 1.6x faster to encode and 7x faster to decode
+_CODES_CODEC = Blosc(cname="lz4", clevel=5, shuffle=Blosc.SHUFFLE)
 _META_CODEC = Blosc(cname="lz4", clevel=5, shuffle=Blosc.SHUFFLE)
-_META = np.dtype([("device", "<i4"), ("label", "<i4"), ("timestamp", "<i8")])
-_META_FIELDS = ("device", "label", "timestamp")
-_RECORD_FIELDS = ("window", *_META_FIELDS)
+_META = np.dtype([("label", "<i4"), ("timestamp", "<i8")])
+
+
+@dataclass
+class _Piece:
+    """Windows of one device spilled together: codes ``(channels, n, samples)`` into the
+    device's dictionaries (``DeviceCoder``), labels and times (``_META``)."""
+
+    device_id: int
+    codes: np.ndarray
+    meta: np.ndarray
 
 
 def bucket_count(estimated_windows: int) -> int:
@@ -62,58 +76,47 @@ def bucket_count(estimated_windows: int) -> int:
 
 
 class _Buckets:
-    """K append-only spill files of compressed window records."""
+    """K append-only spill files of compressed pieces."""
 
     def __init__(self, directory: str, count: int) -> None:
         self.paths = [os.path.join(directory, f"bucket-{i:04d}.bin") for i in range(count)]
         self.files: list[BinaryIO] = [open(p, "wb") for p in self.paths]  # noqa: SIM115 (closed in close())
+        self.windows = np.zeros(count, dtype=np.int64)
         self.bytes_written = 0
 
-    def add(self, bucket: int, records: np.ndarray) -> None:
-        self.write(bucket, encode_piece(records))
-
-    def write(self, bucket: int, piece: bytes) -> None:
+    def write(self, bucket: int, n_windows: int, piece: bytes) -> None:
         """Append a piece made by ``encode_piece`` (pieces of a bucket are kept in order)."""
         self.files[bucket].write(piece)
+        self.windows[bucket] += n_windows
         self.bytes_written += len(piece)
 
     def close(self) -> None:
         for handle in self.files:
             handle.close()
 
-    def load(self, bucket: int) -> np.ndarray:
-        parts = []
+    def pieces(self, bucket: int) -> Iterator[_Piece]:
+        """The bucket's pieces in the order they were written; the file is deleted once read
+        (pass 2 frees the disk as it goes)."""
         with open(self.paths[bucket], "rb") as handle:
-            while header := handle.read(_FRAME.size):
-                n, windows_size, meta_size = _FRAME.unpack(header)
-                part = np.empty(n, dtype=RECORD)
-                raw = _WINDOWS_CODEC.decode(handle.read(windows_size))
-                part["window"] = decode_dict16(raw, (n, WINDOW_LENGTH, N_CHANNELS))
-                meta = np.frombuffer(_META_CODEC.decode(handle.read(meta_size)), dtype=_META)
-                for name in _META_FIELDS:
-                    part[name] = meta[name]
-                parts.append(part)
-        os.remove(self.paths[bucket])  # free the disk as pass 2 goes
-        return np.concatenate(parts) if parts else np.empty(0, dtype=RECORD)
+            data = memoryview(handle.read())
+        os.remove(self.paths[bucket])
+        at = 0
+        while at < len(data):
+            n, device_id, code_bytes, codes_size, meta_size = _FRAME.unpack_from(data, at)
+            at += _FRAME.size
+            codes = np.frombuffer(_CODES_CODEC.decode(data[at : at + codes_size]), f"<u{code_bytes}")
+            at += codes_size
+            meta = np.frombuffer(_META_CODEC.decode(data[at : at + meta_size]), dtype=_META)
+            at += meta_size
+            yield _Piece(device_id, codes.reshape(N_CHANNELS, n, WINDOW_LENGTH), meta)  # views
 
 
-def encode_piece(records: np.ndarray) -> bytes:
-    """One spilled piece: a frame header, the windows (dict16 + lz4), the metadata (lz4)."""
-    windows = _WINDOWS_CODEC.encode(encode_dict16(np.ascontiguousarray(records["window"])))
-    meta = np.empty(len(records), dtype=_META)
-    for name in _META_FIELDS:
-        meta[name] = records[name]
-    packed = _META_CODEC.encode(meta.view(np.uint8))
-    return _FRAME.pack(len(records), len(windows), len(packed)) + windows + packed
-
-
-def _records(device_id: int, block: WindowBlock) -> np.ndarray:
-    records = np.empty(len(block), dtype=RECORD)
-    records["window"] = block.windows
-    records["device"] = device_id
-    records["label"] = block.labels
-    records["timestamp"] = block.timestamps
-    return records
+def encode_piece(piece: _Piece) -> bytes:
+    """One spilled piece: a frame header, the codes (lz4), the metadata (lz4)."""
+    codes = _CODES_CODEC.encode(np.ascontiguousarray(piece.codes))
+    packed = _META_CODEC.encode(piece.meta)
+    code_bytes = piece.codes.dtype.itemsize
+    return _FRAME.pack(len(piece.meta), piece.device_id, code_bytes, len(codes), len(packed)) + codes + packed
 
 
 def write_shuffled(
@@ -136,93 +139,167 @@ def write_shuffled(
     pool = ThreadPoolExecutor(workers, thread_name_prefix="birdzarr-spill") if workers > 1 else None
     try:
         spill = _Buckets(directory, buckets)
-        # pieces are encoded on the pool and written in the order they were cut, so each bucket
-        # file is the same whatever the number of workers
-        pieces: collections.deque[tuple[int, Future[bytes]]] = collections.deque()
-
-        def spill_piece(bucket: int, records: np.ndarray) -> None:
-            if pool is None:
-                spill.add(bucket, records)
-                return
-            pieces.append((bucket, pool.submit(encode_piece, records)))
-            while len(pieces) > 4 * workers:
-                done_bucket, future = pieces.popleft()
-                spill.write(done_bucket, future.result())
-
-        draw = np.random.default_rng(seed)
-        summaries: dict[int, DeviceSummary] = {}
-        piece_windows = max(256, PASS1_BUFFER_WINDOWS // max(1, buckets))
-        held: dict[int, list[np.ndarray]] = collections.defaultdict(list)  # bucket -> records
-        held_windows = np.zeros(max(1, buckets), dtype=np.int64)
-
-        def release(bucket: int) -> None:
-            parts = held.pop(bucket)
-            held_windows[bucket] = 0
-            spill_piece(bucket, parts[0] if len(parts) == 1 else np.concatenate(parts))
-
+        spiller = _Spiller(spill, seed=seed, buckets=buckets, pool=pool, workers=workers)
         for device_id, sources, blocks in devices:
-            summarizer = Summarizer(device_id, sources, start=None)  # scattered: no range
-            for block in blocks:
-                summarizer.add(block)
-                if not len(block):
-                    continue
-                target = draw.integers(0, buckets, size=len(block))
-                order = np.argsort(target, kind="stable")
-                records = _records(device_id, block)
-                bounds = np.searchsorted(target[order], np.arange(buckets + 1))
-                for bucket in np.flatnonzero(np.diff(bounds)).tolist():
-                    # each bucket's windows gathered straight from the block (a new array, not
-                    # a view that would keep the whole block alive until the bucket is released;
-                    # and no permuted copy of the whole block first)
-                    held[bucket].append(records[order[bounds[bucket] : bounds[bucket + 1]]])
-                    held_windows[bucket] += bounds[bucket + 1] - bounds[bucket]
-                    if held_windows[bucket] >= piece_windows:
-                        release(bucket)
-            for bucket in sorted(held):  # a piece never mixes devices: it compresses as one
-                release(bucket)
-            summaries[device_id] = summarizer.finish()
-        while pieces:
-            done_bucket, future = pieces.popleft()
-            spill.write(done_bucket, future.result())
+            spiller.device(device_id, sources, blocks)
+        spiller.finish()
         spill.close()
-        spill_bytes = spill.bytes_written
+        summaries, dictionaries = spiller.summaries, spiller.dictionaries
         if on_pass is not None:
             on_pass("write", sum(s.entry.n_windows for s in summaries.values()))
+        table = DictionaryTable({d: [np.sort(k) for k in known] for d, known in dictionaries.items()},
+                                N_CHANNELS)
+        sink = writer.slabs.sink
+        gimu_codec = sink.codecs[GIMU]
+        coded = gimu_codec is not None and gimu_codec.kind == "gdict16"
+        if coded:
+            sink.code_encoder = table.encode  # gdict16 from the codes, without a sort
         hashers = {device_id: checksum_hasher() for device_id in summaries}
-        # the next bucket is read and decoded on a thread while this one is permuted and written
-        loading = pool.submit(spill.load, 0) if pool is not None and buckets else None
+        load = _Loader(spill, table, dictionaries, hashers, seed=seed, coded=coded).load
+        del spiller, dictionaries
+        # the next bucket is read, decoded and hashed on a thread while this one is written
+        loading = pool.submit(load, 0) if pool is not None and buckets else None
         for bucket in range(buckets):
             if loading is not None:
-                records = loading.result()
+                block = loading.result()
                 more = pool is not None and bucket + 1 < buckets
-                loading = pool.submit(spill.load, bucket + 1) if pool is not None and more else None
+                loading = pool.submit(load, bucket + 1) if pool is not None and more else None
             else:
-                records = spill.load(bucket)
-            records = records[np.random.default_rng([seed, bucket]).permutation(len(records))]
-            _hash_in_order(hashers, records)
-            columns = {name: np.ascontiguousarray(records[name]) for name in _RECORD_FIELDS}
-            block = WindowBlock(
-                columns["window"], columns["timestamp"], columns["label"], DeviceReport(), columns["device"]
-            )
+                block = load(bucket)
             writer.write_mixed(block)
-            del records, block
+            del block
         for device_id, summary in summaries.items():
             summary.entry.scattered_checksum = hashers[device_id].hexdigest()
             writer.record(summary)
-        return {"buckets": buckets, "spill_bytes": spill_bytes}
+        return {"buckets": buckets, "spill_bytes": spill.bytes_written}
     finally:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def _hash_in_order(hashers: dict[int, Any], records: np.ndarray) -> None:
-    """Feed each device's windows of this (already permuted) bucket in ascending store order."""
-    by_device = np.argsort(records["device"], kind="stable")
-    ids = records["device"][by_device]
-    if not len(ids):
-        return
-    starts = np.flatnonzero(np.concatenate(([True], ids[1:] != ids[:-1])))
-    for start, stop in zip(starts.tolist(), [*starts[1:].tolist(), len(ids)], strict=True):
-        windows = np.ascontiguousarray(records["window"][by_device[start:stop]], dtype="<f4")
-        hashers[int(ids[start])].update(windows)
+class _Spiller:
+    """Pass 1: every window to a bucket drawn from ``seed``, as codes into its device's
+    dictionaries, in pieces of one device; keeps the devices' summaries and dictionaries."""
+
+    def __init__(self, spill: _Buckets, *, seed: int, buckets: int, pool: ThreadPoolExecutor | None,
+                 workers: int) -> None:
+        self.spill, self.buckets, self.pool, self.workers = spill, buckets, pool, workers
+        self.draw = np.random.default_rng(seed)
+        self.piece_windows = max(256, PASS1_BUFFER_WINDOWS // max(1, buckets))
+        self.summaries: dict[int, DeviceSummary] = {}
+        self.dictionaries: dict[int, list[np.ndarray]] = {}  # per device and channel, as first seen
+        # pieces are encoded on the pool and written in the order they were cut, so each bucket
+        # file is the same whatever the number of workers
+        self._pending: collections.deque[tuple[int, int, Future[bytes]]] = collections.deque()
+
+    def device(self, device_id: int, sources: list[str], blocks: Iterable[WindowBlock]) -> None:
+        summarizer = Summarizer(device_id, sources, start=None)  # scattered: no range
+        coder = DeviceCoder(N_CHANNELS)
+        held: dict[int, list[tuple[np.ndarray, np.ndarray]]] = collections.defaultdict(list)
+        held_windows = np.zeros(self.buckets, dtype=np.int64)
+        for block in blocks:
+            summarizer.add(block)
+            if not len(block):
+                continue
+            target = self.draw.integers(0, self.buckets, size=len(block))
+            order = np.argsort(target, kind="stable")
+            codes = coder.codes(block.windows)
+            meta = np.empty(len(block), dtype=_META)
+            meta["label"], meta["timestamp"] = block.labels, block.timestamps
+            bounds = np.searchsorted(target[order], np.arange(self.buckets + 1))
+            for bucket in np.flatnonzero(np.diff(bounds)).tolist():
+                # each bucket's windows gathered straight from the block (new arrays, not views
+                # that would keep the whole block alive until the bucket is released)
+                rows = order[bounds[bucket] : bounds[bucket + 1]]
+                held[bucket].append((codes[:, rows, :], meta[rows]))
+                held_windows[bucket] += len(rows)
+                if held_windows[bucket] >= self.piece_windows:
+                    self._release(device_id, bucket, held.pop(bucket))
+                    held_windows[bucket] = 0
+        for bucket in sorted(held):  # a piece never mixes devices
+            self._release(device_id, bucket, held[bucket])
+        self.summaries[device_id] = summarizer.finish()
+        self.dictionaries[device_id] = coder.known
+
+    def _release(self, device_id: int, bucket: int, parts: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        codes, meta = parts[0] if len(parts) == 1 else (
+            np.concatenate([p[0] for p in parts], axis=1), np.concatenate([p[1] for p in parts])
+        )
+        piece = _Piece(device_id, codes, meta)
+        if self.pool is None:
+            self.spill.write(bucket, len(meta), encode_piece(piece))
+            return
+        self._pending.append((bucket, len(meta), self.pool.submit(encode_piece, piece)))
+        self._write(keep=4 * self.workers)
+
+    def _write(self, keep: int) -> None:
+        while len(self._pending) > keep:
+            bucket, n, future = self._pending.popleft()
+            self.spill.write(bucket, n, future.result())
+
+    def finish(self) -> None:
+        """Write every piece still being encoded."""
+        self._write(keep=0)
+
+
+class _Loader:
+    """Pass 2's reading of buckets, one at a time, in order.
+
+    A bucket's pieces are decoded, in the order they were written, into buffers reused from
+    bucket to bucket (new memory costs a page fault per 4 KiB); its codes are then permuted into
+    new arrays (the writer keeps them until they are written), and each device's windows are
+    fed to its checksum in store order."""
+
+    def __init__(self, spill: _Buckets, table: DictionaryTable, dictionaries: dict[int, list[np.ndarray]],
+                 hashers: dict[int, WindowChecksum], *, seed: int, coded: bool) -> None:
+        self.spill, self.hashers, self.seed, self.coded = spill, hashers, seed, coded
+        # per device and channel, a code of pass 1 (order first seen) -> its value's bit
+        # pattern, and its code in the table
+        self.lookups = {
+            d: [(known[c], table.codes_of(d, c, known[c])) for c in range(N_CHANNELS)]
+            for d, known in dictionaries.items()
+        }
+        largest = int(spill.windows.max(initial=0))
+        self.bits = np.empty((largest, WINDOW_LENGTH, N_CHANNELS), dtype=np.uint32)
+        self.codes = np.empty((N_CHANNELS, largest, WINDOW_LENGTH), dtype=table.code_dtype) if coded else None
+        self.devices = np.empty(largest, dtype=np.int32)
+        self.meta = np.empty(largest, dtype=_META)
+
+    def load(self, bucket: int) -> WindowBlock:
+        """The bucket's windows permuted with a generator seeded with ``(seed, bucket)``: as
+        codes into the table (``coded``) or as float32 windows."""
+        n = int(self.spill.windows[bucket])
+        at = 0
+        for piece in self.spill.pieces(bucket):
+            k = len(piece.meta)
+            for c, (values, to_table) in enumerate(self.lookups[piece.device_id]):
+                np.take(values, piece.codes[c], out=self.bits[at : at + k, :, c], mode="clip")
+                if self.codes is not None:
+                    np.take(to_table, piece.codes[c], out=self.codes[c, at : at + k], mode="clip")
+            self.devices[at : at + k] = piece.device_id
+            self.meta[at : at + k] = piece.meta
+            at += k
+        order = np.random.default_rng([self.seed, bucket]).permutation(n)  # store row -> spilled row
+        devices = self.devices[:n][order]
+        self._hash_in_order(order, devices)
+        meta = self.meta[:n][order]
+        if self.codes is None:
+            windows = np.take(self.bits[:n], order, axis=0).view(np.float32)
+            return WindowBlock(windows, meta["timestamp"], meta["label"], DeviceReport(), devices)
+        codes = np.take(self.codes[:, :n], order, axis=1).transpose(1, 0, 2)  # (windows, channels, samples)
+        # the windows exist only as codes: the writer encodes the chunks from them
+        windows = np.broadcast_to(np.float32(np.nan), (n, WINDOW_LENGTH, N_CHANNELS))
+        return WindowBlock(windows, meta["timestamp"], meta["label"], DeviceReport(), devices, codes)
+
+    def _hash_in_order(self, order: np.ndarray, devices: np.ndarray) -> None:
+        """Feed each device's windows of this bucket to its checksum in ascending store order
+        (buckets are loaded one after another, in order)."""
+        by_device = np.argsort(devices, kind="stable")
+        ids = devices[by_device]
+        rows = order[by_device]  # spilled rows, device by device, each in store order
+        if not len(ids):
+            return
+        starts = np.flatnonzero(np.concatenate(([True], ids[1:] != ids[:-1]))).tolist()
+        for start, stop in zip(starts, [*starts[1:], len(ids)], strict=True):
+            self.hashers[int(ids[start])].update(np.take(self.bits, rows[start:stop], axis=0).view("<f4"))

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from birdzarr.convert._blocks import WindowBlock
-from birdzarr.convert._chunkwrite import ChunkSink
+from birdzarr.convert._chunkwrite import CODES, ChunkSink
 from birdzarr.format._spec import DEVICE, GIMU, LABEL, TIMESTAMP
 from birdzarr.storage._location import Location
 
@@ -125,7 +125,12 @@ class SlabWriter:
         while at < n:
             device_id, block = self._buffer[0]
             take = min(n - at, len(block))
-            buffers[GIMU][at : at + take] = block.windows[:take]
+            if block.codes is None:
+                buffers[GIMU][at : at + take] = block.windows[:take]
+            else:  # written from its codes (ChunkSink.code_encoder): a copy of the floats would go unread
+                if CODES not in buffers:
+                    buffers[CODES] = np.empty((self.slab_windows, *block.codes.shape[1:]), block.codes.dtype)
+                buffers[CODES][at : at + take] = block.codes[:take]
             buffers[TIMESTAMP][at : at + take] = block.timestamps[:take]
             buffers[LABEL][at : at + take] = block.labels[:take]
             devices = block.device_ids(device_id)

@@ -1,0 +1,223 @@
+"""gdict16 chunks encoded from codes into per-device dictionaries, without a sort.
+
+``birdzarr.format._codec.encode_gdict16`` (the reference) finds a shuffled chunk's distinct
+(device, value) pairs by sorting all of them: ~75,000 of 163,840 per channel in an 8192-window
+chunk of 186 devices. The shuffle knows every value already as a code into its device's
+dictionary (the device's sorted distinct values of that channel, by uint32 bit pattern, in a
+``DictionaryTable``). A chunk's gdict16 dictionary of one device is then the device entries its
+windows use, in the same order: marking the used entries and numbering them replaces the sort,
+and the bytes are exactly the reference's (tests/test_gdict_encode.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from birdzarr.format._codec import GMAGIC, encode_gdict16
+
+PAD_GROUP = -1  # the group of the windows that pad a store's last chunk (birdzarr/convert/_chunkwrite.py)
+_MAX_CODES = 65535  # entries a gdict16 dictionary may have (docs/format.md#gdict16)
+_MODE_RAW, _MODE_DICT = 0, 1
+_HEADER = np.dtype([
+    ("magic", "S4"), ("mode", "<u4"), ("n_windows", "<u4"), ("n_per_window", "<u4"),
+    ("n_channels", "<u4"), ("n_groups", "<u4"),
+])
+
+
+class DictionaryTable:
+    """Every device's dictionary per channel: its sorted distinct float32 bit patterns, laid
+    end to end in ascending device order. A window's code in a channel is the position of its
+    value in its device's dictionary (``code_dtype``: uint16 where every dictionary has at most
+    65,536 entries, else uint32).
+
+    ``dictionaries`` maps each device id to one sorted, distinct uint32 array per channel (a
+    superset of the values its windows hold). The padding group (``PAD_GROUP``) gets the fill
+    value 0.0 as its code 0 (the smallest bit pattern), so a padded last chunk is coded like any
+    other.
+    """
+
+    def __init__(self, dictionaries: Mapping[int, Sequence[np.ndarray]], n_channels: int) -> None:
+        merged = dict(dictionaries)
+        zero = np.zeros(1, dtype=np.uint32)
+        pad = merged.get(PAD_GROUP)
+        merged[PAD_GROUP] = [zero if pad is None else np.union1d(pad[c], zero) for c in range(n_channels)]
+        self.device_ids = np.array(sorted(merged), dtype=np.int64)
+        self.values: list[np.ndarray] = []  # per channel: uint32 bit patterns
+        # (channel, device + 1): device k's entries are values[c][starts[c, k] : starts[c, k + 1]]
+        self.starts = np.zeros((n_channels, len(self.device_ids) + 1), dtype=np.int64)
+        for c in range(n_channels):
+            parts = [np.asarray(merged[int(d)][c], dtype=np.uint32) for d in self.device_ids]
+            self.starts[c, 1:] = np.cumsum([len(p) for p in parts])
+            self.values.append(np.concatenate(parts))
+        largest = int(np.diff(self.starts, axis=1).max(initial=0))
+        self.code_dtype = np.dtype(np.uint16 if largest <= 2**16 else np.uint32)
+        self._scratch = threading.local()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.nbytes for v in self.values) + self.starts.nbytes
+
+    def codes_of(self, device_id: int, channel: int, values: np.ndarray) -> np.ndarray:
+        """The codes of ``values`` (bit patterns, each in the device's dictionary)."""
+        start, stop = self._range(device_id, channel)
+        return np.searchsorted(self.values[channel][start:stop], values).astype(self.code_dtype)
+
+    def values_of(self, device_id: int, channel: int) -> np.ndarray:
+        """The device's dictionary of ``channel`` (a view)."""
+        start, stop = self._range(device_id, channel)
+        return self.values[channel][start:stop]
+
+    def _range(self, device_id: int, channel: int) -> tuple[int, int]:
+        position = int(np.searchsorted(self.device_ids, device_id))
+        if position == len(self.device_ids) or self.device_ids[position] != device_id:
+            raise KeyError(f"device {device_id} has no dictionary")
+        return int(self.starts[channel, position]), int(self.starts[channel, position + 1])
+
+    def decode(self, codes: np.ndarray, groups: np.ndarray) -> np.ndarray:
+        """Float32 windows ``(n, samples, channels)`` from codes ``(n, channels, samples)`` of
+        windows of devices ``groups``."""
+        n, n_channels, n_samples = codes.shape
+        position = np.searchsorted(self.device_ids, groups)
+        bits = np.empty((n, n_samples, n_channels), dtype=np.uint32)
+        for c in range(n_channels):
+            index = codes[:, c, :] + self.starts[c][position][:, None]
+            np.take(self.values[c], index, out=bits[:, :, c])
+        return bits.view(np.float32)
+
+    def encode(self, codes: np.ndarray, groups: np.ndarray, n_windows: int | None = None) -> bytes:
+        """The gdict16 body (before blosc) of a chunk: ``codes`` ``(windows, channels, samples)``
+        of windows of devices ``groups``; with ``n_windows`` larger than ``len(codes)``, padded
+        to that many windows as ``encode_gdict16`` sees a store's last chunk (value 0.0, group
+        ``PAD_GROUP``)."""
+        if n_windows is not None and n_windows > len(codes):
+            padded = np.zeros((n_windows, *codes.shape[1:]), dtype=codes.dtype)  # code 0: value 0.0
+            padded[: len(codes)] = codes
+            codes = padded
+            groups = np.concatenate([groups, np.full(n_windows - len(groups), PAD_GROUP, dtype=groups.dtype)])
+        n_windows, n_channels, n_per_window = codes.shape
+        labels, group = np.unique(groups, return_inverse=True)
+        if n_windows == 0 or len(labels) > _MAX_CODES:
+            # the reference then codes the chunk as one group: rare enough to leave to it
+            return encode_gdict16(self.decode(codes, groups), groups)
+        n_groups = len(labels)
+        header = np.zeros(1, dtype=_HEADER)
+        header["magic"], header["n_windows"], header["n_per_window"] = GMAGIC, n_windows, n_per_window
+        header["n_channels"], header["n_groups"] = n_channels, n_groups
+        # each group's device, and each window's, in the table (every label is one of its devices)
+        group_position = np.searchsorted(self.device_ids, labels)
+        position = group_position[group]
+        used, rank = self._buffers()
+        sizes = np.zeros((n_channels, n_groups), dtype="<u4")
+        out_codes = np.empty((n_channels, n_windows, n_per_window), dtype="<u2")
+        halves: list[bytes] = []
+        for c in range(n_channels):
+            channel = codes[:, c, :]
+            offsets = self.starts[c][position]
+            # a channel constant within each window (gps_speed) is looked up once a window
+            per_window = n_per_window > 1 and _constant_rows(channel)
+            # each value's entry in the table (numpy indexes with intp: made once, contiguous)
+            if per_window:
+                keys = channel[:, 0] + offsets
+            else:
+                keys = np.empty((n_windows, n_per_window), dtype=np.intp)
+                np.add(channel, offsets[:, None], out=keys)
+            used[keys] = True
+            entries = np.flatnonzero(used[: len(self.values[c])])  # ascending: by device, then value
+            used[entries] = False  # the scratch is clean again for the next channel
+            counts = np.diff(np.searchsorted(entries, self.starts[c]))[group_position]
+            if counts.max(initial=0) > _MAX_CODES:  # as the reference: the chunk as raw floats
+                header["mode"] = _MODE_RAW
+                channel_major = self.decode(codes, groups).transpose(2, 0, 1)
+                return header.tobytes() + np.ascontiguousarray(channel_major).astype("<f4").tobytes()
+            first = np.cumsum(counts) - counts  # each group's first entry among ``entries``
+            # an entry's code: its place among the entries its device uses in this chunk
+            rank[entries] = np.arange(len(entries), dtype=np.int32) - np.repeat(first.astype(np.int32),
+                                                                                   counts)
+            if per_window:
+                out_codes[c] = rank[keys][:, None]
+            else:
+                np.take(rank, keys, out=out_codes[c], mode="clip")
+            values = self.values[c][entries]
+            deltas = np.diff(values, prepend=np.uint32(0))  # wraps modulo 2**32, as decoding does
+            restart = first[counts > 0]
+            deltas[restart] = values[restart]  # each group restarts
+            sizes[c] = counts
+            halves += [(deltas & 0xFFFF).astype("<u2").tobytes(), (deltas >> 16).astype("<u2").tobytes()]
+        header["mode"] = _MODE_DICT
+        return b"".join([
+            header.tobytes(), group.astype("<u2").tobytes(), sizes.tobytes(), *halves, out_codes.tobytes()
+        ])
+
+    def _buffers(self) -> tuple[np.ndarray, np.ndarray]:
+        """This thread's scratch: a used flag and a new code per table entry (of the largest
+        channel), reused: new memory costs a page fault per 4 KiB, more than marking it."""
+        scratch = self._scratch
+        if getattr(scratch, "used", None) is None:
+            size = max(len(v) for v in self.values)
+            scratch.used = np.zeros(size, dtype=bool)
+            scratch.rank = np.zeros(size, dtype=np.uint16)
+        return scratch.used, scratch.rank
+
+
+def _constant_rows(codes: np.ndarray) -> bool:
+    """Whether every row of a (windows, samples) array repeats its first entry; a few rows are
+    tried first, so a channel that varies costs almost nothing to rule out."""
+    head = codes[:16]
+    return bool((head == head[:, :1]).all()) and bool((codes == codes[:, :1]).all())
+
+
+class DeviceCoder:
+    """One device's distinct values per channel (float32 bit patterns, in the order first seen)
+    and the codes of its windows into them: the shuffle's first pass sees a device's windows
+    in order, block after block, and spills codes instead of floats."""
+
+    def __init__(self, n_channels: int) -> None:
+        self.known = [np.empty(0, dtype=np.uint32) for _ in range(n_channels)]
+        self._index: list[Any] = [None] * n_channels  # a pandas Index of ``known``, once needed
+
+    def codes(self, windows: np.ndarray) -> np.ndarray:
+        """Codes ``(channels, n, samples)`` of float32 windows ``(n, samples, channels)``: uint16
+        while every dictionary of the device has at most 65,536 entries, uint32 beyond."""
+        import pandas as pd  # only conversion needs it: `import birdzarr` (DataLoader workers) does not
+
+        n, n_samples, n_channels = windows.shape
+        bits = np.ascontiguousarray(windows.transpose(2, 0, 1)).view(np.uint32)
+        found: list[tuple[np.ndarray, np.ndarray, bool]] = []
+        for c in range(n_channels):
+            channel = bits[c]
+            # a channel constant within each window (gps_speed) is coded once a window
+            per_window = n_samples > 1 and _constant_rows(channel)
+            values = np.ascontiguousarray(channel[:, 0]) if per_window else channel.reshape(-1)
+            # A hash table sized for a device's few thousand values stays in cache: measured 4.8x
+            # faster than pandas' default size (one entry per value) on a 16,384-window block.
+            # The table grows as needed; the codes do not depend on the hint.
+            first_seen, distinct = pd.factorize(values, sort=False, size_hint=len(self.known[c]) + 4096)
+            distinct = np.asarray(distinct, dtype=np.uint32)
+            if not len(self.known[c]):  # the device's first block: its values in the order first seen
+                lookup = np.arange(len(distinct))
+                self.known[c] = distinct
+                self._index[c] = None
+            else:
+                index = self._index[c]
+                if index is None:
+                    index = self._index[c] = pd.Index(self.known[c])
+                lookup = index.get_indexer(distinct)
+                new = lookup < 0
+                if new.any():
+                    lookup[new] = len(self.known[c]) + np.arange(int(new.sum()))
+                    self.known[c] = np.concatenate([self.known[c], distinct[new]])
+                    self._index[c] = None
+            found.append((lookup, first_seen, per_window))
+        dtype = np.uint16 if max(len(k) for k in self.known) <= 2**16 else np.uint32
+        out = np.empty((n_channels, n, n_samples), dtype=dtype)
+        for c, (lookup, first_seen, per_window) in enumerate(found):
+            codes = lookup.astype(dtype)
+            if per_window:
+                out[c] = codes[first_seen][:, None]
+            else:
+                np.take(codes, first_seen.reshape(n, n_samples), out=out[c], mode="clip")
+        return out
