@@ -86,6 +86,27 @@ def test_batches_hold_the_stored_values(small_store: birdzarr.Store) -> None:
         assert np.array_equal(x.numpy(), expected)
 
 
+def test_rows_of_a_batch_come_in_random_order(small_store: birdzarr.Store) -> None:
+    """Any slice of a batch (a micro-batch) is a uniform sample too: rows keep the pool's
+    permuted order, not the store's, here a store in device order held by one pool."""
+    ds = birdzarr.WindowDataset(small_store.url, batch_size=256, seed=2, shuffle_buffer=len(small_store))
+    plan = ds.plan()
+    devices = small_store.window_devices[:]
+    rising, first_quarter_devices = [], []
+    for batch in range(len(ds)):
+        indices = ds.batch_indices(batch, plan)
+        if len(indices) < 256:
+            continue
+        # in stored order (even chunk by chunk) nearly every next row lies further on; at random, half
+        rising.append(float(np.mean(np.diff(indices) > 0)))
+        first_quarter_devices.append(len(np.unique(devices[indices[:64]])))
+    assert 0.45 < float(np.mean(rising)) < 0.55
+    # a quarter of a batch holds about as many devices as 64 uniformly drawn windows
+    rng = np.random.default_rng(0)
+    uniform = [len(np.unique(devices[rng.choice(len(devices), 64, replace=False)])) for _ in range(200)]
+    assert abs(np.mean(first_quarter_devices) - np.mean(uniform)) < 0.5
+
+
 def test_same_seed_and_epoch_give_the_same_batches_and_epochs_differ(small_store: birdzarr.Store) -> None:
     a, b = _dataset(small_store, seed=11), _dataset(small_store, seed=11)
     a.set_epoch(2)

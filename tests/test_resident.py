@@ -39,6 +39,19 @@ def test_values_ldt_and_layout_equal_the_store(small_store: birdzarr.Store) -> N
     assert np.array_equal(np.sort(np.concatenate(seen)), np.arange(len(small_store)))
 
 
+@pytest.mark.parametrize("codes", [True, False])
+def test_rows_of_a_batch_come_in_random_order(small_store: birdzarr.Store, codes: bool) -> None:
+    """A slice of a batch (a micro-batch) is a uniform sample too, on this device-ordered store:
+    rows come in the permutation's order, and hold the values of the indices reported."""
+    ds = _resident(small_store, batch_size=500, seed=3, resident_codes=codes, progress=False)
+    rising = []
+    for batch, x in enumerate(ds):
+        idx = ds.batch_indices(batch)
+        assert np.array_equal(x.numpy(), small_store.windows[idx])
+        rising.append(float(np.mean(np.diff(idx) > 0)))  # stored order: 1.0; random: 0.5
+    assert 0.45 < float(np.mean(rising)) < 0.55
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_every_window_once_over_ranks_with_equal_batch_counts(

@@ -258,14 +258,17 @@ def test_local_cache_serves_the_second_epoch(s3_store: birdzarr.Store, bucket: s
     assert np.array_equal(bits(first), bits(second))
     assert np.array_equal(bits(first), bits(s3_store.windows[:]))
 
-    # A cap of three chunks: three are kept, the rest read from the bucket every time, no eviction.
+    # A cap of three of the largest chunks: the chunks admitted until the next one would not fit
+    # are kept (three, or four when smaller ones came first: reads run concurrently), and the rest
+    # are read from the bucket every time, with no eviction.
     capped_store = birdzarr.open_store(f"s3://{bucket}/small.zarr", storage_options=s3_options(moto.url))
     chunk_bytes = sorted(store.location.fs.du(store.location.join("gimu"), total=False).values())[-1]
     capped = attach_cache(capped_store, tmp_path / "capped", max_bytes=3 * chunk_bytes)
     for _ in range(2):
         assert np.array_equal(bits(capped_store.windows[:]), bits(first))
-    assert capped.full and capped.used_bytes <= 3 * chunk_bytes
-    assert capped.hits == 3 and capped_store.reader.requests == 2 * store.reader.n_chunks - 3
+    kept = sum(len(files) for _, _, files in os.walk(os.path.join(capped.root, "gimu")))
+    assert capped.full and capped.used_bytes <= 3 * chunk_bytes and kept >= 3
+    assert capped.hits == kept and capped_store.reader.requests == 2 * store.reader.n_chunks - kept
 
 
 @pytest.mark.filterwarnings("ignore:.*stored in device order")

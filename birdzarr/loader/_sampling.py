@@ -169,16 +169,18 @@ class EpochPlan:
         return _rng(self.seed, self.epoch, self.rank, pool, 1).permutation(n)
 
     def batch_positions(self, batch: int, order: np.ndarray | None = None) -> np.ndarray:
-        """Positions (in the pool's pieces) of one batch's windows, ascending.
+        """Positions (in the pool's pieces) of one batch's windows, in the pool's permuted order.
 
-        Windows inside a batch come in stored order: a batch is a set, and gathering ascending
-        rows is faster (memory locality).
+        Rows keep the permutation's order, not the store's: any slice of a batch (a micro-batch
+        of gradient accumulation) is then a uniform sample too, whatever order windows have
+        inside a chunk. Gathering them costs the same as gathering ascending rows (0.5-0.6 ms
+        for 8192 rows of a 524,288-window pool either way).
         """
         pool = int(self.batch_pool[batch])
         order = self.pool_order(pool) if order is None else order
         within = batch - int(self.first_batch[pool])
         start = int(self.pools[pool].sizes[:within].sum())
-        return np.sort(order[start : start + int(self.pools[pool].sizes[within])])
+        return order[start : start + int(self.pools[pool].sizes[within])]
 
     def locate(self, pool: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Pool positions -> (piece number, rank among that chunk's selected windows)."""
