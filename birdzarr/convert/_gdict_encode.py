@@ -110,10 +110,11 @@ class DictionaryTable:
         # each group's device, and each window's, in the table (every label is one of its devices)
         group_position = np.searchsorted(self.device_ids, labels)
         position = group_position[group]
-        used, rank = self._buffers()
+        scratch = self._buffers(n_windows * n_per_window)
+        used, rank = scratch.used, scratch.rank
         sizes = np.zeros((n_channels, n_groups), dtype="<u4")
-        out_codes = np.empty((n_channels, n_windows, n_per_window), dtype="<u2")
-        halves: list[bytes] = []
+        out_codes = scratch.codes[: n_channels * n_windows * n_per_window].reshape(n_channels, n_windows, -1)
+        halves: list[np.ndarray] = []
         for c in range(n_channels):
             channel = codes[:, c, :]
             offsets = self.starts[c][position]
@@ -123,7 +124,7 @@ class DictionaryTable:
             if per_window:
                 keys = channel[:, 0] + offsets
             else:
-                keys = np.empty((n_windows, n_per_window), dtype=np.intp)
+                keys = scratch.keys[: n_windows * n_per_window].reshape(n_windows, n_per_window)
                 np.add(channel, offsets[:, None], out=keys)
             used[keys] = True
             entries = np.flatnonzero(used[: len(self.values[c])])  # ascending: by device, then value
@@ -146,21 +147,25 @@ class DictionaryTable:
             restart = first[counts > 0]
             deltas[restart] = values[restart]  # each group restarts
             sizes[c] = counts
-            halves += [(deltas & 0xFFFF).astype("<u2").tobytes(), (deltas >> 16).astype("<u2").tobytes()]
+            halves += [(deltas & 0xFFFF).astype("<u2"), (deltas >> 16).astype("<u2")]
         header["mode"] = _MODE_DICT
-        return b"".join([
-            header.tobytes(), group.astype("<u2").tobytes(), sizes.tobytes(), *halves, out_codes.tobytes()
-        ])
+        # joined straight from the arrays' buffers (the codes are this thread's scratch)
+        return b"".join(part.data for part in (header, group.astype("<u2"), sizes, *halves, out_codes))
 
-    def _buffers(self) -> tuple[np.ndarray, np.ndarray]:
-        """This thread's scratch: a used flag and a new code per table entry (of the largest
-        channel), reused: new memory costs a page fault per 4 KiB, more than marking it."""
+    def _buffers(self, n_values: int) -> Any:
+        """This thread's scratch, reused from chunk to chunk (new memory costs a page fault per
+        4 KiB, more than the work done in it): a used flag and a new code per table entry (of
+        the largest channel), and a table index and an output code per value of a channel."""
         scratch = self._scratch
         if getattr(scratch, "used", None) is None:
             size = max(len(v) for v in self.values)
             scratch.used = np.zeros(size, dtype=bool)
             scratch.rank = np.zeros(size, dtype=np.uint16)
-        return scratch.used, scratch.rank
+            scratch.keys = scratch.codes = np.empty(0)
+        if len(scratch.keys) < n_values:
+            scratch.keys = np.empty(n_values, dtype=np.intp)
+            scratch.codes = np.empty(len(self.values) * n_values, dtype="<u2")
+        return scratch
 
 
 def _constant_rows(codes: np.ndarray) -> bool:

@@ -56,6 +56,7 @@ class SlabWriter:
         self._pending: list[Future[None]] = []
         # slab buffers free for reuse: at most ``in_flight + 1`` exist (being filled, in flight)
         self._free: collections.deque[dict[str, np.ndarray]] = collections.deque()
+        self._coded: bool | None = None  # whether the blocks carry codes (WindowBlock.codes)
 
     @property
     def end(self) -> int:
@@ -67,6 +68,10 @@ class SlabWriter:
         write every slab that is full."""
         if not len(block):
             return
+        if self._coded is None:
+            self._coded = block.codes is not None
+        elif self._coded != (block.codes is not None):  # a slab's chunks are all codes or all floats
+            raise ValueError("blocks with and without codes cannot be written by one SlabWriter")
         self._buffer.append((device_id, block))
         self._buffered += len(block)
         while self._buffered >= self._slab_room():
@@ -169,6 +174,8 @@ class SlabWriter:
         if self.sink.can_write(start):
             self.sink.write(start, stop, data)  # whole chunks, no zarr overhead: _chunkwrite.py
             return
+        if CODES in data:  # zarr-python would write the float buffer, which codes leave unfilled
+            raise ValueError("blocks with codes are written in whole chunks only")
         for name, array in self.arrays.items():
             array[start:stop] = data[name]
 
