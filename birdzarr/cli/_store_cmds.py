@@ -84,7 +84,8 @@ def add_convert(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
                    help="processes or threads doing conversion work (default: all usable cores, as CPU "
                         "affinity and the cgroup quota allow); the store is identical for any count")
     p.add_argument("--shuffle", action="store_true",
-                   help="store windows in one global seeded random order (docs/conversion.md#shuffle)")
+                   help="store every chunk as a seeded uniform random sample of all windows "
+                        "(docs/conversion.md#shuffle)")
     p.add_argument("--seed", type=int, default=None, help="seed of --shuffle (default: random, recorded)")
     p.add_argument("--shuffle-tmp", default=None, metavar="DIR",
                    help="where --shuffle spills its temporary bucket files (default: $TMPDIR); removed after")

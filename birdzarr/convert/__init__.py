@@ -74,8 +74,9 @@ def convert(
     ``skip_unknown_files=True`` the others are skipped and listed in the report. Windows that
     repeat another window of their device are kept, counted in the report and warned about.
 
-    ``shuffle=True`` stores the windows in one global random order drawn from ``seed`` (a random
-    seed, recorded, if None), spilling them through temporary bucket files in ``shuffle_tmp``
+    ``shuffle=True`` stores the windows in a random order drawn from ``seed`` (a random seed,
+    recorded, if None): every chunk a uniform sample of all windows, grouped by device inside;
+    spilling them through temporary bucket files in ``shuffle_tmp``
     (default ``$TMPDIR``); see docs/conversion.md#shuffle for what that costs and buys.
     ``codec`` is ``"dict16"`` (default), ``"gdict16"`` (the default of shuffled stores: a
     chunk mixing all devices holds too many distinct values for dict16, gdict16 keeps one
