@@ -7,7 +7,8 @@
 Each variant is written with zarr-python to a fresh local array in device order (as the
 converter writes; ``--order shuffled``: in one random order, as ``convert --shuffle`` writes),
 then read back whole. gdict16 variants marked "by device" are written as the converter writes
-them, with each chunk's device ids (zarr-python's own write path knows no devices). Columns:
+them: each chunk's windows grouped by device, encoded with their device ids (zarr-python's own
+write path knows no devices). Columns:
 
 - ratio: float32 bytes / stored bytes (chunk files only).
 - write MB/s, read MB/s: zarr-python with its default thread pool (all cores), float32 bytes
@@ -124,22 +125,28 @@ def parquet_bytes(n_devices: int, n_windows: int) -> int:
     return total
 
 
-def write_grouped(array: Any, data: np.ndarray, devices: np.ndarray, path: str) -> None:
-    """Store every chunk as the converter does: encoded with its windows' device ids."""
+def write_grouped(array: Any, data: np.ndarray, devices: np.ndarray, path: str) -> np.ndarray:
+    """Store every chunk as the converter does: its windows grouped by device (a --shuffle
+    store's chunk; device order already is) and encoded with their device ids. Returns the
+    windows in the order stored."""
     from birdzarr.format._codec import ChunkCodec
 
     codec = ChunkCodec.parse(array.metadata.to_dict()["codecs"])
     assert codec is not None
     encode = codec.encode
     size = array.chunks[0]
+    stored = np.empty_like(data)
     for index, first in enumerate(range(0, len(data), size)):
-        chunk, groups = data[first : first + size], devices[first : first + size]
+        by_device = np.argsort(devices[first : first + size], kind="stable")
+        chunk, groups = data[first : first + size][by_device], devices[first : first + size][by_device]
+        stored[first : first + len(chunk)] = chunk
         if len(chunk) < size:
             chunk = np.concatenate([chunk, np.zeros((size - len(chunk), *chunk.shape[1:]), chunk.dtype)])
             groups = np.concatenate([groups, np.full(size - len(groups), -1, groups.dtype)])
         os.makedirs(os.path.join(path, "c", str(index), "0"), exist_ok=True)
         with open(os.path.join(path, "c", str(index), "0", "0"), "wb") as handle:
             handle.write(encode(np.ascontiguousarray(chunk), groups))
+    return stored
 
 
 def decode_per_core(path: str, variant: Variant, shape: tuple[int, ...]) -> float:
@@ -200,8 +207,9 @@ def run(variant: Variant, data: np.ndarray, workdir: str, repeat: int, devices: 
             **variant.codecs,
         )
         started, cpu = time.perf_counter(), time.process_time()
+        expected = data
         if variant.grouped:
-            write_grouped(array, data, devices, path)
+            expected = write_grouped(array, data, devices, path)
         else:
             array[:] = data
         write = min(write, time.perf_counter() - started)
@@ -211,7 +219,7 @@ def run(variant: Variant, data: np.ndarray, workdir: str, repeat: int, devices: 
         back = np.asarray(reopened[:])
         read = min(read, time.perf_counter() - started)
         read_cpu = min(read_cpu, time.process_time() - cpu)
-        assert np.array_equal(back.view(np.uint32), data.view(np.uint32)), variant.name
+        assert np.array_equal(back.view(np.uint32), expected.view(np.uint32)), variant.name
         decode = min(decode, decode_per_core(path, variant, data.shape))
     stored = dir_bytes(path) - os.path.getsize(os.path.join(path, "zarr.json"))
     mb = data.nbytes / 1e6
