@@ -289,7 +289,7 @@ class ResidentSelection:
         assert self.table is not None and self.table_offsets is not None and self.chunk_bounds is not None
         # Looked up in ascending row order (windows of one chunk then share their dictionaries in
         # the caches), then put back in the batch's order by one row copy.
-        order = np.argsort(rows, kind="stable")
+        order = np.argsort(rows)  # rows are distinct: any sort is stable
         ascending = rows[order]
         index = self.x.numpy().view(np.uint16)[ascending].astype(np.int32)  # (batch, 20, 4)
         chunk = np.searchsorted(self.chunk_bounds.numpy(), ascending, side="right") - 1
@@ -300,7 +300,9 @@ class ResidentSelection:
         torch.index_select(self.table, 0, torch.from_numpy(index.reshape(-1)),
                            out=torch.from_numpy(looked_up).view(-1))  # view: never a silent copy
         out = np.empty(index.shape, np.float32) if out is None else out
-        out[order] = looked_up
+        back = np.empty_like(order)  # the batch row of each ascending row
+        back[order] = np.arange(len(order))
+        np.take(looked_up, back, axis=0, out=out, mode="clip")  # a gather: 0.2 ms, a scatter 0.3
         return out
 
 
