@@ -15,7 +15,7 @@ and by the delay proxies for theirs. Then: raw chunk-object fetches at +10 ms, s
 path) against obstore (if installed); and whole-chunk reads of a ``codec="standard"`` store,
 birdzarr's fsspec path (``ChunkReader`` on a thread pool) against TensorStore's reader.
 
-    python benchmarks/s3.py                                  # defaults: 1M windows, 8192/chunk
+    python benchmarks/s3.py                                  # defaults: 1M windows, the converter's chunks
     python benchmarks/s3.py --windows 300000 --prefetch 16   # smaller, more fetches in flight
     python benchmarks/s3.py --pin-servers                    # servers on their own core
 """
@@ -182,7 +182,9 @@ def main() -> None:
     )
     parser.add_argument("--windows", type=int, default=1_000_000)
     parser.add_argument("--devices", type=int, default=40)
-    parser.add_argument("--chunk-windows", type=int, default=8192)
+    parser.add_argument("--chunk-windows", type=int, default=None,
+                        help="windows per chunk (default: the converter's: 32768 for the --shuffle "
+                             "store, 8192 for the standard one)")
     parser.add_argument("--batch-size", type=int, default=8192)
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers")
     parser.add_argument("--prefetch", type=int, default=4, help="WindowDataset prefetch (its default is 4)")
@@ -297,7 +299,7 @@ def compare_tensorstore(
     options = s3_options(moto.url)
     copy_store(standard.location, "s3://bench/standard.zarr", progress=False, dest_storage_options=options)
     os.environ.update(AWS_ACCESS_KEY_ID=options["key"], AWS_SECRET_ACCESS_KEY=options["secret"])
-    n, chunk, threads = len(standard), args.chunk_windows, max(args.prefetch, 8)
+    n, chunk, threads = len(standard), standard.chunk_windows, max(args.prefetch, 8)
     rows = []
     proxy = Server("proxy", "--upstream", str(moto.port), "--delay", "0.01")
     try:
@@ -320,7 +322,7 @@ def compare_tensorstore(
 
 def print_table(results: dict[str, Any]) -> None:
     s = results["settings"]
-    print(f"\n{s['windows']:,} windows, chunk {s['chunk_windows']}, batch {s['batch_size']}, "
+    print(f"\n{s['windows']:,} windows, chunk {s['chunk_windows'] or 'default'}, batch {s['batch_size']}, "
           f"{s['workers']} DataLoader workers, prefetch {s['prefetch']}"
           + (", servers pinned to their own core" if s.get("pin_servers") else ", all on shared cores"))
     print("| source | RTT | first epoch windows/s | vs local | later epochs windows/s | vs local "
