@@ -118,6 +118,19 @@ def test_shuffle_csv_counts_and_cli(
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("birdzarr-shuffle-")] == []  # tmp removed
 
 
+def test_layout_defaults_of_each_order(parquet_source, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A shuffled store defaults to gdict16 + lz4 in 32,768-window chunks (docs/format.md), a
+    device-ordered one to dict16 + lz4 in 8192-window chunks; the layout records them."""
+    directory, _ = parquet_source
+    shuffled = birdzarr.convert(directory, tmp_path / "s.zarr", shuffle=True, seed=1, progress=False)
+    ordered = birdzarr.convert(directory, tmp_path / "o.zarr", progress=False)
+    for store, codec, chunk in ((shuffled, "gdict16", 32768), (ordered, "dict16", 8192)):
+        layout = store.meta["layout"]
+        assert (layout["codec"], layout["chunk_windows"], store.gimu.chunks[0]) == (codec, chunk, chunk)
+        assert layout["compressor"] == {"cname": "lz4", "clevel": 5}
+    assert np.array_equal(np.sort(shuffled.window_devices[:]), np.sort(ordered.window_devices[:]))
+
+
 def test_the_compressor_is_an_option_and_recorded(parquet_source, tmp_path) -> None:  # type: ignore[no-untyped-def]
     directory, _ = parquet_source
     lz4 = birdzarr.convert(directory, tmp_path / "lz4.zarr", shuffle=True, seed=1, chunk_windows=4096,
