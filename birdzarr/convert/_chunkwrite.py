@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from birdzarr.convert._cpus import resolve_workers
-from birdzarr.format._codec import ChunkCodec, with_crc32c
+from birdzarr.format._codec import ChunkCodec
 from birdzarr.format._spec import DEVICE, GIMU
 from birdzarr.storage._location import Location
 
@@ -109,8 +109,7 @@ class ChunkSink:
         assert codec is not None
         if codes is not None:  # the chunk as codes (its float values were never filled in)
             assert self.code_encoder is not None and groups is not None
-            data = bytes(codec.compressor.encode(self.code_encoder(codes, groups, shape[0])))
-            self._store(array, index, shape, with_crc32c(data) if codec.crc32c else data)
+            self._store(array, index, shape, codec.pack(self.code_encoder(codes, groups, shape[0])))
             return
         if values.shape[0] < shape[0]:
             # The last chunk is stored full size, padded with the fill value, as zarr does.

@@ -17,15 +17,16 @@ from typing import Any
 
 import numpy as np
 
-from birdzarr.format._codec import GMAGIC, encode_gdict16
+from birdzarr.format._codec import (
+    MAX_CODES,
+    MODE_DICT,
+    constant_rows,
+    encode_gdict16,
+    gdict16_dictionary,
+    gdict16_header,
+)
 
 PAD_GROUP = -1  # the group of the windows that pad a store's last chunk (birdzarr/convert/_chunkwrite.py)
-_MAX_CODES = 65535  # entries a gdict16 dictionary may have (docs/format.md#gdict16)
-_MODE_RAW, _MODE_DICT = 0, 1
-_HEADER = np.dtype([
-    ("magic", "S4"), ("mode", "<u4"), ("n_windows", "<u4"), ("n_per_window", "<u4"),
-    ("n_channels", "<u4"), ("n_groups", "<u4"),
-])
 
 
 class DictionaryTable:
@@ -100,13 +101,10 @@ class DictionaryTable:
             groups = np.concatenate([groups, np.full(n_windows - len(groups), PAD_GROUP, dtype=groups.dtype)])
         n_windows, n_channels, n_per_window = codes.shape
         labels, group = np.unique(groups, return_inverse=True)
-        if n_windows == 0 or len(labels) > _MAX_CODES:
+        if n_windows == 0 or len(labels) > MAX_CODES:
             # the reference then codes the chunk as one group: rare enough to leave to it
             return encode_gdict16(self.decode(codes, groups), groups)
         n_groups = len(labels)
-        header = np.zeros(1, dtype=_HEADER)
-        header["magic"], header["n_windows"], header["n_per_window"] = GMAGIC, n_windows, n_per_window
-        header["n_channels"], header["n_groups"] = n_channels, n_groups
         # each group's device, and each window's, in the table (every label is one of its devices)
         group_position = np.searchsorted(self.device_ids, labels)
         position = group_position[group]
@@ -119,7 +117,7 @@ class DictionaryTable:
             channel = codes[:, c, :]
             offsets = self.starts[c][position]
             # a channel constant within each window (gps_speed) is looked up once a window
-            per_window = n_per_window > 1 and _constant_rows(channel)
+            per_window = n_per_window > 1 and constant_rows(channel)
             # each value's entry in the table (numpy indexes with intp: made once, contiguous)
             if per_window:
                 keys = channel[:, 0] + offsets
@@ -130,10 +128,8 @@ class DictionaryTable:
             entries = np.flatnonzero(used[: len(self.values[c])])  # ascending: by device, then value
             used[entries] = False  # the scratch is clean again for the next channel
             counts = np.diff(np.searchsorted(entries, self.starts[c]))[group_position]
-            if counts.max(initial=0) > _MAX_CODES:  # as the reference: the chunk as raw floats
-                header["mode"] = _MODE_RAW
-                channel_major = self.decode(codes, groups).transpose(2, 0, 1)
-                return header.tobytes() + np.ascontiguousarray(channel_major).astype("<f4").tobytes()
+            if counts.max(initial=0) > MAX_CODES:  # raw floats: rare enough to leave to the reference
+                return encode_gdict16(self.decode(codes, groups), groups)
             first = np.cumsum(counts) - counts  # each group's first entry among ``entries``
             # an entry's code: its place among the entries its device uses in this chunk
             rank[entries] = np.arange(len(entries), dtype=np.int32) - np.repeat(first.astype(np.int32),
@@ -142,13 +138,9 @@ class DictionaryTable:
                 out_codes[c] = rank[keys][:, None]
             else:
                 np.take(rank, keys, out=out_codes[c], mode="clip")
-            values = self.values[c][entries]
-            deltas = np.diff(values, prepend=np.uint32(0))  # wraps modulo 2**32, as decoding does
-            restart = first[counts > 0]
-            deltas[restart] = values[restart]  # each group restarts
             sizes[c] = counts
-            halves += [(deltas & 0xFFFF).astype("<u2"), (deltas >> 16).astype("<u2")]
-        header["mode"] = _MODE_DICT
+            halves += gdict16_dictionary(self.values[c][entries], counts)
+        header = gdict16_header(MODE_DICT, n_windows, n_per_window, n_channels, n_groups)
         # joined straight from the arrays' buffers (the codes are this thread's scratch)
         return b"".join(part.data for part in (header, group.astype("<u2"), sizes, *halves, out_codes))
 
@@ -167,12 +159,6 @@ class DictionaryTable:
             scratch.codes = np.empty(len(self.values) * n_values, dtype="<u2")
         return scratch
 
-
-def _constant_rows(codes: np.ndarray) -> bool:
-    """Whether every row of a (windows, samples) array repeats its first entry; a few rows are
-    tried first, so a channel that varies costs almost nothing to rule out."""
-    head = codes[:16]
-    return bool((head == head[:, :1]).all()) and bool((codes == codes[:, :1]).all())
 
 
 class DeviceCoder:
@@ -195,7 +181,7 @@ class DeviceCoder:
         for c in range(n_channels):
             channel = bits[c]
             # a channel constant within each window (gps_speed) is coded once a window
-            per_window = n_samples > 1 and _constant_rows(channel)
+            per_window = n_samples > 1 and constant_rows(channel)
             values = np.ascontiguousarray(channel[:, 0]) if per_window else channel.reshape(-1)
             # A hash table sized for a device's few thousand values stays in cache: measured 4.8x
             # faster than pandas' default size (one entry per value) on a 16,384-window block.

@@ -292,8 +292,9 @@ class _Loader:
         # a device): a chunk is still a uniform sample, and decoding looks each device's values up
         # in its own dictionary while it is in the caches (1.2x faster reading, 2% smaller)
         chunk = (self.starts[bucket] + np.arange(n)) // self.chunk_windows
-        order = order[np.lexsort((self.devices[:n][order], chunk))]
         devices = self.devices[:n][order]
+        grouped = np.lexsort((devices, chunk))
+        order, devices = order[grouped], devices[grouped]
         self._hash_in_order(order, devices)
         meta = self.meta[:n][order]
         if self.codes is None:

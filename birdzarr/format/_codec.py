@@ -32,10 +32,10 @@ if TYPE_CHECKING:
 
 DICT16 = "birdzarr.dict16"
 MAGIC = b"BZD1"
-_MODE_RAW = 0
-_MODE_DICT = 1
+MODE_RAW = 0
+MODE_DICT = 1
 _HEADER = np.dtype([("magic", "S4"), ("mode", "<u4"), ("n_per_channel", "<u4"), ("n_channels", "<u4")])
-_MAX_CODES = 65535
+MAX_CODES = 65535  # entries a dict16 / gdict16 dictionary may have
 
 
 def _distinct_and_codes(values: np.ndarray, run: int = 1) -> tuple[np.ndarray, np.ndarray] | None:
@@ -48,7 +48,7 @@ def _distinct_and_codes(values: np.ndarray, run: int = 1) -> tuple[np.ndarray, n
 
     if run > 1 and len(values) % run == 0 and len(values):
         by_run = values.reshape(-1, run)
-        if _constant_rows(by_run):
+        if constant_rows(by_run):
             found = _distinct_and_codes(np.ascontiguousarray(by_run[:, 0]))
             return None if found is None else (found[0], np.repeat(found[1], run))
 
@@ -58,7 +58,7 @@ def _distinct_and_codes(values: np.ndarray, run: int = 1) -> tuple[np.ndarray, n
     # the first-seen order of the hash table does not matter). The distinct values are unique,
     # so the default (unstable, SIMD) sort orders them as a stable one would.
     first_seen, distinct = pd.factorize(values, sort=False)
-    if len(distinct) > _MAX_CODES:
+    if len(distinct) > MAX_CODES:
         return None
     distinct = np.asarray(distinct, dtype=values.dtype)
     order = np.argsort(distinct)
@@ -81,9 +81,9 @@ def encode_dict16(array: np.ndarray) -> bytes:
     header["n_per_channel"] = n_per_channel
     header["n_channels"] = n_channels
     if any(e is None for e in encoded):
-        header["mode"] = _MODE_RAW
+        header["mode"] = MODE_RAW
         return header.tobytes() + channel_major.astype("<u4", copy=False).tobytes()
-    header["mode"] = _MODE_DICT
+    header["mode"] = MODE_DICT
     pairs = [e for e in encoded if e is not None]
     sizes = np.array([len(d) for d, _ in pairs], dtype="<u4")
     parts = [header.tobytes(), sizes.tobytes()]
@@ -112,10 +112,10 @@ def parse_dict16(data: bytes | memoryview | np.ndarray) -> Dict16Body:
         raise ValueError("dict16 chunk is truncated")
     header = raw[: _HEADER.itemsize].view(_HEADER)[0]
     n_channels, n_per_channel = int(header["n_channels"]), int(header["n_per_channel"])
-    if bytes(header["magic"]) != MAGIC or int(header["mode"]) not in (_MODE_DICT, _MODE_RAW):
+    if bytes(header["magic"]) != MAGIC or int(header["mode"]) not in (MODE_DICT, MODE_RAW):
         raise ValueError("not a dict16 chunk")
     offset, n_values = _HEADER.itemsize, n_per_channel * n_channels
-    if int(header["mode"]) == _MODE_RAW:
+    if int(header["mode"]) == MODE_RAW:
         body = raw[offset : offset + 4 * n_values]
         if len(body) != 4 * n_values:
             raise ValueError("dict16 chunk is truncated")
@@ -217,12 +217,32 @@ _GHEADER = np.dtype([
 ])
 
 
+def gdict16_header(
+    mode: int, n_windows: int, n_per_window: int, n_channels: int, n_groups: int
+) -> np.ndarray:
+    """The 24-byte header of a gdict16 chunk (docs/format.md#gdict16)."""
+    header = np.zeros(1, dtype=_GHEADER)
+    header["magic"], header["mode"], header["n_windows"] = GMAGIC, mode, n_windows
+    header["n_per_window"], header["n_channels"], header["n_groups"] = n_per_window, n_channels, n_groups
+    return header
+
+
+def gdict16_dictionary(values: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
+    """One channel's dictionaries as stored: ``values`` (uint32 bit patterns, group after group,
+    each group's ascending) held as deltas that restart at every group, written as the uint16
+    low halves, then the high halves (mostly zero: they bit-shuffle away)."""
+    deltas = np.diff(values, prepend=np.uint32(0))  # wraps modulo 2**32, as decoding does
+    first = (np.cumsum(counts) - counts)[counts > 0]
+    deltas[first] = values[first]  # each group restarts
+    return [(deltas & 0xFFFF).astype("<u2"), (deltas >> 16).astype("<u2")]
+
+
 def _group_index(groups: np.ndarray | None, n_windows: int) -> tuple[np.ndarray, int]:
     """Group number (0..G-1, in ascending order of the given labels) of each window."""
     if groups is None or n_windows == 0:
         return np.zeros(n_windows, dtype=np.uint16), 1
     labels, index = np.unique(np.asarray(groups).reshape(-1), return_inverse=True)
-    if len(labels) > _MAX_CODES:
+    if len(labels) > MAX_CODES:
         return np.zeros(n_windows, dtype=np.uint16), 1
     return index.astype(np.uint16), len(labels)
 
@@ -240,20 +260,18 @@ def encode_gdict16(array: np.ndarray, groups: np.ndarray | None = None) -> bytes
     n_windows, n_channels = array.shape[0], array.shape[-1]
     n_per_window = int(np.prod(array.shape[1:-1], dtype=np.int64))
     group, n_groups = _group_index(groups, n_windows)
-    header = np.zeros(1, dtype=_GHEADER)
-    header["magic"], header["n_windows"], header["n_per_window"] = GMAGIC, n_windows, n_per_window
-    header["n_channels"], header["n_groups"] = n_channels, n_groups
     # channel-major: (channel, window, value), as uint32 bit patterns
     by_window = array.reshape(n_windows, n_per_window, n_channels)
     channel_major = np.ascontiguousarray(by_window.transpose(2, 0, 1))
     bits = channel_major.view(np.uint32)
     high = np.repeat(group.astype(np.uint64) << np.uint64(32), n_per_window)
     sizes = np.zeros((n_channels, n_groups), dtype="<u4")
-    dictionaries, codes = [], np.empty((n_channels, n_windows * n_per_window), dtype="<u2")
+    dictionaries: list[np.ndarray] = []
+    codes = np.empty((n_channels, n_windows * n_per_window), dtype="<u2")
     for c in range(n_channels):
         channel = bits[c].reshape(n_windows, n_per_window)
         # a channel constant within each window (gps_speed) is dictionary-coded per window
-        per_window = n_per_window > 1 and _constant_rows(channel)
+        per_window = n_per_window > 1 and constant_rows(channel)
         keys = (high[::n_per_window] if per_window else high) | (
             channel[:, 0] if per_window else channel.reshape(-1)
         ).astype(np.uint64)
@@ -272,25 +290,19 @@ def encode_gdict16(array: np.ndarray, groups: np.ndarray | None = None) -> bytes
             ordered = distinct[order]
         key_group = (ordered >> np.uint64(32)).astype(np.int64)
         counts = np.bincount(key_group, minlength=n_groups)
-        if counts.max(initial=0) > _MAX_CODES:
-            header["mode"] = _MODE_RAW
+        if counts.max(initial=0) > MAX_CODES:
+            header = gdict16_header(MODE_RAW, n_windows, n_per_window, n_channels, n_groups)
             return header.tobytes() + channel_major.astype("<f4", copy=False).tobytes()
         starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
         rank = np.empty(len(ordered), dtype=np.uint16)
         rank[order] = np.arange(len(ordered)) - starts[key_group]
         window_codes = rank[first_seen]
         codes[c] = np.repeat(window_codes, n_per_window) if per_window else window_codes
-        values = (ordered & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-        deltas = np.diff(values, prepend=np.uint32(0))  # wraps modulo 2**32, as decoding does
-        deltas[starts[counts > 0]] = values[starts[counts > 0]]  # each group restarts
         sizes[c] = counts
-        dictionaries.append(deltas.astype("<u4", copy=False))
-    header["mode"] = _MODE_DICT
-    parts = [header.tobytes(), group.astype("<u2", copy=False).tobytes(), sizes.tobytes()]
-    for deltas in dictionaries:  # low halves, then high halves: mostly zero, they bit-shuffle away
-        parts += [(deltas & 0xFFFF).astype("<u2").tobytes(), (deltas >> 16).astype("<u2").tobytes()]
-    parts.append(codes.tobytes())
-    return b"".join(parts)
+        dictionaries += gdict16_dictionary((ordered & np.uint64(0xFFFFFFFF)).astype(np.uint32), counts)
+    header = gdict16_header(MODE_DICT, n_windows, n_per_window, n_channels, n_groups)
+    parts = [header, group.astype("<u2", copy=False), sizes, *dictionaries, codes]
+    return b"".join(part.tobytes() for part in parts)
 
 
 def _sorted_distinct(keys: np.ndarray, n_groups: int) -> tuple[np.ndarray, np.ndarray]:
@@ -342,7 +354,7 @@ def decode_gdict16(
         raise ValueError(f"out must be a C-contiguous float32 array of shape {shape}")
     result = out
     out = out.reshape(n_windows, n_per_window, n_channels)
-    if int(header["mode"]) == _MODE_RAW:
+    if int(header["mode"]) == MODE_RAW:
         body = raw[offset : offset + 4 * n_values * n_channels].view("<f4")
         if len(body) != n_values * n_channels:
             raise ValueError("gdict16 chunk is truncated")
@@ -385,14 +397,14 @@ def decode_gdict16(
         raise ValueError("gdict16 chunk is truncated")
     codes = codes.reshape(n_channels, n_windows, n_per_window)
     # the encoder writes at most 65,535 entries a dictionary, so sizes compare as uint16
-    limits = np.minimum(sizes, _MAX_CODES).astype(np.uint16)
+    limits = np.minimum(sizes, MAX_CODES).astype(np.uint16)
     bases = starts.reshape(n_channels, n_groups).astype(np.int32)
     index = np.empty((n_windows, n_per_window), dtype=np.int32)
     values = np.empty((n_windows, n_per_window), dtype=np.float32)
     for c in range(n_channels):
         channel = codes[c]
         limit, base = limits[c][group], bases[c][group]
-        if n_per_window > 1 and _constant_rows(channel):
+        if n_per_window > 1 and constant_rows(channel):
             # one value a window (gps_speed: one fix a burst): look up 1/20 of the values
             first = channel[:, 0]
             if (first >= limit).any():
@@ -410,7 +422,7 @@ def decode_gdict16(
     return result
 
 
-def _constant_rows(codes: np.ndarray) -> bool:
+def constant_rows(codes: np.ndarray) -> bool:
     """Whether every row of a (windows, samples) array repeats its first entry (one value a
     window, as gps_speed); a few rows are tried first, so a channel that varies (the IMU axes)
     costs almost nothing to rule out."""
@@ -432,8 +444,8 @@ register_codec(GDICT16, GDict16Codec)
 
 CODECS = ("dict16", "gdict16", "standard")
 ZSTD_CLEVEL = 1  # blosc zstd level 1 (zstd's own level 1): higher levels encode 3-4x slower
-# Blosc's automatic block for zstd level 1 is small; 256 KiB blocks decode a shuffled store's
-# chunk 1.55x and encode it 1.15x faster, and store 0.6% less (benchmarks/chunk_decode.py).
+# Blosc's automatic block for zstd level 1 is small; 256 KiB blocks decode an 8192-window
+# shuffled chunk 1.5x and encode it 1.3x faster, and store 0.6% less (benchmarks/chunk_decode.py).
 ZSTD_BLOCKSIZE = 2**18
 
 
@@ -452,10 +464,10 @@ def compressor_of(cname: str | None = None) -> dict[str, Any]:
 
 CNAMES = ("zstd", "lz4", "lz4hc", "blosclz", "zlib")
 # Chosen by measurement (docs/format.md#codec-and-chunk-size-measured), for both codecs. After
-# dict16, lz4 costs ~9% in size against zstd level 1 but decodes 1.6x faster per core (the
-# DataLoader workers' cost) and writes 11% more per CPU second. After gdict16 (shuffled stores,
-# 32768-window chunks), lz4 decodes 1.7x and encodes 2x faster than zstd level 1 for a store
-# 1.15x larger, still 0.86x the Parquet source; zstd is the choice when bytes matter more.
+# dict16, lz4 costs ~10% in size against zstd level 1 but decodes 1.3x faster per core (the
+# DataLoader workers' cost) and writes 15% more per CPU second. After gdict16 (shuffled stores,
+# 32768-window chunks), lz4 decodes 1.2x faster than zstd level 1 for a store 1.16x larger,
+# still 0.81x the Parquet source; zstd is the choice when bytes matter more.
 DEFAULT_CNAME = "lz4"
 DEFAULT_CLEVEL = 5
 
@@ -586,6 +598,11 @@ class ChunkCodec:
         else:
             ordered = chunk.transpose(2, 0, 1) if self.kind == "standard" else chunk
             body = np.ascontiguousarray(ordered).astype(chunk.dtype.newbyteorder("<"), copy=False)
+        return self.pack(body)
+
+    def pack(self, body: Any) -> bytes:
+        """The stored bytes of a chunk whose window codec already ran (``body``): blosc, then the
+        checksum where the chain has one."""
         data = bytes(self.compressor.encode(body))
         return with_crc32c(data) if self.crc32c else data
 
