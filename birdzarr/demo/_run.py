@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from typing import Any
 
 from birdzarr._errors import BadInputError
 from birdzarr.convert import convert
@@ -25,11 +26,16 @@ def run_demo(directory: str, *, windows: int = 200_000) -> int:
     _synthetic.make_parquet_dir(parquet_dir, n_devices=24, total_windows=windows, seed=1)
     print(f"generating raw CSV exports (4 devices) in {csv_dir} ...")
     _synthetic.make_csv_dir(csv_dir, n_devices=4, bursts_per_device=400, parts=3, seed=1)
-    for source, name in ((parquet_dir, "from_parquet.zarr"), (csv_dir, "from_csv.zarr")):
-        store = convert(source, os.path.join(directory, name), overwrite=True)
+    # device order (for exploration) from each format, and the training layout (--shuffle)
+    stores: list[tuple[str, str, dict[str, Any]]] = [
+        (parquet_dir, "from_parquet.zarr", {}), (csv_dir, "from_csv.zarr", {}),
+        (parquet_dir, "train.zarr", {"shuffle": True, "seed": 1}),
+    ]
+    for source, name, options in stores:
+        store = convert(source, os.path.join(directory, name), overwrite=True, **options)
         print()
         print(format_summary(summary(store)))
-    _train_epoch(parquet_dir, os.path.join(directory, "train.zarr"))
+    _train_epoch(os.path.join(directory, "train.zarr"))
     print(
         f"\nnext: train on it, `python examples/train.py {os.path.join(directory, 'train.zarr')} "
         f"--epochs 2 --checkpoint ckpt.pt`; look at it, `birdzarr info "
@@ -55,10 +61,10 @@ def _claim(directory: str) -> None:
         marker.write("made by `birdzarr demo`; the demo may replace the files in this directory\n")
 
 
-def _train_epoch(source: str, dest: str) -> None:
-    """Read two shuffled epochs the two ways that train well, a store converted with --shuffle
-    (streamed) and the device-ordered store held in memory (resident='cpu'), and print the
-    shuffle-quality figures of each (docs/training.md#shuffle-quality)."""
+def _train_epoch(dest: str) -> None:
+    """Read two shuffled epochs the two ways that train well, the store converted with --shuffle
+    (``dest``, streamed) and the device-ordered store held in memory (resident='cpu'), and print
+    the shuffle-quality figures of each (docs/training.md#shuffle-quality)."""
     import numpy as np
 
     from birdzarr.loader._dataset import WindowDataset  # torch only when the demo gets here
@@ -66,7 +72,6 @@ def _train_epoch(source: str, dest: str) -> None:
     from birdzarr.store._handle import open_store
 
     device_ordered = os.path.join(os.path.dirname(dest), "from_parquet.zarr")
-    convert(source, dest, overwrite=True, shuffle=True, seed=1, progress=False)
     table = open_store(dest).device_table
     devices = np.asarray([e.device_id for e in table])
     counts = np.asarray([e.n_windows for e in table])
