@@ -50,6 +50,7 @@ class Variant:
     codecs: dict[str, Any]
     shard: int | None = None
     grouped: bool = False  # gdict16: chunks encoded with their windows' device ids
+    by_device_inside: bool = True  # grouped: each chunk's windows stored device after device
 
 
 def variants() -> list[Variant]:
@@ -72,6 +73,8 @@ def variants() -> list[Variant]:
         Variant("gdict16 by device + lz4 5", 8192, gdict16("lz4", 5), grouped=True),
         Variant("gdict16 by device + zstd 1", 32768, gdict16("zstd", 1), grouped=True),
         Variant("gdict16 by device + lz4 5", 32768, gdict16("lz4", 5), grouped=True),
+        Variant("gdict16 by device + lz4 5, windows not grouped inside chunks", 32768, gdict16("lz4", 5),
+                grouped=True, by_device_inside=False),
         Variant("standard: transpose + blosc zstd 3", 8192, gimu_codecs("standard", cname="zstd", clevel=3)),
         Variant("dict16 + zstd 1", 8192, dict16("zstd", 1)),
         Variant("dict16 + zstd 3", 8192, dict16("zstd", 3)),
@@ -125,10 +128,11 @@ def parquet_bytes(n_devices: int, n_windows: int) -> int:
     return total
 
 
-def write_grouped(array: Any, data: np.ndarray, devices: np.ndarray, path: str) -> np.ndarray:
+def write_grouped(array: Any, data: np.ndarray, devices: np.ndarray, path: str,
+                  by_device_inside: bool = True) -> np.ndarray:
     """Store every chunk as the converter does: its windows grouped by device (a --shuffle
-    store's chunk; device order already is) and encoded with their device ids. Returns the
-    windows in the order stored."""
+    store's chunk; device order already is; ``by_device_inside=False`` keeps the given order)
+    and encoded with their device ids. Returns the windows in the order stored."""
     from birdzarr.format._codec import ChunkCodec
 
     codec = ChunkCodec.parse(array.metadata.to_dict()["codecs"])
@@ -137,8 +141,10 @@ def write_grouped(array: Any, data: np.ndarray, devices: np.ndarray, path: str) 
     size = array.chunks[0]
     stored = np.empty_like(data)
     for index, first in enumerate(range(0, len(data), size)):
-        by_device = np.argsort(devices[first : first + size], kind="stable")
-        chunk, groups = data[first : first + size][by_device], devices[first : first + size][by_device]
+        chunk, groups = data[first : first + size], devices[first : first + size]
+        if by_device_inside:
+            by_device = np.argsort(groups, kind="stable")
+            chunk, groups = chunk[by_device], groups[by_device]
         stored[first : first + len(chunk)] = chunk
         if len(chunk) < size:
             chunk = np.concatenate([chunk, np.zeros((size - len(chunk), *chunk.shape[1:]), chunk.dtype)])
@@ -209,7 +215,7 @@ def run(variant: Variant, data: np.ndarray, workdir: str, repeat: int, devices: 
         started, cpu = time.perf_counter(), time.process_time()
         expected = data
         if variant.grouped:
-            expected = write_grouped(array, data, devices, path)
+            expected = write_grouped(array, data, devices, path, variant.by_device_inside)
         else:
             array[:] = data
         write = min(write, time.perf_counter() - started)
