@@ -61,7 +61,8 @@ def test_info_errors(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str])
 def test_demo(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", str(tmp_path / "demo"), "--windows", "3000"]) == 0
     out = capsys.readouterr().out
-    assert out.count("store        ") == 2  # the Parquet and the CSV store summaries
+    assert out.count("store        ") == 3  # the summaries of the Parquet, CSV and --shuffle stores
+    assert "codec gdict16, shuffled True (seed 1)" in out
     assert "3,000 from 24 devices" in out
     # one shuffled read of each training path: the --shuffle store streamed, the other resident
     assert "train.zarr (converted with --shuffle, streamed): 1 batches" in out
