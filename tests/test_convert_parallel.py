@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 import birdzarr
-from birdzarr.convert import _cpus, _pipeline
+from birdzarr.convert import _cpus, _pipeline, _shuffle
 from birdzarr.demo import _synthetic
+from birdzarr.store._summary import format_summary, summary
 
 # Root attributes that record when and how fast a conversion ran, not what it stored.
 _VOLATILE = {"started_at", "finished_at", "committed_at", "seconds", "cpu_seconds", "cores_used", "workers",
@@ -85,6 +86,8 @@ def test_parquet_store_is_byte_identical_for_any_worker_count(
         assert len(store) == 9000 + 40 + 7000 + 1 + 3000
         assert store.meta["report"]["workers"] == workers
         assert store.meta["report"]["cpu_seconds"] > 0
+        noun = "worker" if workers == 1 else "workers"
+        assert f"cores ({workers} {noun})" in format_summary(summary(store))
         stores.append(dest)
     for other in stores[1:]:
         assert_same_store(stores[0], other)
@@ -232,18 +235,58 @@ def test_shuffled_store_is_byte_identical_and_uses_device_dictionaries(
     parquet_dir: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(_pipeline, "SPLIT_MIN_BYTES", 0)
+    # 7 buckets: pass 2 loads two at once with 2 or more workers, one at a time with 1
+    monkeypatch.setattr(_shuffle, "BUCKET_WINDOWS", 3000)
     stores = []
-    for workers in (1, 2):
+    for workers in (1, 2, 3):
         dest = tmp_path / f"s{workers}.zarr"
         store = birdzarr.convert(parquet_dir, dest, workers=workers, shuffle=True, seed=5, chunk_windows=4096,
                                  progress=False, shuffle_tmp=str(tmp_path))
         assert store.meta["layout"]["codec"] == "gdict16"
         assert store.meta["layout"]["compressor"] == {"cname": "lz4", "clevel": 5}
         stores.append(dest)
-    assert_same_store(*stores)
-    # the converter groups each chunk's windows by device: 5 devices, 5 dictionaries (+ padding)
+    assert_same_store(stores[0], stores[1])
+    assert_same_store(stores[0], stores[2])
+    assert birdzarr.open_store(stores[1]).meta["layout"]["shuffle_buckets"] >= 4
+    # the converter groups each chunk's windows by device: a dictionary per device of the chunk
     from numcodecs import Blosc
 
     blob = (stores[0] / "gimu" / "c" / "0" / "0" / "0").read_bytes()[:-4]
     header = np.frombuffer(Blosc().decode(blob)[:24], "<u4")
-    assert header[1] == 1 and header[5] == 5
+    in_chunk = np.unique(birdzarr.open_store(stores[0]).window_devices[:4096])
+    assert header[1] == 1 and header[5] == len(in_chunk) >= 4
+
+
+def test_a_shuffle_whose_spill_is_damaged_fails_cleanly(
+    parquet_dir: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bucket that cannot be read in pass 2 (its spill file cut short between the passes)
+    stops the conversion with that error, while the next bucket is loading beside it: no hang,
+    no store, no spill left behind."""
+    monkeypatch.setattr(_shuffle, "BUCKET_WINDOWS", 3000)
+    close = _shuffle._Buckets.close
+
+    def close_then_damage(self: _shuffle._Buckets) -> None:
+        close(self)
+        with open(self.paths[1], "r+b") as handle:
+            handle.truncate(os.path.getsize(self.paths[1]) // 2)
+
+    monkeypatch.setattr(_shuffle._Buckets, "close", close_then_damage)
+    spill_dir = tmp_path / "spill"
+    spill_dir.mkdir()
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            birdzarr.convert(parquet_dir, tmp_path / "s.zarr", workers=2, shuffle=True, seed=5,
+                             chunk_windows=4096, progress=False, shuffle_tmp=str(spill_dir))
+        except BaseException as exc:  # noqa: BLE001 (the test inspects it)
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=120)  # a guard against a hang only: the conversion ends in a second
+    assert not thread.is_alive(), "the conversion hung after a failed bucket load"
+    assert len(outcome) == 1 and not isinstance(outcome[0], AssertionError), outcome
+    assert not (tmp_path / "s.zarr").exists()
+    assert list(spill_dir.iterdir()) == []

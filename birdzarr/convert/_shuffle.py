@@ -24,9 +24,11 @@ from __future__ import annotations
 import collections
 import math
 import os
+import queue
 import shutil
 import struct
 import tempfile
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,7 +38,7 @@ import numpy as np
 from numcodecs import Blosc
 
 from birdzarr.convert._blocks import WindowBlock
-from birdzarr.convert._gdict_encode import DeviceCoder, DictionaryTable
+from birdzarr.convert._gdict_encode import BlockValues, DeviceCoder, DictionaryTable, block_values
 from birdzarr.convert._summary import DeviceSummary, Summarizer, WindowChecksum, checksum_hasher
 from birdzarr.convert._writer import StoreWriter
 from birdzarr.format._spec import (
@@ -48,6 +50,9 @@ from birdzarr.format._spec import (
 
 BUCKET_WINDOWS = 131_072  # target windows per bucket (pass 2 holds about two: docs/conversion.md)
 MAX_BUCKETS = 512  # open files in pass 1
+# Buckets pass 2 loads at once, each on a thread of its own into buffers of its own: loading is
+# most of pass 2, and one at a time it left a core idle
+LOADS_IN_FLIGHT = 2
 # Pass 1 keeps a device's windows per bucket until a piece is this large (or the device ends):
 # pieces of a block's share of 96 buckets (~170 windows at 25 M windows) made the per-piece
 # encoding overhead the conversion's main cost. All buckets together hold at most this many
@@ -140,9 +145,11 @@ def write_shuffled(
     directory = tempfile.mkdtemp(prefix="birdzarr-shuffle-", dir=tmp_dir)
     workers = max(1, writer.workers)
     pool = ThreadPoolExecutor(workers, thread_name_prefix="birdzarr-spill") if workers > 1 else None
+    file_writer = ThreadPoolExecutor(1, thread_name_prefix="birdzarr-spill-write") if workers > 1 else None
     try:
         spill = _Buckets(directory, buckets)
-        spiller = _Spiller(spill, seed=seed, buckets=buckets, pool=pool, workers=workers)
+        spiller = _Spiller(spill, seed=seed, buckets=buckets, pool=pool, file_writer=file_writer,
+                           workers=workers)
         for device_id, sources, blocks in devices:
             spiller.device(device_id, sources, blocks)
         spiller.finish()
@@ -158,18 +165,19 @@ def write_shuffled(
         if coded:
             sink.code_encoder = table.encode  # gdict16 from the codes, without a sort
         hashers = {device_id: checksum_hasher() for device_id in summaries}
+        in_flight = min(workers, LOADS_IN_FLIGHT)
         load = _Loader(spill, table, dictionaries, hashers, seed=seed, coded=coded,
-                       chunk_windows=writer.slabs.chunk_windows).load
+                       chunk_windows=writer.slabs.chunk_windows, slots=in_flight).load
         del spiller, dictionaries
-        # the next bucket is read, decoded and hashed on a thread while this one is written
-        loading = pool.submit(load, 0) if pool is not None and buckets else None
+        # the next buckets are read, decoded and hashed on the pool while this one is written
+        loading: collections.deque[Future[WindowBlock]] = collections.deque()
         for bucket in range(buckets):
-            if loading is not None:
-                block = loading.result()
-                more = pool is not None and bucket + 1 < buckets
-                loading = pool.submit(load, bucket + 1) if pool is not None and more else None
-            else:
+            if pool is None:
                 block = load(bucket)
+            else:
+                for ahead in range(bucket + len(loading), min(buckets, bucket + in_flight)):
+                    loading.append(pool.submit(load, ahead))
+                block = loading.popleft().result()
             writer.write_mixed(block)
             del block
         for device_id, summary in summaries.items():
@@ -177,8 +185,10 @@ def write_shuffled(
             writer.record(summary)
         return {"buckets": buckets, "spill_bytes": spill.bytes_written}
     finally:
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+        # the pool first: a piece waiting to be written then ends with its cancelled compression
+        for executor in (pool, file_writer):
+            if executor is not None:
+                executor.shutdown(wait=True, cancel_futures=True)
         shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -187,28 +197,27 @@ class _Spiller:
     dictionaries, in pieces of one device; keeps the devices' summaries and dictionaries."""
 
     def __init__(self, spill: _Buckets, *, seed: int, buckets: int, pool: ThreadPoolExecutor | None,
-                 workers: int) -> None:
+                 file_writer: ThreadPoolExecutor | None, workers: int) -> None:
         self.spill, self.buckets, self.pool, self.workers = spill, buckets, pool, workers
         self.draw = np.random.default_rng(seed)
         self.piece_windows = max(256, PASS1_BUFFER_WINDOWS // max(1, buckets))
+        self.file_writer = file_writer
         self.summaries: dict[int, DeviceSummary] = {}
         self.dictionaries: dict[int, list[np.ndarray]] = {}  # per device and channel, as first seen
-        # pieces are encoded on the pool and written in the order they were cut, so each bucket
-        # file is the same whatever the number of workers
-        self._pending: collections.deque[tuple[int, int, Future[bytes]]] = collections.deque()
+        self._pending: collections.deque[Future[None]] = collections.deque()  # pieces being written
 
     def device(self, device_id: int, sources: list[str], blocks: Iterable[WindowBlock]) -> None:
         summarizer = Summarizer(device_id, sources, start=None)  # scattered: no range
         coder = DeviceCoder(N_CHANNELS)
         held: dict[int, list[tuple[np.ndarray, np.ndarray]]] = collections.defaultdict(list)
         held_windows = np.zeros(self.buckets, dtype=np.int64)
-        for block in blocks:
-            summarizer.add(block)
-            if not len(block):
-                continue
+        # Blocks whose values are being found on the pool (the hashing, most of coding a block);
+        # they are coded and placed in block order, so the spill is the same with any workers
+        finding: collections.deque[tuple[WindowBlock, Future[BlockValues]]] = collections.deque()
+
+        def place(block: WindowBlock, codes: np.ndarray) -> None:
             target = self.draw.integers(0, self.buckets, size=len(block))
             order = np.argsort(target, kind="stable")
-            codes = coder.codes(block.windows)
             meta = np.empty(len(block), dtype=_META)
             meta["label"], meta["timestamp"] = block.labels, block.timestamps
             bounds = np.searchsorted(target[order], np.arange(self.buckets + 1))
@@ -221,6 +230,21 @@ class _Spiller:
                 if held_windows[bucket] >= self.piece_windows:
                     self._release(device_id, bucket, held.pop(bucket))
                     held_windows[bucket] = 0
+
+        for block in blocks:
+            summarizer.add(block)
+            if not len(block):
+                continue
+            if self.pool is None:
+                place(block, coder.codes(block.windows))
+                continue
+            finding.append((block, self.pool.submit(block_values, block.windows, coder.size_hints())))
+            while len(finding) > self.workers:
+                found_block, values = finding.popleft()
+                place(found_block, coder.codes_of(values.result()))
+        while finding:
+            found_block, values = finding.popleft()
+            place(found_block, coder.codes_of(values.result()))
         for bucket in sorted(held):  # a piece never mixes devices
             self._release(device_id, bucket, held[bucket])
         self.summaries[device_id] = summarizer.finish()
@@ -231,33 +255,52 @@ class _Spiller:
             np.concatenate([p[0] for p in parts], axis=1), np.concatenate([p[1] for p in parts])
         )
         piece = _Piece(device_id, codes, meta)
-        if self.pool is None:
+        if self.pool is None or self.file_writer is None:
             self.spill.write(bucket, len(meta), encode_piece(piece))
             return
-        self._pending.append((bucket, len(meta), self.pool.submit(encode_piece, piece)))
-        self._write(keep=4 * self.workers)
+        # compressed on the pool; appended by the one file-writing thread, which takes pieces in
+        # the order they were cut, so each bucket file is the same whatever the number of workers
+        encoded = self.pool.submit(encode_piece, piece)
+        self._pending.append(self.file_writer.submit(self._append, bucket, len(meta), encoded))
+        self._wait(keep=4 * self.workers)
 
-    def _write(self, keep: int) -> None:
+    def _append(self, bucket: int, n_windows: int, encoded: Future[bytes]) -> None:
+        self.spill.write(bucket, n_windows, encoded.result())
+
+    def _wait(self, keep: int) -> None:
         while len(self._pending) > keep:
-            bucket, n, future = self._pending.popleft()
-            self.spill.write(bucket, n, future.result())
+            self._pending.popleft().result()
 
     def finish(self) -> None:
-        """Write every piece still being encoded."""
-        self._write(keep=0)
+        """Write every piece still being compressed or written."""
+        self._wait(keep=0)
+
+
+class _Scratch:
+    """One load's buffers, reused from bucket to bucket (new memory costs a page fault per
+    4 KiB): a bucket's values, codes, devices and metadata in the order they were spilled."""
+
+    def __init__(self, windows: int, code_dtype: np.dtype | None) -> None:
+        self.bits = np.empty((windows, WINDOW_LENGTH, N_CHANNELS), dtype=np.uint32)
+        shape = (N_CHANNELS, windows, WINDOW_LENGTH)
+        self.codes = None if code_dtype is None else np.empty(shape, code_dtype)
+        self.devices = np.empty(windows, dtype=np.int32)
+        self.meta = np.empty(windows, dtype=_META)
 
 
 class _Loader:
-    """Pass 2's reading of buckets, one at a time, in order.
+    """Pass 2's reading of buckets, ``slots`` at once (each on its own thread), handed over in
+    order.
 
-    A bucket's pieces are decoded, in the order they were written, into buffers reused from
-    bucket to bucket (new memory costs a page fault per 4 KiB); its codes are then permuted into
-    new arrays (the writer keeps them until they are written), and each device's windows are
-    fed to its checksum in store order."""
+    A bucket's pieces are decoded, in the order they were written, into one slot's buffers; its
+    codes are then permuted into new arrays (the writer keeps them until they are written). Each
+    device's windows are fed to its checksum in store order: a load hashes only once the load
+    of the bucket before it has, so the checksums are the same with any number of slots."""
 
     def __init__(self, spill: _Buckets, table: DictionaryTable, dictionaries: dict[int, list[np.ndarray]],
-                 hashers: dict[int, WindowChecksum], *, seed: int, coded: bool, chunk_windows: int) -> None:
-        self.spill, self.hashers, self.seed, self.coded = spill, hashers, seed, coded
+                 hashers: dict[int, WindowChecksum], *, seed: int, coded: bool, chunk_windows: int,
+                 slots: int = 1) -> None:
+        self.spill, self.hashers, self.seed = spill, hashers, seed
         self.chunk_windows = chunk_windows
         # the store position of each bucket's first window (a shuffled store is written from 0)
         self.starts = np.concatenate(([0], np.cumsum(spill.windows)[:-1])).astype(np.int64)
@@ -268,46 +311,73 @@ class _Loader:
             for d, known in dictionaries.items()
         }
         largest = int(spill.windows.max(initial=0))
-        self.bits = np.empty((largest, WINDOW_LENGTH, N_CHANNELS), dtype=np.uint32)
-        self.codes = np.empty((N_CHANNELS, largest, WINDOW_LENGTH), dtype=table.code_dtype) if coded else None
-        self.devices = np.empty(largest, dtype=np.int32)
-        self.meta = np.empty(largest, dtype=_META)
+        code_dtype = table.code_dtype if coded else None
+        self._free: queue.SimpleQueue[_Scratch] = queue.SimpleQueue()
+        for _ in range(max(1, min(slots, len(spill.windows)))):
+            self._free.put(_Scratch(largest, code_dtype))
+        self._turn = 0  # the bucket whose windows are hashed next
+        self._turn_changed = threading.Condition()
 
     def load(self, bucket: int) -> WindowBlock:
         """The bucket's windows permuted with a generator seeded with ``(seed, bucket)``: as
-        codes into the table (``coded``) or as float32 windows."""
+        codes into the table (where the store is gdict16) or as float32 windows. Call for every
+        bucket, in order (at most ``slots`` at once)."""
+        scratch = self._free.get()
+        try:
+            try:
+                n, order, devices = self._decode(bucket, scratch)
+            except BaseException:
+                self._in_turn(bucket, None)  # let the later buckets hash
+                raise
+            self._in_turn(bucket, lambda: self._hash_in_order(scratch, order, devices))
+            meta = scratch.meta[:n][order]
+            if scratch.codes is None:
+                windows = np.take(scratch.bits[:n], order, axis=0).view(np.float32)
+                return WindowBlock(windows, meta["timestamp"], meta["label"], DeviceReport(), devices)
+            # (windows, channels, samples)
+            codes = np.take(scratch.codes[:, :n], order, axis=1).transpose(1, 0, 2)
+            # the windows exist only as codes: the writer encodes the chunks from them
+            windows = np.broadcast_to(np.float32(np.nan), (n, WINDOW_LENGTH, N_CHANNELS))
+            return WindowBlock(windows, meta["timestamp"], meta["label"], DeviceReport(), devices, codes)
+        finally:
+            self._free.put(scratch)
+
+    def _decode(self, bucket: int, scratch: _Scratch) -> tuple[int, np.ndarray, np.ndarray]:
+        """Decode the bucket into ``scratch``; its windows' store order (as spilled rows) and devices."""
         n = int(self.spill.windows[bucket])
         at = 0
         for piece in self.spill.pieces(bucket):
             k = len(piece.meta)
             for c, (values, to_table) in enumerate(self.lookups[piece.device_id]):
-                np.take(values, piece.codes[c], out=self.bits[at : at + k, :, c], mode="clip")
-                if self.codes is not None:
-                    np.take(to_table, piece.codes[c], out=self.codes[c, at : at + k], mode="clip")
-            self.devices[at : at + k] = piece.device_id
-            self.meta[at : at + k] = piece.meta
+                np.take(values, piece.codes[c], out=scratch.bits[at : at + k, :, c], mode="clip")
+                if scratch.codes is not None:
+                    np.take(to_table, piece.codes[c], out=scratch.codes[c, at : at + k], mode="clip")
+            scratch.devices[at : at + k] = piece.device_id
+            scratch.meta[at : at + k] = piece.meta
             at += k
         order = np.random.default_rng([self.seed, bucket]).permutation(n)  # store row -> spilled row
         # Inside each chunk the windows are grouped by device (ascending id, in random order within
         # a device): a chunk is still a uniform sample, and decoding looks each device's values up
         # in its own dictionary while it is in the caches (faster reading, 2% smaller: docs/format.md)
         chunk = (self.starts[bucket] + np.arange(n)) // self.chunk_windows
-        devices = self.devices[:n][order]
+        devices = scratch.devices[:n][order]
         grouped = np.lexsort((devices, chunk))
-        order, devices = order[grouped], devices[grouped]
-        self._hash_in_order(order, devices)
-        meta = self.meta[:n][order]
-        if self.codes is None:
-            windows = np.take(self.bits[:n], order, axis=0).view(np.float32)
-            return WindowBlock(windows, meta["timestamp"], meta["label"], DeviceReport(), devices)
-        codes = np.take(self.codes[:, :n], order, axis=1).transpose(1, 0, 2)  # (windows, channels, samples)
-        # the windows exist only as codes: the writer encodes the chunks from them
-        windows = np.broadcast_to(np.float32(np.nan), (n, WINDOW_LENGTH, N_CHANNELS))
-        return WindowBlock(windows, meta["timestamp"], meta["label"], DeviceReport(), devices, codes)
+        return n, order[grouped], devices[grouped]
 
-    def _hash_in_order(self, order: np.ndarray, devices: np.ndarray) -> None:
-        """Feed each device's windows of this bucket to its checksum in ascending store order
-        (buckets are loaded one after another, in order)."""
+    def _in_turn(self, bucket: int, work: Callable[[], None] | None) -> None:
+        """Run ``work`` once every bucket before this one has had its turn, then pass the turn on."""
+        with self._turn_changed:
+            self._turn_changed.wait_for(lambda: self._turn == bucket)
+        try:
+            if work is not None:
+                work()
+        finally:
+            with self._turn_changed:
+                self._turn = bucket + 1
+                self._turn_changed.notify_all()
+
+    def _hash_in_order(self, scratch: _Scratch, order: np.ndarray, devices: np.ndarray) -> None:
+        """Feed each device's windows of this bucket to its checksum in ascending store order."""
         by_device = np.argsort(devices, kind="stable")
         ids = devices[by_device]
         rows = order[by_device]  # spilled rows, device by device, each in store order
@@ -315,4 +385,4 @@ class _Loader:
             return
         starts = np.flatnonzero(np.concatenate(([True], ids[1:] != ids[:-1]))).tolist()
         for start, stop in zip(starts, [*starts[1:], len(ids)], strict=True):
-            self.hashers[int(ids[start])].update(np.take(self.bits, rows[start:stop], axis=0).view("<f4"))
+            self.hashers[int(ids[start])].update(np.take(scratch.bits, rows[start:stop], axis=0).view("<f4"))

@@ -94,6 +94,7 @@ def format_summary(info: dict[str, Any]) -> str:
         rate = info["bytes_raw"] / report["seconds"] / 1e6
         lines.append(f"conversion   {report['seconds']:.1f} s ({rate:.0f} MB/s of float32 windows)")
         if report.get("cpu_seconds") is not None:
+            workers = report.get("workers")
             lines[-1] += (f", {report['cpu_seconds']:.1f} CPU s on {report.get('cores_used', 0):.1f} cores "
-                          f"({report.get('workers')} workers)")
+                          f"({workers} worker{'' if workers == 1 else 's'})")
     return "\n".join(lines)
