@@ -53,6 +53,8 @@ MAX_BUCKETS = 512  # open files in pass 1
 # Buckets pass 2 loads at once, each on a thread of its own into buffers of its own: loading is
 # most of pass 2, and one at a time it left a core idle
 LOADS_IN_FLIGHT = 2
+# Blocks (or device ends) pass 1 has queued per worker while their values are being found
+FINDING_PER_WORKER = 2
 # Pass 1 keeps a device's windows per bucket until a piece is this large (or the device ends):
 # pieces of a block's share of 96 buckets (~170 windows at 25 M windows) made the per-piece
 # encoding overhead the conversion's main cost. All buckets together hold at most this many
@@ -192,9 +194,31 @@ def write_shuffled(
         shutil.rmtree(directory, ignore_errors=True)
 
 
+class _DeviceSpill:
+    """One device's state in pass 1: its summary so far, its dictionaries and the windows it
+    holds per bucket until a piece is large enough (or the device ends)."""
+
+    def __init__(self, device_id: int, sources: list[str], buckets: int) -> None:
+        self.device_id = device_id
+        self.summarizer = Summarizer(device_id, sources, start=None)  # scattered: no range
+        self.coder = DeviceCoder(N_CHANNELS)
+        self.held: dict[int, list[tuple[np.ndarray, np.ndarray]]] = collections.defaultdict(list)
+        self.held_windows = np.zeros(buckets, dtype=np.int64)
+
+
+# a block of a device and its values being found; (device, None, None) marks the device's end
+_Finding = tuple[_DeviceSpill, WindowBlock | None, Future[BlockValues] | None]
+
+
 class _Spiller:
     """Pass 1: every window to a bucket drawn from ``seed``, as codes into its device's
-    dictionaries, in pieces of one device; keeps the devices' summaries and dictionaries."""
+    dictionaries, in pieces of one device; keeps the devices' summaries and dictionaries.
+
+    With a pool, each block's values (the hashing, most of coding a block) are found on the
+    pool while later blocks, of this device or the next ones, are read: most devices are one
+    block. Blocks are then coded and placed in order, and pieces compressed on the pool are
+    appended by one thread in the order they were cut, so the spill is the same with any
+    number of workers."""
 
     def __init__(self, spill: _Buckets, *, seed: int, buckets: int, pool: ThreadPoolExecutor | None,
                  file_writer: ThreadPoolExecutor | None, workers: int) -> None:
@@ -204,51 +228,60 @@ class _Spiller:
         self.file_writer = file_writer
         self.summaries: dict[int, DeviceSummary] = {}
         self.dictionaries: dict[int, list[np.ndarray]] = {}  # per device and channel, as first seen
+        # blocks whose values are being found (block None: the device's end), in input order
+        self._finding: collections.deque[_Finding] = collections.deque()
         self._pending: collections.deque[Future[None]] = collections.deque()  # pieces being written
 
     def device(self, device_id: int, sources: list[str], blocks: Iterable[WindowBlock]) -> None:
-        summarizer = Summarizer(device_id, sources, start=None)  # scattered: no range
-        coder = DeviceCoder(N_CHANNELS)
-        held: dict[int, list[tuple[np.ndarray, np.ndarray]]] = collections.defaultdict(list)
-        held_windows = np.zeros(self.buckets, dtype=np.int64)
-        # Blocks whose values are being found on the pool (the hashing, most of coding a block);
-        # they are coded and placed in block order, so the spill is the same with any workers
-        finding: collections.deque[tuple[WindowBlock, Future[BlockValues]]] = collections.deque()
-
-        def place(block: WindowBlock, codes: np.ndarray) -> None:
-            target = self.draw.integers(0, self.buckets, size=len(block))
-            order = np.argsort(target, kind="stable")
-            meta = np.empty(len(block), dtype=_META)
-            meta["label"], meta["timestamp"] = block.labels, block.timestamps
-            bounds = np.searchsorted(target[order], np.arange(self.buckets + 1))
-            for bucket in np.flatnonzero(np.diff(bounds)).tolist():
-                # each bucket's windows gathered straight from the block (new arrays, not views
-                # that would keep the whole block alive until the bucket is released)
-                rows = order[bounds[bucket] : bounds[bucket + 1]]
-                held[bucket].append((codes[:, rows, :], meta[rows]))
-                held_windows[bucket] += len(rows)
-                if held_windows[bucket] >= self.piece_windows:
-                    self._release(device_id, bucket, held.pop(bucket))
-                    held_windows[bucket] = 0
-
+        state = _DeviceSpill(device_id, sources, self.buckets)
         for block in blocks:
-            summarizer.add(block)
+            state.summarizer.add(block)
             if not len(block):
                 continue
             if self.pool is None:
-                place(block, coder.codes(block.windows))
+                self._place(state, block, state.coder.codes(block.windows))
                 continue
-            finding.append((block, self.pool.submit(block_values, block.windows, coder.size_hints())))
-            while len(finding) > self.workers:
-                found_block, values = finding.popleft()
-                place(found_block, coder.codes_of(values.result()))
-        while finding:
-            found_block, values = finding.popleft()
-            place(found_block, coder.codes_of(values.result()))
-        for bucket in sorted(held):  # a piece never mixes devices
-            self._release(device_id, bucket, held[bucket])
-        self.summaries[device_id] = summarizer.finish()
-        self.dictionaries[device_id] = coder.known
+            values = self.pool.submit(block_values, block.windows, state.coder.size_hints())
+            self._finding.append((state, block, values))
+            self._advance(keep=FINDING_PER_WORKER * self.workers)
+        if self.pool is None:
+            self._end(state)
+            return
+        self._finding.append((state, None, None))
+        self._advance(keep=FINDING_PER_WORKER * self.workers)
+
+    def _advance(self, keep: int) -> None:
+        """Code and place found blocks, in order, until at most ``keep`` are left."""
+        while len(self._finding) > keep:
+            state, block, values = self._finding.popleft()
+            if block is None or values is None:
+                self._end(state)
+            else:
+                self._place(state, block, state.coder.codes_of(values.result()))
+
+    def _place(self, state: _DeviceSpill, block: WindowBlock, codes: np.ndarray) -> None:
+        """Send each window of the block (coded) to a bucket drawn from the seed's generator."""
+        target = self.draw.integers(0, self.buckets, size=len(block))
+        order = np.argsort(target, kind="stable")
+        meta = np.empty(len(block), dtype=_META)
+        meta["label"], meta["timestamp"] = block.labels, block.timestamps
+        bounds = np.searchsorted(target[order], np.arange(self.buckets + 1))
+        for bucket in np.flatnonzero(np.diff(bounds)).tolist():
+            # each bucket's windows gathered straight from the block (new arrays, not views
+            # that would keep the whole block alive until the bucket is released)
+            rows = order[bounds[bucket] : bounds[bucket + 1]]
+            state.held[bucket].append((codes[:, rows, :], meta[rows]))
+            state.held_windows[bucket] += len(rows)
+            if state.held_windows[bucket] >= self.piece_windows:
+                self._release(state.device_id, bucket, state.held.pop(bucket))
+                state.held_windows[bucket] = 0
+
+    def _end(self, state: _DeviceSpill) -> None:
+        for bucket in sorted(state.held):  # a piece never mixes devices
+            self._release(state.device_id, bucket, state.held[bucket])
+        state.held.clear()
+        self.summaries[state.device_id] = state.summarizer.finish()
+        self.dictionaries[state.device_id] = state.coder.known
 
     def _release(self, device_id: int, bucket: int, parts: list[tuple[np.ndarray, np.ndarray]]) -> None:
         codes, meta = parts[0] if len(parts) == 1 else (
@@ -272,7 +305,8 @@ class _Spiller:
             self._pending.popleft().result()
 
     def finish(self) -> None:
-        """Write every piece still being compressed or written."""
+        """Place every block still being coded; write every piece still being compressed."""
+        self._advance(keep=0)
         self._wait(keep=0)
 
 
