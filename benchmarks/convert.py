@@ -38,6 +38,10 @@ from birdzarr.demo import _synthetic  # noqa: E402
 WINDOW_BYTES = 320
 
 
+def _workers(n: int) -> str:
+    return f"{n} worker" if n == 1 else f"{n} workers"
+
+
 def make_parquet(directory: str, sizes: dict[int, int], *, seed: int) -> None:
     """Write one file per device, generated piecewise so the generator's memory stays small."""
     os.makedirs(directory, exist_ok=True)
@@ -202,17 +206,17 @@ def main() -> int:
         one = ordered.get(1)
         csv_one = csv_rows.get(1)
         for w, row in ordered.items():
-            targets.append({"figure": f"parquet MB/s, {w} workers", "value": row["MB/s"],
+            targets.append({"figure": f"parquet MB/s, {_workers(w)}", "value": row["MB/s"],
                             "ratio": float(row["MB/s"]) / float(one["MB/s"]) if one else "",
                             "against": "1 worker", "load": row["load"]})
         for w, row in csv_rows.items():
-            targets.append({"figure": f"CSV MB/s of text, {w} workers", "value": row["MB/s"],
+            targets.append({"figure": f"CSV MB/s of text, {_workers(w)}", "value": row["MB/s"],
                             "ratio": float(row["MB/s"]) / float(csv_one["MB/s"]) if csv_one else "",
                             "against": "1 worker", "load": row["load"]})
         if not args.skip_shuffle:
-            targets.append({"figure": f"--shuffle MB/s, {most} workers", "value": shuffled["MB/s"],
+            targets.append({"figure": f"--shuffle MB/s, {_workers(most)}", "value": shuffled["MB/s"],
                             "ratio": float(shuffled["MB/s"]) / float(ordered[most]["MB/s"]),
-                            "against": f"device order, {most} workers", "load": shuffled["load"]})
+                            "against": f"device order, {_workers(most)}", "load": shuffled["load"]})
             for name, row in (("shuffled", shuffled), ("ordered", ordered[most])):
                 targets.append({"figure": f"{name} store size", "value": "", "ratio": row["store/parquet"],
                                 "against": "the Parquet source", "load": ""})
