@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _util import table  # noqa: E402
+from _util import PeakSampler, table  # noqa: E402
 
 import birdzarr  # noqa: E402
 
@@ -35,13 +35,14 @@ _TICK = os.sysconf("SC_CLK_TCK")
 
 
 class ThreadClock:
-    """CPU seconds per thread id, and each id's role (its name without a pool's thread index)."""
+    """CPU seconds per thread id, and each id's role (its name without a pool's thread index),
+    sampled on a thread of its own while in use (its own CPU is left out)."""
 
     def __init__(self) -> None:
         self.cpu: dict[int, float] = {}
         self.role: dict[int, str] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
+        self._sampler = PeakSampler(self._measure, 0.02)
+        self._sampler_id: int | None = None
 
     def snapshot(self) -> dict[int, float]:
         for thread in threading.enumerate():
@@ -57,25 +58,23 @@ class ThreadClock:
             self.cpu[int(tid)] = (int(fields[11]) + int(fields[12])) / _TICK
         return dict(self.cpu)
 
-    def _run(self) -> None:
-        while not self._stop.wait(0.02):
-            self.snapshot()
+    def _measure(self) -> tuple[int, ...]:
+        self.snapshot()
+        return ()
 
     def __enter__(self) -> ThreadClock:
-        self._thread.start()
+        self._sampler.__enter__()
+        self._sampler_id = self._sampler._thread.native_id
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.snapshot()
+        self._sampler.__exit__(*exc)
 
     def by_role(self, since: dict[int, float], until: dict[int, float]) -> collections.Counter[str]:
         roles: collections.Counter[str] = collections.Counter()
         for tid, seconds in until.items():
-            role = self.role.get(tid, "other")
-            if role != "sampler":
-                roles[role] += seconds - since.get(tid, 0.0)
+            if tid != self._sampler_id:
+                roles[self.role.get(tid, "other")] += seconds - since.get(tid, 0.0)
         return roles
 
 
