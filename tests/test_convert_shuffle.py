@@ -164,3 +164,18 @@ def test_gdict16_sorted_distinct_is_np_unique(n: int, groups: int) -> None:
     expected, expected_inverse = np.unique(keys, return_inverse=True)
     np.testing.assert_array_equal(ordered, expected)
     np.testing.assert_array_equal(inverse, expected_inverse.reshape(-1))
+
+
+def test_the_second_pass_progress_bar_ends_full(
+    parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]],
+    tmp_path: pathlib.Path,
+    small_buckets: None,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The bar of pass 2 counts the windows written, so a finished shuffle's last line says
+    100% of them, not the 0% it was reset to."""
+    directory, truth = parquet_source
+    total = sum(len(w) for w in truth.values())
+    assert main(["convert", str(directory), str(tmp_path / "s.zarr"), "--shuffle", "--seed", "2"]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if "write shuffled" in line]
+    assert lines and "100%" in lines[-1] and f"{total / 1000:.1f}k/{total / 1000:.1f}k" in lines[-1]

@@ -180,7 +180,7 @@ def _convert_here(
                 bar.reset(total=windows)
 
             shuffled = write_shuffled(writer, inputs, seed=seed, buckets=buckets, tmp_dir=shuffle_tmp,
-                                      on_pass=second_pass)
+                                      on_pass=second_pass, on_written=bar.update)
             extra["shuffle"] = {"buckets": shuffled["buckets"], "spill_bytes": shuffled["spill_bytes"]}
         else:
             for device_id, sources, blocks in inputs:

@@ -137,12 +137,14 @@ def write_shuffled(
     buckets: int,
     tmp_dir: str | None = None,
     on_pass: Callable[[str, int], Any] | None = None,
+    on_written: Callable[[int], Any] | None = None,
 ) -> dict[str, Any]:
     """Write every device's windows to ``writer`` in one seeded global random order.
 
     Records every device with ``writer`` (no ranges; ``scattered_checksum`` set); returns facts
     for the conversion report (buckets, spill bytes). ``on_pass`` is told when the second pass
-    starts, with the number of windows it writes.
+    starts, with the number of windows it writes; ``on_written`` how many windows each of its
+    buckets handed to the writer (a progress bar's steps).
     """
     directory = tempfile.mkdtemp(prefix="birdzarr-shuffle-", dir=tmp_dir)
     workers = max(1, writer.workers)
@@ -181,6 +183,8 @@ def write_shuffled(
                     loading.append(pool.submit(load, ahead))
                 block = loading.popleft().result()
             writer.write_mixed(block)
+            if on_written is not None:
+                on_written(len(block))
             del block
         for device_id, summary in summaries.items():
             summary.entry.scattered_checksum = hashers[device_id].hexdigest()
