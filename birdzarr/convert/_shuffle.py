@@ -32,7 +32,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 import numpy as np
 from numcodecs import Blosc
@@ -68,6 +68,7 @@ _FRAME = struct.Struct("<QqQQQ")
 _CODES_CODEC = Blosc(cname="lz4", clevel=5, shuffle=Blosc.BITSHUFFLE)
 _META_CODEC = Blosc(cname="lz4", clevel=5, shuffle=Blosc.SHUFFLE)
 _META = np.dtype([("label", "<i4"), ("timestamp", "<i8")])
+T = TypeVar("T")
 
 
 @dataclass
@@ -78,6 +79,16 @@ class _Piece:
     device_id: int
     codes: np.ndarray
     meta: np.ndarray
+
+
+def _submit(pool: ThreadPoolExecutor | None, fn: Callable[..., T], *args: Any) -> Future[T]:
+    """``fn(*args)`` on ``pool``, or at once in the calling thread where there is none
+    (``workers=1``): the callers wait on a future either way."""
+    if pool is not None:
+        return pool.submit(fn, *args)
+    done: Future[T] = Future()
+    done.set_result(fn(*args))
+    return done
 
 
 def bucket_count(estimated_windows: int) -> int:
@@ -176,12 +187,9 @@ def write_shuffled(
         # the next buckets are read, decoded and hashed on the pool while this one is written
         loading: collections.deque[Future[WindowBlock]] = collections.deque()
         for bucket in range(buckets):
-            if pool is None:
-                block = load(bucket)
-            else:
-                for ahead in range(bucket + len(loading), min(buckets, bucket + in_flight)):
-                    loading.append(pool.submit(load, ahead))
-                block = loading.popleft().result()
+            for ahead in range(bucket + len(loading), min(buckets, bucket + in_flight)):
+                loading.append(_submit(pool, load, ahead))
+            block = loading.popleft().result()
             writer.write_mixed(block)
             if on_written is not None:
                 on_written(len(block))
@@ -230,6 +238,8 @@ class _Spiller:
         self.draw = np.random.default_rng(seed)
         self.piece_windows = max(256, PASS1_BUFFER_WINDOWS // max(1, buckets))
         self.file_writer = file_writer
+        # blocks being coded at once: none left waiting when everything runs in this thread
+        self.finding_depth = 0 if pool is None else FINDING_PER_WORKER * workers
         self.summaries: dict[int, DeviceSummary] = {}
         self.dictionaries: dict[int, list[np.ndarray]] = {}  # per device and channel, as first seen
         # blocks whose values are being found (block None: the device's end), in input order
@@ -240,19 +250,12 @@ class _Spiller:
         state = _DeviceSpill(device_id, sources, self.buckets)
         for block in blocks:
             state.summarizer.add(block)
-            if not len(block):
-                continue
-            if self.pool is None:
-                self._place(state, block, state.coder.codes(block.windows))
-                continue
-            values = self.pool.submit(block_values, block.windows, state.coder.size_hints())
-            self._finding.append((state, block, values))
-            self._advance(keep=FINDING_PER_WORKER * self.workers)
-        if self.pool is None:
-            self._end(state)
-            return
+            if len(block):
+                values = _submit(self.pool, block_values, block.windows, state.coder.size_hints())
+                self._finding.append((state, block, values))
+                self._advance(keep=self.finding_depth)
         self._finding.append((state, None, None))
-        self._advance(keep=FINDING_PER_WORKER * self.workers)
+        self._advance(keep=self.finding_depth)
 
     def _advance(self, keep: int) -> None:
         """Code and place found blocks, in order, until at most ``keep`` are left."""
@@ -291,14 +294,10 @@ class _Spiller:
         codes, meta = parts[0] if len(parts) == 1 else (
             np.concatenate([p[0] for p in parts], axis=1), np.concatenate([p[1] for p in parts])
         )
-        piece = _Piece(device_id, codes, meta)
-        if self.pool is None or self.file_writer is None:
-            self.spill.write(bucket, len(meta), encode_piece(piece))
-            return
         # compressed on the pool; appended by the one file-writing thread, which takes pieces in
         # the order they were cut, so each bucket file is the same whatever the number of workers
-        encoded = self.pool.submit(encode_piece, piece)
-        self._pending.append(self.file_writer.submit(self._append, bucket, len(meta), encoded))
+        encoded = _submit(self.pool, encode_piece, _Piece(device_id, codes, meta))
+        self._pending.append(_submit(self.file_writer, self._append, bucket, len(meta), encoded))
         self._wait(keep=4 * self.workers)
 
     def _append(self, bucket: int, n_windows: int, encoded: Future[bytes]) -> None:

@@ -48,6 +48,7 @@ from birdzarr.storage._lock import LOCK_NAME, StoreLock, clear_except_lock, rele
 
 _PER_WINDOW_DTYPES = {DEVICE: np.int32, TIMESTAMP: np.int64, LABEL: np.int32}
 _FILL = {DEVICE: -1, TIMESTAMP: TIMESTAMP_UNKNOWN, LABEL: LABEL_UNLABELLED}
+SLABS_IN_FLIGHT = 2  # slabs encoded on background threads while the next one fills (docs/conversion.md)
 
 
 def _now() -> str:
@@ -67,8 +68,6 @@ class Writer:
         self,
         location: Location,
         *,
-        chunks_per_slab: int | None = None,
-        max_pending_slabs: int = 2,
         lock_command: str | None = None,
         workers: int | None = None,
     ) -> None:
@@ -81,8 +80,6 @@ class Writer:
         self.reports: dict[int, DeviceReport] = {}
         self.started_at = _now()
         self.group: zarr.Group | None = None  # set by _open as soon as it is open
-        self._chunks_per_slab = chunks_per_slab
-        self._max_pending = max_pending_slabs
         self._slabs: SlabWriter | None = None
         self._committed = False
         self._created = False  # this writer created the store: a failed write removes its root too
@@ -107,9 +104,9 @@ class Writer:
         try:
             arrays, start = self._open()
             # workers=1: slabs are written in the calling thread too, one at a time
-            in_flight = 0 if self.workers == 1 else self._max_pending
-            self._slabs = SlabWriter(self.location, arrays, start=start, slab_chunks=self._chunks_per_slab,
-                                     workers=self.workers, in_flight=in_flight)
+            in_flight = 0 if self.workers == 1 else SLABS_IN_FLIGHT
+            self._slabs = SlabWriter(self.location, arrays, start=start, workers=self.workers,
+                                     in_flight=in_flight)
         except BaseException:
             self._abandon()
             release_and_tidy(self.lock, remove_root=True)
@@ -172,13 +169,10 @@ class StoreWriter(Writer):
         chunk_windows: int = 8192,
         overwrite: bool = False,
         static_attrs: dict[str, Any] | None = None,
-        chunks_per_slab: int | None = None,
-        max_pending_slabs: int = 2,
         lock_command: str | None = None,
         workers: int | None = None,
     ) -> None:
-        super().__init__(location, chunks_per_slab=chunks_per_slab, max_pending_slabs=max_pending_slabs,
-                         lock_command=lock_command, workers=workers)
+        super().__init__(location, lock_command=lock_command, workers=workers)
         self.codec = codec
         self.chunk_windows = chunk_windows
         self.overwrite = overwrite
