@@ -173,9 +173,11 @@ def test_the_second_pass_progress_bar_ends_full(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """The bar of pass 2 counts the windows written, so a finished shuffle's last line says
-    100% of them, not the 0% it was reset to."""
+    100% of them, not the 0% it was reset to; and every pass-2 line shows its total, never pass
+    1's count under pass 2's name."""
     directory, truth = parquet_source
     total = sum(len(w) for w in truth.values())
     assert main(["convert", str(directory), str(tmp_path / "s.zarr"), "--shuffle", "--seed", "2"]) == 0
     lines = [line for line in capsys.readouterr().err.splitlines() if "write shuffled" in line]
     assert lines and "100%" in lines[-1] and f"{total / 1000:.1f}k/{total / 1000:.1f}k" in lines[-1]
+    assert all(f"/{total / 1000:.1f}k" in line for line in lines), lines

@@ -176,7 +176,8 @@ def _convert_here(
             assert seed is not None
 
             def second_pass(name: str, windows: int) -> None:
-                bar.set_description(f"convert {kind}: {name} shuffled")
+                # no redraw before the reset: it would print pass 1's count under pass 2's name
+                bar.set_description(f"convert {kind}: {name} shuffled", refresh=False)
                 bar.reset(total=windows)
 
             shuffled = write_shuffled(writer, inputs, seed=seed, buckets=buckets, tmp_dir=shuffle_tmp,
