@@ -12,7 +12,10 @@ speed varies from minute to minute), on one core:
 - dict16 decode: what the loader does for a batch of a dict16 selection, and its steps:
   the codes' rows, the dictionary offsets, the table lookup, the batch order restored;
 - the same lookup in a 16 KB table (the same indices, folded into it): what the lookup costs
-  when no index misses the CPU caches.
+  when no index misses the CPU caches;
+- two ways the decode does not take, beside the steps they would replace: the codes gathered
+  by fancy indexing of the ``(n, 20, 4)`` array, and each batch's offsets tiled from the
+  chunks' four per window.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _util import machine, table  # noqa: E402
 
 import birdzarr  # noqa: E402
+from birdzarr.format._spec import WINDOW_LENGTH  # noqa: E402
 
 Step = Callable[[np.ndarray], object]
 
@@ -82,6 +86,18 @@ def main() -> None:
     def small_lookup_step(rows: np.ndarray) -> None:
         small.index_select(0, torch.from_numpy(state["index"].reshape(-1) & 4095))
 
+    table_offsets = coded.table_offsets.numpy() if coded.table_offsets is not None else np.empty(0)
+    codes_3d = coded.x.numpy().view(np.uint16)  # (n, 20, 4)
+    sums = np.empty((args.batch_size, 80), np.int32)
+
+    def fancy_codes_step(rows: np.ndarray) -> None:
+        codes_3d[state["ascending"]].astype(np.int32)
+
+    def tiled_offsets_step(rows: np.ndarray) -> None:
+        chunk = np.searchsorted(bounds, state["ascending"], side="right") - 1
+        tiled = np.tile(table_offsets[chunk].astype(np.int32), (1, WINDOW_LENGTH))
+        np.add(state["index"], tiled, out=sums[: len(rows)])  # as the step's in-place add
+
     def order_step(rows: np.ndarray) -> None:
         back = np.empty_like(state["order"])
         back[state["order"]] = np.arange(len(rows))
@@ -95,6 +111,8 @@ def main() -> None:
         "  table lookup": lookup_step,
         "  batch order restored": order_step,
         "  (the lookup in a 16 KB table)": small_lookup_step,
+        "  (instead: the codes by fancy indexing of (n, 20, 4))": fancy_codes_step,
+        "  (instead: the offsets tiled per batch)": tiled_offsets_step,
     }
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(args.repeat):

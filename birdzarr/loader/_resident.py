@@ -282,12 +282,12 @@ class ResidentSelection:
         """Gather the rows' codes and look them up in their chunks' dictionaries.
 
         Looked up in ascending row order (a chunk's windows then share its dictionaries in the
-        caches), then put back in the batch's order by one row copy. Measured with
-        ``python benchmarks/resident_decode.py`` on the loader benchmark's 2.5 M-window store
-        (306 chunks, a 16 MB table): the lookups miss the caches and cost about half the time;
-        ``np.take`` of the codes as (n, 80) rows is ~5x faster than fancy indexing of the
-        (n, 20, 4) array, and adding each window's 80 dictionary offsets as one precomputed row
-        per chunk beats tiling them per batch."""
+        caches), then put back in the batch's order by one row copy. ``python
+        benchmarks/resident_decode.py`` times each step on the loader benchmark's 2.5 M-window
+        store (306 chunks, a 15 MB table), a batch of 8192: the lookup is two thirds of the
+        decode, mostly waiting for memory; the codes taken as (n, 80) rows with ``np.take``
+        cost half of fancy indexing the (n, 20, 4) array, and each chunk's offsets precomputed
+        as one 80-value row cost half of tiling them per batch."""
         assert self.table is not None and self.chunk_bounds is not None
         order = np.argsort(rows)  # rows are distinct: any sort is stable
         ascending = rows[order]
