@@ -10,12 +10,14 @@ speed varies from minute to minute), on one core:
 
 - float32 gather: ``np.take`` of the batch's rows, the in-RAM gather limit;
 - dict16 decode: what the loader does for a batch of a dict16 selection, and its steps:
-  the codes' rows, the dictionary offsets, the table lookup, the batch order restored;
+  the rows sorted, the index (each chunk's dictionary offsets, the codes added), the table
+  lookup, the batch order restored;
 - the same lookup in a 16 KB table (the same indices, folded into it): what the lookup costs
   when no index misses the CPU caches;
-- two ways the decode does not take, beside the steps they would replace: the codes gathered
-  by fancy indexing of the ``(n, 20, 4)`` array, and each batch's offsets tiled from the
-  chunks' four per window.
+- ways the decode does not take, each beside what it would replace: the codes gathered by
+  fancy indexing of the ``(n, 20, 4)`` array, each batch's offsets tiled from the chunks' four
+  per window, the index built in two passes, the lookup in the batch's order (no sort);
+- the ``with_ldt`` part of a batch: one packed int32 row a window, against three arrays.
 """
 
 from __future__ import annotations
@@ -51,11 +53,12 @@ def main() -> None:
 
     def resident(codes: bool) -> birdzarr.WindowDataset:
         return birdzarr.WindowDataset(args.store, batch_size=args.batch_size, resident="cpu",
-                                      resident_codes=codes, allow_device_order=True, progress=False)
+                                      resident_codes=codes, with_ldt=codes, allow_device_order=True,
+                                      progress=False)
 
     coded = resident(True).resident
     floats = resident(False).resident
-    assert coded is not None and floats is not None and coded.table is not None
+    assert coded is not None and floats is not None and coded.table is not None and coded.ldt is not None
     if coded.x.dtype != torch.int16:
         raise SystemExit(f"{args.store} is not a dict16 store: its selection is held as float32")
     n = len(coded)
@@ -71,14 +74,14 @@ def main() -> None:
     small = coded.table[:4096].clone()
     state: dict[str, np.ndarray] = {}
 
-    def codes_step(rows: np.ndarray) -> None:
+    def sort_step(rows: np.ndarray) -> None:
         state["order"] = np.argsort(rows)
         state["ascending"] = rows[state["order"]]
-        state["index"] = np.take(codes, state["ascending"], axis=0).astype(np.int32)
 
-    def offsets_step(rows: np.ndarray) -> None:
+    def index_step(rows: np.ndarray) -> None:
         chunk = np.searchsorted(bounds, state["ascending"], side="right") - 1
-        state["index"] += np.take(window_offsets, chunk, axis=0)
+        state["index"] = np.take(window_offsets, chunk, axis=0)
+        np.add(state["index"], np.take(codes, state["ascending"], axis=0), out=state["index"])
 
     def lookup_step(rows: np.ndarray) -> None:
         state["looked_up"] = coded.table.index_select(0, torch.from_numpy(state["index"].reshape(-1))).numpy()
@@ -86,33 +89,68 @@ def main() -> None:
     def small_lookup_step(rows: np.ndarray) -> None:
         small.index_select(0, torch.from_numpy(state["index"].reshape(-1) & 4095))
 
-    table_offsets = coded.table_offsets.numpy() if coded.table_offsets is not None else np.empty(0)
-    codes_3d = coded.x.numpy().view(np.uint16)  # (n, 20, 4)
-    sums = np.empty((args.batch_size, 80), np.int32)
-
-    def fancy_codes_step(rows: np.ndarray) -> None:
-        codes_3d[state["ascending"]].astype(np.int32)
-
-    def tiled_offsets_step(rows: np.ndarray) -> None:
-        chunk = np.searchsorted(bounds, state["ascending"], side="right") - 1
-        tiled = np.tile(table_offsets[chunk].astype(np.int32), (1, WINDOW_LENGTH))
-        np.add(state["index"], tiled, out=sums[: len(rows)])  # as the step's in-place add
-
     def order_step(rows: np.ndarray) -> None:
         back = np.empty_like(state["order"])
         back[state["order"]] = np.arange(len(rows))
         np.take(state["looked_up"].reshape(len(rows), -1), back, axis=0)
 
+    table_offsets = coded.table_offsets.numpy() if coded.table_offsets is not None else np.empty(0)
+    codes_3d = coded.x.numpy().view(np.uint16)  # (n, 20, 4)
+
+    def codes_rows_step(rows: np.ndarray) -> None:
+        np.take(codes, state["ascending"], axis=0)
+
+    def fancy_codes_step(rows: np.ndarray) -> None:
+        codes_3d[state["ascending"]]
+
+    def offsets_rows_step(rows: np.ndarray) -> None:
+        np.take(window_offsets, np.searchsorted(bounds, state["ascending"], side="right") - 1, axis=0)
+
+    def tiled_offsets_step(rows: np.ndarray) -> None:
+        chunk = np.searchsorted(bounds, state["ascending"], side="right") - 1
+        np.tile(table_offsets[chunk].astype(np.int32), (1, WINDOW_LENGTH))
+
+    def two_pass_index_step(rows: np.ndarray) -> None:
+        chunk = np.searchsorted(bounds, state["ascending"], side="right") - 1
+        index = np.take(codes, state["ascending"], axis=0).astype(np.int32)
+        index += np.take(window_offsets, chunk, axis=0)
+
+    def unsorted_decode(rows: np.ndarray) -> None:
+        index = np.take(window_offsets, np.searchsorted(bounds, rows, side="right") - 1, axis=0)
+        np.add(index, np.take(codes, rows, axis=0), out=index)
+        coded.table.index_select(0, torch.from_numpy(index.reshape(-1)))
+
+    packed = coded.ldt.numpy()
+    label, device = packed[:, 0].copy(), packed[:, 1].copy()
+    timestamp = packed[:, 2:].copy().view(np.int64)[:, 0]
+    ldt_out = np.empty((args.batch_size, 3), np.int64)
+
+    def packed_ldt(rows: np.ndarray) -> None:
+        held = np.take(packed, rows, axis=0)
+        ldt_out[: len(rows), :2] = held[:, :2]
+        ldt_out[: len(rows), 2] = held[:, 2:].copy().view(np.int64)[:, 0]
+
+    def three_array_ldt(rows: np.ndarray) -> None:
+        ldt_out[: len(rows), 0] = label[rows]
+        ldt_out[: len(rows), 1] = device[rows]
+        ldt_out[: len(rows), 2] = timestamp[rows]
+
     steps: dict[str, Step] = {
         "float32 gather (np.take)": lambda rows: np.take(x32, rows, axis=0),
         "dict16 decode, all of it": coded._decode_on_host,
-        "  codes' rows (argsort, np.take, int32)": codes_step,
-        "  dictionary offsets": offsets_step,
+        "  rows sorted (argsort)": sort_step,
+        "  index: offsets' rows, codes' rows added (one pass)": index_step,
         "  table lookup": lookup_step,
         "  batch order restored": order_step,
         "  (the lookup in a 16 KB table)": small_lookup_step,
+        "  (the codes' rows alone: np.take of (n, 80))": codes_rows_step,
         "  (instead: the codes by fancy indexing of (n, 20, 4))": fancy_codes_step,
+        "  (the offsets' rows alone: np.take of a row per chunk)": offsets_rows_step,
         "  (instead: the offsets tiled per batch)": tiled_offsets_step,
+        "  (instead: the index in two passes, codes to int32 first)": two_pass_index_step,
+        "instead: dict16 decode in the batch's order (no sort)": unsorted_decode,
+        "ldt: one packed int32 row a window": packed_ldt,
+        "  (instead: ldt from three arrays)": three_array_ldt,
     }
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(args.repeat):
@@ -125,7 +163,7 @@ def main() -> None:
     rows_out = []
     for name, spent in times.items():
         ms = float(np.median(spent))
-        whole = not name.startswith("  ")  # a step's own rate says nothing
+        whole = not name.startswith(("  ", "ldt"))  # a step's own rate says nothing
         rows_out.append({"step": name, "ms a batch": round(ms * 1e3, 2),
                          "M windows/s": round(args.batch_size / ms / 1e6, 2) if whole else "",
                          "% of float32 gather": round(100 * ideal / ms, 1) if whole else ""})

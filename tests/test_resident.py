@@ -131,3 +131,34 @@ def test_a_standard_store_is_held_as_float32(parquet_source: object, tmp_path: o
     assert ds.resident.x.dtype == torch.float32
     for batch, x in enumerate(ds):
         assert np.array_equal(x.numpy(), store.windows[ds.batch_indices(batch)])
+
+
+def test_the_torch_gather_a_gpu_runs_equals_the_store(small_store: birdzarr.Store) -> None:
+    """The gather and dict16 decode that run on a GPU are torch ops: run here on the CPU."""
+    rows = torch.from_numpy(np.random.default_rng(0).permutation(len(small_store))[:700])
+    for codes in (True, False):
+        held = _resident(small_store, with_ldt=True, resident_codes=codes, progress=False).resident
+        assert (held.table is not None) == codes
+        idx = held.global_index[rows.numpy()]
+        assert np.array_equal(held._gather_with_torch(rows).numpy(), small_store.windows[idx])
+        expected = np.stack([small_store.labels[idx], small_store.window_devices[idx],
+                             small_store.timestamps[idx]], axis=1)
+        assert np.array_equal(held._ldt_with_torch(rows).numpy(), expected)
+
+
+def test_packed_ldt_keeps_every_int64_timestamp() -> None:
+    """ldt is held as int32 rows; timestamps past 2038, before 1970 and near the limits survive."""
+    seconds = np.array([0, 2**31, 2**40 + 5, -3, -(2**62), 2**63 - 1, 1_700_000_000], dtype=np.int64)
+    n = len(seconds)
+    packed = np.empty((n, 4), np.int32)
+    packed[:, 0], packed[:, 1] = np.arange(n) - 1, np.arange(n) * 7
+    packed[:, 2:] = resident_module.timestamp_halves(seconds)
+    held = resident_module.ResidentSelection(
+        torch.device("cpu"), torch.zeros((n, 20, 4)), None, None, None, torch.from_numpy(packed),
+        np.arange(n, dtype=np.int64))
+    expected = np.stack([np.arange(n) - 1, np.arange(n) * 7, seconds], axis=1)
+    order = np.array([3, 0, 6, 5, 1, 4, 2])
+    assert np.array_equal(held._ldt_with_torch(torch.from_numpy(order)).numpy(), expected[order])
+    x, ldt = np.empty((n, 20, 4), np.float32), np.empty((n, 3), np.int64)
+    held.filler(order)(x, ldt)
+    assert np.array_equal(ldt, expected[order])

@@ -32,7 +32,10 @@ from birdzarr.loader._selection import Selection
 from birdzarr.store._chunks import ChunkReader
 
 _VALUES = WINDOW_LENGTH * N_CHANNELS  # 80 float32 values a window
-_LDT = {LABEL: torch.int32, DEVICE: torch.int32, TIMESTAMP: torch.int64}
+# ldt is held as one (n, 4) int32 row a window: label, device, then the int64 timestamp's two
+# little-endian halves. One row is one cache line's gather; three separate arrays cost three
+# (0.18 vs 0.30 ms a batch of 8192 from 2.5 M windows, ``benchmarks/resident_decode.py``).
+_LDT_COLUMNS = 4
 _HEADROOM = 0.9  # use at most 90% of what is free: allocators and the batches need some room
 
 
@@ -113,13 +116,13 @@ class ResidentSelection:
 
     def __init__(self, device: torch.device, x: torch.Tensor, table: torch.Tensor | None,
                  table_offsets: torch.Tensor | None, chunk_bounds: torch.Tensor | None,
-                 ldt: dict[str, torch.Tensor] | None, global_index: np.ndarray) -> None:
+                 ldt: torch.Tensor | None, global_index: np.ndarray) -> None:
         self.device = device
         self.x = x  # float32 (n, 20, 4), or int16 dict16 codes (n, 20, 4) when table is set
         self.table = table  # float32: every chunk's dictionaries, channel after channel
         self.table_offsets = table_offsets  # int64 (chunks, 4): where each chunk's dictionary starts
         self.chunk_bounds = chunk_bounds  # int64: first resident row of each chunk; len chunks + 1
-        self.ldt = ldt
+        self.ldt = ldt  # int32 (n, 4): label, device, timestamp low and high halves
         self.global_index = global_index  # the store's window index of each resident row
 
     def __len__(self) -> int:
@@ -127,7 +130,7 @@ class ResidentSelection:
 
     @property
     def nbytes(self) -> int:
-        tensors = [self.x, self.table, self.table_offsets, self.chunk_bounds, *(self.ldt or {}).values()]
+        tensors = [self.x, self.table, self.table_offsets, self.chunk_bounds, self.ldt]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     # -- loading -------------------------------------------------------------------------------
@@ -172,7 +175,8 @@ class ResidentSelection:
         starts = np.concatenate(([0], np.cumsum([len(rows) for _, rows in keep]))).astype(np.int64)
         host_x = _host_empty((n, WINDOW_LENGTH, N_CHANNELS), torch.int16 if coded else torch.float32, shared)
         x_np = host_x.numpy()
-        ldt = {name: _host_empty((n,), dtype, shared) for name, dtype in _LDT.items()} if with_ldt else None
+        ldt = _host_empty((n, _LDT_COLUMNS), torch.int32, shared) if with_ldt else None
+        ldt_np = None if ldt is None else ldt.numpy()
         dictionaries: list[list[np.ndarray]] = [[] for _ in keep]
         width = reader.chunk_windows
 
@@ -190,9 +194,10 @@ class ResidentSelection:
                 x_np[at] = by_window[:, local, :].transpose(1, 2, 0).view(np.int16)
             else:
                 x_np[at] = reader.read(GIMU, chunk)[local]
-            if ldt is not None:
-                for name, tensor in ldt.items():
-                    tensor.numpy()[at] = reader.read(name, chunk)[local]
+            if ldt_np is not None:
+                ldt_np[at, 0] = reader.read(LABEL, chunk)[local]
+                ldt_np[at, 1] = reader.read(DEVICE, chunk)[local]
+                ldt_np[at, 2:] = timestamp_halves(reader.read(TIMESTAMP, chunk)[local])
             return len(rows)
 
         bar = progress_bar(progress, total=n, desc=f"loading {url}", unit=" windows")
@@ -211,7 +216,7 @@ class ResidentSelection:
         global_index = np.concatenate([rows for _, rows in keep]) if keep else np.empty(0, np.int64)
         if device.type != "cpu":
             host_x = host_x.to(device)
-            ldt = None if ldt is None else {k: v.to(device) for k, v in ldt.items()}
+            ldt = None if ldt is None else ldt.to(device)
         return cls(device, host_x, table, table_offsets, bounds, ldt, global_index.astype(np.int64))
 
     # -- epochs --------------------------------------------------------------------------------
@@ -249,20 +254,26 @@ class ResidentSelection:
                 x = torch.from_numpy(np.take(self.x.numpy(), rows.numpy(), axis=0))
             else:
                 x = torch.from_numpy(self._decode_on_host(rows.numpy()))
-        elif self.table is None:
-            x = self.x.index_select(0, rows)
         else:
-            assert self.table_offsets is not None and self.chunk_bounds is not None
-            codes = self.x.index_select(0, rows).to(torch.int32) & 0xFFFF  # int16 holds uint16 codes
-            chunk = torch.searchsorted(self.chunk_bounds, rows, right=True) - 1
-            x = self.table[codes + self.table_offsets[chunk][:, None, :]]
+            x = self._gather_with_torch(rows)
         if channel_first:
             x = x.transpose(1, 2).contiguous()
-        ldt = None
-        if self.ldt is not None:
-            ldt = torch.stack([self.ldt[name].index_select(0, rows).to(torch.int64)
-                               for name in (LABEL, DEVICE, TIMESTAMP)], dim=1)
-        return x, ldt
+        return x, None if self.ldt is None else self._ldt_with_torch(rows)
+
+    def _gather_with_torch(self, rows: torch.Tensor) -> torch.Tensor:
+        """The rows' float32 windows, gathered (and decoded) by torch ops on the holding device."""
+        if self.table is None:
+            return self.x.index_select(0, rows)
+        assert self.table_offsets is not None and self.chunk_bounds is not None
+        codes = self.x.index_select(0, rows).to(torch.int32) & 0xFFFF  # int16 holds uint16 codes
+        chunk = torch.searchsorted(self.chunk_bounds, rows, right=True) - 1
+        return self.table[codes + self.table_offsets[chunk][:, None, :]]
+
+    def _ldt_with_torch(self, rows: torch.Tensor) -> torch.Tensor:
+        """The rows' int64 ``(label, device, timestamp)``, from the packed int32 rows."""
+        assert self.ldt is not None
+        held = self.ldt.index_select(0, rows)
+        return torch.cat([held[:, :2].to(torch.int64), held[:, 2:].contiguous().view(torch.int64)], dim=1)
 
     def filler(self, rows: np.ndarray) -> Any:
         """Write the host-resident ``rows`` into a batch's channel-last ``x`` and ``ldt`` arrays."""
@@ -273,8 +284,9 @@ class ResidentSelection:
             else:
                 self._decode_on_host(rows, out=x)
             if ldt is not None and self.ldt is not None:
-                for column, name in enumerate((LABEL, DEVICE, TIMESTAMP)):
-                    ldt[:, column] = self.ldt[name].numpy()[rows]
+                held = np.take(self.ldt.numpy(), rows, axis=0)
+                ldt[:, :2] = held[:, :2]
+                ldt[:, 2] = held[:, 2:].copy().view(np.int64)[:, 0]
 
         return fill
 
@@ -284,16 +296,17 @@ class ResidentSelection:
         Looked up in ascending row order (a chunk's windows then share its dictionaries in the
         caches), then put back in the batch's order by one row copy. ``python
         benchmarks/resident_decode.py`` times each step on the loader benchmark's 2.5 M-window
-        store (306 chunks, a 15 MB table), a batch of 8192: the lookup is two thirds of the
-        decode, mostly waiting for memory; the codes taken as (n, 80) rows with ``np.take``
-        cost half of fancy indexing the (n, 20, 4) array, and each chunk's offsets precomputed
-        as one 80-value row cost half of tiling them per batch."""
+        store (306 chunks, a 15 MB table), a batch of 8192: the table lookup is about half of
+        the decode; the codes taken as (n, 80) rows with ``np.take`` cost less than fancy indexing
+        the (n, 20, 4) array, each chunk's offsets precomputed as one 80-value row less than
+        tiling them per batch, and the ascending order less than looking up in the batch's."""
         assert self.table is not None and self.chunk_bounds is not None
         order = np.argsort(rows)  # rows are distinct: any sort is stable
         ascending = rows[order]
-        index = np.take(self._codes_by_window, ascending, axis=0).astype(np.int32)  # (batch, 80)
         chunk = np.searchsorted(self.chunk_bounds.numpy(), ascending, side="right") - 1
-        index += np.take(self._window_offsets, chunk, axis=0)
+        index = np.take(self._window_offsets, chunk, axis=0)  # int32 (batch, 80)
+        # uint16 codes added straight into the int32 offsets: one pass, no int32 copy of the codes
+        np.add(index, np.take(self._codes_by_window, ascending, axis=0), out=index)
         looked_up = np.empty((len(rows), WINDOW_LENGTH, N_CHANNELS), np.float32)
         torch.index_select(self.table, 0, torch.from_numpy(index.reshape(-1)),
                            out=torch.from_numpy(looked_up).view(-1))  # view: never a silent copy
@@ -315,6 +328,11 @@ class ResidentSelection:
         the table has fewer than 2**31 entries); 320 B a chunk."""
         assert self.table_offsets is not None
         return np.tile(self.table_offsets.numpy().astype(np.int32), (1, WINDOW_LENGTH))
+
+
+def timestamp_halves(seconds: np.ndarray) -> np.ndarray:
+    """int64 timestamps as ``(n, 2)`` int32 halves, in memory order (the packed ``ldt`` columns)."""
+    return np.ascontiguousarray(seconds, dtype=np.int64).view(np.int32).reshape(-1, 2)
 
 
 def _size(n: float) -> str:
