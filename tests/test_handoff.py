@@ -131,6 +131,23 @@ def test_the_training_process_drops_the_slots_of_finished_workers(small_store: b
     assert max(sizes) <= 2 * 8, sizes
 
 
+def test_a_loop_that_stops_mid_epoch_leaves_no_slot_mapped(small_store: birdzarr.Store) -> None:
+    ds = birdzarr.WindowDataset(small_store.url, batch_size=50, seed=4)
+    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
+    before = set(_handoff._RECEIVED)  # slots of earlier tests' workers, dropped at any time
+    iterator = iter(loader)
+    for n, x in enumerate(iterator):  # batches dropped as they go: their slots are reused
+        assert len(x) == 50
+        if n == 30:
+            break
+    mapped = set(_handoff._RECEIVED) - before
+    assert mapped
+    del iterator  # shuts the workers down with batches still queued (their slots leased)
+    del x  # the last batch's lease ends: the receiver drops what it may
+    gc.collect()
+    assert not mapped & set(_handoff._RECEIVED)
+
+
 @pytest.mark.parametrize(
     "transform",
     [lambda x: x * 2, lambda x: x.mul_(3), lambda x: x[:, :10], lambda x: x.double()],

@@ -19,12 +19,16 @@ then the data):
 4. At the end of each iteration the worker retires its slots (sets the retired flag, unmaps its
    side); the receiver drops a retired mapping once it is not leased (a leased one may still
    have a batch on its way), checked whenever it receives or releases a batch.
+5. The receiver also drops every mapping of a worker that has exited (its pid is in the key).
+   A loop that stops mid-epoch (``break``) shuts the workers down with batches still queued:
+   those are never received, so their slots stay leased, and no batch can arrive any more.
 
 The worker reuses only slots whose flag is clear and creates a new slot otherwise, so a training
 loop that keeps batches (``list(loader)``) is safe: it costs memory, as with torch's own
 transport, never correctness. Free slots beyond ``keep`` are retired, so a worker holds at most
 ``keep`` idle slots, and the receiver at most one iteration's slots per worker beyond those in
-use. Linux only (``os.memfd_create``); elsewhere batches go through torch's path.
+use, finished or abandoned. Linux only (``os.memfd_create``); elsewhere batches go through
+torch's path.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import numpy as np
 
 HEADER = 64  # lease flag (uint32), retired flag (uint32), padding; keeps the data 64-byte aligned
 AVAILABLE = hasattr(os, "memfd_create")
-SlotKey = tuple[str, int]  # (the worker ring's random token, the slot's serial number)
+SlotKey = tuple[int, str, int]  # (the worker's pid, its ring's random token, the slot's serial number)
 
 
 class Slot:
@@ -101,7 +105,7 @@ class SlotRing:
             extra.retire()
         if free:
             return free[0]
-        slot = Slot((self._token, next(self._serial)), self.data_bytes)
+        slot = Slot((os.getpid(), self._token, next(self._serial)), self.data_bytes)
         self._slots.append(slot)
         return slot
 
@@ -126,9 +130,22 @@ def _is_done(mapping: mmap.mmap) -> bool:
     return mapping[4:8] != b"\0\0\0\0" and mapping[:4] == b"\0\0\0\0"
 
 
+def _has_exited(pid: int) -> bool:
+    """Whether the process ``pid`` is gone (a zombie not yet reaped by DataLoader still counts
+    as running; the next check after the reaping drops its slots)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # the pid now belongs to another user's process: the worker is gone
+        return True
+    return False
+
+
 def _drop_retired() -> None:
     with _RECEIVED_LOCK:
-        for key in [key for key, mapping in _RECEIVED.items() if _is_done(mapping)]:
+        exited = {pid for pid in {key[0] for key in _RECEIVED} if _has_exited(pid)}
+        for key in [key for key, mapping in _RECEIVED.items() if key[0] in exited or _is_done(mapping)]:
             del _RECEIVED[key]  # leases still in use keep their own reference to the mapping
 
 
@@ -148,7 +165,11 @@ def receive(key: SlotKey, fd: int | None, size: int) -> memoryview:
                 os.close(fd)
         mapping = _RECEIVED.get(key)
     if mapping is None:  # an invariant of the protocol: the first handle of a slot carries its fd
-        raise RuntimeError(f"birdzarr: batch slot {key} arrived before its file descriptor")
+        raise RuntimeError(
+            f"birdzarr: batch slot {key} is not mapped in this process: its first batch (which "
+            f"carries the file descriptor) never arrived, or its DataLoader worker (pid {key[0]}) "
+            "exited before its batches were received"
+        )
     lease = memoryview(mapping)[HEADER:]
     weakref.finalize(lease, _end_lease, mapping)
     _drop_retired()
