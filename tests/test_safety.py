@@ -28,6 +28,7 @@ from birdzarr._errors import (
     StoreLockedError,
 )
 from birdzarr.cli import main
+from birdzarr.convert._duplicates import distinct
 from birdzarr.maintenance._verify import verify
 from birdzarr.storage._location import Location, resolve
 from birdzarr.storage._lock import StoreLock
@@ -290,6 +291,15 @@ def test_duplicate_rows_in_a_conversion_are_counted(tmp_path: pathlib.Path) -> N
         (clean / "500_0.csv").write_text(text)
         report = birdzarr.convert(clean, tmp_path / "c.zarr", progress=False).meta["report"]
         assert "duplicate_windows" not in report
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 1000])
+def test_the_duplicate_check_counts_distinct_values_as_numpy_does(n: int) -> None:
+    rng = np.random.default_rng(n)
+    repeats = rng.integers(0, 7, size=n).astype(np.uint64)  # many repeats
+    spread = rng.integers(-(2**63), 2**63 - 1, size=n, dtype=np.int64)  # almost none
+    for values in (repeats, spread):
+        assert np.array_equal(distinct(values), np.unique(values))
 
 
 def test_skipping_every_row_commits_nothing(
