@@ -127,7 +127,8 @@ def main() -> None:
     for run in range(args.repeat):
         results = measure(args.source, workers=args.workers, shuffle=args.shuffle)
         mode = ", --shuffle" if args.shuffle else ""
-        print(f"run {run + 1}: {args.source}, {args.workers} workers{mode}\n")
+        workers = "1 worker" if args.workers == 1 else f"{args.workers} workers"
+        print(f"run {run + 1}: {args.source}, {workers}{mode}\n")
         print(table([summary for summary, _ in results]) + "\n")
         for summary, threads in results:  # one table a span: the threads differ from span to span
             print(f"{summary['span']}:\n{table(threads)}\n")

@@ -412,8 +412,11 @@ def main() -> int:
     try:
         meta = prepare(workdir, args.windows, args.devices, scale_check=args.scale_check, log=log)
         wanted = args.only.split("|") if args.only else []
-        selected = [spec for spec in cases(meta, args)
-                    if not wanted or any(w in spec["label"] for w in wanted)]
+        every = cases(meta, args)
+        selected = [spec for spec in every if not wanted or any(w in spec["label"] for w in wanted)]
+        if not selected:
+            labels = "\n  ".join(spec["label"] for spec in every)
+            parser.error(f"--only {args.only!r} matches no case; the cases are:\n  {labels}")
         runs: dict[str, list[dict[str, Any]]] = {spec["label"]: [] for spec in selected}
         for _ in range(args.repeat):  # interleaved, so a noisy minute does not hit one case only
             for spec in selected:

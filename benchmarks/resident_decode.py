@@ -1,22 +1,24 @@
 """What one batch costs in resident mode on the host: float32 rows against dict16 codes.
 
-    python benchmarks/resident_decode.py [STORE] [--batches 40] [--repeat 4] [--batch-size 8192]
+    python benchmarks/resident_decode.py [STORE] [--batches 40] [--repeat 5] [--batch-size 8192]
 
 STORE defaults to the device-ordered dict16 store that ``python benchmarks/loader.py --keep``
 leaves in /tmp/birdzarr-loader-bench. The script holds the store's windows twice in this process,
 as float32 and as 16-bit codes (the two forms of ``resident="cpu"``), draws ``--batches`` uniform
-batches and times, per batch and interleaved (``--repeat`` passes; medians, since this machine's
-speed varies from minute to minute), on one core:
+batches and times each way of making a batch on one core, ``--repeat`` passes (medians, since
+this machine's speed varies from minute to minute). In a loader every batch is a fresh random
+set of rows, so its codes and offsets are not in the CPU caches: every timed way starts after
+the caches are flushed (a 64 MB write), and the ways run in a new random order for each batch,
+so none is favoured by what ran before it.
 
 - float32 gather: ``np.take`` of the batch's rows, the in-RAM gather limit;
-- dict16 decode: what the loader does for a batch of a dict16 selection, and its steps:
-  the rows sorted, the index (each chunk's dictionary offsets, the codes added), the table
-  lookup, the batch order restored;
-- the same lookup in a 16 KB table (the same indices, folded into it): what the lookup costs
-  when no index misses the CPU caches;
-- ways the decode does not take, each beside what it would replace: the codes gathered by
-  fancy indexing of the ``(n, 20, 4)`` array, each batch's offsets tiled from the chunks' four
-  per window, the index built in two passes, the lookup in the batch's order (no sort);
+- dict16 decode, as the loader does it (``ResidentSelection._decode_on_host``), then the same
+  decode changed in one way each: the lookup in the batch's order (no sort), the index built
+  in two passes, the codes taken by fancy indexing of the ``(n, 20, 4)`` array, each batch's
+  offsets tiled from the chunks' four; all give the same values (checked);
+- the decode's own steps, run in sequence after one flush, as in the decode: the rows sorted,
+  the index (each chunk's dictionary offsets, the codes added), the table lookup, the batch's
+  order restored; and the same lookup in a 16 KB table (every index in the caches);
 - the ``with_ldt`` part of a batch: one packed int32 row a window, against three arrays.
 """
 
@@ -46,7 +48,7 @@ def main() -> None:
     )
     parser.add_argument("store", nargs="?", default="/tmp/birdzarr-loader-bench/device.zarr")
     parser.add_argument("--batches", type=int, default=40)
-    parser.add_argument("--repeat", type=int, default=4)
+    parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=8192)
     args = parser.parse_args()
     torch.set_num_threads(1)  # one core, as in a DataLoader worker
@@ -64,14 +66,51 @@ def main() -> None:
     n = len(coded)
     rng = np.random.default_rng(0)
     batches = [rng.choice(n, args.batch_size, replace=False) for _ in range(args.batches)]
-    for rows in batches[:3]:  # the decode is exact
-        assert np.array_equal(coded._decode_on_host(rows), np.take(floats.x.numpy(), rows, axis=0))
 
     x32 = floats.x.numpy()
-    codes = coded._codes_by_window
+    codes = coded._codes_by_window  # (n, 80) uint16
+    codes_3d = coded.x.numpy().view(np.uint16)  # (n, 20, 4)
     bounds = coded.chunk_bounds.numpy() if coded.chunk_bounds is not None else np.empty(0, np.int64)
+    table_offsets = coded.table_offsets.numpy() if coded.table_offsets is not None else np.empty(0)
     window_offsets = coded._window_offsets
     small = coded.table[:4096].clone()
+
+    def decode(rows: np.ndarray, *, sort: bool = True, one_pass: bool = True, fancy: bool = False,
+               tiled: bool = False) -> np.ndarray:
+        """The decode with one of its choices changed (all at their defaults: the loader's)."""
+        order = np.argsort(rows) if sort else None
+        ascending = rows if order is None else rows[order]
+        chunk = np.searchsorted(bounds, ascending, side="right") - 1
+        picked = codes_3d[ascending].reshape(len(rows), -1) if fancy else np.take(codes, ascending, axis=0)
+        offsets = (np.tile(table_offsets[chunk].astype(np.int32), (1, WINDOW_LENGTH)) if tiled
+                   else np.take(window_offsets, chunk, axis=0))
+        if one_pass:
+            index = offsets
+            np.add(index, picked, out=index)
+        else:
+            index = picked.astype(np.int32)
+            index += offsets
+        looked_up = coded.table.index_select(0, torch.from_numpy(index.reshape(-1))).numpy()
+        looked_up = looked_up.reshape(len(rows), WINDOW_LENGTH, -1)
+        if order is None:
+            return looked_up
+        back = np.empty_like(order)
+        back[order] = np.arange(len(order))
+        return np.take(looked_up, back, axis=0)
+
+    ways: dict[str, Step] = {
+        "float32 gather (np.take)": lambda rows: np.take(x32, rows, axis=0),
+        "dict16 decode (the loader's)": coded._decode_on_host,
+        "  instead: in the batch's order (no sort)": lambda rows: decode(rows, sort=False),
+        "  instead: the index in two passes (codes to int32 first)":
+            lambda rows: decode(rows, one_pass=False),
+        "  instead: the codes by fancy indexing of (n, 20, 4)": lambda rows: decode(rows, fancy=True),
+        "  instead: the offsets tiled per batch": lambda rows: decode(rows, tiled=True),
+    }
+    for rows in batches[:2]:  # every way decodes exactly
+        for way in ways.values():
+            assert np.array_equal(np.asarray(way(rows)), np.take(x32, rows, axis=0))
+
     state: dict[str, np.ndarray] = {}
 
     def sort_step(rows: np.ndarray) -> None:
@@ -86,39 +125,21 @@ def main() -> None:
     def lookup_step(rows: np.ndarray) -> None:
         state["looked_up"] = coded.table.index_select(0, torch.from_numpy(state["index"].reshape(-1))).numpy()
 
-    def small_lookup_step(rows: np.ndarray) -> None:
-        small.index_select(0, torch.from_numpy(state["index"].reshape(-1) & 4095))
-
     def order_step(rows: np.ndarray) -> None:
         back = np.empty_like(state["order"])
         back[state["order"]] = np.arange(len(rows))
         np.take(state["looked_up"].reshape(len(rows), -1), back, axis=0)
 
-    table_offsets = coded.table_offsets.numpy() if coded.table_offsets is not None else np.empty(0)
-    codes_3d = coded.x.numpy().view(np.uint16)  # (n, 20, 4)
+    def small_lookup_step(rows: np.ndarray) -> None:
+        small.index_select(0, torch.from_numpy(state["index"].reshape(-1) & 4095))
 
-    def codes_rows_step(rows: np.ndarray) -> None:
-        np.take(codes, state["ascending"], axis=0)
-
-    def fancy_codes_step(rows: np.ndarray) -> None:
-        codes_3d[state["ascending"]]
-
-    def offsets_rows_step(rows: np.ndarray) -> None:
-        np.take(window_offsets, np.searchsorted(bounds, state["ascending"], side="right") - 1, axis=0)
-
-    def tiled_offsets_step(rows: np.ndarray) -> None:
-        chunk = np.searchsorted(bounds, state["ascending"], side="right") - 1
-        np.tile(table_offsets[chunk].astype(np.int32), (1, WINDOW_LENGTH))
-
-    def two_pass_index_step(rows: np.ndarray) -> None:
-        chunk = np.searchsorted(bounds, state["ascending"], side="right") - 1
-        index = np.take(codes, state["ascending"], axis=0).astype(np.int32)
-        index += np.take(window_offsets, chunk, axis=0)
-
-    def unsorted_decode(rows: np.ndarray) -> None:
-        index = np.take(window_offsets, np.searchsorted(bounds, rows, side="right") - 1, axis=0)
-        np.add(index, np.take(codes, rows, axis=0), out=index)
-        coded.table.index_select(0, torch.from_numpy(index.reshape(-1)))
+    steps: dict[str, Step] = {
+        "    rows sorted (argsort)": sort_step,
+        "    index: offsets' rows, codes' rows added": index_step,
+        "    table lookup": lookup_step,
+        "    batch order restored": order_step,
+        "    (the same lookup in a 16 KB table)": small_lookup_step,
+    }
 
     packed = coded.ldt.numpy()
     label, device = packed[:, 0].copy(), packed[:, 1].copy()
@@ -135,40 +156,44 @@ def main() -> None:
         ldt_out[: len(rows), 1] = device[rows]
         ldt_out[: len(rows), 2] = timestamp[rows]
 
-    steps: dict[str, Step] = {
-        "float32 gather (np.take)": lambda rows: np.take(x32, rows, axis=0),
-        "dict16 decode, all of it": coded._decode_on_host,
-        "  rows sorted (argsort)": sort_step,
-        "  index: offsets' rows, codes' rows added (one pass)": index_step,
-        "  table lookup": lookup_step,
-        "  batch order restored": order_step,
-        "  (the lookup in a 16 KB table)": small_lookup_step,
-        "  (the codes' rows alone: np.take of (n, 80))": codes_rows_step,
-        "  (instead: the codes by fancy indexing of (n, 20, 4))": fancy_codes_step,
-        "  (the offsets' rows alone: np.take of a row per chunk)": offsets_rows_step,
-        "  (instead: the offsets tiled per batch)": tiled_offsets_step,
-        "  (instead: the index in two passes, codes to int32 first)": two_pass_index_step,
-        "instead: dict16 decode in the batch's order (no sort)": unsorted_decode,
-        "ldt: one packed int32 row a window": packed_ldt,
-        "  (instead: ldt from three arrays)": three_array_ldt,
-    }
-    times: dict[str, list[float]] = {name: [] for name in steps}
+    ways["ldt: one packed int32 row a window"] = packed_ldt
+    ways["  instead: ldt from three arrays"] = three_array_ldt
+
+    flush_buffer = np.zeros(64 * 2**20, dtype=np.uint8)
+
+    def flush() -> None:
+        np.add(flush_buffer, 1, out=flush_buffer)  # 64 MB: twice the development machine's L3
+
+    def timed(step: Step, rows: np.ndarray) -> float:
+        started = time.perf_counter()
+        step(rows)
+        return time.perf_counter() - started
+
+    shuffle = np.random.default_rng(1)
+    shown = [*list(ways)[:2], *steps, *list(ways)[2:]]  # the decode's steps under it
+    times: dict[str, list[float]] = {name: [] for name in shown}
+    names = list(ways)
     for _ in range(args.repeat):
         for rows in batches:
-            for name, step in steps.items():
-                started = time.perf_counter()
-                step(rows)
-                times[name].append(time.perf_counter() - started)
+            for i in shuffle.permutation(len(names)).tolist():
+                flush()
+                times[names[i]].append(timed(ways[names[i]], rows))
+            flush()
+            for name, step in steps.items():  # in sequence, as in the decode
+                times[name].append(timed(step, rows))
     ideal = float(np.median(times["float32 gather (np.take)"]))
+    decode_ms = float(np.median(times["dict16 decode (the loader's)"]))
     rows_out = []
     for name, spent in times.items():
         ms = float(np.median(spent))
-        whole = not name.startswith(("  ", "ldt"))  # a step's own rate says nothing
-        rows_out.append({"step": name, "ms a batch": round(ms * 1e3, 2),
+        whole = not name.startswith(("    ", "ldt", "  instead: ldt"))  # a step's own rate says nothing
+        rows_out.append({f"way, batch of {args.batch_size} windows": name, "ms": round(ms * 1e3, 2),
                          "M windows/s": round(args.batch_size / ms / 1e6, 2) if whole else "",
-                         "% of float32 gather": round(100 * ideal / ms, 1) if whole else ""})
+                         "% of float32 gather": round(100 * ideal / ms, 1) if whole else "",
+                         "x the loader's decode": round(ms / decode_ms, 2)
+                         if name.startswith("  instead: ") and "ldt" not in name else ""})
     print(f"{args.store}: {n:,} windows, {coded.table.numel() * 4 / 2**20:.1f} MiB of dictionaries; "
-          f"batches of {args.batch_size}, medians of {args.repeat} x {args.batches}; {machine()}")
+          f"medians of {args.repeat} x {args.batches} batches; {machine()}")
     print(table(rows_out))
 
 
