@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader
 
 import birdzarr
 from birdzarr.loader import _resident as resident_module
+from birdzarr.loader._shared_dictionaries import MAX_ENTRIES, share_dictionaries
 
 
 def _resident(store: birdzarr.Store, **options: object) -> birdzarr.WindowDataset:
@@ -162,3 +163,58 @@ def test_packed_ldt_keeps_every_int64_timestamp() -> None:
     x, ldt = np.empty((n, 20, 4), np.float32), np.empty((n, 3), np.int64)
     held.filler(order)(x, ldt)
     assert np.array_equal(ldt, expected[order])
+
+
+def test_consecutive_chunks_share_dictionaries_and_every_code_keeps_its_value() -> None:
+    """Chunks of 30,000 values a channel, each overlapping the last: a union of more than
+    65,536 values must start a new group; every code still finds its exact bit pattern."""
+    rng = np.random.default_rng(7)
+    special = np.array([0.0, -0.0, np.inf, -np.inf], dtype=np.float32)
+    nan_payload = np.array([0x7FC00001], dtype=np.uint32).view(np.float32)
+    pool = np.unique(rng.integers(0, 2**32, size=200_000, dtype=np.uint64).astype(np.uint32))
+    # drop random draws equal to the special values (a dictionary holds each value once) and
+    # NaNs (only the one with a payload, added below)
+    pool = pool[~np.isnan(pool.view(np.float32)) & ~np.isin(pool, special.view(np.uint32))]
+    dictionaries, codes, starts = [], [], [0]
+    for chunk in range(6):
+        per_channel = []
+        for channel in range(4):
+            start = chunk * 20_000 + channel * 1_000  # 10,000 values shared with the chunk before
+            values = np.concatenate([special, nan_payload, pool[start : start + 30_000].view(np.float32)])
+            per_channel.append(rng.permutation(values))  # a chunk's dictionary in any order
+        dictionaries.append(per_channel)
+        windows = 50 + chunk
+        codes.append(np.stack([rng.integers(0, 30_005, size=(windows, 20)) for _ in range(4)], axis=2))
+        starts.append(starts[-1] + windows)
+    held = np.concatenate(codes).astype(np.uint16)
+    expected = np.empty(held.shape, dtype=np.uint32)
+    for i in range(6):
+        for c in range(4):
+            rows = slice(starts[i], starts[i + 1])
+            expected[rows, :, c] = dictionaries[i][c].view(np.uint32)[held[rows, :, c]]
+    shared = share_dictionaries(dictionaries, held, np.array(starts), threads=3)
+    # chunks 0+1 hold 50,005 values a channel; chunk 2 would add 20,000 more: 3 groups of 2
+    assert shared.groups == 3
+    assert np.array_equal(shared.offsets[::2], shared.offsets[1::2])
+    sizes = np.diff(np.append(np.unique(shared.offsets), len(shared.values)))
+    assert sizes.max() <= MAX_ENTRIES
+    got = np.empty(held.shape, dtype=np.uint32)
+    for i in range(6):
+        for c in range(4):
+            rows = slice(starts[i], starts[i + 1])
+            index = shared.offsets[i, c] + held[rows, :, c].astype(np.int64)
+            got[rows, :, c] = shared.values.view(np.uint32)[index]
+    assert np.array_equal(got, expected)  # bit for bit: -0.0, infinities and the NaN payload too
+
+
+def test_a_device_ordered_store_holds_fewer_dictionary_values_than_its_chunks(
+    small_store: birdzarr.Store,
+) -> None:
+    held = _resident(small_store, progress=False).resident
+    reader = small_store.reader
+    per_chunk = 0
+    for chunk in range(reader.n_chunks):
+        got = reader.read_codes(chunk)
+        assert got is not None
+        per_chunk += sum(len(d) for d in got[1])
+    assert held.table is not None and held.table.numel() < per_chunk / 2

@@ -3,8 +3,9 @@ permutation drawn every epoch, batches gathered where the data lies.
 
 Loading reads every chunk once through the same fetch path as streaming (local files, S3, the
 chunk cache), many chunks in flight, with a progress bar. A dict16 store stays dictionary-coded
-in memory: uint16 codes (160 B a window) plus each chunk's per-channel dictionaries, decoded
-inside the batch gather; any other store is held as float32 (320 B a window). ``ldt`` adds 16 B
+in memory: uint16 codes (160 B a window) plus per-channel dictionaries, one shared by each run
+of consecutive chunks whose values fit 16-bit codes (``_shared_dictionaries``), decoded inside
+the batch gather; any other store is held as float32 (320 B a window). ``ldt`` adds 16 B
 a window. The bytes needed are checked against what the device (free GPU memory) or the process
 (cgroup limit, available RAM, /dev/shm) can give before anything is allocated.
 
@@ -29,6 +30,7 @@ from birdzarr._errors import ResidentMemoryError
 from birdzarr._progress import progress_bar
 from birdzarr.format._spec import DEVICE, GIMU, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH
 from birdzarr.loader._selection import Selection
+from birdzarr.loader._shared_dictionaries import share_dictionaries
 from birdzarr.store._chunks import ChunkReader
 
 _VALUES = WINDOW_LENGTH * N_CHANNELS  # 80 float32 values a window
@@ -119,7 +121,7 @@ class ResidentSelection:
                  ldt: torch.Tensor | None, global_index: np.ndarray) -> None:
         self.device = device
         self.x = x  # float32 (n, 20, 4), or int16 dict16 codes (n, 20, 4) when table is set
-        self.table = table  # float32: every chunk's dictionaries, channel after channel
+        self.table = table  # float32: the shared dictionaries, group after group, channel after channel
         self.table_offsets = table_offsets  # int64 (chunks, 4): where each chunk's dictionary starts
         self.chunk_bounds = chunk_bounds  # int64: first resident row of each chunk; len chunks + 1
         self.ldt = ldt  # int32 (n, 4): label, device, timestamp low and high halves
@@ -207,11 +209,9 @@ class ResidentSelection:
                 bar.update(count)
         table = table_offsets = bounds = None
         if coded:
-            flat = [d for per_chunk in dictionaries for d in per_chunk]
-            sizes = np.array([len(d) for d in flat], dtype=np.int64)
-            table = torch.from_numpy(np.concatenate(flat) if flat else np.empty(0, np.float32)).to(device)
-            offsets = np.concatenate(([0], np.cumsum(sizes)[:-1])) if len(sizes) else np.empty(0, np.int64)
-            table_offsets = torch.from_numpy(offsets.reshape(len(keep), N_CHANNELS)).to(device)
+            shared_table = share_dictionaries(dictionaries, x_np.view(np.uint16), starts, threads=prefetch)
+            table = torch.from_numpy(shared_table.values).to(device)
+            table_offsets = torch.from_numpy(shared_table.offsets).to(device)
             bounds = torch.from_numpy(starts).to(device)
         global_index = np.concatenate([rows for _, rows in keep]) if keep else np.empty(0, np.int64)
         if device.type != "cpu":

@@ -1,0 +1,117 @@
+"""One dictionary per channel shared by consecutive chunks of a resident dict16 selection.
+
+A dict16 chunk stores each channel's distinct values and a 16-bit code per value. Consecutive
+chunks of a device-ordered store hold the same device's values, so their dictionaries overlap
+almost entirely. Resident mode merges them: consecutive chunks form a group while, in every
+channel, the union of their dictionaries has at most 65,536 values (codes stay 16-bit), and
+their codes are recoded into the group's union, sorted by bit pattern.
+
+Why: every value of a batch is a lookup in the table of all dictionaries. On the loader
+benchmark's 2.5 M-window store the table shrinks from 15.2 MB (306 chunks) to 6.0 MB (9
+groups), and a batch's lookups, in ascending row order, stay within one group's union (a few
+hundred KB, held by the CPU's L2 cache) for many windows at a time: the host decode of a batch
+is 1.12x faster (docs/benchmarks.md, ``python benchmarks/resident_decode.py``). The recode
+costs one pass over the codes while loading.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from birdzarr.format._spec import N_CHANNELS
+
+MAX_ENTRIES = 2**16  # values of one channel a 16-bit code can address
+
+
+@dataclass(frozen=True)
+class SharedTable:
+    """Every group's unions laid end to end (group after group, channel after channel), and
+    where each chunk's group's union of each channel starts in them."""
+
+    values: np.ndarray  # float32
+    offsets: np.ndarray  # int64 (chunks, channels)
+    groups: int
+
+
+@dataclass(frozen=True)
+class _Dictionary:
+    """One chunk's dictionary of one channel as bit patterns: sorted, and each entry's place."""
+
+    ascending: np.ndarray  # uint32, sorted (a dictionary's values are distinct already)
+    order: np.ndarray  # the dictionary's entries in ascending order: ascending = bits[order]
+
+    @classmethod
+    def of(cls, values: np.ndarray) -> _Dictionary:
+        bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+        order = np.argsort(bits)
+        return cls(bits[order], order)
+
+
+def share_dictionaries(dictionaries: Sequence[Sequence[np.ndarray]], codes: np.ndarray,
+                       starts: np.ndarray, *, threads: int = 1) -> SharedTable:
+    """Merge consecutive chunks' dictionaries and recode ``codes`` into them, in place.
+
+    ``dictionaries[i]`` are chunk ``i``'s float32 dictionaries, one per channel; ``codes`` are
+    the uint16 codes ``(windows, samples, channels)`` of every chunk, chunk ``i``'s in rows
+    ``starts[i]:starts[i + 1]``. Afterwards ``values[offsets[i, c] + code]`` is the value that
+    chunk ``i``'s ``code`` of channel ``c`` stood for in its own dictionary. The recode runs on
+    ``threads`` threads, a chunk at a time (numpy's take releases the GIL)."""
+    chunks = [[_Dictionary.of(d) for d in per_channel] for per_channel in dictionaries]
+    groups = _groups(chunks)
+    values: list[np.ndarray] = []
+    offsets = np.zeros((len(chunks), N_CHANNELS), dtype=np.int64)
+    at = 0
+    for first, stop, unions in groups:
+        for c, union in enumerate(unions):
+            offsets[first:stop, c] = at
+            values.append(union.view(np.float32))
+            at += len(union)
+
+    def recode(i: int) -> None:
+        unions = next(u for first, stop, u in groups if first <= i < stop)
+        for c, own in enumerate(chunks[i]):
+            # the chunk's own code -> its value's place in the union (keys in ascending order:
+            # numpy's search then narrows from the last one)
+            remap = np.empty(len(own.order), dtype=np.uint16)
+            remap[own.order] = np.searchsorted(unions[c], own.ascending)
+            rows = codes[starts[i] : starts[i + 1], :, c]
+            np.take(remap, rows, out=rows)
+
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        list(pool.map(recode, range(len(chunks))))
+    table = np.concatenate(values) if values else np.empty(0, dtype=np.float32)
+    return SharedTable(table, offsets, len(groups))
+
+
+def _groups(chunks: list[list[_Dictionary]]) -> list[tuple[int, int, list[np.ndarray]]]:
+    """Greedy runs of consecutive chunks ``[first, stop)`` whose unions (sorted, per channel)
+    stay within ``MAX_ENTRIES``."""
+    groups: list[tuple[int, int, list[np.ndarray]]] = []
+    first, unions = 0, None
+    for i, chunk in enumerate(chunks):
+        own = [d.ascending for d in chunk]
+        if unions is None:
+            unions = own
+            continue
+        missing = [_missing(union, d) for union, d in zip(unions, own, strict=True)]
+        if any(len(u) + len(values) > MAX_ENTRIES for u, (_, values) in zip(unions, missing, strict=True)):
+            groups.append((first, i, unions))
+            first, unions = i, own
+        else:  # inserted where they sort: one copy of the union, no sort of it
+            unions = [np.insert(u, at, values) if len(values) else u
+                      for u, (at, values) in zip(unions, missing, strict=True)]
+    if unions is not None:
+        groups.append((first, len(chunks), unions))
+    return groups
+
+
+def _missing(union: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The sorted ``values`` not in the sorted ``union``, and where each goes in it."""
+    at = np.searchsorted(union, values)
+    found = at < len(union)
+    found[found] = union[at[found]] == values[found]
+    return at[~found], values[~found]
