@@ -293,14 +293,15 @@ class ResidentSelection:
     def _decode_on_host(self, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Gather the rows' codes and look them up in their chunks' dictionaries.
 
-        Looked up in ascending row order (a chunk's windows then look up in its dictionaries one
-        after another), then put back in the batch's order by one row copy. ``python
-        benchmarks/resident_decode.py`` times the decode and its steps on the loader benchmark's
-        2.5 M-window store (306 chunks, a 15 MB table), a batch of 8192, each way from cold
-        caches: the table lookup is about 60% of the decode; fancy indexing of the (n, 20, 4)
-        codes instead of ``np.take`` of (n, 80) rows costs 12% more, the offsets tiled per batch
-        2%, the index in two passes 1%. The sort costs nothing there (the table fits in the
-        L3 cache); it is for tables that do not (about 150 MB at 25 M windows)."""
+        Looked up in ascending row order (the windows of one group of chunks, which share a
+        dictionary, then look up one after another), then put back in the batch's order by one
+        row copy. ``python benchmarks/resident_decode.py`` times the decode and its steps on the
+        loader benchmark's 2.5 M-window store (a 6 MB table), a batch of 8192, each way from
+        cold caches: the table lookup is under 60% of the decode; fancy indexing of the
+        (n, 20, 4) codes instead of ``np.take`` of (n, 80) rows costs 14% more, the offsets
+        tiled per batch 2%, the index in two passes 1%. Without the sort the decode is 7%
+        faster there (the table fits in the L3 cache); the sort is for tables that do not (the
+        25 M-window corpus's would be about ten times larger)."""
         assert self.table is not None and self.chunk_bounds is not None
         order = np.argsort(rows)  # rows are distinct: any sort is stable
         ascending = rows[order]
