@@ -72,8 +72,10 @@ def share_dictionaries(dictionaries: Sequence[Sequence[np.ndarray]], codes: np.n
             values.append(union.view(np.float32))
             at += len(union)
 
+    unions_of = [unions for first, stop, unions in groups for _ in range(first, stop)]  # by chunk
+
     def recode(i: int) -> None:
-        unions = next(u for first, stop, u in groups if first <= i < stop)
+        unions = unions_of[i]
         for c, own in enumerate(chunks[i]):
             # the chunk's own code -> its value's place in the union (keys in ascending order:
             # numpy's search then narrows from the last one)
