@@ -38,18 +38,8 @@ class SharedTable:
     groups: int
 
 
-@dataclass(frozen=True)
-class _Dictionary:
-    """One chunk's dictionary of one channel as bit patterns: sorted, and each entry's place."""
-
-    ascending: np.ndarray  # uint32, sorted (a dictionary's values are distinct already)
-    order: np.ndarray  # the dictionary's entries in ascending order: ascending = bits[order]
-
-    @classmethod
-    def of(cls, values: np.ndarray) -> _Dictionary:
-        bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
-        order = np.argsort(bits)
-        return cls(bits[order], order)
+def _bits(values: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
 
 
 def share_dictionaries(dictionaries: Sequence[Sequence[np.ndarray]], codes: np.ndarray,
@@ -61,42 +51,43 @@ def share_dictionaries(dictionaries: Sequence[Sequence[np.ndarray]], codes: np.n
     ``starts[i]:starts[i + 1]``. Afterwards ``values[offsets[i, c] + code]`` is the value that
     chunk ``i``'s ``code`` of channel ``c`` stood for in its own dictionary. The recode runs on
     ``threads`` threads, a chunk at a time (numpy's take releases the GIL)."""
-    chunks = [[_Dictionary.of(d) for d in per_channel] for per_channel in dictionaries]
-    groups = _groups(chunks)
+    # Nothing per chunk is kept beyond its dictionaries, which the caller holds already: sorted
+    # copies are made again where needed, so the merge needs no memory but the unions.
+    groups = _groups(dictionaries)
     values: list[np.ndarray] = []
-    offsets = np.zeros((len(chunks), N_CHANNELS), dtype=np.int64)
+    offsets = np.zeros((len(dictionaries), N_CHANNELS), dtype=np.int64)
     at = 0
     for first, stop, unions in groups:
         for c, union in enumerate(unions):
             offsets[first:stop, c] = at
             values.append(union.view(np.float32))
             at += len(union)
-
     unions_of = [unions for first, stop, unions in groups for _ in range(first, stop)]  # by chunk
 
     def recode(i: int) -> None:
-        unions = unions_of[i]
-        for c, own in enumerate(chunks[i]):
+        for c, own in enumerate(dictionaries[i]):
+            bits = _bits(own)
+            order = np.argsort(bits)
             # the chunk's own code -> its value's place in the union (keys in ascending order:
             # numpy's search then narrows from the last one)
-            remap = np.empty(len(own.order), dtype=np.uint16)
-            remap[own.order] = np.searchsorted(unions[c], own.ascending)
+            remap = np.empty(len(order), dtype=np.uint16)
+            remap[order] = np.searchsorted(unions_of[i][c], bits[order])
             rows = codes[starts[i] : starts[i + 1], :, c]
             np.take(remap, rows, out=rows)
 
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        list(pool.map(recode, range(len(chunks))))
+        list(pool.map(recode, range(len(dictionaries))))
     table = np.concatenate(values) if values else np.empty(0, dtype=np.float32)
     return SharedTable(table, offsets, len(groups))
 
 
-def _groups(chunks: list[list[_Dictionary]]) -> list[tuple[int, int, list[np.ndarray]]]:
-    """Greedy runs of consecutive chunks ``[first, stop)`` whose unions (sorted, per channel)
-    stay within ``MAX_ENTRIES``."""
+def _groups(dictionaries: Sequence[Sequence[np.ndarray]]) -> list[tuple[int, int, list[np.ndarray]]]:
+    """Greedy runs of consecutive chunks ``[first, stop)`` whose unions (sorted bit patterns,
+    per channel) stay within ``MAX_ENTRIES``."""
     groups: list[tuple[int, int, list[np.ndarray]]] = []
     first, unions = 0, None
-    for i, chunk in enumerate(chunks):
-        own = [d.ascending for d in chunk]
+    for i, chunk in enumerate(dictionaries):
+        own = [np.sort(_bits(d)) for d in chunk]  # a dictionary's values are distinct already
         if unions is None:
             unions = own
             continue
@@ -108,7 +99,7 @@ def _groups(chunks: list[list[_Dictionary]]) -> list[tuple[int, int, list[np.nda
             unions = [np.insert(u, at, values) if len(values) else u
                       for u, (at, values) in zip(unions, missing, strict=True)]
     if unions is not None:
-        groups.append((first, len(chunks), unions))
+        groups.append((first, len(dictionaries), unions))
     return groups
 
 
