@@ -31,13 +31,10 @@ from birdzarr.convert._duplicates import distinct, window_hashes  # noqa: E402
 BLOCK = 16_384  # windows per block, as the Parquet reader hands them over
 
 
-def _timed(fn: Callable[[], object], repeat: int) -> list[float]:
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return times
+def _seconds(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -64,7 +61,7 @@ def main() -> None:
     runs: dict[str, list[float]] = {way: [] for _, way, _ in steps}
     for _ in range(args.repeat):  # the ways alternate, so a busy moment hits all of them
         for _, way, fn in steps:
-            runs[way] += _timed(fn, 1)
+            runs[way].append(_seconds(fn))
     rows = []
     for step, way, _ in steps:
         seconds = statistics.median(runs[way])

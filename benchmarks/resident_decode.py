@@ -38,6 +38,7 @@ from _util import machine, table  # noqa: E402
 
 import birdzarr  # noqa: E402
 from birdzarr.format._spec import WINDOW_LENGTH  # noqa: E402
+from birdzarr.loader._resident import timestamps_of  # noqa: E402
 
 Step = Callable[[np.ndarray], object]
 
@@ -143,13 +144,13 @@ def main() -> None:
 
     packed = coded.ldt.numpy()
     label, device = packed[:, 0].copy(), packed[:, 1].copy()
-    timestamp = packed[:, 2:].copy().view(np.int64)[:, 0]
+    timestamp = timestamps_of(packed[:, 2:])
     ldt_out = np.empty((args.batch_size, 3), np.int64)
 
     def packed_ldt(rows: np.ndarray) -> None:
         held = np.take(packed, rows, axis=0)
         ldt_out[: len(rows), :2] = held[:, :2]
-        ldt_out[: len(rows), 2] = held[:, 2:].copy().view(np.int64)[:, 0]
+        ldt_out[: len(rows), 2] = timestamps_of(held[:, 2:])
 
     def three_array_ldt(rows: np.ndarray) -> None:
         ldt_out[: len(rows), 0] = label[rows]

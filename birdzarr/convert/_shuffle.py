@@ -39,7 +39,7 @@ from numcodecs import Blosc
 
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._gdict_encode import BlockValues, DeviceCoder, DictionaryTable, block_values
-from birdzarr.convert._summary import DeviceSummary, Summarizer, WindowChecksum, checksum_hasher
+from birdzarr.convert._summary import DeviceSummary, Summarizer, WindowChecksum, checksum_hasher, device_runs
 from birdzarr.convert._writer import StoreWriter
 from birdzarr.format._spec import (
     GIMU,
@@ -415,11 +415,7 @@ class _Loader:
 
     def _hash_in_order(self, scratch: _Scratch, order: np.ndarray, devices: np.ndarray) -> None:
         """Feed each device's windows of this bucket to its checksum in ascending store order."""
-        by_device = np.argsort(devices, kind="stable")
-        ids = devices[by_device]
-        rows = order[by_device]  # spilled rows, device by device, each in store order
-        if not len(ids):
-            return
-        starts = np.flatnonzero(np.concatenate(([True], ids[1:] != ids[:-1]))).tolist()
-        for start, stop in zip(starts, [*starts[1:], len(ids)], strict=True):
-            self.hashers[int(ids[start])].update(np.take(scratch.bits, rows[start:stop], axis=0).view("<f4"))
+        runs = device_runs(devices)
+        rows = order[runs.order]  # spilled rows, device by device, each in store order
+        for device, start, stop in runs:
+            self.hashers[device].update(np.take(scratch.bits, rows[start:stop], axis=0).view("<f4"))

@@ -7,6 +7,7 @@ to a ``Summarizer`` and record the ``DeviceSummary`` it finishes with.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import google_crc32c
@@ -37,6 +38,33 @@ class WindowChecksum:
 
     def hexdigest(self) -> str:
         return f"{self._crc:08x}"
+
+
+@dataclass(frozen=True)
+class DeviceRuns:
+    """Positions grouped by device: ``order`` is a stable argsort of the device ids (each
+    device's positions stay ascending, the order its checksum is fed in); run ``k`` is device
+    ``ids[k]`` at ``order[starts[k]:stops[k]]``."""
+
+    order: np.ndarray
+    ids: np.ndarray
+    starts: np.ndarray
+    stops: np.ndarray
+
+    def __iter__(self) -> Iterator[tuple[int, int, int]]:
+        """``(device id, start, stop)`` of each run, in ascending device id."""
+        return zip(self.ids.tolist(), self.starts.tolist(), self.stops.tolist(), strict=True)
+
+
+def device_runs(devices: np.ndarray) -> DeviceRuns:
+    """Group positions by device id with one stable sort (one mask per device costs
+    ``devices x positions``: 1.4x slower for a whole ``verify`` of a shuffled store)."""
+    order = np.argsort(devices, kind="stable")
+    by_device = devices[order]
+    if not len(order):
+        return DeviceRuns(order, by_device, order, order)
+    starts = np.flatnonzero(np.concatenate(([True], by_device[1:] != by_device[:-1])))
+    return DeviceRuns(order, by_device[starts], starts, np.append(starts[1:], len(order)))
 
 
 def checksum_hasher() -> WindowChecksum:

@@ -142,16 +142,18 @@ def _has_exited(pid: int) -> bool:
     return False
 
 
-def _drop_retired() -> None:
+def _drop_finished() -> None:
+    """Forget the mappings no batch can still need: retired and not leased, or of a worker
+    that has exited (leases still in use keep their own reference to the mapping)."""
     with _RECEIVED_LOCK:
         exited = {pid for pid in {key[0] for key in _RECEIVED} if _has_exited(pid)}
         for key in [key for key, mapping in _RECEIVED.items() if key[0] in exited or _is_done(mapping)]:
-            del _RECEIVED[key]  # leases still in use keep their own reference to the mapping
+            del _RECEIVED[key]
 
 
 def _end_lease(mapping: mmap.mmap) -> None:
     mapping[:4] = b"\0\0\0\0"
-    _drop_retired()
+    _drop_finished()
 
 
 def receive(key: SlotKey, fd: int | None, size: int) -> memoryview:
@@ -172,5 +174,5 @@ def receive(key: SlotKey, fd: int | None, size: int) -> memoryview:
         )
     lease = memoryview(mapping)[HEADER:]
     weakref.finalize(lease, _end_lease, mapping)
-    _drop_retired()
+    _drop_finished()
     return lease

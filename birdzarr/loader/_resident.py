@@ -286,7 +286,7 @@ class ResidentSelection:
             if ldt is not None and self.ldt is not None:
                 held = np.take(self.ldt.numpy(), rows, axis=0)
                 ldt[:, :2] = held[:, :2]
-                ldt[:, 2] = held[:, 2:].copy().view(np.int64)[:, 0]
+                ldt[:, 2] = timestamps_of(held[:, 2:])
 
         return fill
 
@@ -335,6 +335,11 @@ class ResidentSelection:
 def timestamp_halves(seconds: np.ndarray) -> np.ndarray:
     """int64 timestamps as ``(n, 2)`` int32 halves, in memory order (the packed ``ldt`` columns)."""
     return np.ascontiguousarray(seconds, dtype=np.int64).view(np.int32).reshape(-1, 2)
+
+
+def timestamps_of(halves: np.ndarray) -> np.ndarray:
+    """The int64 timestamps of ``(n, 2)`` int32 halves: the inverse of ``timestamp_halves``."""
+    return np.ascontiguousarray(halves, dtype=np.int32).view(np.int64).reshape(-1)
 
 
 def _size(n: float) -> str:
