@@ -1,4 +1,5 @@
-"""Conversion benchmark: Parquet and CSV -> store with 1 and 2 workers, and --shuffle; MB/s,
+"""Conversion benchmark: Parquet and CSV -> store with 1 and 2 workers (Parquet also on threads
+only, against the worker processes), and --shuffle; MB/s,
 CPU seconds, cores used, store size against the Parquet source, peak memory, load average.
 
     python benchmarks/convert.py                       # 186 devices, 1 M windows, CSV, shuffle
@@ -81,9 +82,15 @@ def input_bytes(source: str, suffix: str) -> int:
     return sum(os.path.getsize(os.path.join(source, f)) for f in os.listdir(source) if f.endswith(suffix))
 
 
-def convert_measured(source: str, dest: str, *extra: str, parquet: str | None = None) -> dict[str, Any]:
-    """One CLI conversion; ``parquet`` (a directory) for the store-vs-Parquet size column."""
+def convert_measured(source: str, dest: str, *extra: str, parquet: str | None = None,
+                     threads_only: bool = False) -> dict[str, Any]:
+    """One CLI conversion; ``parquet`` (a directory) for the store-vs-Parquet size column;
+    ``threads_only``: Parquet converted on threads, as below the worker processes' size threshold
+    (birdzarr/convert/_segments.py), for the comparison."""
     cli = "import sys; from birdzarr.cli import main; sys.exit(main(sys.argv[1:]))"
+    if threads_only:
+        cli = ("import importlib; importlib.import_module('birdzarr.convert._segments').PROCESS_MIN_BYTES = "
+               "1 << 62; " + cli)
     argv = [sys.executable, "-c", cli, "convert", source, dest, "--overwrite", "--quiet", *extra]
     cpu_before, load = children_cpu(), os.getloadavg()[0]
     wall, peak, _ = run_measured(argv)
@@ -155,11 +162,12 @@ def main() -> int:
 
         runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
 
-        def run(name: str, workers: int, source: str, dest: str, *extra: str) -> dict[str, Any]:
+        def run(name: str, workers: int, source: str, dest: str, *extra: str,
+                threads_only: bool = False) -> dict[str, Any]:
             is_parquet = any(f.endswith(".parquet") for f in os.listdir(source))
             row = {"input": name, "workers": workers,
                    **convert_measured(source, os.path.join(workdir, dest), "--workers", str(workers), *extra,
-                                      parquet=source if is_parquet else None)}
+                                      parquet=source if is_parquet else None, threads_only=threads_only)}
             print(table([row]), flush=True)
             runs.setdefault((name, workers), []).append(row)
             return row
@@ -174,6 +182,7 @@ def main() -> int:
             return row
 
         parquet_name = f"parquet, {args.devices} devices"
+        threads_name = f"parquet, {args.devices} devices, threads only"
         shuffle_name = f"parquet, {args.devices} devices, --shuffle"
         csv_name = f"csv, {args.csv_devices} devices x {args.csv_parts} parts"
         csv_dir = os.path.join(workdir, f"csv_{args.csv_devices}_{args.csv_bursts}")
@@ -183,6 +192,8 @@ def main() -> int:
             order = args.workers if round_ % 2 == 0 else args.workers[::-1]
             for w in order:
                 run(parquet_name, w, corpus, "corpus.zarr")
+            if most > 1:
+                run(threads_name, most, corpus, "corpus.zarr", threads_only=True)
             if not args.skip_shuffle:
                 run(shuffle_name, most, corpus, "shuffled.zarr",
                     "--shuffle", "--seed", "1", "--shuffle-tmp", workdir)
@@ -190,6 +201,7 @@ def main() -> int:
                 for w in order:
                     run(csv_name, w, csv_dir, "csv.zarr")
         ordered = {w: median(parquet_name, w) for w in args.workers}
+        threads = median(threads_name, most) if most > 1 else None
         if not args.skip_shuffle:
             shuffled = median(shuffle_name, most)
         csv_rows = {w: median(csv_name, w) for w in args.workers} if not args.skip_csv else {}
@@ -209,6 +221,11 @@ def main() -> int:
             targets.append({"figure": f"parquet MB/s, {_workers(w)}", "value": row["MB/s"],
                             "ratio": float(row["MB/s"]) / float(one["MB/s"]) if one else "",
                             "against": "1 worker", "load": row["load"]})
+        if threads is not None:
+            targets.append({"figure": f"parquet MB/s, {_workers(most)}, worker processes",
+                            "value": ordered[most]["MB/s"],
+                            "ratio": float(ordered[most]["MB/s"]) / float(threads["MB/s"]),
+                            "against": f"threads only, {_workers(most)}", "load": threads["load"]})
         for w, row in csv_rows.items():
             targets.append({"figure": f"CSV MB/s of text, {_workers(w)}", "value": row["MB/s"],
                             "ratio": float(row["MB/s"]) / float(csv_one["MB/s"]) if csv_one else "",

@@ -10,18 +10,20 @@ import pathlib
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
 import birdzarr
-from birdzarr.convert import _cpus, _pipeline, _shuffle
+from birdzarr._errors import BadInputError, DuplicateWindowsWarning
+from birdzarr.convert import _cpus, _pipeline, _segments, _shuffle
 from birdzarr.demo import _synthetic
 from birdzarr.store._summary import format_summary, summary
 
 # Root attributes that record when and how fast a conversion ran, not what it stored.
 _VOLATILE = {"started_at", "finished_at", "committed_at", "seconds", "cpu_seconds", "cores_used", "workers",
-             "usable_cores"}
+             "usable_cores", "worker_processes", "segments"}
 
 
 def _without_volatile(value: object) -> object:
@@ -91,6 +93,113 @@ def test_parquet_store_is_byte_identical_for_any_worker_count(
         stores.append(dest)
     for other in stores[1:]:
         assert_same_store(stores[0], other)
+
+
+@pytest.mark.parametrize("chunk_windows", [1024, 8192])
+def test_parquet_store_converted_in_worker_processes_is_byte_identical(
+    parquet_dir: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, chunk_windows: int
+) -> None:
+    # segments of one device or two (8 joins 15, 16 joins 40): chunks written by this process from
+    # the windows of two or three segments, and a padded last chunk
+    monkeypatch.setattr(_segments, "PROCESS_MIN_BYTES", 0)
+    monkeypatch.setattr(_segments, "MIN_SEGMENT_CHUNKS", 0)
+    monkeypatch.setattr(_segments, "SEGMENTS_PER_WORKER", 100)
+    one = birdzarr.convert(parquet_dir, tmp_path / "one.zarr", workers=1, chunk_windows=chunk_windows,
+                           progress=False)
+    assert "segments" not in one.meta["report"]
+    processes = birdzarr.convert(parquet_dir, tmp_path / "processes.zarr", workers=2,
+                                 chunk_windows=chunk_windows, progress=False)
+    report = processes.meta["report"]
+    assert (report["segments"], report["worker_processes"]) == (3, 2)
+    assert report["cpu_seconds"] > 0  # the worker processes' CPU is counted
+    assert_same_store(tmp_path / "one.zarr", tmp_path / "processes.zarr")
+
+
+def _parquet(path: pathlib.Path, windows: np.ndarray) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    flat = pa.array(windows.reshape(-1), type=pa.float32())
+    offsets = pa.array(np.arange(0, len(windows) * 80 + 1, 80, dtype=np.int32))
+    pq.write_table(pa.table({"gimu": pa.ListArray.from_arrays(offsets, flat)}), path)
+
+
+def test_worker_processes_count_repeated_windows_as_threads_do(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_segments, "PROCESS_MIN_BYTES", 0)
+    monkeypatch.setattr(_segments, "MIN_SEGMENT_CHUNKS", 0)
+    src = tmp_path / "src"
+    src.mkdir()
+    windows = _synthetic.curated_windows(500, seed=1)
+    _parquet(src / "7.parquet", np.concatenate([windows, windows[:30]]))  # 30 windows twice
+    _parquet(src / "9.parquet", _synthetic.curated_windows(300, seed=2))
+    for workers in (1, 2):
+        with pytest.warns(DuplicateWindowsWarning, match=r"30 window\(s\) repeat .* device\(s\) 7 \(30\)"):
+            store = birdzarr.convert(src, tmp_path / f"w{workers}.zarr", workers=workers, chunk_windows=128,
+                                     progress=False)
+        assert store.meta["report"]["duplicate_windows"] == {"7": 30}
+        assert ("segments" in store.meta["report"]) == (workers == 2)
+
+
+def test_fewer_segments_than_workers_are_converted_on_threads(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # one segment (the minimum segment is 8 chunks): a process for it would leave a core idle,
+    # where threads decode and encode the device's parts at once
+    monkeypatch.setattr(_segments, "PROCESS_MIN_BYTES", 0)
+    src = tmp_path / "src"
+    src.mkdir()
+    for device in (1, 2):
+        _parquet(src / f"{device}.parquet", _synthetic.curated_windows(300, seed=device))
+    report = birdzarr.convert(src, tmp_path / "s.zarr", workers=2, chunk_windows=128,
+                              progress=False).meta["report"]
+    assert "segments" not in report and report["workers"] == 2
+    monkeypatch.setattr(_segments, "MIN_SEGMENT_CHUNKS", 0)  # a segment a device: processes
+    report = birdzarr.convert(src, tmp_path / "p.zarr", workers=2, chunk_windows=128,
+                              progress=False).meta["report"]
+    assert (report["segments"], report["worker_processes"]) == (2, 2)
+
+
+def test_a_bad_row_in_a_worker_process_fails_the_conversion_cleanly(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_segments, "PROCESS_MIN_BYTES", 0)
+    monkeypatch.setattr(_segments, "MIN_SEGMENT_CHUNKS", 0)
+    src = tmp_path / "src"
+    src.mkdir()
+    for device in (1, 2, 3):
+        windows = _synthetic.curated_windows(400, seed=device)
+        if device == 2:
+            windows[123, 4, 1] = np.nan
+        _parquet(src / f"{device}.parquet", windows)
+    dest = tmp_path / "s.zarr"
+    with pytest.raises(BadInputError, match=r"2\.parquet, row group 0, row 123: the window"):
+        birdzarr.convert(src, dest, workers=2, chunk_windows=128, progress=False)
+    assert not dest.exists()
+
+
+def test_input_that_changes_under_the_worker_processes_is_refused(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_segments, "PROCESS_MIN_BYTES", 0)
+    monkeypatch.setattr(_segments, "MIN_SEGMENT_CHUNKS", 0)
+    src = tmp_path / "src"
+    src.mkdir()
+    for device in (4, 5):
+        _parquet(src / f"{device}.parquet", _synthetic.curated_windows(300, seed=device))
+    counted = _segments.count_device
+
+    def one_more_for_4(device: Any, *args: Any) -> int:
+        # device 4's footers, read before the workers start, count one window more than reading gives
+        return counted(device, *args) + (device.device_id == 4)
+
+    monkeypatch.setattr(_segments, "count_device", one_more_for_4)
+    dest = tmp_path / "s.zarr"
+    with pytest.raises(BadInputError, match=r"device 4: its Parquet footers count 301 windows, but "
+                                            r"reading gave 300; did the input change"):
+        birdzarr.convert(src, dest, workers=2, progress=False)
+    assert not dest.exists()
 
 
 @pytest.fixture(scope="module")

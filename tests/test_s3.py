@@ -71,6 +71,37 @@ def test_convert_to_bucket_reads_back_exactly(s3_store: birdzarr.Store, parquet_
     assert np.array_equal(bits(np.asarray(s3_store.gimu[:100])), bits(s3_store.windows[:100]))
 
 
+def test_worker_processes_read_and_write_a_bucket(
+    s3_store: birdzarr.Store, parquet_source: Any, moto: MotoEndpoint, bucket: str,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from birdzarr.convert import _segments
+
+    monkeypatch.setattr(_segments, "PROCESS_MIN_BYTES", 0)
+    monkeypatch.setattr(_segments, "MIN_SEGMENT_CHUNKS", 0)
+    directory, _ = parquet_source
+    options = s3_options(moto.url)
+    fs = resolve(f"s3://{bucket}", options).fs
+    for file in sorted(directory.iterdir()):  # the input in the bucket too: read by the processes
+        fs.put_file(str(file), f"{bucket}/parquet-input/{file.name}")
+    store = birdzarr.convert(f"s3://{bucket}/parquet-input", f"s3://{bucket}/processes.zarr",
+                             chunk_windows=CHUNK, workers=2, progress=False, storage_options=options,
+                             source_storage_options=options)
+    assert store.meta["report"]["worker_processes"] == 2 and store.meta["report"]["segments"] > 2
+    # every chunk object and array's metadata as written by threads; the root's attributes differ
+    # only in the run's times, figures and source
+    ours = sorted(fs.find(f"{bucket}/processes.zarr"))
+    theirs = sorted(fs.find(f"{bucket}/small.zarr"))
+    assert [k.split("/", 2)[2] for k in ours] == [k.split("/", 2)[2] for k in theirs]
+    compared = 0
+    for mine, other in zip(ours, theirs, strict=True):
+        if not mine.endswith("processes.zarr/zarr.json"):
+            assert fs.cat_file(mine) == fs.cat_file(other), mine
+            compared += 1
+    assert compared > 4 * (30_000 // CHUNK)
+    assert store.meta["devices"] == s3_store.meta["devices"]
+
+
 def test_credentials_never_stored_or_printed(
     s3_store: birdzarr.Store, moto: MotoEndpoint, bucket: str  # noqa: F811
 ) -> None:

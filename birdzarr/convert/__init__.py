@@ -18,6 +18,7 @@ from birdzarr.convert._duplicates import DuplicateCounter
 from birdzarr.convert._memory import arrow_pool
 from birdzarr.convert._overwrite import check_destination, replacing, staged_location
 from birdzarr.convert._pipeline import counted, device_blocks
+from birdzarr.convert._segments import convert_in_processes, plan_processes
 from birdzarr.convert._shuffle import bucket_count, write_shuffled
 from birdzarr.convert._sources import DeviceSource, find_inputs
 from birdzarr.convert._writer import StoreWriter
@@ -183,6 +184,11 @@ def _convert_here(
             shuffled = write_shuffled(writer, inputs, seed=seed, buckets=buckets, tmp_dir=shuffle_tmp,
                                       on_pass=second_pass, on_written=bar.update)
             extra["shuffle"] = {"buckets": shuffled["buckets"], "spill_bytes": shuffled["spill_bytes"]}
+        elif (segments := plan_processes(kind, devices, curation=curation, on_bad_rows=on_bad_rows,
+                                         workers=workers, chunk_windows=chunk_windows)) is not None:
+            _refuse_repeated_devices(src.display, devices)
+            extra.update(convert_in_processes(writer, segments, curation=curation, on_bad_rows=on_bad_rows,
+                                              workers=workers, dest=dst, duplicates=duplicates, bar=bar))
         else:
             for device_id, sources, blocks in inputs:
                 writer.write_device(device_id, blocks, sources)
@@ -222,13 +228,17 @@ def _device_inputs(
 ) -> Iterator[tuple[int, list[str], Iterator[WindowBlock]]]:
     """(device id, source file names, curated blocks) per device, in device order; ``workers``
     read and curate ahead (birdzarr/convert/_pipeline.py)."""
+    _refuse_repeated_devices(where, devices)
+    for device, blocks in device_blocks(devices, curation, on_bad_rows, workers=workers):
+        yield device.device_id, device.source_names(), counted(blocks, bar)
+
+
+def _refuse_repeated_devices(where: str, devices: list[DeviceSource]) -> None:
     seen: set[int] = set()
     for device in devices:
         if device.device_id in seen:
             raise BadInputError(f"{where}: device {device.device_id} appears in more than one input.")
         seen.add(device.device_id)
-    for device, blocks in device_blocks(devices, curation, on_bad_rows, workers=workers):
-        yield device.device_id, device.source_names(), counted(blocks, bar)
 
 
 def _estimated_windows(kind: str, devices: list[DeviceSource]) -> int:
@@ -239,11 +249,5 @@ def _estimated_windows(kind: str, devices: list[DeviceSource]) -> int:
     return int(total * 3 / 320) if kind == "parquet" else int(total / 1000)
 
 
-def _counted(blocks: Iterator[WindowBlock], bar: Any) -> Iterator[WindowBlock]:
-    for block in blocks:
-        bar.update(len(block))
-        yield block
-
-
-# Last: _append imports helpers defined above (_counted).
+# Last: _append imports helpers defined above (ON_BAD_ROWS).
 from birdzarr.convert._append import append  # noqa: E402

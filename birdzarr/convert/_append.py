@@ -224,7 +224,8 @@ def append_detailed(
 ) -> AppendResult:
     """``append``, returning what was done as well as the store."""
     from birdzarr._progress import progress_bar
-    from birdzarr.convert import ON_BAD_ROWS, _counted
+    from birdzarr.convert import ON_BAD_ROWS
+    from birdzarr.convert._pipeline import counted
     from birdzarr.convert._readahead import read_ahead
     from birdzarr.store._handle import open_store
 
@@ -252,7 +253,7 @@ def append_detailed(
         added = [d.device_id for d in work if d.device_id not in writer.devices]
         with progress_bar(progress and bool(work), desc=f"append {kind}", unit=" windows") as bar:
             for device in work:
-                blocks = _counted(read_ahead(device, curation, on_bad_rows), bar)
+                blocks = counted(read_ahead(device, curation, on_bad_rows), bar)
                 entry = writer.devices.get(device.device_id)
                 existing = None if entry is None else _committed_hashes(before, entry)
                 blocks = duplicates.watch(device.device_id, blocks, existing)

@@ -44,6 +44,7 @@ from birdzarr._errors import BadInputError
 from birdzarr._progress import progress_bar
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._readahead import read_ahead
+from birdzarr.convert._segments import count_device
 from birdzarr.convert._slabs import SlabWriter, writable_arrays
 from birdzarr.convert._sources import DeviceSource
 from birdzarr.convert._summary import DeviceSummary, Summarizer
@@ -55,22 +56,6 @@ SLAB_CHUNKS = 8  # chunks written at a time by a task (bounds a worker's memory)
 
 
 # -- on the workers ------------------------------------------------------------------------------
-def count_device(device: DeviceSource, curation: Curation, on_bad_rows: str) -> int:
-    """Windows the device will produce (step 1)."""
-    if device.kind == "parquet" and on_bad_rows == "error":
-        try:
-            import pyarrow.parquet as pq
-
-            total = 0
-            for file in device.files:
-                with file.fs.open(file.path, "rb") as handle:
-                    total += pq.ParquetFile(handle).metadata.num_rows
-            return total
-        except Exception:  # noqa: BLE001 - unreadable: the reader below raises the proper error
-            pass
-    return sum(len(block) for block in device.blocks(curation=curation, on_bad_rows=on_bad_rows))
-
-
 def summarize_device(device: DeviceSource, start: int, curation: Curation, on_bad_rows: str) -> DeviceSummary:
     """Read a device to the end only to summarise it (devices no write task finished)."""
     summary = Summarizer(device.device_id, device.source_names(), start)

@@ -61,11 +61,11 @@ def fmix64(z: np.ndarray) -> np.ndarray:
 _IN_FLIGHT = 8  # blocks hashed ahead at most: the hasher holds no more than this many blocks
 
 
-def _block_keys(block: WindowBlock) -> tuple[np.ndarray, np.ndarray]:
+def block_keys(block: WindowBlock) -> tuple[np.ndarray, np.ndarray]:
     return window_hashes(block.windows, block.timestamps), distinct(block.timestamps)
 
 
-def _repeated(
+def repeated_windows(
     hashes: list[np.ndarray], times: list[np.ndarray], existing: Callable[[np.ndarray], np.ndarray] | None
 ) -> int:
     """Windows of one device whose hash another of its windows (or a committed one) has."""
@@ -130,12 +130,17 @@ class DuplicateCounter:
 
         for block in blocks:
             if len(block):
-                pending.append(self._hasher.submit(_block_keys, block))
+                pending.append(self._hasher.submit(block_keys, block))
                 collect(_IN_FLIGHT)
             yield block
         collect(0)
         if hashes:  # counted on the hasher's thread while the next device streams
-            self._counting.append((device_id, self._hasher.submit(_repeated, hashes, times, existing)))
+            self._counting.append((device_id, self._hasher.submit(repeated_windows, hashes, times, existing)))
+
+    def add(self, device_id: int, repeated: int) -> None:
+        """Count ``repeated`` windows of ``device_id`` found elsewhere (a worker process)."""
+        if repeated:
+            self._counts[device_id] = self._counts.get(device_id, 0) + repeated
 
     def report(self) -> dict[str, int]:
         return {str(device): count for device, count in sorted(self.counts.items())}

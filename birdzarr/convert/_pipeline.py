@@ -301,11 +301,16 @@ def _csv_executor(devices: list[DeviceSource], workers: int) -> Executor:
     return ThreadPoolExecutor(workers, thread_name_prefix="birdzarr-csv")
 
 
-def counted(blocks: Iterator[WindowBlock], bar: Any, window_bytes: int = 320) -> Iterator[WindowBlock]:
-    """Count blocks on the progress bar: windows/s as its rate, MB/s of float32 windows beside."""
+def counted(blocks: Iterator[WindowBlock], bar: Any) -> Iterator[WindowBlock]:
+    """Count blocks on the progress bar (``count_on_bar``)."""
     for block in blocks:
-        bar.update(len(block))
-        elapsed = bar.format_dict.get("elapsed", 0) if hasattr(bar, "format_dict") else 0
-        if elapsed:
-            bar.set_postfix_str(f"{bar.n * window_bytes / elapsed / 1e6:.0f} MB/s", refresh=False)
+        count_on_bar(bar, len(block))
         yield block
+
+
+def count_on_bar(bar: Any, windows: int, window_bytes: int = 320) -> None:
+    """Windows done, on the progress bar: windows/s as its rate, MB/s of float32 windows beside."""
+    bar.update(windows)
+    elapsed = bar.format_dict.get("elapsed", 0) if hasattr(bar, "format_dict") else 0
+    if elapsed:
+        bar.set_postfix_str(f"{bar.n * window_bytes / elapsed / 1e6:.0f} MB/s", refresh=False)

@@ -1,0 +1,320 @@
+"""Conversion in worker processes: the store cut into segments of whole devices.
+
+Threads share one GIL. A Parquet conversion on threads holds it for about 44% of its CPU time
+(``py-spy record --gil``, 1 M windows on 2 workers: 0.89 of 2.0 CPU s), so no number of
+threads makes it use more than about 2.3 cores. Here each *segment* (consecutive whole devices,
+about ``total / (SEGMENTS_PER_WORKER x workers)`` windows) is converted by one worker process,
+start to end: read, summarised (row count, checksum, labels, times), checked for repeated
+windows, and every chunk that lies wholly inside it encoded and written. The windows of a chunk
+that two segments share (at most the first and the last chunk of a segment) come back to this
+process, which writes that chunk once all its windows have arrived.
+
+Every window's place must be known before the workers start: each device's window count comes
+from its Parquet footers, which ``on_bad_rows="error"`` makes exact (a bad row fails the
+conversion). Other input (CSV, or ``on_bad_rows="skip"``) is converted on threads
+(``birdzarr/convert/_pipeline.py``).
+
+The store is byte-identical to one written on threads or by one worker: same window order and
+chunking, chunks encoded by the same code, the device table from the same ``Summarizer``.
+
+Memory: each worker process holds one reader batch (16,384 windows), one slab (8 chunks of all
+four arrays: 8 x chunk_windows x 336 B, 22 MB at 8,192 windows a chunk), the duplicate check's
+8 B a window of the device it reads, and at most two chunks of shared windows; this process
+holds the shared windows of segments whose neighbours have not finished yet (at most two chunks
+a segment).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import math
+import multiprocessing
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from birdzarr._errors import BadInputError
+from birdzarr.convert._blocks import WindowBlock
+from birdzarr.convert._duplicates import DuplicateCounter, block_keys, repeated_windows
+from birdzarr.convert._pipeline import count_on_bar
+from birdzarr.convert._slabs import SlabWriter, writable_arrays
+from birdzarr.convert._sources import DeviceSource
+from birdzarr.convert._summary import DeviceSummary, Summarizer
+from birdzarr.convert._writer import StoreWriter
+from birdzarr.format._spec import DEVICE, GIMU, LABEL, TIMESTAMP, Curation
+from birdzarr.storage._location import Location, resolve
+
+# Segments per worker: more, smaller segments even out devices of different sizes at the end of
+# a conversion; each costs the store's metadata read once and up to two chunks sent back here
+SEGMENTS_PER_WORKER = 4
+MIN_SEGMENT_CHUNKS = 8  # a segment of fewer chunks would send back a large share of its windows
+SLAB_CHUNKS = 8  # chunks a worker process encodes at a time (its memory bound)
+# Parquet input smaller than this (bytes) is converted on threads: starting worker processes
+# costs more than they save. Tests lower it to exercise the processes on small files.
+PROCESS_MIN_BYTES = 64 << 20
+
+
+def count_device(device: DeviceSource, curation: Curation, on_bad_rows: str) -> int:
+    """Windows the device will produce: from its Parquet footers where that is exact (Parquet
+    read with ``on_bad_rows="error"``: a bad row fails the conversion anyway), else by reading
+    and curating it once."""
+    if device.kind == "parquet" and on_bad_rows == "error":
+        try:
+            import pyarrow.parquet as pq
+
+            total = 0
+            for file in device.files:
+                with file.fs.open(file.path, "rb") as handle:
+                    total += pq.ParquetFile(handle).metadata.num_rows
+            return total
+        except Exception:  # noqa: BLE001 - unreadable: reading it raises the proper error
+            pass
+    return sum(len(block) for block in device.blocks(curation=curation, on_bad_rows=on_bad_rows))
+
+
+def plan_processes(kind: str, devices: list[DeviceSource], *, curation: Curation, on_bad_rows: str,
+                   workers: int, chunk_windows: int) -> list[Segment] | None:
+    """The segments ``convert_in_processes`` converts this input in, or None where threads
+    convert it: input other than Parquet whose footers give the window counts, input too small
+    to pay for the processes, fewer segments than workers (a few large devices: threads decode
+    a device's row groups at once), or where ``fork`` cannot start processes in milliseconds."""
+    if workers <= 1 or kind != "parquet" or on_bad_rows != "error":
+        return None
+    if "fork" not in multiprocessing.get_all_start_methods() or sys.platform == "darwin":
+        return None  # macOS: fork after threads have started is unsafe in its system libraries
+    if sum(int(f.fs.size(f.path) or 0) for d in devices for f in d.files) < PROCESS_MIN_BYTES:
+        return None
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(min(16, len(devices))) as threads:  # footers: one small read a file
+        counts = list(threads.map(lambda d: count_device(d, curation, on_bad_rows), devices))
+    segments = plan_segments(devices, counts, workers=workers, chunk_windows=chunk_windows)
+    return segments if len(segments) >= workers else None
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Global windows ``[start, stop)``: whole devices, each with its first window and count."""
+
+    start: int
+    stop: int
+    devices: list[tuple[DeviceSource, int, int]]
+
+
+def plan_segments(devices: list[DeviceSource], counts: list[int], *, workers: int,
+                  chunk_windows: int) -> list[Segment]:
+    """Consecutive devices grouped into segments of at least the target size (the last may be
+    smaller); every device in exactly one segment, in order."""
+    total = sum(counts)
+    target = max(math.ceil(total / (SEGMENTS_PER_WORKER * workers)), MIN_SEGMENT_CHUNKS * chunk_windows)
+    segments: list[Segment] = []
+    members: list[tuple[DeviceSource, int, int]] = []
+    start = position = 0
+    for device, count in zip(devices, counts, strict=True):
+        members.append((device, position, count))
+        position += count
+        if position - start >= target:
+            segments.append(Segment(start, position, members))
+            members, start = [], position
+    if members:
+        segments.append(Segment(start, position, members))
+    return segments
+
+
+@dataclass
+class SharedChunkPart:
+    """Windows ``[start, start + len)`` of chunk ``chunk``, which another segment shares."""
+
+    chunk: int
+    start: int
+    data: dict[str, np.ndarray]  # the four arrays' rows (gimu, device, timestamp, label)
+
+    def __len__(self) -> int:
+        return len(self.data[DEVICE])
+
+
+@dataclass
+class SegmentResult:
+    summaries: list[DeviceSummary]
+    repeated: dict[int, int]  # device id -> windows that repeat another of its windows
+    shared: list[SharedChunkPart] = field(default_factory=list)
+
+
+# -- in a worker process -------------------------------------------------------------------------
+def _die_with_parent() -> None:
+    """A worker process ends when this process does, even killed: it never writes into a store
+    after the conversion that started it is gone (Linux ``PR_SET_PDEATHSIG``)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the parent ended before the line above took effect
+        os._exit(1)
+
+
+class _Router:
+    """Sends a segment's windows, in order, to its slab writer (chunks wholly inside the
+    segment) or to the parts of the chunks it shares."""
+
+    def __init__(self, segment: Segment, slabs: SlabWriter | None, chunk_windows: int) -> None:
+        self.chunk_windows = chunk_windows
+        first = -(-segment.start // chunk_windows) * chunk_windows  # first whole chunk's start
+        last = segment.stop // chunk_windows * chunk_windows  # and the end of the last one
+        self.whole = (first, last) if first < last else (0, 0)
+        self.slabs = slabs
+        self.parts: dict[int, list[tuple[int, int, WindowBlock]]] = {}  # chunk -> (start, device, rows)
+
+    def add(self, device_id: int, block: WindowBlock, position: int) -> None:
+        end, at = position + len(block), position
+        while at < end:
+            if self.whole[0] <= at < self.whole[1]:
+                stop = min(end, self.whole[1])
+                assert self.slabs is not None
+                self.slabs.add(device_id, block.part(at - position, stop - position))
+            else:
+                chunk = at // self.chunk_windows
+                stop = min(end, (chunk + 1) * self.chunk_windows)
+                part = block.part(at - position, stop - position)
+                self.parts.setdefault(chunk, []).append((at, device_id, part))
+            at = stop
+
+    def shared(self) -> list[SharedChunkPart]:
+        out = []
+        for chunk, pieces in sorted(self.parts.items()):
+            blocks = [block for _, _, block in pieces]
+            data = {
+                GIMU: np.concatenate([b.windows for b in blocks]),
+                DEVICE: np.concatenate([np.full(len(b), d, dtype=np.int32) for _, d, b in pieces]),
+                TIMESTAMP: np.concatenate([b.timestamps for b in blocks]),
+                LABEL: np.concatenate([b.labels for b in blocks]),
+            }
+            out.append(SharedChunkPart(chunk, pieces[0][0], data))
+        return out
+
+
+def convert_segment(segment: Segment, dest_url: str, dest_options: dict[str, Any], curation: Curation,
+                    on_bad_rows: str) -> SegmentResult:
+    """Read, summarise and write one segment (in a worker process): its whole chunks go to the
+    store, the windows of the chunks it shares come back."""
+    import zarr
+
+    from birdzarr.storage._location import zarr_store
+
+    location = resolve(dest_url, dest_options)
+    group = zarr.open_group(zarr_store(location, read_only=False), mode="r+", zarr_format=3)
+    arrays = writable_arrays(group)  # sized by the writer before any worker started
+    chunk_windows = int(arrays[GIMU].chunks[0])
+    router = _Router(segment, None, chunk_windows)
+    slabs = SlabWriter(location, arrays, start=router.whole[0], slab_chunks=SLAB_CHUNKS, workers=1,
+                       in_flight=0)
+    router.slabs = slabs
+    result = SegmentResult([], {})
+    try:
+        for device, first, count in segment.devices:
+            summary = Summarizer(device.device_id, device.source_names(), first)
+            hashes: list[np.ndarray] = []
+            times: list[np.ndarray] = []
+            position = first
+            for block in device.blocks(curation=curation, on_bad_rows=on_bad_rows):
+                summary.add(block)
+                if not len(block):
+                    continue
+                if position + len(block) > first + count:
+                    break  # more windows than counted: reported below
+                keys = block_keys(block)
+                hashes.append(keys[0])
+                times.append(keys[1])
+                router.add(device.device_id, block, position)
+                position += len(block)
+            finished = summary.finish()
+            if position != first + count or finished.entry.n_windows != count:
+                raise BadInputError(
+                    f"device {device.device_id}: its Parquet footers count {count:,} windows, but "
+                    f"reading gave {finished.entry.n_windows:,}; did the input change during the "
+                    "conversion? Convert again."
+                )
+            result.summaries.append(finished)
+            if hashes and (repeated := repeated_windows(hashes, times, None)):
+                result.repeated[device.device_id] = repeated
+        slabs.drain()
+    finally:
+        slabs.close()
+    result.shared = router.shared()
+    return result
+
+
+# -- in this process -----------------------------------------------------------------------------
+class _SharedChunks:
+    """Parts of the chunks that segments share, written once a chunk's windows are all in."""
+
+    def __init__(self, writer: StoreWriter, total: int) -> None:
+        self.writer, self.total = writer, total
+        self.chunk_windows = writer.slabs.chunk_windows
+        self.waiting: dict[int, list[SharedChunkPart]] = {}
+
+    def add(self, part: SharedChunkPart) -> None:
+        parts = self.waiting.setdefault(part.chunk, [])
+        parts.append(part)
+        start = part.chunk * self.chunk_windows
+        stop = min(start + self.chunk_windows, self.total)
+        if sum(len(p) for p in parts) < stop - start:
+            return
+        del self.waiting[part.chunk]
+        parts.sort(key=lambda p: p.start)
+        data = {name: np.concatenate([p.data[name] for p in parts]) for name in parts[0].data}
+        self.writer.slabs.sink.write(start, stop, data)
+
+
+def convert_in_processes(writer: StoreWriter, segments: list[Segment], *, curation: Curation,
+                         on_bad_rows: str, workers: int, dest: Location,
+                         duplicates: DuplicateCounter | None, bar: Any) -> dict[str, int]:
+    """Convert the segments (``plan_processes``) in ``workers`` processes into the store
+    ``writer`` has open, which must be empty; records every device with ``writer``. Returns facts
+    for the conversion report (the worker processes and segments)."""
+    total = segments[-1].stop if segments else 0
+    writer.reserve(total)  # the arrays are sized once, before any worker opens them
+    bar.reset(total=total)
+    shared = _SharedChunks(writer, total)
+    summaries: dict[int, DeviceSummary] = {}
+    context = multiprocessing.get_context("fork")
+    processes = max(1, min(workers, len(segments)))
+    pool = ProcessPoolExecutor(processes, mp_context=context, initializer=_die_with_parent)
+    futures: dict[Future[SegmentResult], Segment] = {}
+    try:
+        for segment in segments:
+            futures[pool.submit(convert_segment, segment, dest.url, dest.storage_options, curation,
+                                on_bad_rows)] = segment
+        for future in _as_completed(futures):
+            result = future.result()
+            for summary in result.summaries:
+                summaries[summary.entry.device_id] = summary
+            for part in result.shared:
+                shared.add(part)
+            if duplicates is not None:
+                for device_id, repeated in result.repeated.items():
+                    duplicates.add(device_id, repeated)
+            segment = futures[future]
+            count_on_bar(bar, segment.stop - segment.start)
+    finally:
+        # on an error, no segment still queued starts, and the running ones end before the
+        # writer removes what was written (none writes a chunk after the clean-up)
+        pool.shutdown(wait=True, cancel_futures=True)
+    assert not shared.waiting, "every shared chunk was written"
+    for segment in segments:
+        for device, _, _ in segment.devices:
+            writer.record(summaries[device.device_id])
+    return {"worker_processes": processes, "segments": len(segments)}
+
+
+def _as_completed(futures: dict[Future[SegmentResult], Segment]) -> Iterator[Future[SegmentResult]]:
+    """The futures as they finish; the first that failed as soon as it fails."""
+    pending = set(futures)
+    while pending:
+        done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+        yield from sorted(done, key=lambda f: f.exception() is None)  # a failure first
