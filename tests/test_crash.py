@@ -28,6 +28,7 @@ import os
 import pathlib
 import shutil
 import signal
+import time
 from typing import Any
 
 import numpy as np
@@ -369,3 +370,59 @@ def test_repair_removes_leftovers_of_a_killed_append(
     assert not list(dest.rglob("*.partial"))
     assert not (dest / ".birdzarr.lock").exists()
     assert "nothing to repair" in repair(dest).format()
+
+
+# -- worker processes ----------------------------------------------------------------------------
+
+
+def _convert_with_stuck_workers(source: str, dest: str, markers: str) -> None:
+    """A conversion in worker processes (run as its own process) whose workers each announce
+    themselves (a file named after their pid) and then stop before writing anything."""
+    import importlib
+
+    segments = importlib.import_module("birdzarr.convert._segments")
+    segments.PROCESS_MIN_BYTES = 0
+    segments.MIN_SEGMENT_CHUNKS = 0
+
+    def stuck(*args: Any) -> Any:  # the first call a worker makes for its segment
+        pathlib.Path(markers, str(os.getpid())).write_text("")
+        signal.pause()  # until killed
+
+    segments.resolve = stuck  # the workers are forked from this process: they see the patch
+    birdzarr.convert(source, dest, workers=2, chunk_windows=CHUNK, progress=False)
+
+
+def _ended(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return True
+
+
+def test_worker_processes_end_with_a_killed_conversion(
+    sources: dict[str, pathlib.Path], tmp_path: pathlib.Path
+) -> None:
+    """Killing the converting process ends its worker processes too, so none writes into the
+    destination afterwards (a new conversion may be replacing it by then)."""
+    dest, markers = tmp_path / "s.zarr", tmp_path / "markers"
+    markers.mkdir()
+    driver = _context().Process(target=_convert_with_stuck_workers,
+                                args=(str(sources["parquet"]), str(dest), str(markers)))
+    driver.start()
+    deadline = time.monotonic() + 60
+    while len(list(markers.iterdir())) < 2 and driver.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)  # polling for the event: both workers have announced themselves
+    workers = [int(p.name) for p in markers.iterdir()]
+    assert len(workers) == 2, driver.exitcode
+    assert not any(_ended(pid) for pid in workers)
+    driver.kill()
+    driver.join()
+    deadline = time.monotonic() + 30
+    while not all(_ended(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(_ended(pid) for pid in workers), "a worker process outlived the killed conversion"
+    with pytest.raises(IncompleteStoreError):
+        birdzarr.open_store(dest)
+    birdzarr.convert(sources["parquet"], dest, workers=2, chunk_windows=CHUNK, progress=False)
+    assert verify(dest).ok
