@@ -12,13 +12,15 @@ the caches are flushed (a 64 MB write), and the ways run in a new random order f
 so none is favoured by what ran before it.
 
 - float32 gather: ``np.take`` of the batch's rows, the in-RAM gather limit;
-- dict16 decode, as the loader does it (``ResidentSelection._decode_on_host``), then the same
-  decode changed in one way each: the lookup in the batch's order (no sort), the index built
-  in two passes, the codes taken by fancy indexing of the ``(n, 20, 4)`` array, each batch's
-  offsets tiled from the chunks' four; all give the same values (checked);
+- dict16 decode, as the loader does it (``ResidentSelection._decode_on_host``: 61 codes a
+  window, gps_speed held once), then the same decode changed in one way each: gps_speed looked
+  up in every sample (80 codes a window), the lookup in the batch's order (no sort), the index
+  built in two passes, the codes taken by fancy indexing, each batch's offsets built from the
+  chunks' four; all give the same values (checked);
 - the decode's own steps, run in sequence after one flush, as in the decode: the rows sorted,
   the index (each chunk's dictionary offsets, the codes added), the table lookup, the batch's
-  order restored; and the same lookup in a 16 KB table (every index in the caches);
+  order restored and gps_speed copied to every sample; and the same lookup in a 16 KB table
+  (every index in the caches);
 - the ``with_ldt`` part of a batch: one packed int32 row a window, against three arrays.
 """
 
@@ -69,22 +71,33 @@ def main() -> None:
     batches = [rng.choice(n, args.batch_size, replace=False) for _ in range(args.batches)]
 
     x32 = floats.x.numpy()
-    codes = coded._codes_by_window  # (n, 80) uint16
-    codes_3d = coded.x.numpy().view(np.uint16)  # (n, 20, 4)
+    assert coded.row_offsets is not None and coded.layout is not None
+    layout = coded.layout
+    codes = coded._code_rows  # (n, layout.width) uint16: 61 with gps_speed once a window
     bounds = coded.chunk_bounds.numpy() if coded.chunk_bounds is not None else np.empty(0, np.int64)
-    table_offsets = coded.table_offsets.numpy() if coded.table_offsets is not None else np.empty(0)
-    window_offsets = coded._window_offsets
+    row_offsets = coded.row_offsets.numpy()
+    # each chunk's four dictionary offsets (where each channel's first column takes them from)
+    channel_offsets = row_offsets[:, [layout.columns(c).start for c in range(4)]]
+    expand = layout.expand()
+    # the same codes and offsets with gps_speed in every sample, as all 80 codes a window, in
+    # shared memory like the loader's (its 4 KB pages cost ~3% against a private array's huge pages)
+    codes80 = codes
+    if expand is not None:
+        codes80 = torch.empty((n, len(expand)), dtype=torch.int16).share_memory_().numpy().view(np.uint16)
+        np.take(codes, expand, axis=1, out=codes80)
+    offsets80 = np.ascontiguousarray(row_offsets[:, expand]) if expand is not None else row_offsets
     small = coded.table[:4096].clone()
 
     def decode(rows: np.ndarray, *, sort: bool = True, one_pass: bool = True, fancy: bool = False,
-               tiled: bool = False) -> np.ndarray:
+               tiled: bool = False, every_sample: bool = False) -> np.ndarray:
         """The decode with one of its choices changed (all at their defaults: the loader's)."""
+        held, offsets_of = (codes80, offsets80) if every_sample else (codes, row_offsets)
         order = np.argsort(rows) if sort else None
         ascending = rows if order is None else rows[order]
         chunk = np.searchsorted(bounds, ascending, side="right") - 1
-        picked = codes_3d[ascending].reshape(len(rows), -1) if fancy else np.take(codes, ascending, axis=0)
-        offsets = (np.tile(table_offsets[chunk].astype(np.int32), (1, WINDOW_LENGTH)) if tiled
-                   else np.take(window_offsets, chunk, axis=0))
+        picked = held[ascending] if fancy else np.take(held, ascending, axis=0)
+        offsets = (layout.row_offsets(channel_offsets[chunk]) if tiled
+                   else np.take(offsets_of, chunk, axis=0))
         if one_pass:
             index = offsets
             np.add(index, picked, out=index)
@@ -92,21 +105,25 @@ def main() -> None:
             index = picked.astype(np.int32)
             index += offsets
         looked_up = coded.table.index_select(0, torch.from_numpy(index.reshape(-1))).numpy()
-        looked_up = looked_up.reshape(len(rows), WINDOW_LENGTH, -1)
-        if order is None:
-            return looked_up
-        back = np.empty_like(order)
-        back[order] = np.arange(len(order))
-        return np.take(looked_up, back, axis=0)
+        looked_up = looked_up.reshape(len(rows), -1)
+        if order is not None:
+            back = np.empty_like(order)
+            back[order] = np.arange(len(order))
+            looked_up = np.take(looked_up, back, axis=0)
+        if not every_sample and expand is not None:
+            looked_up = np.take(looked_up, expand, axis=1)
+        return looked_up.reshape(len(rows), WINDOW_LENGTH, -1)
 
     ways: dict[str, Step] = {
         "float32 gather (np.take)": lambda rows: np.take(x32, rows, axis=0),
         "dict16 decode (the loader's)": coded._decode_on_host,
+        "  instead: gps_speed looked up in every sample (80 codes a window)":
+            lambda rows: decode(rows, every_sample=True),
         "  instead: in the batch's order (no sort)": lambda rows: decode(rows, sort=False),
         "  instead: the index in two passes (codes to int32 first)":
             lambda rows: decode(rows, one_pass=False),
-        "  instead: the codes by fancy indexing of (n, 20, 4)": lambda rows: decode(rows, fancy=True),
-        "  instead: the offsets tiled per batch": lambda rows: decode(rows, tiled=True),
+        "  instead: the codes by fancy indexing": lambda rows: decode(rows, fancy=True),
+        "  instead: the offsets built per batch from the chunks' four": lambda rows: decode(rows, tiled=True),
     }
     for rows in batches[:2]:  # every way decodes exactly
         for way in ways.values():
@@ -120,7 +137,7 @@ def main() -> None:
 
     def index_step(rows: np.ndarray) -> None:
         chunk = np.searchsorted(bounds, state["ascending"], side="right") - 1
-        state["index"] = np.take(window_offsets, chunk, axis=0)
+        state["index"] = np.take(row_offsets, chunk, axis=0)
         np.add(state["index"], np.take(codes, state["ascending"], axis=0), out=state["index"])
 
     def lookup_step(rows: np.ndarray) -> None:
@@ -129,7 +146,9 @@ def main() -> None:
     def order_step(rows: np.ndarray) -> None:
         back = np.empty_like(state["order"])
         back[state["order"]] = np.arange(len(rows))
-        np.take(state["looked_up"].reshape(len(rows), -1), back, axis=0)
+        by_row = np.take(state["looked_up"].reshape(len(rows), -1), back, axis=0)
+        if expand is not None:
+            np.take(by_row, expand, axis=1)
 
     def small_lookup_step(rows: np.ndarray) -> None:
         small.index_select(0, torch.from_numpy(state["index"].reshape(-1) & 4095))
@@ -138,7 +157,7 @@ def main() -> None:
         "    rows sorted (argsort)": sort_step,
         "    index: offsets' rows, codes' rows added": index_step,
         "    table lookup": lookup_step,
-        "    batch order restored": order_step,
+        "    batch order restored, gps_speed to every sample": order_step,
         "    (the same lookup in a 16 KB table)": small_lookup_step,
     }
 

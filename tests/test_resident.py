@@ -26,7 +26,8 @@ def test_values_ldt_and_layout_equal_the_store(small_store: birdzarr.Store) -> N
     ds = _resident(small_store, batch_size=777, seed=5, with_ldt=True, channel_first=True)
     assert ds.resident.x.dtype == torch.int16, "a dict16 store stays dictionary-coded in memory"
     n = len(small_store)
-    assert ds.resident.x.numel() * ds.resident.x.element_size() == n * 160  # 16 bits a value
+    # 16 bits a value; gps_speed, one value a window in this data as in real exports, held once
+    assert ds.resident.x.numel() * ds.resident.x.element_size() == n * 122
     # plus each 1024-window chunk's dictionaries (fewer per window with the default 8192-window chunks)
     assert ds.resident.nbytes < 0.7 * n * 320 + n * 16
     seen = []
@@ -124,6 +125,33 @@ def test_refused_before_loading_when_it_does_not_fit(
         _resident(small_store)
 
 
+def test_a_gps_speed_that_varies_within_a_window_is_held_in_every_sample(
+    parquet_source: object, tmp_path: object
+) -> None:
+    """One window whose gps_speed changes mid-window, in the store's last chunk: the load starts
+    again with all 80 codes a window, and every value is exact, on the host and in torch ops."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from birdzarr.demo import _synthetic
+
+    src = tmp_path / "src"  # type: ignore[operator]
+    src.mkdir()
+    windows = {3: _synthetic.curated_windows(3000, seed=3), 4: _synthetic.curated_windows(2000, seed=4)}
+    windows[4][1900, 10:, 3] += np.float32(0.5)
+    for device, w in windows.items():
+        offsets = pa.array(np.arange(0, len(w) * 80 + 1, 80, dtype=np.int32))
+        column = pa.ListArray.from_arrays(offsets, pa.array(w.reshape(-1), type=pa.float32()))
+        pq.write_table(pa.table({"gimu": column}), src / f"{device}.parquet")
+    store = birdzarr.convert(src, tmp_path / "s.zarr", chunk_windows=1024, progress=False)  # type: ignore[operator]
+    held = _resident(store, progress=False).resident
+    assert held.layout is not None and held.layout.width == 80 and tuple(held.x.shape) == (5000, 80)
+    rows = np.random.default_rng(0).permutation(5000)[:900]
+    expected = store.windows[held.global_index[rows]]
+    assert np.array_equal(held._decode_on_host(rows), expected)
+    assert np.array_equal(held._gather_with_torch(torch.from_numpy(rows)).numpy(), expected)
+
+
 def test_a_standard_store_is_held_as_float32(parquet_source: object, tmp_path: object) -> None:
     directory, _ = parquet_source  # type: ignore[misc]
     store = birdzarr.convert(directory, tmp_path / "std.zarr", codec="standard", chunk_windows=4096,  # type: ignore[operator]
@@ -192,7 +220,9 @@ def test_consecutive_chunks_share_dictionaries_and_every_code_keeps_its_value() 
         for c in range(4):
             rows = slice(starts[i], starts[i + 1])
             expected[rows, :, c] = dictionaries[i][c].view(np.uint32)[held[rows, :, c]]
-    shared = share_dictionaries(dictionaries, held, np.array(starts), threads=3)
+    columns = [slice(c, 80, 4) for c in range(4)]  # sample-major rows of 80 codes
+    shared = share_dictionaries(dictionaries, held.reshape(len(held), 80), np.array(starts), columns,
+                                threads=3)
     # chunks 0+1 hold 50,005 values a channel; chunk 2 would add 20,000 more: 3 groups of 2
     assert shared.groups == 3
     assert np.array_equal(shared.offsets[::2], shared.offsets[1::2])

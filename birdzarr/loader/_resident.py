@@ -3,11 +3,13 @@ permutation drawn every epoch, batches gathered where the data lies.
 
 Loading reads every chunk once through the same fetch path as streaming (local files, S3, the
 chunk cache), many chunks in flight, with a progress bar. A dict16 store stays dictionary-coded
-in memory: uint16 codes (160 B a window) plus per-channel dictionaries, one shared by each run
-of consecutive chunks whose values fit 16-bit codes (``_shared_dictionaries``), decoded inside
-the batch gather; any other store is held as float32 (320 B a window). ``ldt`` adds 16 B
-a window. The bytes needed are checked against what the device (free GPU memory) or the process
-(cgroup limit, available RAM, /dev/shm) can give before anything is allocated.
+in memory: uint16 codes plus per-channel dictionaries, one shared by each run of consecutive
+chunks whose values fit 16-bit codes (``_shared_dictionaries``), decoded inside the batch
+gather. The codes are 122 B a window with gps_speed held once a window (``_code_layout``), 160 B
+where some window's gps_speed varies (found while loading: the load then starts again with all
+80 codes). Any other store is held as float32 (320 B a window). ``ldt`` adds 16 B a window. The
+bytes needed are checked against what the device (free GPU memory) or the process (cgroup
+limit, available RAM, /dev/shm) can give before anything is allocated.
 
 Each epoch, one permutation of all selected windows is drawn from ``(seed, epoch)`` with a torch
 generator on the holding device; rank ``r`` takes a contiguous slice of it (every window once over
@@ -28,7 +30,9 @@ import torch
 
 from birdzarr._errors import ResidentMemoryError
 from birdzarr._progress import progress_bar
+from birdzarr.format._codec import constant_rows
 from birdzarr.format._spec import DEVICE, GIMU, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH
+from birdzarr.loader._code_layout import ONCE_A_WINDOW, CodeLayout
 from birdzarr.loader._selection import Selection
 from birdzarr.loader._shared_dictionaries import share_dictionaries
 from birdzarr.store._chunks import ChunkReader
@@ -117,22 +121,28 @@ class ResidentSelection:
     """The selected windows of a store, held on ``device``."""
 
     def __init__(self, device: torch.device, x: torch.Tensor, table: torch.Tensor | None,
-                 table_offsets: torch.Tensor | None, chunk_bounds: torch.Tensor | None,
-                 ldt: torch.Tensor | None, global_index: np.ndarray) -> None:
+                 row_offsets: torch.Tensor | None, chunk_bounds: torch.Tensor | None,
+                 ldt: torch.Tensor | None, global_index: np.ndarray,
+                 layout: CodeLayout | None = None) -> None:
         self.device = device
-        self.x = x  # float32 (n, 20, 4), or int16 dict16 codes (n, 20, 4) when table is set
+        # float32 (n, 20, 4), or int16 dict16 codes (n, layout.width) when table is set
+        self.x = x
         self.table = table  # float32: the shared dictionaries, group after group, channel after channel
-        self.table_offsets = table_offsets  # int64 (chunks, 4): where each chunk's dictionary starts
+        # int32 (chunks, layout.width): where each code's dictionary starts in the table, per chunk
+        self.row_offsets = row_offsets
         self.chunk_bounds = chunk_bounds  # int64: first resident row of each chunk; len chunks + 1
         self.ldt = ldt  # int32 (n, 4): label, device, timestamp low and high halves
         self.global_index = global_index  # the store's window index of each resident row
+        self.layout = layout  # where a window's codes lie in its row (None: float32)
+        expand = None if layout is None else layout.expand()
+        self._expand = None if expand is None else torch.from_numpy(expand).to(device)
 
     def __len__(self) -> int:
         return len(self.global_index)
 
     @property
     def nbytes(self) -> int:
-        tensors = [self.x, self.table, self.table_offsets, self.chunk_bounds, self.ldt]
+        tensors = [self.x, self.table, self.row_offsets, self.chunk_bounds, self.ldt]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     # -- loading -------------------------------------------------------------------------------
@@ -147,13 +157,17 @@ class ResidentSelection:
         keep = [(c, rows) for c, rows in zip(chunks, picked, strict=True) if len(rows)]
         n = sum(len(rows) for _, rows in keep)
         coded = codes and reader.layouts[GIMU].chain == "dict16"
-        per_window = (2 if coded else 4) * _VALUES + (16 if with_ldt else 0)
-        cls._check_budget(target, n * per_window + (len(keep) * 4 * 4096 * 4 if coded else 0), n,
-                          opened.url, coded)
-        try:
-            return cls._load(target, reader, keep, n, coded, with_ldt, prefetch, progress, opened.url)
-        except _NotCodable:
-            return cls._load(target, reader, keep, n, False, with_ldt, prefetch, progress, opened.url)
+        layout = CodeLayout(ONCE_A_WINDOW) if coded else None
+        while True:
+            per_window = (4 * _VALUES if layout is None else 2 * layout.width) + (16 if with_ldt else 0)
+            dictionaries = 0 if layout is None else len(keep) * 4 * 4096 * 4
+            cls._check_budget(target, n * per_window + dictionaries, n, opened.url, layout is not None)
+            try:
+                return cls._load(target, reader, keep, n, layout, with_ldt, prefetch, progress, opened.url)
+            except _NotCodable:  # a raw-mode chunk: too many distinct values for 16-bit codes
+                layout = None
+            except _NotOnceAWindow:  # some window's gps_speed varies: all 80 codes a window
+                layout = CodeLayout()
 
     @staticmethod
     def _check_budget(device: torch.device, needed: int, n: int, url: str, coded: bool) -> None:
@@ -172,10 +186,12 @@ class ResidentSelection:
 
     @classmethod
     def _load(cls, device: torch.device, reader: ChunkReader, keep: list[tuple[int, np.ndarray]], n: int,
-              coded: bool, with_ldt: bool, prefetch: int, progress: bool, url: str) -> ResidentSelection:
+              layout: CodeLayout | None, with_ldt: bool, prefetch: int, progress: bool, url: str
+              ) -> ResidentSelection:
         shared = device.type == "cpu"  # host copies live in shared memory: DataLoader workers share them
         starts = np.concatenate(([0], np.cumsum([len(rows) for _, rows in keep]))).astype(np.int64)
-        host_x = _host_empty((n, WINDOW_LENGTH, N_CHANNELS), torch.int16 if coded else torch.float32, shared)
+        shape = (n, WINDOW_LENGTH, N_CHANNELS) if layout is None else (n, layout.width)
+        host_x = _host_empty(shape, torch.float32 if layout is None else torch.int16, shared)
         x_np = host_x.numpy()
         ldt = _host_empty((n, _LDT_COLUMNS), torch.int32, shared) if with_ldt else None
         ldt_np = None if ldt is None else ldt.numpy()
@@ -187,13 +203,19 @@ class ResidentSelection:
             start, stop = reader.chunk_span(chunk)
             local = rows - start
             at = slice(int(starts[i]), int(starts[i + 1]))
-            if coded:
+            if layout is not None:
                 got = reader.read_codes(chunk)
                 if got is None:  # a raw-mode chunk: too many distinct values for 16-bit codes
                     raise _NotCodable
                 codes, dictionaries[i] = got
-                by_window = codes.reshape(N_CHANNELS, width, WINDOW_LENGTH)
-                x_np[at] = by_window[:, local, :].transpose(1, 2, 0).view(np.int16)
+                by_window = codes.reshape(N_CHANNELS, width, WINDOW_LENGTH)[:, local, :].view(np.int16)
+                for c in range(N_CHANNELS):
+                    if c in layout.once:
+                        if not constant_rows(by_window[c]):
+                            raise _NotOnceAWindow
+                        x_np[at, layout.columns(c)] = by_window[c][:, :1]
+                    else:
+                        x_np[at, layout.columns(c)] = by_window[c]
             else:
                 x_np[at] = reader.read(GIMU, chunk)[local]
             if ldt_np is not None:
@@ -207,17 +229,19 @@ class ResidentSelection:
         with bar, pool as threads:
             for count in threads.map(load_one, range(len(keep))):
                 bar.update(count)
-        table = table_offsets = bounds = None
-        if coded:
-            shared_table = share_dictionaries(dictionaries, x_np.view(np.uint16), starts, threads=prefetch)
+        table = row_offsets = bounds = None
+        if layout is not None:
+            columns = [layout.columns(c) for c in range(N_CHANNELS)]
+            shared_table = share_dictionaries(dictionaries, x_np.view(np.uint16), starts, columns,
+                                              threads=prefetch)
             table = torch.from_numpy(shared_table.values).to(device)
-            table_offsets = torch.from_numpy(shared_table.offsets).to(device)
+            row_offsets = torch.from_numpy(layout.row_offsets(shared_table.offsets)).to(device)
             bounds = torch.from_numpy(starts).to(device)
         global_index = np.concatenate([rows for _, rows in keep]) if keep else np.empty(0, np.int64)
         if device.type != "cpu":
             host_x = host_x.to(device)
             ldt = None if ldt is None else ldt.to(device)
-        return cls(device, host_x, table, table_offsets, bounds, ldt, global_index.astype(np.int64))
+        return cls(device, host_x, table, row_offsets, bounds, ldt, global_index.astype(np.int64), layout)
 
     # -- epochs --------------------------------------------------------------------------------
     def plan(self, *, seed: int, epoch: int, world_size: int, rank: int, batch_size: int,
@@ -264,10 +288,13 @@ class ResidentSelection:
         """The rows' float32 windows, gathered (and decoded) by torch ops on the holding device."""
         if self.table is None:
             return self.x.index_select(0, rows)
-        assert self.table_offsets is not None and self.chunk_bounds is not None
+        assert self.row_offsets is not None and self.chunk_bounds is not None
         codes = self.x.index_select(0, rows).to(torch.int32) & 0xFFFF  # int16 holds uint16 codes
         chunk = torch.searchsorted(self.chunk_bounds, rows, right=True) - 1
-        return self.table[codes + self.table_offsets[chunk][:, None, :]]
+        values = self.table[codes + self.row_offsets[chunk]]
+        if self._expand is not None:  # gps_speed held once a window: its value to all 20 samples
+            values = values[:, self._expand]
+        return values.view(len(rows), WINDOW_LENGTH, N_CHANNELS)
 
     def _ldt_with_torch(self, rows: torch.Tensor) -> torch.Tensor:
         """The rows' int64 ``(label, device, timestamp)``, from the packed int32 rows."""
@@ -295,41 +322,47 @@ class ResidentSelection:
 
         Looked up in ascending row order (the windows of one group of chunks, which share a
         dictionary, then look up one after another), then put back in the batch's order by one
-        row copy. ``python benchmarks/resident_decode.py`` times the decode and its steps on the
+        row copy, and gps_speed's one value a window copied to its 20 samples by one column
+        gather. ``python benchmarks/resident_decode.py`` times the decode and its steps on the
         loader benchmark's 2.5 M-window store (a 6 MB table), a batch of 8192, each way from
-        cold caches: the table lookup is under 60% of the decode; fancy indexing of the
-        (n, 20, 4) codes instead of ``np.take`` of (n, 80) rows costs 14% more, the offsets
-        tiled per batch 2%, the index in two passes 1%. Without the sort the decode is 7%
-        faster there (the table fits in the L3 cache); the sort is for tables that do not (the
-        25 M-window corpus's would be about ten times larger)."""
-        assert self.table is not None and self.chunk_bounds is not None
+        cold caches: the table lookup is about half the decode; fancy indexing of the codes
+        instead of ``np.take`` of rows costs 1.19x, the offsets built per batch 1.07x, the index
+        in two passes 1.01x. Without the sort the decode is 4% faster there (the table fits in
+        the L3 cache); the sort is for tables that do not (the 25 M-window corpus's would be
+        about ten times larger)."""
+        assert self.table is not None and self.chunk_bounds is not None and self.row_offsets is not None
+        n = len(rows)
         order = np.argsort(rows)  # rows are distinct: any sort is stable
         ascending = rows[order]
         chunk = np.searchsorted(self.chunk_bounds.numpy(), ascending, side="right") - 1
-        index = np.take(self._window_offsets, chunk, axis=0)  # int32 (batch, 80)
+        index = np.take(self.row_offsets.numpy(), chunk, axis=0)  # int32 (batch, width)
         # uint16 codes added straight into the int32 offsets: one pass, no int32 copy of the codes
-        np.add(index, np.take(self._codes_by_window, ascending, axis=0), out=index)
-        looked_up = np.empty((len(rows), WINDOW_LENGTH, N_CHANNELS), np.float32)
+        np.add(index, np.take(self._code_rows, ascending, axis=0), out=index)
+        looked_up = np.empty(index.shape, np.float32)
         torch.index_select(self.table, 0, torch.from_numpy(index.reshape(-1)),
                            out=torch.from_numpy(looked_up).view(-1))  # view: never a silent copy
-        out = np.empty_like(looked_up) if out is None else out
+        out = np.empty((n, WINDOW_LENGTH, N_CHANNELS), np.float32) if out is None else out
         back = np.empty_like(order)  # the batch row of each ascending row
-        back[order] = np.arange(len(order))
-        np.take(looked_up, back, axis=0, out=out, mode="clip")  # a gather: 0.2 ms, a scatter 0.3
+        back[order] = np.arange(n)
+        if self._expand is None:
+            np.take(looked_up.reshape(out.shape), back, axis=0, out=out, mode="clip")
+            return out
+        by_window = out.view()
+        by_window.shape = (n, _VALUES)  # raises rather than copy: the values must land in ``out``
+        np.take(np.take(looked_up, back, axis=0), self._expand_host, axis=1, out=by_window, mode="clip")
         return out
 
     @property
-    def _codes_by_window(self) -> np.ndarray:
-        """The host codes as uint16 rows of 80: a view, made per call, so that pickling this
-        object for a DataLoader worker never copies the codes out of shared memory."""
-        return self.x.numpy().view(np.uint16).reshape(len(self), _VALUES)
+    def _code_rows(self) -> np.ndarray:
+        """The host codes as uint16 rows (``layout.width`` a window): a view, made per call, so
+        that pickling this object for a DataLoader worker never copies the codes out of shared
+        memory."""
+        return self.x.numpy().view(np.uint16)
 
     @functools.cached_property
-    def _window_offsets(self) -> np.ndarray:
-        """Per chunk, the 80 dictionary offsets of a window's values in time-major order (int32:
-        the table has fewer than 2**31 entries); 320 B a chunk."""
-        assert self.table_offsets is not None
-        return np.tile(self.table_offsets.numpy().astype(np.int32), (1, WINDOW_LENGTH))
+    def _expand_host(self) -> np.ndarray:
+        assert self._expand is not None
+        return self._expand.cpu().numpy()
 
 
 def timestamp_halves(seconds: np.ndarray) -> np.ndarray:
@@ -348,6 +381,10 @@ def _size(n: float) -> str:
 
 class _NotCodable(Exception):
     """A chunk of a dict16 store is stored raw: hold float32 instead."""
+
+
+class _NotOnceAWindow(Exception):
+    """A window's gps_speed varies: hold all 80 codes a window."""
 
 
 def _host_empty(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Tensor:

@@ -43,14 +43,15 @@ def _bits(values: np.ndarray) -> np.ndarray:
 
 
 def share_dictionaries(dictionaries: Sequence[Sequence[np.ndarray]], codes: np.ndarray,
-                       starts: np.ndarray, *, threads: int = 1) -> SharedTable:
+                       starts: np.ndarray, columns: Sequence[slice], *, threads: int = 1) -> SharedTable:
     """Merge consecutive chunks' dictionaries and recode ``codes`` into them, in place.
 
     ``dictionaries[i]`` are chunk ``i``'s float32 dictionaries, one per channel; ``codes`` are
-    the uint16 codes ``(windows, samples, channels)`` of every chunk, chunk ``i``'s in rows
-    ``starts[i]:starts[i + 1]``. Afterwards ``values[offsets[i, c] + code]`` is the value that
-    chunk ``i``'s ``code`` of channel ``c`` stood for in its own dictionary. The recode runs on
-    ``threads`` threads, a chunk at a time (numpy's take releases the GIL)."""
+    the uint16 codes of every chunk, a row a window (chunk ``i``'s in rows
+    ``starts[i]:starts[i + 1]``), channel ``c``'s in ``columns[c]``. Afterwards
+    ``values[offsets[i, c] + code]`` is the value that chunk ``i``'s ``code`` of channel ``c``
+    stood for in its own dictionary. The recode runs on ``threads`` threads, a chunk at a time
+    (numpy's take releases the GIL)."""
     # Nothing per chunk is kept beyond its dictionaries, which the caller holds already: sorted
     # copies are made again where needed, so the merge needs no memory but the unions.
     groups = _groups(dictionaries)
@@ -72,7 +73,7 @@ def share_dictionaries(dictionaries: Sequence[Sequence[np.ndarray]], codes: np.n
             # numpy's search then narrows from the last one)
             remap = np.empty(len(order), dtype=np.uint16)
             remap[order] = np.searchsorted(unions_of[i][c], bits[order])
-            rows = codes[starts[i] : starts[i + 1], :, c]
+            rows = codes[starts[i] : starts[i + 1], columns[c]]
             np.take(remap, rows, out=rows)
 
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
