@@ -109,36 +109,21 @@ def test_failure_on_cluster_leaves_no_store(cluster_client, tmp_path: pathlib.Pa
     assert not dest.exists() or not any(dest.iterdir())
 
 
-def test_write_task_abandons_the_next_device_part_way(tmp_path: pathlib.Path) -> None:
-    """A task stops reading the following device after its last chunk; the read-ahead thread must
-    let go (a reader blocked on a full queue once hung a 25 M-window conversion)."""
-    import threading
-    import time
-
-    from birdzarr.convert._dask import _span_blocks, count_device, plan_spans
-    from birdzarr.convert._sources import discover
-    from birdzarr.format._spec import Curation
-    from birdzarr.storage._location import resolve
-
+def test_repeated_windows_on_cluster_are_counted_as_locally(cluster_client, tmp_path: pathlib.Path) -> None:  # type: ignore[no-untyped-def]
+    """Each device is read once, by one task, which counts its repeated windows."""
     src = tmp_path / "src"
     src.mkdir()
-    _synthetic.write_parquet(_synthetic.curated_windows(1_000, seed=1), src / "1.parquet")
-    _synthetic.write_parquet(_synthetic.curated_windows(70_000, seed=2), src / "2.parquet")  # 5 blocks
-    _, devices = discover(resolve(src))
-    counts = [count_device(d, Curation(), "error") for d in devices]
-    _, spans = plan_spans(devices, counts, 1024)
-    got: list[int] = []
-
-    def run() -> None:
-        n = 0
-        for device_id, block in _span_blocks(spans[0], Curation(), "error", {}):
-            n += len(block)
-            if device_id == 2:
-                time.sleep(2)  # a slow writer: the reader finishes the device and waits on the queue
-        got.append(n)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(60)
-    assert not thread.is_alive(), "the task hung after leaving the second device part way"
-    assert got == [1024]
+    windows = _synthetic.curated_windows(5_000, seed=1)
+    _synthetic.write_parquet(np.concatenate([windows, windows[100:140]]), src / "1.parquet")  # 40 twice
+    _synthetic.write_parquet(_synthetic.curated_windows(2_000, seed=2), src / "2.parquet")
+    reports = []
+    for name, client in (("local", None), ("dask", cluster_client)):
+        repeated = r"40 window\(s\) repeat .* device\(s\) 1 \(40\)"
+        with pytest.warns(birdzarr.DuplicateWindowsWarning, match=repeated):
+            store = birdzarr.convert(src, tmp_path / f"{name}.zarr", chunk_windows=512, progress=False,
+                                     client=client)
+        reports.append(store.meta["report"])
+    assert reports[0]["duplicate_windows"] == reports[1]["duplicate_windows"] == {"1": 40}
+    # each device a segment (the minimum is 8 chunks of 512): chunk 9 holds windows of both
+    assert reports[1]["segments"] == 2
+    assert_identical(tmp_path / "local.zarr", tmp_path / "dask.zarr")

@@ -145,7 +145,8 @@ def convert(
 
                 convert_on_cluster(client, src, target, devices, kind=kind, curation=curation,
                                    on_bad_rows=on_bad_rows, codec=codec, chunk_windows=chunk_windows,
-                                   overwrite=overwrite, static=static, workers=workers, progress=progress)
+                                   overwrite=overwrite, static=static, workers=workers, progress=progress,
+                                   duplicates=duplicates)
             else:
                 _convert_here(src, target, kind, devices, codec=codec, chunk_windows=chunk_windows,
                               overwrite=overwrite, static=static, workers=workers, progress=progress,

@@ -250,15 +250,40 @@ def convert_segment(segment: Segment, dest_url: str, dest_options: dict[str, Any
 
 
 # -- in this process -----------------------------------------------------------------------------
-class _SharedChunks:
-    """Parts of the chunks that segments share, written once a chunk's windows are all in."""
+class SegmentCollector:
+    """What the segments' workers send back, taken in any order: the device summaries, the
+    repeated-window counts, and the windows of shared chunks, each chunk written here once all
+    its windows are in. Sizes the store's arrays for all segments first (before any worker opens
+    them), and records every device in store order at the end."""
 
-    def __init__(self, writer: StoreWriter, total: int) -> None:
-        self.writer, self.total = writer, total
+    def __init__(self, writer: StoreWriter, segments: list[Segment], *,
+                 duplicates: DuplicateCounter | None, bar: Any) -> None:
+        self.writer, self.segments, self.duplicates, self.bar = writer, segments, duplicates, bar
+        self.total = segments[-1].stop if segments else 0
         self.chunk_windows = writer.slabs.chunk_windows
+        self.summaries: dict[int, DeviceSummary] = {}
         self.waiting: dict[int, list[SharedChunkPart]] = {}
+        writer.reserve(self.total)
+        bar.reset(total=self.total)
 
-    def add(self, part: SharedChunkPart) -> None:
+    def add(self, segment: Segment, result: SegmentResult) -> None:
+        for summary in result.summaries:
+            self.summaries[summary.entry.device_id] = summary
+        for part in result.shared:
+            self._share(part)
+        if self.duplicates is not None:
+            for device_id, repeated in result.repeated.items():
+                self.duplicates.add(device_id, repeated)
+        count_on_bar(self.bar, segment.stop - segment.start)
+
+    def finish(self) -> None:
+        """Record every device (after every segment's result was added)."""
+        assert not self.waiting, "every shared chunk was written"
+        for segment in self.segments:
+            for device, _, _ in segment.devices:
+                self.writer.record(self.summaries[device.device_id])
+
+    def _share(self, part: SharedChunkPart) -> None:
         parts = self.waiting.setdefault(part.chunk, [])
         parts.append(part)
         start = part.chunk * self.chunk_windows
@@ -271,44 +296,34 @@ class _SharedChunks:
         self.writer.slabs.sink.write(start, stop, data)
 
 
+def largest_first(segments: list[Segment]) -> list[Segment]:
+    """The order to start segments in: a segment of one large device, started last, would end
+    the conversion long after the others (the order changes nothing stored)."""
+    return sorted(segments, key=lambda s: s.start - s.stop)
+
+
 def convert_in_processes(writer: StoreWriter, segments: list[Segment], *, curation: Curation,
                          on_bad_rows: str, workers: int, dest: Location,
                          duplicates: DuplicateCounter | None, bar: Any) -> dict[str, int]:
     """Convert the segments (``plan_processes``) in ``workers`` processes into the store
     ``writer`` has open, which must be empty; records every device with ``writer``. Returns facts
     for the conversion report (the worker processes and segments)."""
-    total = segments[-1].stop if segments else 0
-    writer.reserve(total)  # the arrays are sized once, before any worker opens them
-    bar.reset(total=total)
-    shared = _SharedChunks(writer, total)
-    summaries: dict[int, DeviceSummary] = {}
-    context = multiprocessing.get_context("fork")
+    collector = SegmentCollector(writer, segments, duplicates=duplicates, bar=bar)
     processes = max(1, min(workers, len(segments)))
-    pool = ProcessPoolExecutor(processes, mp_context=context, initializer=_die_with_parent)
+    pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork"),
+                               initializer=_die_with_parent)
     futures: dict[Future[SegmentResult], Segment] = {}
     try:
-        for segment in segments:
+        for segment in largest_first(segments):
             futures[pool.submit(convert_segment, segment, dest.url, dest.storage_options, curation,
                                 on_bad_rows)] = segment
         for future in _as_completed(futures):
-            result = future.result()
-            for summary in result.summaries:
-                summaries[summary.entry.device_id] = summary
-            for part in result.shared:
-                shared.add(part)
-            if duplicates is not None:
-                for device_id, repeated in result.repeated.items():
-                    duplicates.add(device_id, repeated)
-            segment = futures[future]
-            count_on_bar(bar, segment.stop - segment.start)
+            collector.add(futures[future], future.result())
     finally:
         # on an error, no segment still queued starts, and the running ones end before the
         # writer removes what was written (none writes a chunk after the clean-up)
         pool.shutdown(wait=True, cancel_futures=True)
-    assert not shared.waiting, "every shared chunk was written"
-    for segment in segments:
-        for device, _, _ in segment.devices:
-            writer.record(summaries[device.device_id])
+    collector.finish()
     return {"worker_processes": processes, "segments": len(segments)}
 
 
