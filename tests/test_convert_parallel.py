@@ -97,12 +97,11 @@ def test_parquet_store_is_byte_identical_for_any_worker_count(
 
 @pytest.mark.parametrize("chunk_windows", [1024, 8192])
 def test_parquet_store_converted_in_worker_processes_is_byte_identical(
-    parquet_dir: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, chunk_windows: int
+    parquet_dir: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, chunk_windows: int,
+    in_processes: None,
 ) -> None:
     # segments of one device or two (8 joins 15, 16 joins 40): chunks written by this process from
     # the windows of two or three segments, and a padded last chunk
-    monkeypatch.setattr(_segments, "PROCESS_MIN_BYTES", 0)
-    monkeypatch.setattr(_segments, "MIN_SEGMENT_CHUNKS", 0)
     monkeypatch.setattr(_segments, "SEGMENTS_PER_WORKER", 100)
     one = birdzarr.convert(parquet_dir, tmp_path / "one.zarr", workers=1, chunk_windows=chunk_windows,
                            progress=False)
@@ -115,25 +114,28 @@ def test_parquet_store_converted_in_worker_processes_is_byte_identical(
     assert_same_store(tmp_path / "one.zarr", tmp_path / "processes.zarr")
 
 
-def _parquet(path: pathlib.Path, windows: np.ndarray) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+@pytest.fixture
+def in_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Worker processes for input of any size, a segment for each device (or two)."""
+    monkeypatch.setattr(_segments, "PROCESS_MIN_BYTES", 0)
+    monkeypatch.setattr(_segments, "MIN_SEGMENT_CHUNKS", 0)
 
-    flat = pa.array(windows.reshape(-1), type=pa.float32())
-    offsets = pa.array(np.arange(0, len(windows) * 80 + 1, 80, dtype=np.int32))
-    pq.write_table(pa.table({"gimu": pa.ListArray.from_arrays(offsets, flat)}), path)
+
+def _parquet_devices(directory: pathlib.Path, sizes: dict[int, int]) -> pathlib.Path:
+    """``{device}.parquet`` of ``sizes[device]`` generated windows each (seeded by the device)."""
+    directory.mkdir()
+    for device, size in sizes.items():
+        windows = _synthetic.curated_windows(size, seed=device)
+        _synthetic.write_parquet(windows, directory / f"{device}.parquet")
+    return directory
 
 
 def test_worker_processes_count_repeated_windows_as_threads_do(
-    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: pathlib.Path, in_processes: None
 ) -> None:
-    monkeypatch.setattr(_segments, "PROCESS_MIN_BYTES", 0)
-    monkeypatch.setattr(_segments, "MIN_SEGMENT_CHUNKS", 0)
-    src = tmp_path / "src"
-    src.mkdir()
+    src = _parquet_devices(tmp_path / "src", {9: 300})
     windows = _synthetic.curated_windows(500, seed=1)
-    _parquet(src / "7.parquet", np.concatenate([windows, windows[:30]]))  # 30 windows twice
-    _parquet(src / "9.parquet", _synthetic.curated_windows(300, seed=2))
+    _synthetic.write_parquet(np.concatenate([windows, windows[:30]]), src / "7.parquet")  # 30 windows twice
     for workers in (1, 2):
         with pytest.warns(DuplicateWindowsWarning, match=r"30 window\(s\) repeat .* device\(s\) 7 \(30\)"):
             store = birdzarr.convert(src, tmp_path / f"w{workers}.zarr", workers=workers, chunk_windows=128,
@@ -148,10 +150,7 @@ def test_fewer_segments_than_workers_are_converted_on_threads(
     # one segment (the minimum segment is 8 chunks): a process for it would leave a core idle,
     # where threads decode and encode the device's parts at once
     monkeypatch.setattr(_segments, "PROCESS_MIN_BYTES", 0)
-    src = tmp_path / "src"
-    src.mkdir()
-    for device in (1, 2):
-        _parquet(src / f"{device}.parquet", _synthetic.curated_windows(300, seed=device))
+    src = _parquet_devices(tmp_path / "src", {1: 300, 2: 300})
     report = birdzarr.convert(src, tmp_path / "s.zarr", workers=2, chunk_windows=128,
                               progress=False).meta["report"]
     assert "segments" not in report and report["workers"] == 2
@@ -162,17 +161,12 @@ def test_fewer_segments_than_workers_are_converted_on_threads(
 
 
 def test_a_bad_row_in_a_worker_process_fails_the_conversion_cleanly(
-    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: pathlib.Path, in_processes: None
 ) -> None:
-    monkeypatch.setattr(_segments, "PROCESS_MIN_BYTES", 0)
-    monkeypatch.setattr(_segments, "MIN_SEGMENT_CHUNKS", 0)
-    src = tmp_path / "src"
-    src.mkdir()
-    for device in (1, 2, 3):
-        windows = _synthetic.curated_windows(400, seed=device)
-        if device == 2:
-            windows[123, 4, 1] = np.nan
-        _parquet(src / f"{device}.parquet", windows)
+    src = _parquet_devices(tmp_path / "src", {1: 400, 3: 400})
+    windows = _synthetic.curated_windows(400, seed=2)
+    windows[123, 4, 1] = np.nan
+    _synthetic.write_parquet(windows, src / "2.parquet")
     dest = tmp_path / "s.zarr"
     with pytest.raises(BadInputError, match=r"2\.parquet, row group 0, row 123: the window"):
         birdzarr.convert(src, dest, workers=2, chunk_windows=128, progress=False)
@@ -180,14 +174,9 @@ def test_a_bad_row_in_a_worker_process_fails_the_conversion_cleanly(
 
 
 def test_input_that_changes_under_the_worker_processes_is_refused(
-    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, in_processes: None
 ) -> None:
-    monkeypatch.setattr(_segments, "PROCESS_MIN_BYTES", 0)
-    monkeypatch.setattr(_segments, "MIN_SEGMENT_CHUNKS", 0)
-    src = tmp_path / "src"
-    src.mkdir()
-    for device in (4, 5):
-        _parquet(src / f"{device}.parquet", _synthetic.curated_windows(300, seed=device))
+    src = _parquet_devices(tmp_path / "src", {4: 300, 5: 300})
     counted = _segments.count_device
 
     def one_more_for_4(device: Any, *args: Any) -> int:
