@@ -17,13 +17,16 @@ import pytest
 
 import birdzarr
 from birdzarr._errors import BadInputError, DuplicateWindowsWarning
-from birdzarr.convert import _cpus, _pipeline, _segments, _shuffle
+from birdzarr.convert import _cpus, _pipeline, _segments, _shuffle, _shuffle_processes
+from birdzarr.convert._summary import chain_checksums, checksum_hasher
 from birdzarr.demo import _synthetic
+from birdzarr.maintenance._verify import verify
 from birdzarr.store._summary import format_summary, summary
 
 # Root attributes that record when and how fast a conversion ran, not what it stored.
 _VOLATILE = {"started_at", "finished_at", "committed_at", "seconds", "cpu_seconds", "cores_used", "workers",
-             "usable_cores", "worker_processes", "segments"}
+             "usable_cores", "worker_processes", "segments",
+             "spill_bytes"}  # a shuffle's spill: its pieces are cut where each worker's buffer fills
 
 
 def _without_volatile(value: object) -> object:
@@ -353,6 +356,48 @@ def test_shuffled_store_is_byte_identical_and_uses_device_dictionaries(
     header = np.frombuffer(Blosc().decode(blob)[:24], "<u4")
     in_chunk = np.unique(birdzarr.open_store(stores[0]).window_devices[:4096])
     assert header[1] == 1 and header[5] == len(in_chunk) >= 4
+
+
+@pytest.mark.parametrize("codec", ["gdict16", "dict16"])
+def test_shuffled_store_in_worker_processes_is_byte_identical(
+    parquet_dir: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, codec: str
+) -> None:
+    """Pass 1 by groups of devices and pass 2 by buckets in worker processes: the store of one
+    worker on threads, every chunk, device table (checksums joined bucket by bucket) and all."""
+    monkeypatch.setattr(_shuffle, "BUCKET_WINDOWS", 3000)  # 7 buckets: chunks two buckets share
+    monkeypatch.setattr(_shuffle_processes, "PROCESS_MIN_BYTES", 0)
+    stores = {}
+    for workers in (1, 2):
+        dest = tmp_path / f"s{workers}.zarr"
+        store = birdzarr.convert(parquet_dir, dest, workers=workers, shuffle=True, seed=5, chunk_windows=2048,
+                                 codec=codec, progress=False, shuffle_tmp=str(tmp_path))
+        stores[workers] = store
+    assert "worker_processes" not in stores[1].meta["report"]
+    assert stores[2].meta["report"]["worker_processes"] == 2
+    assert_same_store(tmp_path / "s1.zarr", tmp_path / "s2.zarr")
+    assert verify(stores[2].url).ok
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("birdzarr-shuffle-")] == []
+
+
+def test_checksums_of_parts_chain_into_the_checksum_of_the_whole() -> None:
+    rng = np.random.default_rng(3)
+    data = {d: [rng.integers(0, 256, size=int(rng.integers(0, 3000)), dtype=np.uint8) for _ in range(6)]
+            for d in (2, 7, 40)}
+    parts = []
+    for k in range(6):
+        devices = np.array([d for d in data if k % 2 == 0 or d != 7])  # device 7 skips odd parts
+        crcs, sizes = [], []
+        for d in devices:
+            hasher = checksum_hasher()
+            hasher.update(data[d][k])
+            crcs.append(hasher.value)
+            sizes.append(len(data[d][k]))
+        parts.append((devices, np.array(crcs, dtype=np.uint64), np.array(sizes)))
+    chained = chain_checksums(parts)
+    for d, pieces in data.items():
+        whole = checksum_hasher()
+        whole.update(np.concatenate([p for k, p in enumerate(pieces) if k % 2 == 0 or d != 7]))
+        assert chained[d] == whole.hexdigest()
 
 
 def test_a_shuffle_whose_spill_is_damaged_fails_cleanly(

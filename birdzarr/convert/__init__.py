@@ -20,6 +20,7 @@ from birdzarr.convert._overwrite import check_destination, replacing, staged_loc
 from birdzarr.convert._pipeline import counted, device_blocks
 from birdzarr.convert._segments import convert_in_processes, plan_processes
 from birdzarr.convert._shuffle import bucket_count, write_shuffled
+from birdzarr.convert._shuffle_processes import plan_spill_groups, write_shuffled_in_processes
 from birdzarr.convert._sources import DeviceSource, find_inputs
 from birdzarr.convert._writer import StoreWriter
 from birdzarr.format._codec import compressor_of
@@ -182,8 +183,17 @@ def _convert_here(
                 bar.set_description(f"convert {kind}: {name} shuffled", refresh=False)
                 bar.reset(total=windows)
 
-            shuffled = write_shuffled(writer, inputs, seed=seed, buckets=buckets, tmp_dir=shuffle_tmp,
-                                      on_pass=second_pass, on_written=bar.update)
+            groups = plan_spill_groups(devices, workers=workers)
+            if groups is not None:  # in worker processes (convert/_shuffle_processes.py)
+                _refuse_repeated_devices(src.display, devices)
+                shuffled = write_shuffled_in_processes(
+                    writer, groups, seed=seed, buckets=buckets, tmp_dir=shuffle_tmp, curation=curation,
+                    on_bad_rows=on_bad_rows, workers=workers, dest=dst, duplicates=duplicates,
+                    on_pass=second_pass, on_written=bar.update)
+                extra["worker_processes"] = shuffled["worker_processes"]
+            else:
+                shuffled = write_shuffled(writer, inputs, seed=seed, buckets=buckets, tmp_dir=shuffle_tmp,
+                                          on_pass=second_pass, on_written=bar.update)
             extra["shuffle"] = {"buckets": shuffled["buckets"], "spill_bytes": shuffled["spill_bytes"]}
         elif (segments := plan_processes(kind, devices, curation=curation, on_bad_rows=on_bad_rows,
                                          workers=workers, chunk_windows=chunk_windows)) is not None:

@@ -89,8 +89,10 @@ class ChunkSink:
             for first in range(start, stop, size):
                 # the device ids of the chunk's windows: gdict16 keeps one dictionary per device
                 groups = data[DEVICE][first - start : first - start + size] if DEVICE in data else None
-                values = data[name][first - start : first - start + size]
                 coded = name == GIMU and CODES in data
+                # a chunk given as codes may come without its (never filled) float32 windows
+                held = data[CODES if coded and name not in data else name]
+                values = held[first - start : first - start + size]
                 codes = data[CODES][first - start : first - start + size] if coded else None
                 tasks.append((name, array, first // size, values, groups, codes))
         if self.workers == 1:  # in this thread, blosc single-threaded: one core

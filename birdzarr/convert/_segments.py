@@ -33,7 +33,7 @@ import multiprocessing
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +42,7 @@ import numpy as np
 
 from birdzarr._errors import BadInputError
 from birdzarr.convert._blocks import WindowBlock
+from birdzarr.convert._chunkwrite import CODES
 from birdzarr.convert._duplicates import DuplicateCounter, block_keys, repeated_windows
 from birdzarr.convert._pipeline import count_on_bar
 from birdzarr.convert._slabs import SlabWriter, writable_arrays
@@ -87,8 +88,8 @@ def plan_processes(kind: str, devices: list[DeviceSource], *, curation: Curation
     a device's row groups at once), or where ``fork`` cannot start processes in milliseconds."""
     if workers <= 1 or kind != "parquet" or on_bad_rows != "error":
         return None
-    if "fork" not in multiprocessing.get_all_start_methods() or sys.platform == "darwin":
-        return None  # macOS: fork after threads have started is unsafe in its system libraries
+    if not fork_available():
+        return None
     if sum(int(f.fs.size(f.path) or 0) for d in devices for f in d.files) < PROCESS_MIN_BYTES:
         return None
     from concurrent.futures import ThreadPoolExecutor
@@ -97,6 +98,12 @@ def plan_processes(kind: str, devices: list[DeviceSource], *, curation: Curation
         counts = list(threads.map(lambda d: count_device(d, curation, on_bad_rows), devices))
     segments = plan_segments(devices, counts, workers=workers, chunk_windows=chunk_windows)
     return segments if len(segments) >= workers else None
+
+
+def fork_available() -> bool:
+    """Whether worker processes can be forked (in milliseconds, nothing imported again): Linux,
+    not macOS, where fork after threads have started is unsafe in its system libraries."""
+    return "fork" in multiprocessing.get_all_start_methods() and sys.platform != "darwin"
 
 
 @dataclass(frozen=True)
@@ -148,7 +155,7 @@ class SegmentResult:
 
 
 # -- in a worker process -------------------------------------------------------------------------
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """A worker process ends when this process does, even killed: it never writes into a store
     after the conversion that started it is gone (Linux ``PR_SET_PDEATHSIG``)."""
     with contextlib.suppress(OSError, AttributeError):
@@ -188,12 +195,17 @@ class _Router:
         out = []
         for chunk, pieces in sorted(self.parts.items()):
             blocks = [block for _, _, block in pieces]
+            coded = blocks[0].codes is not None
             data = {
-                GIMU: np.concatenate([b.windows for b in blocks]),
-                DEVICE: np.concatenate([np.full(len(b), d, dtype=np.int32) for _, d, b in pieces]),
+                # a shuffle's bucket: the chunk is encoded from the codes alone (no float copy)
+                GIMU: np.concatenate([b.codes if coded else b.windows for b in blocks]),
+                DEVICE: np.concatenate([np.full(len(b), d, dtype=np.int32) if b.devices is None
+                                        else b.devices for _, d, b in pieces]),
                 TIMESTAMP: np.concatenate([b.timestamps for b in blocks]),
                 LABEL: np.concatenate([b.labels for b in blocks]),
             }
+            if coded:
+                data[CODES] = data.pop(GIMU)
             out.append(SharedChunkPart(chunk, pieces[0][0], data))
         return out
 
@@ -257,14 +269,18 @@ class SegmentCollector:
     them), and records every device in store order at the end."""
 
     def __init__(self, writer: StoreWriter, segments: list[Segment], *,
-                 duplicates: DuplicateCounter | None, bar: Any) -> None:
+                 duplicates: DuplicateCounter | None, bar: Any | None,
+                 write_chunk: Callable[[int, int, dict[str, np.ndarray]], Any] | None = None) -> None:
         self.writer, self.segments, self.duplicates, self.bar = writer, segments, duplicates, bar
+        # how a shared chunk is written once complete (default: encoded here, by the writer's sink)
+        self.write_chunk = write_chunk or writer.slabs.sink.write
         self.total = segments[-1].stop if segments else 0
         self.chunk_windows = writer.slabs.chunk_windows
         self.summaries: dict[int, DeviceSummary] = {}
         self.waiting: dict[int, list[SharedChunkPart]] = {}
         writer.reserve(self.total)
-        bar.reset(total=self.total)
+        if bar is not None:
+            bar.reset(total=self.total)
 
     def add(self, segment: Segment, result: SegmentResult) -> None:
         for summary in result.summaries:
@@ -274,7 +290,8 @@ class SegmentCollector:
         if self.duplicates is not None:
             for device_id, repeated in result.repeated.items():
                 self.duplicates.add(device_id, repeated)
-        count_on_bar(self.bar, segment.stop - segment.start)
+        if self.bar is not None:
+            count_on_bar(self.bar, segment.stop - segment.start)
 
     def finish(self) -> None:
         """Record every device (after every segment's result was added)."""
@@ -293,7 +310,7 @@ class SegmentCollector:
         del self.waiting[part.chunk]
         parts.sort(key=lambda p: p.start)
         data = {name: np.concatenate([p.data[name] for p in parts]) for name in parts[0].data}
-        self.writer.slabs.sink.write(start, stop, data)
+        self.write_chunk(start, stop, data)
 
 
 def largest_first(segments: list[Segment]) -> list[Segment]:
@@ -311,13 +328,13 @@ def convert_in_processes(writer: StoreWriter, segments: list[Segment], *, curati
     collector = SegmentCollector(writer, segments, duplicates=duplicates, bar=bar)
     processes = max(1, min(workers, len(segments)))
     pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork"),
-                               initializer=_die_with_parent)
+                               initializer=die_with_parent)
     futures: dict[Future[SegmentResult], Segment] = {}
     try:
         for segment in largest_first(segments):
             futures[pool.submit(convert_segment, segment, dest.url, dest.storage_options, curation,
                                 on_bad_rows)] = segment
-        for future in _as_completed(futures):
+        for future in as_finished(futures):
             collector.add(futures[future], future.result())
     finally:
         # on an error, no segment still queued starts, and the running ones end before the
@@ -327,7 +344,7 @@ def convert_in_processes(writer: StoreWriter, segments: list[Segment], *, curati
     return {"worker_processes": processes, "segments": len(segments)}
 
 
-def _as_completed(futures: dict[Future[SegmentResult], Segment]) -> Iterator[Future[SegmentResult]]:
+def as_finished(futures: dict[Future[Any], Any]) -> Iterator[Future[Any]]:
     """The futures as they finish; the first that failed as soon as it fails."""
     pending = set(futures)
     while pending:

@@ -1,7 +1,8 @@
 """Global seeded pre-shuffle at conversion, with memory bounded by one bucket (an external shuffle).
 
 Pass 1 reads every device as usual and sends each window to one of K bucket files, the bucket
-drawn uniformly by a generator seeded with ``seed``. Pass 2 loads one bucket at a time, permutes
+drawn uniformly by a generator seeded with ``(seed, device)`` (so devices can be spilled apart,
+in any order: ``_shuffle_processes.py``). Pass 2 loads one bucket at a time, permutes
 it with a generator seeded with ``(seed, bucket)`` and appends it to the store. A uniform bucket
 per window followed by a uniform permutation inside each bucket is a uniform permutation of all
 windows, and the same input and seed give the same store. Each chunk of the store is therefore a
@@ -115,21 +116,38 @@ class _Buckets:
         for handle in self.files:
             handle.close()
 
+    def reading(self) -> SpillFiles:
+        """The files, closed, to be read back."""
+        return SpillFiles([[path] for path in self.paths], self.windows)
+
+
+@dataclass
+class SpillFiles:
+    """Each bucket's spill files, in the order their pieces are read, and its windows."""
+
+    paths: list[list[str]]
+    windows: np.ndarray
+
     def pieces(self, bucket: int) -> Iterator[_Piece]:
-        """The bucket's pieces in the order they were written; the file is deleted once read
+        """The bucket's pieces in the order they were written; each file is deleted once read
         (pass 2 frees the disk as it goes)."""
-        with open(self.paths[bucket], "rb") as handle:
-            data = memoryview(handle.read())
-        os.remove(self.paths[bucket])
-        at = 0
-        while at < len(data):
-            n, device_id, code_bytes, codes_size, meta_size = _FRAME.unpack_from(data, at)
-            at += _FRAME.size
-            codes = np.frombuffer(_CODES_CODEC.decode(data[at : at + codes_size]), f"<u{code_bytes}")
-            at += codes_size
-            meta = np.frombuffer(_META_CODEC.decode(data[at : at + meta_size]), dtype=_META)
-            at += meta_size
-            yield _Piece(device_id, codes.reshape(N_CHANNELS, n, WINDOW_LENGTH), meta)  # views
+        for path in self.paths[bucket]:
+            yield from _read_pieces(path)
+
+
+def _read_pieces(path: str) -> Iterator[_Piece]:
+    with open(path, "rb") as handle:
+        data = memoryview(handle.read())
+    os.remove(path)
+    at = 0
+    while at < len(data):
+        n, device_id, code_bytes, codes_size, meta_size = _FRAME.unpack_from(data, at)
+        at += _FRAME.size
+        codes = np.frombuffer(_CODES_CODEC.decode(data[at : at + codes_size]), f"<u{code_bytes}")
+        at += codes_size
+        meta = np.frombuffer(_META_CODEC.decode(data[at : at + meta_size]), dtype=_META)
+        at += meta_size
+        yield _Piece(device_id, codes.reshape(N_CHANNELS, n, WINDOW_LENGTH), meta)  # views
 
 
 def encode_piece(piece: _Piece) -> bytes:
@@ -181,7 +199,7 @@ def write_shuffled(
             sink.code_encoder = table.encode  # gdict16 from the codes, without a sort
         hashers = {device_id: checksum_hasher() for device_id in summaries}
         in_flight = min(workers, LOADS_IN_FLIGHT)
-        load = _Loader(spill, table, dictionaries, hashers, seed=seed, coded=coded,
+        load = _Loader(spill.reading(), table, dictionaries, hashers, seed=seed, coded=coded,
                        chunk_windows=writer.slabs.chunk_windows, slots=in_flight).load
         del spiller, dictionaries
         # the next buckets are read, decoded and hashed on the pool while this one is written
@@ -210,8 +228,11 @@ class _DeviceSpill:
     """One device's state in pass 1: its summary so far, its dictionaries and the windows it
     holds per bucket until a piece is large enough (or the device ends)."""
 
-    def __init__(self, device_id: int, sources: list[str], buckets: int) -> None:
+    def __init__(self, device_id: int, sources: list[str], buckets: int, seed: int) -> None:
         self.device_id = device_id
+        # the device's windows' buckets, drawn in order (a draw does not depend on how its
+        # windows are cut into blocks: numpy's bounded integers come from one stream)
+        self.draw = np.random.default_rng([seed, device_id])
         self.summarizer = Summarizer(device_id, sources, start=None)  # scattered: no range
         self.coder = DeviceCoder(N_CHANNELS)
         self.held: dict[int, list[tuple[np.ndarray, np.ndarray]]] = collections.defaultdict(list)
@@ -233,10 +254,11 @@ class _Spiller:
     number of workers."""
 
     def __init__(self, spill: _Buckets, *, seed: int, buckets: int, pool: ThreadPoolExecutor | None,
-                 file_writer: ThreadPoolExecutor | None, workers: int) -> None:
+                 file_writer: ThreadPoolExecutor | None, workers: int,
+                 buffer_windows: int = PASS1_BUFFER_WINDOWS) -> None:
         self.spill, self.buckets, self.pool, self.workers = spill, buckets, pool, workers
-        self.draw = np.random.default_rng(seed)
-        self.piece_windows = max(256, PASS1_BUFFER_WINDOWS // max(1, buckets))
+        self.seed = seed
+        self.piece_windows = max(256, buffer_windows // max(1, buckets))
         self.file_writer = file_writer
         # blocks being coded at once: none left waiting when everything runs in this thread
         self.finding_depth = 0 if pool is None else FINDING_PER_WORKER * workers
@@ -247,7 +269,7 @@ class _Spiller:
         self._pending: collections.deque[Future[None]] = collections.deque()  # pieces being written
 
     def device(self, device_id: int, sources: list[str], blocks: Iterable[WindowBlock]) -> None:
-        state = _DeviceSpill(device_id, sources, self.buckets)
+        state = _DeviceSpill(device_id, sources, self.buckets, self.seed)
         for block in blocks:
             state.summarizer.add(block)
             if len(block):
@@ -268,7 +290,7 @@ class _Spiller:
 
     def _place(self, state: _DeviceSpill, block: WindowBlock, codes: np.ndarray) -> None:
         """Send each window of the block (coded) to a bucket drawn from the seed's generator."""
-        target = self.draw.integers(0, self.buckets, size=len(block))
+        target = state.draw.integers(0, self.buckets, size=len(block))
         order = np.argsort(target, kind="stable")
         meta = np.empty(len(block), dtype=_META)
         meta["label"], meta["timestamp"] = block.labels, block.timestamps
@@ -334,7 +356,7 @@ class _Loader:
     device's windows are fed to its checksum in store order: a load hashes only once the load
     of the bucket before it has, so the checksums are the same with any number of slots."""
 
-    def __init__(self, spill: _Buckets, table: DictionaryTable, dictionaries: dict[int, list[np.ndarray]],
+    def __init__(self, spill: SpillFiles, table: DictionaryTable, dictionaries: dict[int, list[np.ndarray]],
                  hashers: dict[int, WindowChecksum], *, seed: int, coded: bool, chunk_windows: int,
                  slots: int = 1) -> None:
         self.spill, self.hashers, self.seed = spill, hashers, seed
@@ -367,17 +389,40 @@ class _Loader:
                 self._in_turn(bucket, None)  # let the later buckets hash
                 raise
             self._in_turn(bucket, lambda: self._hash_in_order(scratch, order, devices))
-            meta = scratch.meta[:n][order]
-            if scratch.codes is None:
-                windows = np.take(scratch.bits[:n], order, axis=0).view(np.float32)
-                return WindowBlock(windows, meta["timestamp"], meta["label"], DeviceReport(), devices)
-            # (windows, channels, samples)
-            codes = np.take(scratch.codes[:, :n], order, axis=1).transpose(1, 0, 2)
-            # the windows exist only as codes: the writer encodes the chunks from them
-            windows = np.broadcast_to(np.float32(np.nan), (n, WINDOW_LENGTH, N_CHANNELS))
-            return WindowBlock(windows, meta["timestamp"], meta["label"], DeviceReport(), devices, codes)
+            return self._block(scratch, n, order, devices)
         finally:
             self._free.put(scratch)
+
+    def load_alone(self, bucket: int) -> tuple[WindowBlock, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """``load``, in any order, without the shared checksums: instead each device's CRC-32C of
+        its windows of this bucket in store order, as ``(device ids, CRCs, bytes)``, which
+        ``chain_checksums`` joins bucket after bucket."""
+        scratch = self._free.get()
+        try:
+            n, order, devices = self._decode(bucket, scratch)
+            runs = device_runs(devices)
+            rows = order[runs.order]
+            crcs = np.zeros(len(runs.ids), dtype=np.uint64)
+            for k, (_, start, stop) in enumerate(runs):
+                hasher = checksum_hasher()
+                hasher.update(np.take(scratch.bits, rows[start:stop], axis=0).view("<f4"))
+                crcs[k] = hasher.value
+            sizes = (runs.stops - runs.starts) * WINDOW_LENGTH * N_CHANNELS * 4
+            return self._block(scratch, n, order, devices), (runs.ids, crcs, sizes)
+        finally:
+            self._free.put(scratch)
+
+    def _block(self, scratch: _Scratch, n: int, order: np.ndarray, devices: np.ndarray) -> WindowBlock:
+        """The bucket's windows in store order (new arrays: the writer keeps them)."""
+        meta = scratch.meta[:n][order]
+        if scratch.codes is None:
+            windows = np.take(scratch.bits[:n], order, axis=0).view(np.float32)
+            return WindowBlock(windows, meta["timestamp"], meta["label"], DeviceReport(), devices)
+        # (windows, channels, samples)
+        codes = np.take(scratch.codes[:, :n], order, axis=1).transpose(1, 0, 2)
+        # the windows exist only as codes: the writer encodes the chunks from them
+        windows = np.broadcast_to(np.float32(np.nan), (n, WINDOW_LENGTH, N_CHANNELS))
+        return WindowBlock(windows, meta["timestamp"], meta["label"], DeviceReport(), devices, codes)
 
     def _decode(self, bucket: int, scratch: _Scratch) -> tuple[int, np.ndarray, np.ndarray]:
         """Decode the bucket into ``scratch``; its windows' store order (as spilled rows) and devices."""

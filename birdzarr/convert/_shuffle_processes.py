@@ -1,0 +1,265 @@
+"""The shuffle in worker processes: pass 1 by groups of whole devices, pass 2 by buckets.
+
+The same two passes as ``_shuffle.py``, which runs them on threads (the GIL then caps them
+near two cores, as it does an ordered conversion: ``_segments.py``). Here:
+
+- **Pass 1**: consecutive devices are cut into groups of about ``input bytes / (4 x workers)``,
+  and each group is read, coded and spilled by one worker process into bucket files of its
+  own. A window's bucket is drawn from ``(seed, device)``, so a bucket holds the same windows,
+  in the same order, as on threads: each group's file of that bucket, in group order.
+- **Pass 2**: each bucket is loaded, permuted and written by one worker process, which
+  encodes every chunk wholly inside the bucket's windows; the windows of a chunk two buckets
+  share come back here and are written once all are in (``SegmentCollector``). Each device's
+  checksum (CRC-32C of its windows in store order) is computed per bucket and the parts joined
+  here, bucket after bucket (``chain_checksums``).
+
+The store is byte-identical to the one written on threads. Memory: each pass-1 process holds at
+most ``PASS1_BUFFER_WINDOWS / processes`` windows waiting to be spilled (so all together as on
+threads) and one block; each pass-2 process one bucket's buffers (500 bytes a window) and one
+slab; this process the dictionaries, as on threads.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from birdzarr.convert._blocks import WindowBlock
+from birdzarr.convert._chunkwrite import ChunkSink
+from birdzarr.convert._duplicates import DuplicateCounter, block_keys, repeated_windows
+from birdzarr.convert._gdict_encode import DictionaryTable
+from birdzarr.convert._segments import (
+    PROCESS_MIN_BYTES,
+    SEGMENTS_PER_WORKER,
+    SLAB_CHUNKS,
+    Segment,
+    SegmentCollector,
+    SegmentResult,
+    _Router,
+    as_finished,
+    die_with_parent,
+    fork_available,
+)
+from birdzarr.convert._shuffle import PASS1_BUFFER_WINDOWS, SpillFiles, _Buckets, _Loader, _Spiller
+from birdzarr.convert._slabs import SlabWriter, writable_arrays
+from birdzarr.convert._sources import DeviceSource
+from birdzarr.convert._summary import DeviceSummary, chain_checksums, checksum_hasher
+from birdzarr.convert._writer import StoreWriter
+from birdzarr.format._spec import GIMU, N_CHANNELS, Curation
+from birdzarr.storage._location import Location
+
+
+def plan_spill_groups(devices: list[DeviceSource], *, workers: int) -> list[list[DeviceSource]] | None:
+    """Consecutive devices in groups of about equal input bytes, or None where the shuffle runs
+    on threads (one worker, no ``fork``, input under 64 MB, fewer groups than workers)."""
+    if workers <= 1 or not fork_available():
+        return None
+    sizes = [sum(int(f.fs.size(f.path) or 0) for f in d.files) for d in devices]
+    total = sum(sizes)
+    if total < PROCESS_MIN_BYTES:
+        return None
+    target = total / (SEGMENTS_PER_WORKER * workers)
+    groups: list[list[DeviceSource]] = []
+    members: list[DeviceSource] = []
+    held = 0
+    for device, size in zip(devices, sizes, strict=True):
+        members.append(device)
+        held += size
+        if held >= target:
+            groups.append(members)
+            members, held = [], 0
+    if members:
+        groups.append(members)
+    return groups if len(groups) >= workers else None
+
+
+@dataclass
+class SpillResult:
+    """What one group's pass 1 leaves: its devices' summaries and dictionaries (in device order),
+    its bucket files and their windows, and its devices' repeated windows."""
+
+    summaries: dict[int, DeviceSummary]
+    dictionaries: dict[int, list[np.ndarray]]
+    paths: list[str]
+    windows: np.ndarray
+    bytes_written: int
+    repeated: dict[int, int]
+
+
+def spill_group(devices: list[DeviceSource], directory: str, *, seed: int, buckets: int,
+                buffer_windows: int, curation: Curation, on_bad_rows: str) -> SpillResult:
+    """Pass 1 for a group of devices (in a worker process)."""
+    os.makedirs(directory)
+    spill = _Buckets(directory, buckets)
+    spiller = _Spiller(spill, seed=seed, buckets=buckets, pool=None, file_writer=None, workers=1,
+                       buffer_windows=buffer_windows)
+    repeated: dict[int, int] = {}
+    try:
+        for device in devices:
+            keys: list[tuple[np.ndarray, np.ndarray]] = []
+            blocks = _keyed(device.blocks(curation=curation, on_bad_rows=on_bad_rows), keys)
+            spiller.device(device.device_id, device.source_names(), blocks)
+            spiller.finish()
+            if keys and (count := repeated_windows([k[0] for k in keys], [k[1] for k in keys], None)):
+                repeated[device.device_id] = count
+    finally:
+        spill.close()
+    return SpillResult(spiller.summaries, spiller.dictionaries, spill.paths, spill.windows,
+                       spill.bytes_written, repeated)
+
+
+def _keyed(blocks: Iterator[WindowBlock], keys: list[tuple[np.ndarray, np.ndarray]]) -> Iterator[WindowBlock]:
+    """The blocks, each one's duplicate-check keys kept as it passes."""
+    for block in blocks:
+        if len(block):
+            keys.append(block_keys(block))
+        yield block
+
+
+@dataclass
+class _Pass2:
+    """What every pass-2 process needs, set here before they are forked (so inherited, not sent)."""
+
+    loader: _Loader
+    table: DictionaryTable
+    coded: bool
+    dest: Location
+
+
+_PASS2: _Pass2 | None = None
+_OPENED: dict[str, Any] = {}  # per worker process: the store's arrays, opened once
+
+
+def _arrays() -> tuple[_Pass2, dict[str, Any]]:
+    """This worker process's pass-2 state and the store's arrays (opened once a process)."""
+    import zarr
+
+    from birdzarr.storage._location import zarr_store
+
+    state = _PASS2
+    assert state is not None, "set before the pass-2 processes are forked"
+    if "arrays" not in _OPENED:
+        group = zarr.open_group(zarr_store(state.dest, read_only=False), mode="r+", zarr_format=3)
+        _OPENED["arrays"] = writable_arrays(group)  # sized before any worker started
+    return state, _OPENED["arrays"]
+
+
+def write_shared_chunk(start: int, stop: int, data: dict[str, np.ndarray]) -> None:
+    """Encode and store one chunk that two buckets share (in a worker process: a bucket of ~131K
+    windows shares about a third of its 32,768-window chunks, too many to encode here)."""
+    state, arrays = _arrays()
+    sink = ChunkSink(state.dest, arrays, workers=1)
+    sink.code_encoder = state.table.encode if state.coded else None
+    sink.write(start, stop, data)
+
+
+def write_bucket(bucket: int) -> tuple[SegmentResult, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Pass 2 for one bucket (in a worker process): its whole chunks written, the windows of the
+    chunks it shares sent back with its per-device checksums."""
+    state, arrays = _arrays()
+    block, sums = state.loader.load_alone(bucket)
+    start = int(state.loader.starts[bucket])
+    router = _Router(Segment(start, start + len(block), []), None, int(arrays[GIMU].chunks[0]))
+    slabs = SlabWriter(state.dest, arrays, start=router.whole[0], slab_chunks=SLAB_CHUNKS, workers=1,
+                       in_flight=0)
+    if state.coded:
+        slabs.sink.code_encoder = state.table.encode
+    router.slabs = slabs
+    try:
+        router.add(-1, block, start)  # the block carries each window's device
+        slabs.drain()
+    finally:
+        slabs.close()
+    return SegmentResult([], {}, router.shared()), sums
+
+
+def write_shuffled_in_processes(
+    writer: StoreWriter, groups: list[list[DeviceSource]], *, seed: int, buckets: int,
+    tmp_dir: str | None, curation: Curation, on_bad_rows: str, workers: int, dest: Location,
+    duplicates: DuplicateCounter | None, on_pass: Callable[[str, int], Any] | None = None,
+    on_written: Callable[[int], Any] | None = None,
+) -> dict[str, Any]:
+    """``write_shuffled`` in worker processes; the same store and the same facts, and the
+    number of processes."""
+    global _PASS2
+    directory = tempfile.mkdtemp(prefix="birdzarr-shuffle-", dir=tmp_dir)
+    context = multiprocessing.get_context("fork")
+    processes = max(1, min(workers, len(groups)))
+    try:
+        buffer_windows = max(256 * buckets, PASS1_BUFFER_WINDOWS // processes)
+        with ProcessPoolExecutor(processes, mp_context=context, initializer=die_with_parent) as pool:
+            spilled: dict[Future[Any], int] = {
+                pool.submit(spill_group, group, os.path.join(directory, f"group-{i:04d}"), seed=seed,
+                            buckets=buckets, buffer_windows=buffer_windows, curation=curation,
+                            on_bad_rows=on_bad_rows): i
+                for i, group in enumerate(groups)
+            }
+            results: dict[int, SpillResult] = {}
+            try:
+                for future in as_finished(spilled):
+                    results[spilled[future]] = future.result()
+            except BaseException:
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+        ordered = [results[i] for i in range(len(groups))]
+        summaries = {d: s for r in ordered for d, s in r.summaries.items()}
+        dictionaries = {d: known for r in ordered for d, known in r.dictionaries.items()}
+        if duplicates is not None:
+            for r in ordered:
+                for device_id, count in r.repeated.items():
+                    duplicates.add(device_id, count)
+        windows = np.sum([r.windows for r in ordered], axis=0).astype(np.int64)
+        files = SpillFiles([[r.paths[k] for r in ordered] for k in range(buckets)], windows)
+        if on_pass is not None:
+            on_pass("write", int(windows.sum()))
+        table = DictionaryTable({d: [np.sort(k) for k in known] for d, known in dictionaries.items()},
+                                N_CHANNELS)
+        gimu_codec = writer.slabs.sink.codecs[GIMU]
+        coded = gimu_codec is not None and gimu_codec.kind == "gdict16"
+        if coded:
+            writer.slabs.sink.code_encoder = table.encode  # the shared chunks, written here
+        loader = _Loader(files, table, dictionaries, {}, seed=seed, coded=coded,
+                         chunk_windows=writer.slabs.chunk_windows)
+        segments = [Segment(int(start), int(start + n), [])
+                    for start, n in zip(loader.starts, windows, strict=True)]
+        _PASS2 = _Pass2(loader, table, coded, dest)
+        sums: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        with ProcessPoolExecutor(max(1, min(workers, buckets)), mp_context=context,
+                                 initializer=die_with_parent) as pool:
+            chunks: list[Future[None]] = []
+            collector = SegmentCollector(
+                writer, segments, duplicates=None, bar=None,
+                write_chunk=lambda start, stop, data: chunks.append(
+                    pool.submit(write_shared_chunk, start, stop, data)))
+            written = {pool.submit(write_bucket, k): k for k in range(buckets)}
+            try:
+                for future in as_finished(written):
+                    k = written[future]
+                    result, sums[k] = future.result()
+                    collector.add(segments[k], result)
+                    if on_written is not None:
+                        on_written(int(windows[k]))
+                for chunk in chunks:
+                    chunk.result()
+            except BaseException:
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+        collector.finish()
+        checksums = chain_checksums([sums[k] for k in range(buckets)])
+        empty = checksum_hasher().hexdigest()
+        for device_id, summary in summaries.items():
+            summary.entry.scattered_checksum = checksums.get(device_id, empty)
+            writer.record(summary)
+        return {"buckets": buckets, "spill_bytes": sum(r.bytes_written for r in ordered),
+                "worker_processes": processes}
+    finally:
+        _PASS2 = None
+        shutil.rmtree(directory, ignore_errors=True)
