@@ -8,7 +8,9 @@ SOURCE is a directory of per-device Parquet files or CSV exports (``benchmarks/c
 --keep`` leaves one). The conversion runs in this process (progress bars off); a sampler thread
 reads ``/proc/self/task/*/stat`` every 20 ms and maps thread ids to the names birdzarr gives
 its threads (``birdzarr-read``, ``birdzarr-encode``, ``birdzarr-spill``, ...). Linux only.
-The sampler's own CPU is left out of the totals.
+The sampler's own CPU is left out of the totals. It sees the threads of this process only:
+Parquet input of 64 MB or more, and any ``--shuffle`` of that size, are converted in worker
+processes (birdzarr/convert/_segments.py, _shuffle_processes.py), whose CPU it does not show.
 """
 
 from __future__ import annotations
