@@ -188,7 +188,8 @@ def test_input_that_changes_under_the_worker_processes_is_refused(
 
     monkeypatch.setattr(_segments, "count_device", one_more_for_4)
     dest = tmp_path / "s.zarr"
-    with pytest.raises(BadInputError, match=r"device 4: its Parquet footers count 301 windows, but "
+    with pytest.raises(BadInputError, match=r"device 4: counted 301 windows before the conversion "
+                                            r"\(from its Parquet footers, or by reading it\), but "
                                             r"reading gave 300; did the input change"):
         birdzarr.convert(src, dest, workers=2, progress=False)
     assert not dest.exists()
@@ -407,14 +408,14 @@ def test_a_shuffle_whose_spill_is_damaged_fails_cleanly(
     stops the conversion with that error, while the next bucket is loading beside it: no hang,
     no store, no spill left behind."""
     monkeypatch.setattr(_shuffle, "BUCKET_WINDOWS", 3000)
-    close = _shuffle._Buckets.close
+    close = _shuffle.SpillBuckets.close
 
-    def close_then_damage(self: _shuffle._Buckets) -> None:
+    def close_then_damage(self: _shuffle.SpillBuckets) -> None:
         close(self)
         with open(self.paths[1], "r+b") as handle:
             handle.truncate(os.path.getsize(self.paths[1]) // 2)
 
-    monkeypatch.setattr(_shuffle._Buckets, "close", close_then_damage)
+    monkeypatch.setattr(_shuffle.SpillBuckets, "close", close_then_damage)
     spill_dir = tmp_path / "spill"
     spill_dir.mkdir()
     outcome: list[BaseException] = []

@@ -21,7 +21,7 @@ from birdzarr.convert._pipeline import counted, device_blocks
 from birdzarr.convert._segments import convert_in_processes, plan_processes
 from birdzarr.convert._shuffle import bucket_count, write_shuffled
 from birdzarr.convert._shuffle_processes import plan_spill_groups, write_shuffled_in_processes
-from birdzarr.convert._sources import DeviceSource, find_inputs
+from birdzarr.convert._sources import DeviceSource, find_inputs, refuse_repeated_devices
 from birdzarr.convert._writer import StoreWriter
 from birdzarr.format._codec import compressor_of
 from birdzarr.format._spec import (
@@ -185,7 +185,7 @@ def _convert_here(
 
             groups = plan_spill_groups(devices, workers=workers)
             if groups is not None:  # in worker processes (convert/_shuffle_processes.py)
-                _refuse_repeated_devices(src.display, devices)
+                refuse_repeated_devices(src.display, devices)
                 shuffled = write_shuffled_in_processes(
                     writer, groups, seed=seed, buckets=buckets, tmp_dir=shuffle_tmp, curation=curation,
                     on_bad_rows=on_bad_rows, workers=workers, dest=dst, duplicates=duplicates,
@@ -197,7 +197,7 @@ def _convert_here(
             extra["shuffle"] = {"buckets": shuffled["buckets"], "spill_bytes": shuffled["spill_bytes"]}
         elif (segments := plan_processes(kind, devices, curation=curation, on_bad_rows=on_bad_rows,
                                          workers=workers, chunk_windows=chunk_windows)) is not None:
-            _refuse_repeated_devices(src.display, devices)
+            refuse_repeated_devices(src.display, devices)
             extra.update(convert_in_processes(writer, segments, curation=curation, on_bad_rows=on_bad_rows,
                                               workers=workers, dest=dst, duplicates=duplicates, bar=bar))
         else:
@@ -239,17 +239,9 @@ def _device_inputs(
 ) -> Iterator[tuple[int, list[str], Iterator[WindowBlock]]]:
     """(device id, source file names, curated blocks) per device, in device order; ``workers``
     read and curate ahead (birdzarr/convert/_pipeline.py)."""
-    _refuse_repeated_devices(where, devices)
+    refuse_repeated_devices(where, devices)
     for device, blocks in device_blocks(devices, curation, on_bad_rows, workers=workers):
         yield device.device_id, device.source_names(), counted(blocks, bar)
-
-
-def _refuse_repeated_devices(where: str, devices: list[DeviceSource]) -> None:
-    seen: set[int] = set()
-    for device in devices:
-        if device.device_id in seen:
-            raise BadInputError(f"{where}: device {device.device_id} appears in more than one input.")
-        seen.add(device.device_id)
 
 
 def _estimated_windows(kind: str, devices: list[DeviceSource]) -> int:

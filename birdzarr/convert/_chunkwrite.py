@@ -90,10 +90,10 @@ class ChunkSink:
                 # the device ids of the chunk's windows: gdict16 keeps one dictionary per device
                 groups = data[DEVICE][first - start : first - start + size] if DEVICE in data else None
                 coded = name == GIMU and CODES in data
-                # a chunk given as codes may come without its (never filled) float32 windows
-                held = data[CODES if coded and name not in data else name]
-                values = held[first - start : first - start + size]
                 codes = data[CODES][first - start : first - start + size] if coded else None
+                # a chunk given as codes is encoded from them alone (its float32 windows, never
+                # filled, may be absent)
+                values = codes if codes is not None else data[name][first - start : first - start + size]
                 tasks.append((name, array, first // size, values, groups, codes))
         if self.workers == 1:  # in this thread, blosc single-threaded: one core
             with _blosc_single_threaded():

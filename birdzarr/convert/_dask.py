@@ -30,7 +30,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from birdzarr._errors import BadInputError
 from birdzarr._progress import progress_bar
 from birdzarr.convert._duplicates import DuplicateCounter
 from birdzarr.convert._segments import (
@@ -40,7 +39,7 @@ from birdzarr.convert._segments import (
     largest_first,
     plan_segments,
 )
-from birdzarr.convert._sources import DeviceSource
+from birdzarr.convert._sources import DeviceSource, refuse_repeated_devices
 from birdzarr.convert._writer import StoreWriter
 from birdzarr.format._spec import Curation
 from birdzarr.storage._location import Location
@@ -69,9 +68,7 @@ def convert_on_cluster(
     except ImportError as exc:  # pragma: no cover - a Client exists, so distributed does too
         raise ImportError("Dask conversion needs `pip install 'birdzarr[dask]'`") from exc
 
-    ids = [d.device_id for d in devices]
-    if len(set(ids)) != len(ids):
-        raise BadInputError(f"{src.display}: a device appears in more than one input.")
+    refuse_repeated_devices(src.display, devices)
     started = time.perf_counter()
     with StoreWriter(dst, codec=codec, chunk_windows=chunk_windows, overwrite=overwrite,
                      static_attrs=static, workers=workers) as writer, progress_bar(

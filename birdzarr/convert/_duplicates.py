@@ -78,6 +78,25 @@ def repeated_windows(
     return len(new) - len(kinds)
 
 
+class DeviceKeys:
+    """One device's duplicate-check keys, gathered block by block in the calling thread (a
+    worker process reading a device whole: ``_segments.py``, ``_shuffle_processes.py``)."""
+
+    def __init__(self) -> None:
+        self.hashes: list[np.ndarray] = []
+        self.times: list[np.ndarray] = []
+
+    def add(self, block: WindowBlock) -> None:
+        if len(block):
+            hashes, times = block_keys(block)
+            self.hashes.append(hashes)
+            self.times.append(times)
+
+    def repeated(self) -> int:
+        """Windows of the device that repeat another of its windows."""
+        return repeated_windows(self.hashes, self.times, None) if self.hashes else 0
+
+
 class DuplicateCounter:
     """Watches each device's blocks as they stream to the writer and counts repeated windows.
 

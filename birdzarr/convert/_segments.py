@@ -43,7 +43,7 @@ import numpy as np
 from birdzarr._errors import BadInputError
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._chunkwrite import CODES
-from birdzarr.convert._duplicates import DuplicateCounter, block_keys, repeated_windows
+from birdzarr.convert._duplicates import DeviceKeys, DuplicateCounter
 from birdzarr.convert._pipeline import count_on_bar
 from birdzarr.convert._slabs import SlabWriter, writable_arrays
 from birdzarr.convert._sources import DeviceSource
@@ -165,15 +165,21 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-class _Router:
-    """Sends a segment's windows, in order, to its slab writer (chunks wholly inside the
-    segment) or to the parts of the chunks it shares."""
+def whole_chunks(start: int, stop: int, chunk_windows: int) -> tuple[int, int]:
+    """The windows of the chunks lying wholly inside ``[start, stop)`` (``(0, 0)``: none)."""
+    first = -(-start // chunk_windows) * chunk_windows
+    last = stop // chunk_windows * chunk_windows
+    return (first, last) if first < last else (0, 0)
 
-    def __init__(self, segment: Segment, slabs: SlabWriter | None, chunk_windows: int) -> None:
-        self.chunk_windows = chunk_windows
-        first = -(-segment.start // chunk_windows) * chunk_windows  # first whole chunk's start
-        last = segment.stop // chunk_windows * chunk_windows  # and the end of the last one
-        self.whole = (first, last) if first < last else (0, 0)
+
+class ChunkRouter:
+    """Sends the windows of ``[start, stop)``, in order, to a slab writer (the chunks wholly
+    inside: ``whole_chunks``, the writer starting at the first) or to the parts of the chunks
+    the range shares with its neighbours."""
+
+    def __init__(self, start: int, stop: int, slabs: SlabWriter) -> None:
+        self.chunk_windows = slabs.chunk_windows
+        self.whole = whole_chunks(start, stop, self.chunk_windows)
         self.slabs = slabs
         self.parts: dict[int, list[tuple[int, int, WindowBlock]]] = {}  # chunk -> (start, device, rows)
 
@@ -182,7 +188,6 @@ class _Router:
         while at < end:
             if self.whole[0] <= at < self.whole[1]:
                 stop = min(end, self.whole[1])
-                assert self.slabs is not None
                 self.slabs.add(device_id, block.part(at - position, stop - position))
             else:
                 chunk = at // self.chunk_windows
@@ -221,17 +226,14 @@ def convert_segment(segment: Segment, dest_url: str, dest_options: dict[str, Any
     location = resolve(dest_url, dest_options)
     group = zarr.open_group(zarr_store(location, read_only=False), mode="r+", zarr_format=3)
     arrays = writable_arrays(group)  # sized by the writer before any worker started
-    chunk_windows = int(arrays[GIMU].chunks[0])
-    router = _Router(segment, None, chunk_windows)
-    slabs = SlabWriter(location, arrays, start=router.whole[0], slab_chunks=SLAB_CHUNKS, workers=1,
-                       in_flight=0)
-    router.slabs = slabs
+    first = whole_chunks(segment.start, segment.stop, int(arrays[GIMU].chunks[0]))[0]
+    slabs = SlabWriter(location, arrays, start=first, slab_chunks=SLAB_CHUNKS, workers=1, in_flight=0)
+    router = ChunkRouter(segment.start, segment.stop, slabs)
     result = SegmentResult([], {})
     try:
         for device, first, count in segment.devices:
             summary = Summarizer(device.device_id, device.source_names(), first)
-            hashes: list[np.ndarray] = []
-            times: list[np.ndarray] = []
+            keys = DeviceKeys()
             position = first
             for block in device.blocks(curation=curation, on_bad_rows=on_bad_rows):
                 summary.add(block)
@@ -239,20 +241,19 @@ def convert_segment(segment: Segment, dest_url: str, dest_options: dict[str, Any
                     continue
                 if position + len(block) > first + count:
                     break  # more windows than counted: reported below
-                keys = block_keys(block)
-                hashes.append(keys[0])
-                times.append(keys[1])
+                keys.add(block)
                 router.add(device.device_id, block, position)
                 position += len(block)
             finished = summary.finish()
             if position != first + count or finished.entry.n_windows != count:
                 raise BadInputError(
-                    f"device {device.device_id}: its Parquet footers count {count:,} windows, but "
-                    f"reading gave {finished.entry.n_windows:,}; did the input change during the "
-                    "conversion? Convert again."
+                    f"device {device.device_id}: counted {count:,} windows before the conversion "
+                    f"(from its Parquet footers, or by reading it), but reading gave "
+                    f"{finished.entry.n_windows:,}; did the input change during the conversion? "
+                    "Convert again."
                 )
             result.summaries.append(finished)
-            if hashes and (repeated := repeated_windows(hashes, times, None)):
+            if repeated := keys.repeated():
                 result.repeated[device.device_id] = repeated
         slabs.drain()
     finally:

@@ -97,7 +97,7 @@ def bucket_count(estimated_windows: int) -> int:
     return max(1, min(MAX_BUCKETS, math.ceil(estimated_windows / BUCKET_WINDOWS)))
 
 
-class _Buckets:
+class SpillBuckets:
     """K append-only spill files of compressed pieces."""
 
     def __init__(self, directory: str, count: int) -> None:
@@ -180,8 +180,8 @@ def write_shuffled(
     pool = ThreadPoolExecutor(workers, thread_name_prefix="birdzarr-spill") if workers > 1 else None
     file_writer = ThreadPoolExecutor(1, thread_name_prefix="birdzarr-spill-write") if workers > 1 else None
     try:
-        spill = _Buckets(directory, buckets)
-        spiller = _Spiller(spill, seed=seed, buckets=buckets, pool=pool, file_writer=file_writer,
+        spill = SpillBuckets(directory, buckets)
+        spiller = Spiller(spill, seed=seed, buckets=buckets, pool=pool, file_writer=file_writer,
                            workers=workers)
         for device_id, sources, blocks in devices:
             spiller.device(device_id, sources, blocks)
@@ -199,7 +199,7 @@ def write_shuffled(
             sink.code_encoder = table.encode  # gdict16 from the codes, without a sort
         hashers = {device_id: checksum_hasher() for device_id in summaries}
         in_flight = min(workers, LOADS_IN_FLIGHT)
-        load = _Loader(spill.reading(), table, dictionaries, hashers, seed=seed, coded=coded,
+        load = BucketLoader(spill.reading(), table, dictionaries, hashers, seed=seed, coded=coded,
                        chunk_windows=writer.slabs.chunk_windows, slots=in_flight).load
         del spiller, dictionaries
         # the next buckets are read, decoded and hashed on the pool while this one is written
@@ -243,7 +243,7 @@ class _DeviceSpill:
 _Finding = tuple[_DeviceSpill, WindowBlock | None, Future[BlockValues] | None]
 
 
-class _Spiller:
+class Spiller:
     """Pass 1: every window to a bucket drawn from ``seed``, as codes into its device's
     dictionaries, in pieces of one device; keeps the devices' summaries and dictionaries.
 
@@ -253,7 +253,7 @@ class _Spiller:
     appended by one thread in the order they were cut, so the spill is the same with any
     number of workers."""
 
-    def __init__(self, spill: _Buckets, *, seed: int, buckets: int, pool: ThreadPoolExecutor | None,
+    def __init__(self, spill: SpillBuckets, *, seed: int, buckets: int, pool: ThreadPoolExecutor | None,
                  file_writer: ThreadPoolExecutor | None, workers: int,
                  buffer_windows: int = PASS1_BUFFER_WINDOWS) -> None:
         self.spill, self.buckets, self.pool, self.workers = spill, buckets, pool, workers
@@ -347,7 +347,7 @@ class _Scratch:
         self.meta = np.empty(windows, dtype=_META)
 
 
-class _Loader:
+class BucketLoader:
     """Pass 2's reading of buckets, ``slots`` at once (each on its own thread), handed over in
     order.
 
@@ -400,15 +400,15 @@ class _Loader:
         scratch = self._free.get()
         try:
             n, order, devices = self._decode(bucket, scratch)
-            runs = device_runs(devices)
-            rows = order[runs.order]
-            crcs = np.zeros(len(runs.ids), dtype=np.uint64)
-            for k, (_, start, stop) in enumerate(runs):
+            ids, crcs, sizes = [], [], []
+            for device, windows in _by_device(scratch, order, devices):
                 hasher = checksum_hasher()
-                hasher.update(np.take(scratch.bits, rows[start:stop], axis=0).view("<f4"))
-                crcs[k] = hasher.value
-            sizes = (runs.stops - runs.starts) * WINDOW_LENGTH * N_CHANNELS * 4
-            return self._block(scratch, n, order, devices), (runs.ids, crcs, sizes)
+                hasher.update(windows)
+                ids.append(device)
+                crcs.append(hasher.value)
+                sizes.append(windows.nbytes)
+            sums = (np.array(ids, dtype=np.int64), np.array(crcs, dtype=np.uint64), np.array(sizes))
+            return self._block(scratch, n, order, devices), sums
         finally:
             self._free.put(scratch)
 
@@ -460,7 +460,14 @@ class _Loader:
 
     def _hash_in_order(self, scratch: _Scratch, order: np.ndarray, devices: np.ndarray) -> None:
         """Feed each device's windows of this bucket to its checksum in ascending store order."""
-        runs = device_runs(devices)
-        rows = order[runs.order]  # spilled rows, device by device, each in store order
-        for device, start, stop in runs:
-            self.hashers[device].update(np.take(scratch.bits, rows[start:stop], axis=0).view("<f4"))
+        for device, windows in _by_device(scratch, order, devices):
+            self.hashers[device].update(windows)
+
+
+def _by_device(scratch: _Scratch, order: np.ndarray, devices: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+    """Each device of a loaded bucket with its float32 windows in store order (what its checksum
+    is fed), in ascending device id."""
+    runs = device_runs(devices)
+    rows = order[runs.order]  # spilled rows, device by device, each in store order
+    for device, start, stop in runs:
+        yield device, np.take(scratch.bits, rows[start:stop], axis=0).view("<f4")

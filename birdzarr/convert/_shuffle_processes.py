@@ -34,21 +34,22 @@ import numpy as np
 
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._chunkwrite import ChunkSink
-from birdzarr.convert._duplicates import DuplicateCounter, block_keys, repeated_windows
+from birdzarr.convert._duplicates import DeviceKeys, DuplicateCounter
 from birdzarr.convert._gdict_encode import DictionaryTable
 from birdzarr.convert._segments import (
     PROCESS_MIN_BYTES,
     SEGMENTS_PER_WORKER,
     SLAB_CHUNKS,
+    ChunkRouter,
     Segment,
     SegmentCollector,
     SegmentResult,
-    _Router,
     as_finished,
     die_with_parent,
     fork_available,
+    whole_chunks,
 )
-from birdzarr.convert._shuffle import PASS1_BUFFER_WINDOWS, SpillFiles, _Buckets, _Loader, _Spiller
+from birdzarr.convert._shuffle import PASS1_BUFFER_WINDOWS, BucketLoader, SpillBuckets, Spiller, SpillFiles
 from birdzarr.convert._slabs import SlabWriter, writable_arrays
 from birdzarr.convert._sources import DeviceSource
 from birdzarr.convert._summary import DeviceSummary, chain_checksums, checksum_hasher
@@ -98,29 +99,28 @@ def spill_group(devices: list[DeviceSource], directory: str, *, seed: int, bucke
                 buffer_windows: int, curation: Curation, on_bad_rows: str) -> SpillResult:
     """Pass 1 for a group of devices (in a worker process)."""
     os.makedirs(directory)
-    spill = _Buckets(directory, buckets)
-    spiller = _Spiller(spill, seed=seed, buckets=buckets, pool=None, file_writer=None, workers=1,
+    spill = SpillBuckets(directory, buckets)
+    spiller = Spiller(spill, seed=seed, buckets=buckets, pool=None, file_writer=None, workers=1,
                        buffer_windows=buffer_windows)
     repeated: dict[int, int] = {}
     try:
         for device in devices:
-            keys: list[tuple[np.ndarray, np.ndarray]] = []
+            keys = DeviceKeys()
             blocks = _keyed(device.blocks(curation=curation, on_bad_rows=on_bad_rows), keys)
-            spiller.device(device.device_id, device.source_names(), blocks)
-            spiller.finish()
-            if keys and (count := repeated_windows([k[0] for k in keys], [k[1] for k in keys], None)):
+            spiller.device(device.device_id, device.source_names(), blocks)  # placed as read
+            if count := keys.repeated():
                 repeated[device.device_id] = count
+        spiller.finish()
     finally:
         spill.close()
     return SpillResult(spiller.summaries, spiller.dictionaries, spill.paths, spill.windows,
                        spill.bytes_written, repeated)
 
 
-def _keyed(blocks: Iterator[WindowBlock], keys: list[tuple[np.ndarray, np.ndarray]]) -> Iterator[WindowBlock]:
+def _keyed(blocks: Iterator[WindowBlock], keys: DeviceKeys) -> Iterator[WindowBlock]:
     """The blocks, each one's duplicate-check keys kept as it passes."""
     for block in blocks:
-        if len(block):
-            keys.append(block_keys(block))
+        keys.add(block)
         yield block
 
 
@@ -128,7 +128,7 @@ def _keyed(blocks: Iterator[WindowBlock], keys: list[tuple[np.ndarray, np.ndarra
 class _Pass2:
     """What every pass-2 process needs, set here before they are forked (so inherited, not sent)."""
 
-    loader: _Loader
+    loader: BucketLoader
     table: DictionaryTable
     coded: bool
     dest: Location
@@ -167,12 +167,11 @@ def write_bucket(bucket: int) -> tuple[SegmentResult, tuple[np.ndarray, np.ndarr
     state, arrays = _arrays()
     block, sums = state.loader.load_alone(bucket)
     start = int(state.loader.starts[bucket])
-    router = _Router(Segment(start, start + len(block), []), None, int(arrays[GIMU].chunks[0]))
-    slabs = SlabWriter(state.dest, arrays, start=router.whole[0], slab_chunks=SLAB_CHUNKS, workers=1,
-                       in_flight=0)
+    first = whole_chunks(start, start + len(block), int(arrays[GIMU].chunks[0]))[0]
+    slabs = SlabWriter(state.dest, arrays, start=first, slab_chunks=SLAB_CHUNKS, workers=1, in_flight=0)
     if state.coded:
         slabs.sink.code_encoder = state.table.encode
-    router.slabs = slabs
+    router = ChunkRouter(start, start + len(block), slabs)
     try:
         router.add(-1, block, start)  # the block carries each window's device
         slabs.drain()
@@ -226,7 +225,7 @@ def write_shuffled_in_processes(
         coded = gimu_codec is not None and gimu_codec.kind == "gdict16"
         if coded:
             writer.slabs.sink.code_encoder = table.encode  # the shared chunks, written here
-        loader = _Loader(files, table, dictionaries, {}, seed=seed, coded=coded,
+        loader = BucketLoader(files, table, dictionaries, {}, seed=seed, coded=coded,
                          chunk_windows=writer.slabs.chunk_windows)
         segments = [Segment(int(start), int(start + n), [])
                     for start, n in zip(loader.starts, windows, strict=True)]

@@ -48,6 +48,15 @@ class DeviceSource:
                 yield from ParquetDeviceReader(self.device_id, file, on_bad_rows).blocks()
 
 
+def refuse_repeated_devices(where: str, devices: list[DeviceSource]) -> None:
+    """A device id given by two inputs (a directory and a single file naming the same device)."""
+    seen: set[int] = set()
+    for device in devices:
+        if device.device_id in seen:
+            raise BadInputError(f"{where}: device {device.device_id} appears in more than one input.")
+        seen.add(device.device_id)
+
+
 def file_name(file: Location) -> str:
     """A source file's name within its device: what appends compare to skip known files."""
     return file.display.rsplit("/", 1)[-1]

@@ -19,7 +19,6 @@ of their rank, so the order does not depend on ``num_workers``.
 
 from __future__ import annotations
 
-import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -134,8 +133,9 @@ class ResidentSelection:
         self.ldt = ldt  # int32 (n, 4): label, device, timestamp low and high halves
         self.global_index = global_index  # the store's window index of each resident row
         self.layout = layout  # where a window's codes lie in its row (None: float32)
-        expand = None if layout is None else layout.expand()
-        self._expand = None if expand is None else torch.from_numpy(expand).to(device)
+        # each of a window's 80 values' column in its row of codes (None: the row is the window)
+        self._expand_host = None if layout is None else layout.expand()
+        self._expand = None if self._expand_host is None else torch.from_numpy(self._expand_host).to(device)
 
     def __len__(self) -> int:
         return len(self.global_index)
@@ -344,7 +344,7 @@ class ResidentSelection:
         out = np.empty((n, WINDOW_LENGTH, N_CHANNELS), np.float32) if out is None else out
         back = np.empty_like(order)  # the batch row of each ascending row
         back[order] = np.arange(n)
-        if self._expand is None:
+        if self._expand_host is None:
             np.take(looked_up.reshape(out.shape), back, axis=0, out=out, mode="clip")
             return out
         by_window = out.view()
@@ -358,11 +358,6 @@ class ResidentSelection:
         that pickling this object for a DataLoader worker never copies the codes out of shared
         memory."""
         return self.x.numpy().view(np.uint16)
-
-    @functools.cached_property
-    def _expand_host(self) -> np.ndarray:
-        assert self._expand is not None
-        return self._expand.cpu().numpy()
 
 
 def timestamp_halves(seconds: np.ndarray) -> np.ndarray:
