@@ -82,13 +82,13 @@ class ThreadClock:
 
 def measure(source: str, *, workers: int, shuffle: bool) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
     marks: dict[str, Any] = {}
-    finish = _shuffle._Spiller.finish
+    finish = _shuffle.Spiller.finish
 
     def finish_and_mark(self: Any) -> None:
         finish(self)
         marks["pass 1"] = (time.perf_counter(), clock.snapshot())
 
-    _shuffle._Spiller.finish = finish_and_mark  # type: ignore[method-assign]
+    _shuffle.Spiller.finish = finish_and_mark  # type: ignore[method-assign]
     dest = tempfile.mkdtemp(prefix="bz-threads-")
     try:
         with ThreadClock() as clock:
@@ -98,7 +98,7 @@ def measure(source: str, *, workers: int, shuffle: bool) -> list[tuple[dict[str,
             end = time.perf_counter()
         after = clock.snapshot()
     finally:
-        _shuffle._Spiller.finish = finish  # type: ignore[method-assign]
+        _shuffle.Spiller.finish = finish  # type: ignore[method-assign]
         shutil.rmtree(dest, ignore_errors=True)
     spans = [("all", start, before, end, after)]
     if "pass 1" in marks:
