@@ -17,6 +17,11 @@ only comparable between runs of similar load; "MB per CPU s" is the robust one. 
 --shuffle, CSV, then again), and each figure is the run of median seconds: on a shared machine a
 single run can be off by 20%. The last table gives the ratios: each worker count against 1
 worker, --shuffle against device order, and each store's size against its Parquet source.
+
+The "2 x 1 worker on halves, at once" row is this machine's ceiling for 2 workers: two
+independent 1-worker conversions, of half the devices each, started together. They share
+nothing, so no 2-worker conversion can beat their combined rate; on a machine whose second core
+gives less than a whole one (shared vCPUs, memory bandwidth) it shows how much less.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from typing import Any
@@ -119,7 +125,50 @@ def convert_measured(source: str, dest: str, *extra: str, parquet: str | None = 
         "store/parquet": stored / input_bytes(parquet, ".parquet") if parquet else "",
         "peak RSS MB": peak / 1e6,
     }
+    if "pass_cpu_seconds" in report.get("shuffle", {}):
+        row["pass CPU s"] = report["shuffle"]["pass_cpu_seconds"]
     return row
+
+
+def split_in_two(source: str, into: str) -> list[str]:
+    """Hard-link ``source``'s Parquet files into two directories of about equal bytes (largest
+    first, each to the lighter half): the input of two independent 1-worker conversions."""
+    halves = [os.path.join(into, "half_a"), os.path.join(into, "half_b")]
+    if all(os.path.isdir(h) for h in halves):
+        return halves
+    for h in halves:
+        shutil.rmtree(h, ignore_errors=True)
+        os.makedirs(h)
+    names = sorted((f for f in os.listdir(source) if f.endswith(".parquet")),
+                   key=lambda f: -os.path.getsize(os.path.join(source, f)))
+    weight = [0, 0]
+    for name in names:
+        lighter = int(weight[1] < weight[0])
+        os.link(os.path.join(source, name), os.path.join(halves[lighter], name))
+        weight[lighter] += os.path.getsize(os.path.join(source, name))
+    return halves
+
+
+def convert_halves_at_once(halves: list[str], workdir: str) -> dict[str, Any]:
+    """Two 1-worker conversions of half the devices each, started together: no conversion can
+    share its work between two cores better than two that share nothing, so their combined rate
+    against one 1-worker conversion of everything is this machine's ceiling for 2 workers."""
+    cli = "import sys; from birdzarr.cli import main; sys.exit(main(sys.argv[1:]))"
+    dests = [os.path.join(workdir, f"half_{i}.zarr") for i in range(len(halves))]
+    load = os.getloadavg()[0]
+    procs = [subprocess.Popen([sys.executable, "-c", cli, "convert", half, dest, "--overwrite", "--quiet",
+                               "--workers", "1"]) for half, dest in zip(halves, dests, strict=True)]
+    if any(proc.wait() for proc in procs):
+        raise RuntimeError("a half conversion failed")
+    import birdzarr
+
+    stores = [birdzarr.open_store(dest) for dest in dests]
+    # each report's seconds leave out the interpreter's start, as the other rows' do
+    seconds = max(float(store.meta["report"]["seconds"]) for store in stores)
+    windows = sum(len(store) for store in stores)
+    return {"windows": windows, "seconds": seconds, "MB/s": windows * WINDOW_BYTES / seconds / 1e6,
+            "of": "float32", "CPU s": sum(float(s.meta["report"]["cpu_seconds"]) for s in stores),
+            "load": f"{load:.1f}-{os.getloadavg()[0]:.1f}"}
 
 
 def main() -> int:
@@ -140,6 +189,8 @@ def main() -> int:
     )
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--skip-memory", action="store_true", help="skip the big-vs-small device test")
+    parser.add_argument("--skip-ceiling", action="store_true",
+                        help="skip the two independent half conversions (this machine's 2-worker ceiling)")
     parser.add_argument("--skip-shuffle", action="store_true", help="skip the --shuffle conversion")
     parser.add_argument("--skip-csv", action="store_true", help="skip the CSV conversions")
     parser.add_argument("--workdir", default=None)
@@ -182,6 +233,8 @@ def main() -> int:
             return row
 
         parquet_name = f"parquet, {args.devices} devices"
+        ceiling_name = f"parquet, {args.devices} devices, 2 x 1 worker on halves, at once"
+        halves = split_in_two(corpus, workdir) if not args.skip_ceiling and 1 in args.workers else None
         threads_name = f"parquet, {args.devices} devices, threads only"
         shuffle_name = f"parquet, {args.devices} devices, --shuffle"
         csv_name = f"csv, {args.csv_devices} devices x {args.csv_parts} parts"
@@ -194,6 +247,10 @@ def main() -> int:
                 run(parquet_name, w, corpus, "corpus.zarr")
             if most > 1:
                 run(threads_name, most, corpus, "corpus.zarr", threads_only=True)
+            if halves:
+                half_row = {"input": ceiling_name, "workers": 2, **convert_halves_at_once(halves, workdir)}
+                print(table([half_row]), flush=True)
+                runs.setdefault((ceiling_name, 2), []).append(half_row)
             if not args.skip_shuffle:
                 run(shuffle_name, most, corpus, "shuffled.zarr",
                     "--shuffle", "--seed", "1", "--shuffle-tmp", workdir)
@@ -202,6 +259,7 @@ def main() -> int:
                     run(csv_name, w, csv_dir, "csv.zarr")
         ordered = {w: median(parquet_name, w) for w in args.workers}
         threads = median(threads_name, most) if most > 1 else None
+        ceiling = median(ceiling_name, 2) if halves else None
         if not args.skip_shuffle:
             shuffled = median(shuffle_name, most)
         csv_rows = {w: median(csv_name, w) for w in args.workers} if not args.skip_csv else {}
@@ -221,6 +279,14 @@ def main() -> int:
             targets.append({"figure": f"parquet MB/s, {_workers(w)}", "value": row["MB/s"],
                             "ratio": float(row["MB/s"]) / float(one["MB/s"]) if one else "",
                             "against": "1 worker", "load": row["load"]})
+        if ceiling is not None and one is not None:
+            targets.append({"figure": "parquet MB/s, 2 x 1 worker on halves at once (ceiling)",
+                            "value": ceiling["MB/s"], "ratio": float(ceiling["MB/s"]) / float(one["MB/s"]),
+                            "against": "1 worker", "load": ceiling["load"]})
+            if 2 in ordered:
+                targets.append({"figure": "parquet MB/s, 2 workers", "value": ordered[2]["MB/s"],
+                                "ratio": float(ordered[2]["MB/s"]) / float(ceiling["MB/s"]),
+                                "against": "the ceiling", "load": ordered[2]["load"]})
         if threads is not None:
             targets.append({"figure": f"parquet MB/s, {_workers(most)}, worker processes",
                             "value": ordered[most]["MB/s"],
@@ -234,6 +300,11 @@ def main() -> int:
             targets.append({"figure": f"--shuffle MB/s, {_workers(most)}", "value": shuffled["MB/s"],
                             "ratio": float(shuffled["MB/s"]) / float(ordered[most]["MB/s"]),
                             "against": f"device order, {_workers(most)}", "load": shuffled["load"]})
+            # why --shuffle costs what it does: each of its passes against a whole ordered conversion
+            for k, name in enumerate(("pass 1 (read, code, spill)", "pass 2 (load, permute, write)")):
+                targets.append({"figure": f"--shuffle {name} CPU s", "value": shuffled["pass CPU s"][k],
+                                "ratio": float(shuffled["pass CPU s"][k]) / float(ordered[most]["CPU s"]),
+                                "against": f"device order's CPU s, {_workers(most)}", "load": ""})
             for name, row in (("shuffled", shuffled), ("ordered", ordered[most])):
                 targets.append({"figure": f"{name} store size", "value": "", "ratio": row["store/parquet"],
                                 "against": "the Parquet source", "load": ""})

@@ -25,7 +25,7 @@ from birdzarr.store._summary import format_summary, summary
 
 # Root attributes that record when and how fast a conversion ran, not what it stored.
 _VOLATILE = {"started_at", "finished_at", "committed_at", "seconds", "cpu_seconds", "cores_used", "workers",
-             "usable_cores", "worker_processes", "segments",
+             "usable_cores", "worker_processes", "segments", "pass_seconds", "pass_cpu_seconds",
              "spill_bytes"}  # a shuffle's spill: its pieces are cut where each worker's buffer fills
 
 
@@ -363,9 +363,12 @@ def test_shuffled_store_is_byte_identical_and_uses_device_dictionaries(
 def test_shuffled_store_in_worker_processes_is_byte_identical(
     parquet_dir: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, codec: str
 ) -> None:
-    """Pass 1 by groups of devices and pass 2 by buckets in worker processes: the store of one
-    worker on threads, every chunk, device table (checksums joined bucket by bucket) and all."""
-    monkeypatch.setattr(_shuffle, "BUCKET_WINDOWS", 3000)  # 7 buckets: chunks two buckets share
+    """Pass 1 by groups of devices and pass 2 by runs of buckets in worker processes: the store
+    of one worker on threads, every chunk, device table (checksums joined bucket by bucket) and
+    all."""
+    # 7 buckets in runs of 2, 2, 1, 2: chunks two buckets share inside a run and between runs
+    monkeypatch.setattr(_shuffle, "BUCKET_WINDOWS", 3000)
+    assert [len(r) for r in _shuffle_processes.plan_bucket_runs(7, workers=2)] == [2, 2, 1, 2]
     monkeypatch.setattr(_shuffle_processes, "PROCESS_MIN_BYTES", 0)
     stores = {}
     for workers in (1, 2):
@@ -375,9 +378,23 @@ def test_shuffled_store_in_worker_processes_is_byte_identical(
         stores[workers] = store
     assert "worker_processes" not in stores[1].meta["report"]
     assert stores[2].meta["report"]["worker_processes"] == 2
+    for store in stores.values():  # each pass's share of the time and CPU, both passes counted
+        report = store.meta["report"]
+        walls, cpus = report["shuffle"]["pass_seconds"], report["shuffle"]["pass_cpu_seconds"]
+        assert len(walls) == len(cpus) == 2 and min(walls) > 0 and min(cpus) > 0
+        assert sum(walls) == pytest.approx(report["seconds"], abs=0.01)
+        assert sum(cpus) == pytest.approx(report["cpu_seconds"], abs=0.01)
     assert_same_store(tmp_path / "s1.zarr", tmp_path / "s2.zarr")
     assert verify(stores[2].url).ok
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("birdzarr-shuffle-")] == []
+
+
+@pytest.mark.parametrize(("buckets", "workers"), [(1, 2), (7, 2), (8, 2), (31, 2), (3, 16), (190, 16)])
+def test_bucket_runs_take_every_bucket_once_in_order(buckets: int, workers: int) -> None:
+    runs = _shuffle_processes.plan_bucket_runs(buckets, workers=workers)
+    assert [k for run in runs for k in run] == list(range(buckets))
+    assert len(runs) == min(buckets, _shuffle_processes.RUNS_PER_WORKER * workers)
+    assert max(map(len, runs)) - min(map(len, runs)) <= 1
 
 
 def test_checksums_of_parts_chain_into_the_checksum_of_the_whole() -> None:

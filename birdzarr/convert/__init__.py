@@ -175,10 +175,14 @@ def _convert_here(
         if duplicates is not None:  # counts windows repeated within a device (convert/_duplicates.py)
             inputs = ((d, sources, duplicates.watch(d, blocks)) for d, sources, blocks in inputs)
         extra: dict[str, Any] = {}
+        pass_one: list[float] = []  # a shuffle's: when pass 1 ended, wall clock and CPU seconds
         if shuffle:
             assert seed is not None
 
+
             def second_pass(name: str, windows: int) -> None:
+                # pass 1's worker processes have ended: their CPU time is counted
+                pass_one[:] = [time.perf_counter(), cpu_seconds()]
                 # no redraw before the reset: it would print pass 1's count under pass 2's name
                 bar.set_description(f"convert {kind}: {name} shuffled", refresh=False)
                 bar.reset(total=windows)
@@ -208,6 +212,11 @@ def _convert_here(
         writer.slabs.drain()
         seconds = time.perf_counter() - started
         extra.update(cpu_report(seconds, cpu, workers))
+        if shuffle and pass_one:  # each pass's share (they add up to the two figures above)
+            first, first_cpu = pass_one[0] - started, pass_one[1] - cpu
+            extra["shuffle"]["pass_seconds"] = [round(first, 3), round(seconds - first, 3)]
+            extra["shuffle"]["pass_cpu_seconds"] = [round(first_cpu, 3),
+                                                    round(extra["cpu_seconds"] - first_cpu, 3)]
         require_windows(src.display, writer)
         if duplicates is not None and duplicates.counts:
             extra["duplicate_windows"] = duplicates.report()

@@ -7,9 +7,11 @@ near two cores, as it does an ordered conversion: ``_segments.py``). Here:
   and each group is read, coded and spilled by one worker process into bucket files of its
   own. A window's bucket is drawn from ``(seed, device)``, so a bucket holds the same windows,
   in the same order, as on threads: each group's file of that bucket, in group order.
-- **Pass 2**: each bucket is loaded, permuted and written by one worker process, which
-  encodes every chunk wholly inside the bucket's windows; the windows of a chunk two buckets
-  share come back here and are written once all are in (``SegmentCollector``). Each device's
+- **Pass 2**: the buckets are cut into runs of consecutive buckets (``plan_bucket_runs``),
+  and each run is written by one worker process, which loads and permutes its buckets one at a
+  time and encodes every chunk wholly inside the run's windows, also the chunks two of its
+  buckets share; the windows of a run's first and last chunk come back here and are written
+  once all are in (``SegmentCollector``). Each device's
   checksum (CRC-32C of its windows in store order) is computed per bucket and the parts joined
   here, bucket after bucket (``chain_checksums``).
 
@@ -21,12 +23,11 @@ slab; this process the dictionaries, as on threads.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,8 +46,8 @@ from birdzarr.convert._segments import (
     SegmentCollector,
     SegmentResult,
     as_finished,
-    die_with_parent,
     fork_available,
+    forked_pool,
     whole_chunks,
 )
 from birdzarr.convert._shuffle import PASS1_BUFFER_WINDOWS, BucketLoader, SpillBuckets, Spiller, SpillFiles
@@ -124,6 +125,11 @@ def _keyed(blocks: Iterator[WindowBlock], keys: DeviceKeys) -> Iterator[WindowBl
         yield block
 
 
+# Pass-2 runs of consecutive buckets per worker process: more, shorter runs even out the end
+# of the pass; each costs its first and last chunk's windows sent here and back out
+RUNS_PER_WORKER = 2
+
+
 @dataclass
 class _Pass2:
     """What every pass-2 process needs, set here before they are forked (so inherited, not sent)."""
@@ -153,27 +159,42 @@ def _arrays() -> tuple[_Pass2, dict[str, Any]]:
 
 
 def write_shared_chunk(start: int, stop: int, data: dict[str, np.ndarray]) -> None:
-    """Encode and store one chunk that two buckets share (in a worker process: a bucket of ~131K
-    windows shares about a third of its 32,768-window chunks, too many to encode here)."""
+    """Encode and store one chunk that two runs of buckets share (in a worker process, so that
+    this process only gathers windows: encoding is most of a chunk's cost)."""
     state, arrays = _arrays()
     sink = ChunkSink(state.dest, arrays, workers=1)
     sink.code_encoder = state.table.encode if state.coded else None
     sink.write(start, stop, data)
 
 
-def write_bucket(bucket: int) -> tuple[SegmentResult, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Pass 2 for one bucket (in a worker process): its whole chunks written, the windows of the
-    chunks it shares sent back with its per-device checksums."""
+def plan_bucket_runs(buckets: int, *, workers: int) -> list[range]:
+    """Consecutive buckets in ``RUNS_PER_WORKER x workers`` runs of about equal counts (buckets
+    hold about equal windows), each written by one pass-2 process: a chunk that two buckets of
+    one run share is written there, and only a run's first and last chunk come back here."""
+    runs = max(1, min(buckets, RUNS_PER_WORKER * workers))
+    edges = [round(i * buckets / runs) for i in range(runs + 1)]
+    return [range(a, b) for a, b in zip(edges, edges[1:], strict=False)]
+
+
+def write_bucket_run(buckets: range) -> tuple[SegmentResult, list[tuple[np.ndarray, np.ndarray, np.ndarray]]]:
+    """Pass 2 for a run of consecutive buckets (in a worker process), loaded one at a time: every
+    chunk wholly inside the run written, the windows of its first and last chunk sent back, with
+    each bucket's per-device checksums."""
     state, arrays = _arrays()
-    block, sums = state.loader.load_alone(bucket)
-    start = int(state.loader.starts[bucket])
-    first = whole_chunks(start, start + len(block), int(arrays[GIMU].chunks[0]))[0]
+    starts = state.loader.starts
+    start = int(starts[buckets.start])
+    stop = start + int(state.loader.spill.windows[buckets.start : buckets.stop].sum())
+    first = whole_chunks(start, stop, int(arrays[GIMU].chunks[0]))[0]
     slabs = SlabWriter(state.dest, arrays, start=first, slab_chunks=SLAB_CHUNKS, workers=1, in_flight=0)
     if state.coded:
         slabs.sink.code_encoder = state.table.encode
-    router = ChunkRouter(start, start + len(block), slabs)
+    router = ChunkRouter(start, stop, slabs)
+    sums = []
     try:
-        router.add(-1, block, start)  # the block carries each window's device
+        for bucket in buckets:
+            block, bucket_sums = state.loader.load_alone(bucket)
+            router.add(-1, block, int(starts[bucket]))  # the block carries each window's device
+            sums.append(bucket_sums)
         slabs.drain()
     finally:
         slabs.close()
@@ -190,11 +211,10 @@ def write_shuffled_in_processes(
     number of processes."""
     global _PASS2
     directory = tempfile.mkdtemp(prefix="birdzarr-shuffle-", dir=tmp_dir)
-    context = multiprocessing.get_context("fork")
     processes = max(1, min(workers, len(groups)))
     try:
         buffer_windows = max(256 * buckets, PASS1_BUFFER_WINDOWS // processes)
-        with ProcessPoolExecutor(processes, mp_context=context, initializer=die_with_parent) as pool:
+        with forked_pool(processes) as pool:
             spilled: dict[Future[Any], int] = {
                 pool.submit(spill_group, group, os.path.join(directory, f"group-{i:04d}"), seed=seed,
                             buckets=buckets, buffer_windows=buffer_windows, curation=curation,
@@ -227,25 +247,26 @@ def write_shuffled_in_processes(
             writer.slabs.sink.code_encoder = table.encode  # the shared chunks, written here
         loader = BucketLoader(files, table, dictionaries, {}, seed=seed, coded=coded,
                          chunk_windows=writer.slabs.chunk_windows)
-        segments = [Segment(int(start), int(start + n), [])
-                    for start, n in zip(loader.starts, windows, strict=True)]
+        runs = plan_bucket_runs(buckets, workers=workers)
+        ends = np.concatenate((loader.starts, [windows.sum()]))
+        segments = [Segment(int(ends[run.start]), int(ends[run.stop]), []) for run in runs]
         _PASS2 = _Pass2(loader, table, coded, dest)
         sums: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        with ProcessPoolExecutor(max(1, min(workers, buckets)), mp_context=context,
-                                 initializer=die_with_parent) as pool:
+        with forked_pool(max(1, min(workers, len(runs)))) as pool:
             chunks: list[Future[None]] = []
             collector = SegmentCollector(
                 writer, segments, duplicates=None, bar=None,
                 write_chunk=lambda start, stop, data: chunks.append(
                     pool.submit(write_shared_chunk, start, stop, data)))
-            written = {pool.submit(write_bucket, k): k for k in range(buckets)}
+            written = {pool.submit(write_bucket_run, run): i for i, run in enumerate(runs)}
             try:
                 for future in as_finished(written):
-                    k = written[future]
-                    result, sums[k] = future.result()
-                    collector.add(segments[k], result)
+                    i = written[future]
+                    result, run_sums = future.result()
+                    sums.update(zip(runs[i], run_sums, strict=True))
+                    collector.add(segments[i], result)
                     if on_written is not None:
-                        on_written(int(windows[k]))
+                        on_written(segments[i].stop - segments[i].start)
                 for chunk in chunks:
                     chunk.result()
             except BaseException:
