@@ -18,7 +18,6 @@ import pytest
 import birdzarr
 from birdzarr._errors import BadInputError, DuplicateWindowsWarning
 from birdzarr.convert import _cpus, _pipeline, _segments, _shuffle, _shuffle_processes
-from birdzarr.convert._summary import chain_checksums, checksum_hasher
 from birdzarr.demo import _synthetic
 from birdzarr.maintenance._verify import verify
 from birdzarr.store._summary import format_summary, summary
@@ -364,8 +363,7 @@ def test_shuffled_store_in_worker_processes_is_byte_identical(
     parquet_dir: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, codec: str
 ) -> None:
     """Pass 1 by groups of devices and pass 2 by runs of buckets in worker processes: the store
-    of one worker on threads, every chunk, device table (checksums joined bucket by bucket) and
-    all."""
+    of one worker on threads, every chunk, device table and all."""
     # 7 buckets in runs of 2, 2, 1, 2: chunks two buckets share inside a run and between runs
     monkeypatch.setattr(_shuffle, "BUCKET_WINDOWS", 3000)
     assert [len(r) for r in _shuffle_processes.plan_bucket_runs(7, workers=2)] == [2, 2, 1, 2]
@@ -395,27 +393,6 @@ def test_bucket_runs_take_every_bucket_once_in_order(buckets: int, workers: int)
     assert [k for run in runs for k in run] == list(range(buckets))
     assert len(runs) == min(buckets, _shuffle_processes.RUNS_PER_WORKER * workers)
     assert max(map(len, runs)) - min(map(len, runs)) <= 1
-
-
-def test_checksums_of_parts_chain_into_the_checksum_of_the_whole() -> None:
-    rng = np.random.default_rng(3)
-    data = {d: [rng.integers(0, 256, size=int(rng.integers(0, 3000)), dtype=np.uint8) for _ in range(6)]
-            for d in (2, 7, 40)}
-    parts = []
-    for k in range(6):
-        devices = np.array([d for d in data if k % 2 == 0 or d != 7])  # device 7 skips odd parts
-        crcs, sizes = [], []
-        for d in devices:
-            hasher = checksum_hasher()
-            hasher.update(data[d][k])
-            crcs.append(hasher.value)
-            sizes.append(len(data[d][k]))
-        parts.append((devices, np.array(crcs, dtype=np.uint64), np.array(sizes)))
-    chained = chain_checksums(parts)
-    for d, pieces in data.items():
-        whole = checksum_hasher()
-        whole.update(np.concatenate([p for k, p in enumerate(pieces) if k % 2 == 0 or d != 7]))
-        assert chained[d] == whole.hexdigest()
 
 
 def test_a_shuffle_whose_spill_is_damaged_fails_cleanly(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from birdzarr import FormatVersionError, NotAStoreError
@@ -18,8 +19,6 @@ from birdzarr.format._spec import (
 
 
 def test_timestamp_unknown_is_nat() -> None:
-    import numpy as np
-
     assert np.isnat(np.array([TIMESTAMP_UNKNOWN], dtype="datetime64[s]"))[0]
 
 
@@ -36,10 +35,47 @@ def test_device_entry_round_trip() -> None:
     raw = entry.to_json()
     assert raw["scattered_checksum"] is None
     assert DeviceEntry.from_json(raw) == entry
-    shuffled = DeviceEntry(device_id=1, n_windows=3, scattered_checksum="00ff")
+    assert raw["scattered_digest"] is None
+    shuffled = DeviceEntry(device_id=1, n_windows=3, scattered_digest="0123456789abcdef")
     assert DeviceEntry.from_json(shuffled.to_json()) == shuffled
-    del raw["scattered_checksum"]  # written before the field existed
-    assert DeviceEntry.from_json(raw).scattered_checksum is None
+    earlier = DeviceEntry(device_id=1, n_windows=3, scattered_checksum="00ff")  # shuffled by earlier versions
+    assert DeviceEntry.from_json(earlier.to_json()) == earlier
+    del raw["scattered_checksum"], raw["scattered_digest"]  # written before the fields existed
+    assert DeviceEntry.from_json(raw) == entry
+
+
+def test_scattered_digest_follows_its_specification() -> None:
+    """docs/format.md's definition, written out in plain Python integers, gives the digest."""
+    from birdzarr.format._digest import RowDigest, row_hashes
+
+    mask = 2**64 - 1
+
+    def fmix(z: int) -> int:
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+
+    keys = [fmix(0x5EEDB12D + i) | 1 for i in range(41)]
+
+    def row_hash(window: np.ndarray, timestamp: int, label: int) -> int:
+        words = np.frombuffer(window.astype("<f4").tobytes(), dtype="<u8").tolist()
+        total = 0
+        for key, word in zip(keys, words, strict=False):
+            mixed = (key * word) & mask
+            total += mixed ^ (mixed >> 29)
+        total = fmix((total + (timestamp & mask) * keys[40]) & mask)
+        return fmix((total + (label & mask) * 0x9E3779B97F4A7C15) & mask)
+
+    rng = np.random.default_rng(4)
+    windows = rng.standard_normal((5, 20, 4)).astype(np.float32)
+    timestamps = np.array([-(2**63), -1, 0, 1_700_000_000, 2**62], dtype=np.int64)
+    labels = np.array([-1, 0, 3, 7, -1], dtype=np.int32)
+    expected = [row_hash(w, int(t), int(lab)) for w, t, lab in zip(windows, timestamps, labels, strict=True)]
+    assert row_hashes(windows, timestamps, labels).tolist() == expected
+    digest = RowDigest()
+    digest.update(windows[3:], timestamps[3:], labels[3:])  # in any order, in any pieces
+    digest.update(windows[:3], timestamps[:3], labels[:3])
+    assert digest.hexdigest() == f"{sum(expected) & mask:016x}"
 
 
 def test_device_report_merge_and_round_trip() -> None:

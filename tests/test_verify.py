@@ -9,6 +9,7 @@ import shutil
 
 import numpy as np
 import pytest
+import zarr
 
 import birdzarr
 from birdzarr._errors import MissingChunkError
@@ -144,7 +145,7 @@ def test_cli_verify_exit_status_and_listing(
     assert main(["verify", str(store_copy / "nope")]) == 2
 
 
-def test_a_shuffled_store_checks_its_scattered_checksums(
+def test_a_shuffled_store_checks_its_scattered_digests(
     tmp_path: pathlib.Path, parquet_source: tuple[pathlib.Path, dict]
 ) -> None:
     dest = tmp_path / "shuffled.zarr"
@@ -152,10 +153,49 @@ def test_a_shuffled_store_checks_its_scattered_checksums(
     result = verify(dest, source=parquet_source[0])
     assert result.ok, result.format()
     assert result.checksums_checked == len(parquet_source[1])
+    assert verify(dest).ok
     source, device, _ = _changed_source(parquet_source, tmp_path, 1, (3, 0, 0), 1.0)
     assert f"device {device}: 1 window(s)" in verify(dest, source=source).format()
+    # one window's label changed (a valid chunk, written by zarr): its device's digest differs
+    kept = _chunk(dest, "label", 0).read_bytes()
+    labels = zarr.open_array(dest / "label", mode="r+")
+    devices = zarr.open_array(dest / "device", mode="r")[:]
+    labels[7] = int(labels[7]) + 1
+    found = verify(dest).format()
+    assert found.count("scattered digest") == 1 and f"device {int(devices[7])}: scattered digest" in found
+    _chunk(dest, "label", 0).write_bytes(kept)
+    assert verify(dest).ok
+    # two chunks exchanged: the windows no longer match their devices, times and labels
     a, b = _chunk(dest, "gimu", 1), _chunk(dest, "gimu", 4)
     data_a, data_b = a.read_bytes(), b.read_bytes()
     a.write_bytes(data_b)
     b.write_bytes(data_a)
-    assert "scattered checksum" in verify(dest).format()
+    assert "scattered digest" in verify(dest).format()
+
+
+def test_a_store_shuffled_by_an_earlier_version_checks_its_scattered_checksums(
+    tmp_path: pathlib.Path, parquet_source: tuple[pathlib.Path, dict]
+) -> None:
+    """Earlier versions recorded a CRC-32C of each device's windows in index order instead of
+    the digest: such stores still verify, and a change is still found."""
+    from birdzarr.convert._summary import checksum_hasher
+
+    dest = tmp_path / "shuffled.zarr"
+    store = birdzarr.convert(parquet_source[0], dest, chunk_windows=1024, shuffle=True, seed=1,
+                             progress=False)
+    root = json.loads((dest / "zarr.json").read_text())
+    for entry in root["attributes"]["birdzarr"]["devices"]:
+        hasher = checksum_hasher()
+        hasher.update(store.device_windows(entry["device_id"]).astype("<f4"))  # in index order
+        entry["scattered_checksum"] = hasher.hexdigest()
+        del entry["scattered_digest"]
+    (dest / "zarr.json").write_text(json.dumps(root))
+    result = verify(dest)
+    assert result.ok, result.format()
+    assert result.checksums_checked == len(parquet_source[1])
+    a, b = _chunk(dest, "gimu", 1), _chunk(dest, "gimu", 4)
+    data_a, data_b = a.read_bytes(), b.read_bytes()
+    a.write_bytes(data_b)
+    b.write_bytes(data_a)
+    found = verify(dest).format()
+    assert "scattered checksum" in found and "scattered digest" not in found

@@ -23,11 +23,12 @@ import zarr
 
 from birdzarr._errors import AppendError, IncompleteStoreError
 from birdzarr.convert._blocks import WindowBlock
-from birdzarr.convert._duplicates import DuplicateCounter, window_hashes
+from birdzarr.convert._duplicates import DuplicateCounter
 from birdzarr.convert._memory import arrow_pool
 from birdzarr.convert._slabs import writable_arrays
 from birdzarr.convert._sources import DeviceSource, file_name, find_inputs
 from birdzarr.convert._writer import Writer, _now
+from birdzarr.format._digest import window_hashes
 from birdzarr.format._spec import (
     GIMU,
     TIMESTAMP,

@@ -20,19 +20,7 @@ import numpy as np
 
 from birdzarr._errors import DuplicateWindowsWarning
 from birdzarr.convert._blocks import WindowBlock
-
-_WORDS = 40  # a float32 (20, 4) window is 320 bytes = 40 uint64 words
-_KEYS = np.random.default_rng(0x5EED_B12D).integers(1, 2**63, size=_WORDS + 1, dtype=np.uint64) | np.uint64(1)
-
-
-def window_hashes(windows: np.ndarray, timestamps: np.ndarray) -> np.ndarray:
-    """One uint64 per window from its timestamp and exact float32 bits."""
-    n = len(windows)
-    words = np.ascontiguousarray(windows, dtype="<f4").reshape(n, -1).view("<u8")
-    with np.errstate(over="ignore"):
-        mixed = words * _KEYS[:_WORDS]
-        mixed ^= mixed >> np.uint64(29)
-        return fmix64(mixed.sum(axis=1, dtype=np.uint64) + timestamps.astype(np.uint64) * _KEYS[_WORDS])
+from birdzarr.format._digest import window_hashes
 
 
 def distinct(values: np.ndarray) -> np.ndarray:
@@ -47,15 +35,6 @@ def distinct(values: np.ndarray) -> np.ndarray:
     keep[0] = True
     np.not_equal(ordered[1:], ordered[:-1], out=keep[1:])
     return ordered[keep]
-
-
-def fmix64(z: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser: every input bit affects every output bit (so sums of hashes of
-    different multisets differ, even when rows only exchange values)."""
-    with np.errstate(over="ignore"):
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return z ^ (z >> np.uint64(31))
 
 
 _IN_FLIGHT = 8  # blocks hashed ahead at most: the hasher holds no more than this many blocks

@@ -29,7 +29,6 @@ import queue
 import shutil
 import struct
 import tempfile
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ from numcodecs import Blosc
 
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._gdict_encode import BlockValues, DeviceCoder, DictionaryTable, block_values
-from birdzarr.convert._summary import DeviceSummary, Summarizer, WindowChecksum, checksum_hasher, device_runs
+from birdzarr.convert._summary import DeviceSummary, Summarizer
 from birdzarr.convert._writer import StoreWriter
 from birdzarr.format._spec import (
     GIMU,
@@ -170,7 +169,7 @@ def write_shuffled(
 ) -> dict[str, Any]:
     """Write every device's windows to ``writer`` in one seeded global random order.
 
-    Records every device with ``writer`` (no ranges; ``scattered_checksum`` set); returns facts
+    Records every device with ``writer`` (no ranges; ``scattered_digest`` set); returns facts
     for the conversion report (buckets, spill bytes). ``on_pass`` is told when the second pass
     starts, with the number of windows it writes; ``on_written`` how many windows each of its
     buckets handed to the writer (a progress bar's steps).
@@ -197,12 +196,11 @@ def write_shuffled(
         coded = gimu_codec is not None and gimu_codec.kind == "gdict16"
         if coded:
             sink.code_encoder = table.encode  # gdict16 from the codes, without a sort
-        hashers = {device_id: checksum_hasher() for device_id in summaries}
         in_flight = min(workers, LOADS_IN_FLIGHT)
-        load = BucketLoader(spill.reading(), table, dictionaries, hashers, seed=seed, coded=coded,
-                       chunk_windows=writer.slabs.chunk_windows, slots=in_flight).load
+        load = BucketLoader(spill.reading(), table, dictionaries, seed=seed, coded=coded,
+                            chunk_windows=writer.slabs.chunk_windows, slots=in_flight).load
         del spiller, dictionaries
-        # the next buckets are read, decoded and hashed on the pool while this one is written
+        # the next buckets are read and decoded on the pool while this one is written
         loading: collections.deque[Future[WindowBlock]] = collections.deque()
         for bucket in range(buckets):
             for ahead in range(bucket + len(loading), min(buckets, bucket + in_flight)):
@@ -212,9 +210,8 @@ def write_shuffled(
             if on_written is not None:
                 on_written(len(block))
             del block
-        for device_id, summary in summaries.items():
-            summary.entry.scattered_checksum = hashers[device_id].hexdigest()
-            writer.record(summary)
+        for summary in summaries.values():
+            writer.record(summary)  # with its digest, found in pass 1 (``Summarizer``)
         return {"buckets": buckets, "spill_bytes": spill.bytes_written}
     finally:
         # the pool first: a piece waiting to be written then ends with its cancelled compression
@@ -337,29 +334,29 @@ class Spiller:
 
 class _Scratch:
     """One load's buffers, reused from bucket to bucket (new memory costs a page fault per
-    4 KiB): a bucket's values, codes, devices and metadata in the order they were spilled."""
+    4 KiB): a bucket's codes (or float32 values, where the store is not gdict16), devices and
+    metadata in the order they were spilled."""
 
     def __init__(self, windows: int, code_dtype: np.dtype | None) -> None:
-        self.bits = np.empty((windows, WINDOW_LENGTH, N_CHANNELS), dtype=np.uint32)
         shape = (N_CHANNELS, windows, WINDOW_LENGTH)
         self.codes = None if code_dtype is None else np.empty(shape, code_dtype)
+        floats = (windows, WINDOW_LENGTH, N_CHANNELS)
+        self.bits = np.empty(floats, dtype=np.uint32) if code_dtype is None else None
         self.devices = np.empty(windows, dtype=np.int32)
         self.meta = np.empty(windows, dtype=_META)
 
 
 class BucketLoader:
-    """Pass 2's reading of buckets, ``slots`` at once (each on its own thread), handed over in
-    order.
+    """Pass 2's reading of buckets, ``slots`` at once (each on its own thread or process).
 
-    A bucket's pieces are decoded, in the order they were written, into one slot's buffers; its
-    codes are then permuted into new arrays (the writer keeps them until they are written). Each
-    device's windows are fed to its checksum in store order: a load hashes only once the load
-    of the bucket before it has, so the checksums are the same with any number of slots."""
+    A bucket's pieces are decoded, in the order they were written, into one slot's buffers: as
+    codes into the sorted dictionaries (``table``) where the store is gdict16, else as float32
+    values. They are then permuted into new arrays (the writer keeps them until they are
+    written). Loads are independent: any bucket, in any order, on any thread."""
 
     def __init__(self, spill: SpillFiles, table: DictionaryTable, dictionaries: dict[int, list[np.ndarray]],
-                 hashers: dict[int, WindowChecksum], *, seed: int, coded: bool, chunk_windows: int,
-                 slots: int = 1) -> None:
-        self.spill, self.hashers, self.seed = spill, hashers, seed
+                 *, seed: int, coded: bool, chunk_windows: int, slots: int = 1) -> None:
+        self.spill, self.seed = spill, seed
         self.chunk_windows = chunk_windows
         # the store position of each bucket's first window (a shuffled store is written from 0)
         self.starts = np.concatenate(([0], np.cumsum(spill.windows)[:-1])).astype(np.int64)
@@ -374,55 +371,26 @@ class BucketLoader:
         self._free: queue.SimpleQueue[_Scratch] = queue.SimpleQueue()
         for _ in range(max(1, min(slots, len(spill.windows)))):
             self._free.put(_Scratch(largest, code_dtype))
-        self._turn = 0  # the bucket whose windows are hashed next
-        self._turn_changed = threading.Condition()
 
     def load(self, bucket: int) -> WindowBlock:
         """The bucket's windows permuted with a generator seeded with ``(seed, bucket)``: as
-        codes into the table (where the store is gdict16) or as float32 windows. Call for every
-        bucket, in order (at most ``slots`` at once)."""
-        scratch = self._free.get()
-        try:
-            try:
-                n, order, devices = self._decode(bucket, scratch)
-            except BaseException:
-                self._in_turn(bucket, None)  # let the later buckets hash
-                raise
-            self._in_turn(bucket, lambda: self._hash_in_order(scratch, order, devices))
-            return self._block(scratch, n, order, devices)
-        finally:
-            self._free.put(scratch)
-
-    def load_alone(self, bucket: int) -> tuple[WindowBlock, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """``load``, in any order, without the shared checksums: instead each device's CRC-32C of
-        its windows of this bucket in store order, as ``(device ids, CRCs, bytes)``, which
-        ``chain_checksums`` joins bucket after bucket."""
+        codes into the table (where the store is gdict16) or as float32 windows (at most
+        ``slots`` at once)."""
         scratch = self._free.get()
         try:
             n, order, devices = self._decode(bucket, scratch)
-            ids, crcs, sizes = [], [], []
-            for device, windows in _by_device(scratch, order, devices):
-                hasher = checksum_hasher()
-                hasher.update(windows)
-                ids.append(device)
-                crcs.append(hasher.value)
-                sizes.append(windows.nbytes)
-            sums = (np.array(ids, dtype=np.int64), np.array(crcs, dtype=np.uint64), np.array(sizes))
-            return self._block(scratch, n, order, devices), sums
+            meta = scratch.meta[:n][order]
+            if scratch.codes is None:
+                assert scratch.bits is not None
+                windows = np.take(scratch.bits[:n], order, axis=0).view(np.float32)
+                return WindowBlock(windows, meta["timestamp"], meta["label"], DeviceReport(), devices)
+            # (windows, channels, samples)
+            codes = np.take(scratch.codes[:, :n], order, axis=1).transpose(1, 0, 2)
+            # the windows exist only as codes: the writer encodes the chunks from them
+            nan = np.broadcast_to(np.float32(np.nan), (n, WINDOW_LENGTH, N_CHANNELS))
+            return WindowBlock(nan, meta["timestamp"], meta["label"], DeviceReport(), devices, codes)
         finally:
             self._free.put(scratch)
-
-    def _block(self, scratch: _Scratch, n: int, order: np.ndarray, devices: np.ndarray) -> WindowBlock:
-        """The bucket's windows in store order (new arrays: the writer keeps them)."""
-        meta = scratch.meta[:n][order]
-        if scratch.codes is None:
-            windows = np.take(scratch.bits[:n], order, axis=0).view(np.float32)
-            return WindowBlock(windows, meta["timestamp"], meta["label"], DeviceReport(), devices)
-        # (windows, channels, samples)
-        codes = np.take(scratch.codes[:, :n], order, axis=1).transpose(1, 0, 2)
-        # the windows exist only as codes: the writer encodes the chunks from them
-        windows = np.broadcast_to(np.float32(np.nan), (n, WINDOW_LENGTH, N_CHANNELS))
-        return WindowBlock(windows, meta["timestamp"], meta["label"], DeviceReport(), devices, codes)
 
     def _decode(self, bucket: int, scratch: _Scratch) -> tuple[int, np.ndarray, np.ndarray]:
         """Decode the bucket into ``scratch``; its windows' store order (as spilled rows) and devices."""
@@ -431,9 +399,11 @@ class BucketLoader:
         for piece in self.spill.pieces(bucket):
             k = len(piece.meta)
             for c, (values, to_table) in enumerate(self.lookups[piece.device_id]):
-                np.take(values, piece.codes[c], out=scratch.bits[at : at + k, :, c], mode="clip")
                 if scratch.codes is not None:
                     np.take(to_table, piece.codes[c], out=scratch.codes[c, at : at + k], mode="clip")
+                else:
+                    assert scratch.bits is not None
+                    np.take(values, piece.codes[c], out=scratch.bits[at : at + k, :, c], mode="clip")
             scratch.devices[at : at + k] = piece.device_id
             scratch.meta[at : at + k] = piece.meta
             at += k
@@ -445,29 +415,3 @@ class BucketLoader:
         devices = scratch.devices[:n][order]
         grouped = np.lexsort((devices, chunk))
         return n, order[grouped], devices[grouped]
-
-    def _in_turn(self, bucket: int, work: Callable[[], None] | None) -> None:
-        """Run ``work`` once every bucket before this one has had its turn, then pass the turn on."""
-        with self._turn_changed:
-            self._turn_changed.wait_for(lambda: self._turn == bucket)
-        try:
-            if work is not None:
-                work()
-        finally:
-            with self._turn_changed:
-                self._turn = bucket + 1
-                self._turn_changed.notify_all()
-
-    def _hash_in_order(self, scratch: _Scratch, order: np.ndarray, devices: np.ndarray) -> None:
-        """Feed each device's windows of this bucket to its checksum in ascending store order."""
-        for device, windows in _by_device(scratch, order, devices):
-            self.hashers[device].update(windows)
-
-
-def _by_device(scratch: _Scratch, order: np.ndarray, devices: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
-    """Each device of a loaded bucket with its float32 windows in store order (what its checksum
-    is fed), in ascending device id."""
-    runs = device_runs(devices)
-    rows = order[runs.order]  # spilled rows, device by device, each in store order
-    for device, start, stop in runs:
-        yield device, np.take(scratch.bits, rows[start:stop], axis=0).view("<f4")

@@ -11,9 +11,8 @@ near two cores, as it does an ordered conversion: ``_segments.py``). Here:
   and each run is written by one worker process, which loads and permutes its buckets one at a
   time and encodes every chunk wholly inside the run's windows, also the chunks two of its
   buckets share; the windows of a run's first and last chunk come back here and are written
-  once all are in (``SegmentCollector``). Each device's
-  checksum (CRC-32C of its windows in store order) is computed per bucket and the parts joined
-  here, bucket after bucket (``chain_checksums``).
+  once all are in (``SegmentCollector``). Each device's digest (``scattered_digest``) does not
+  depend on the order of its windows: pass 1 finds it as it reads the device.
 
 The store is byte-identical to the one written on threads. Memory: each pass-1 process holds at
 most ``PASS1_BUFFER_WINDOWS / processes`` windows waiting to be spilled (so all together as on
@@ -53,7 +52,7 @@ from birdzarr.convert._segments import (
 from birdzarr.convert._shuffle import PASS1_BUFFER_WINDOWS, BucketLoader, SpillBuckets, Spiller, SpillFiles
 from birdzarr.convert._slabs import SlabWriter, writable_arrays
 from birdzarr.convert._sources import DeviceSource
-from birdzarr.convert._summary import DeviceSummary, chain_checksums, checksum_hasher
+from birdzarr.convert._summary import DeviceSummary
 from birdzarr.convert._writer import StoreWriter
 from birdzarr.format._spec import GIMU, N_CHANNELS, Curation
 from birdzarr.storage._location import Location
@@ -176,10 +175,9 @@ def plan_bucket_runs(buckets: int, *, workers: int) -> list[range]:
     return [range(a, b) for a, b in zip(edges, edges[1:], strict=False)]
 
 
-def write_bucket_run(buckets: range) -> tuple[SegmentResult, list[tuple[np.ndarray, np.ndarray, np.ndarray]]]:
+def write_bucket_run(buckets: range) -> SegmentResult:
     """Pass 2 for a run of consecutive buckets (in a worker process), loaded one at a time: every
-    chunk wholly inside the run written, the windows of its first and last chunk sent back, with
-    each bucket's per-device checksums."""
+    chunk wholly inside the run written, the windows of its first and last chunk sent back."""
     state, arrays = _arrays()
     starts = state.loader.starts
     start = int(starts[buckets.start])
@@ -189,16 +187,14 @@ def write_bucket_run(buckets: range) -> tuple[SegmentResult, list[tuple[np.ndarr
     if state.coded:
         slabs.sink.code_encoder = state.table.encode
     router = ChunkRouter(start, stop, slabs)
-    sums = []
     try:
         for bucket in buckets:
-            block, bucket_sums = state.loader.load_alone(bucket)
+            block = state.loader.load(bucket)
             router.add(-1, block, int(starts[bucket]))  # the block carries each window's device
-            sums.append(bucket_sums)
         slabs.drain()
     finally:
         slabs.close()
-    return SegmentResult([], {}, router.shared()), sums
+    return SegmentResult([], {}, router.shared())
 
 
 def write_shuffled_in_processes(
@@ -245,13 +241,12 @@ def write_shuffled_in_processes(
         coded = gimu_codec is not None and gimu_codec.kind == "gdict16"
         if coded:
             writer.slabs.sink.code_encoder = table.encode  # the shared chunks, written here
-        loader = BucketLoader(files, table, dictionaries, {}, seed=seed, coded=coded,
+        loader = BucketLoader(files, table, dictionaries, seed=seed, coded=coded,
                          chunk_windows=writer.slabs.chunk_windows)
         runs = plan_bucket_runs(buckets, workers=workers)
         ends = np.concatenate((loader.starts, [windows.sum()]))
         segments = [Segment(int(ends[run.start]), int(ends[run.stop]), []) for run in runs]
         _PASS2 = _Pass2(loader, table, coded, dest)
-        sums: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         with forked_pool(max(1, min(workers, len(runs)))) as pool:
             chunks: list[Future[None]] = []
             collector = SegmentCollector(
@@ -262,9 +257,7 @@ def write_shuffled_in_processes(
             try:
                 for future in as_finished(written):
                     i = written[future]
-                    result, run_sums = future.result()
-                    sums.update(zip(runs[i], run_sums, strict=True))
-                    collector.add(segments[i], result)
+                    collector.add(segments[i], future.result())
                     if on_written is not None:
                         on_written(segments[i].stop - segments[i].start)
                 for chunk in chunks:
@@ -273,11 +266,8 @@ def write_shuffled_in_processes(
                 pool.shutdown(wait=True, cancel_futures=True)
                 raise
         collector.finish()
-        checksums = chain_checksums([sums[k] for k in range(buckets)])
-        empty = checksum_hasher().hexdigest()
-        for device_id, summary in summaries.items():
-            summary.entry.scattered_checksum = checksums.get(device_id, empty)
-            writer.record(summary)
+        for summary in summaries.values():
+            writer.record(summary)  # with its digest, found in pass 1 (``Summarizer``)
         return {"buckets": buckets, "spill_bytes": sum(r.bytes_written for r in ordered),
                 "worker_processes": processes}
     finally:

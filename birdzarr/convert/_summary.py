@@ -7,7 +7,6 @@ to a ``Summarizer`` and record the ``DeviceSummary`` it finishes with.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -15,6 +14,7 @@ import google_crc32c
 import numpy as np
 
 from birdzarr.convert._blocks import WindowBlock
+from birdzarr.format._digest import RowDigest
 from birdzarr.format._spec import TIMESTAMP_UNKNOWN, DeviceEntry, DeviceRange, DeviceReport
 
 
@@ -43,66 +43,6 @@ class WindowChecksum:
 
     def hexdigest(self) -> str:
         return f"{self._crc:08x}"
-
-
-# CRC-32C's polynomial, bit-reversed (x^32 implied), for combining checksums of consecutive parts
-_CRC32C_POLY = 0x82F63B78
-
-
-def _multmodp(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """a(x) b(x) modulo the CRC polynomial, element-wise (uint64 arrays of 32-bit values, bit
-    31 the coefficient of x^0, as zlib's ``multmodp``)."""
-    product = np.zeros(np.broadcast(a, b).shape, dtype=np.uint64)
-    b = np.broadcast_to(b, product.shape).copy()
-    for bit in range(31, -1, -1):
-        product ^= np.where((a >> np.uint64(bit)) & np.uint64(1), b, np.uint64(0))
-        b = np.where(b & np.uint64(1), (b >> np.uint64(1)) ^ np.uint64(_CRC32C_POLY), b >> np.uint64(1))
-    return product
-
-
-def _x2nmodp(n: np.ndarray) -> np.ndarray:
-    """x^(8 n) modulo the CRC polynomial, element-wise: the operator that moves a CRC past ``n``
-    zero bytes (zlib's ``x2nmodp(n, 3)``)."""
-    result = np.full(n.shape, 1 << 31, dtype=np.uint64)  # x^0
-    bits = n.astype(np.uint64) << np.uint64(3)
-    for square in _squares():
-        if not bits.any():
-            break
-        step = (bits & np.uint64(1)).astype(bool)
-        if step.any():
-            result[step] = _multmodp(square, result[step])
-        bits >>= np.uint64(1)
-    return result
-
-
-@functools.cache
-def _squares() -> list[np.ndarray]:
-    """x^(2^k) modulo the CRC polynomial, k = 0..63 (made on first use: 18 ms, not at import)."""
-    power = np.asarray(np.uint64(1 << 30))  # x^1
-    out = []
-    for _ in range(64):
-        out.append(power)
-        power = _multmodp(power, power)
-    return out
-
-
-
-def chain_checksums(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> dict[int, str]:
-    """Each device's CRC-32C over its windows of every part in turn, from each part's own CRC
-    of them: ``parts`` are ``(device ids, CRCs, byte counts)``, in order (a shuffle's buckets,
-    checksummed each on its own). The same checksum ``WindowChecksum`` gives fed everything in
-    that order: ``crc(a + b) = crc(a) x^(8 len(b)) + crc(b)`` modulo the polynomial."""
-    if not parts:
-        return {}
-    # every part's shift at once (the costly step), then each part folded in, in order
-    shifts = np.split(_x2nmodp(np.concatenate([np.asarray(p[2], dtype=np.uint64) for p in parts])),
-                      np.cumsum([len(p[0]) for p in parts])[:-1])
-    running: dict[int, int] = {}
-    for (devices, crcs, _), shift in zip(parts, shifts, strict=True):
-        before = np.array([running.get(int(d), 0) for d in devices], dtype=np.uint64)
-        after = _multmodp(shift, before) ^ np.asarray(crcs, dtype=np.uint64)
-        running.update(zip(np.asarray(devices).tolist(), after.tolist(), strict=True))
-    return {int(device): f"{value:08x}" for device, value in running.items()}
 
 
 @dataclass(frozen=True)
@@ -162,8 +102,8 @@ class Summarizer:
 
     ``start`` is the device's first global window when its windows are stored as one run: the
     entry then gets that range with the checksum of its windows. ``None`` when they are
-    scattered (a shuffled store): no range, and the shuffle computes the checksum in store order
-    itself (``scattered_checksum``), so nothing is hashed here.
+    scattered (a shuffled store): no range, and the entry gets the order-free digest of its rows
+    instead (``scattered_digest``), the same whatever order the shuffle stores them in.
     """
 
     def __init__(self, device_id: int, sources: list[str], start: int | None) -> None:
@@ -171,6 +111,7 @@ class Summarizer:
         self.report = DeviceReport()
         self.start = start
         self._hasher = checksum_hasher() if start is not None else None
+        self._digest = RowDigest() if start is None else None
 
     def add(self, block: WindowBlock) -> None:
         self.report.merge(block.report)  # an empty block still reports what was read and dropped
@@ -179,6 +120,8 @@ class Summarizer:
         entry = self.entry
         if self._hasher is not None:
             self._hasher.update(np.ascontiguousarray(block.windows, dtype="<f4"))
+        if self._digest is not None:
+            self._digest.update(block.windows, block.timestamps, block.labels)
         for label, count in zip(*label_counts(block.labels), strict=True):
             entry.label_counts[label] = entry.label_counts.get(label, 0) + count
         known = block.timestamps[block.timestamps != TIMESTAMP_UNKNOWN]
@@ -193,4 +136,6 @@ class Summarizer:
         if self.start is not None and self._hasher is not None and self.entry.n_windows:
             stop = self.start + self.entry.n_windows
             self.entry.ranges.append(DeviceRange(self.start, stop, self._hasher.hexdigest()))
+        if self._digest is not None:
+            self.entry.scattered_digest = self._digest.hexdigest()
         return DeviceSummary(self.entry, self.report)

@@ -111,9 +111,12 @@ class DeviceEntry:
     last_time: int = TIMESTAMP_UNKNOWN
     sources: list[str] = field(default_factory=list)
     label_counts: dict[int, int] = field(default_factory=dict)
-    # Shuffled stores have no ranges: this checksum covers the device's windows in ascending
-    # global index order (same hash as DeviceRange.checksum). None in unshuffled stores.
+    # Shuffled stores have no ranges. Their devices carry an order-free digest of their rows
+    # (window, timestamp, label: format/_digest.py); stores shuffled by earlier versions carry
+    # instead a CRC-32C of the windows in ascending global index order (as DeviceRange.checksum).
+    # None in unshuffled stores.
     scattered_checksum: str | None = None
+    scattered_digest: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -125,6 +128,7 @@ class DeviceEntry:
             "sources": list(self.sources),
             "label_counts": {str(k): v for k, v in sorted(self.label_counts.items())},
             "scattered_checksum": self.scattered_checksum,
+            "scattered_digest": self.scattered_digest,
         }
 
     @classmethod
@@ -138,6 +142,7 @@ class DeviceEntry:
             sources=[str(s) for s in raw["sources"]],
             label_counts={int(k): int(v) for k, v in raw.get("label_counts", {}).items()},
             scattered_checksum=raw.get("scattered_checksum"),
+            scattered_digest=raw.get("scattered_digest"),
         )
 
 

@@ -6,8 +6,10 @@ Checks, in one pass over the committed chunks (each chunk file is read once):
 - every chunk of every array below the committed count exists and decodes (zarr would return
   fill values for a missing chunk; birdzarr's reader raises ``MissingChunkError``);
 - every device range's checksum (CRC-32C of the little-endian float32 bytes of its windows,
-  as written by the converter) matches; shuffled stores check each device's scattered checksum
-  (its windows in ascending global index order) instead;
+  as written by the converter) matches; shuffled stores check each device's scattered digest
+  (the order-free sum of its rows' hashes: ``birdzarr/format/_digest.py``) instead, or, in
+  stores shuffled by earlier versions, its scattered checksum (its windows in ascending global
+  index order);
 - every window's ``device`` id is the one the device table says;
 - the device table is consistent: ranges inside the committed windows, not overlapping, covering
   all of them, window counts adding up.
@@ -29,6 +31,7 @@ import numpy as np
 
 from birdzarr._errors import BirdzarrError, MissingChunkError
 from birdzarr.convert._summary import checksum_hasher, device_runs
+from birdzarr.format._digest import row_hashes
 from birdzarr.format._spec import DEVICE, GIMU, LABEL, TIMESTAMP, DeviceEntry
 from birdzarr.storage._location import StoreLike, resolve
 from birdzarr.storage._lock import read_holder
@@ -112,9 +115,9 @@ def verify(
     generation = int(committed.get("generation", 0))
     result = VerifyResult(url=opened.url, n_windows=len(opened), generation=generation)
     ranges = _check_table(opened, result)
-    # a shuffled store is compared with its source through per-device digests gathered in this
-    # same pass (each device's windows are scattered over every chunk)
-    digests = _Digests() if source is not None and opened.shuffled else None
+    # a shuffled store's devices are checked (and compared with the source) through digests
+    # gathered in this same pass: each device's windows are scattered over every chunk
+    digests = _Digests() if opened.shuffled else None
     _check_chunks(opened, ranges, result, progress=progress, digests=digests)
     if source is not None:
         _compare_with_source(opened, resolve(source, source_storage_options), result, digests)
@@ -161,8 +164,9 @@ def _check_chunks(store: Store, ranges: list[_RangeCheck], result: VerifyResult,
 
     reader = store.reader
     known = {e.device_id for e in store.device_table}
-    scattered = {e.device_id: checksum_hasher() for e in store.device_table}
-    counts = dict.fromkeys(known, 0)
+    # stores shuffled by earlier versions: a CRC-32C of each device's windows in index order
+    scattered = {e.device_id: checksum_hasher() for e in store.device_table
+                 if e.scattered_digest is None and e.scattered_checksum is not None}
     first = 0  # index of the first range not yet fully hashed
     with progress_bar(progress, desc="verify", total=reader.n_chunks, unit=" chunks") as bar:
         for index in range(reader.n_chunks):
@@ -182,7 +186,8 @@ def _check_chunks(store: Store, ranges: list[_RangeCheck], result: VerifyResult,
                     result.problem(f"windows {chunk_start:,}..{chunk_stop - 1:,}: device ids "
                                    f"{unknown[:5].tolist()} are not in the device table")
             if store.shuffled:
-                _hash_scattered(windows, devices, scattered, counts, chunk_start, result)
+                if scattered:
+                    _hash_scattered(windows, devices, scattered, chunk_start, result)
                 if digests is not None:
                     digests.add(data)
                 continue
@@ -203,7 +208,8 @@ def _check_chunks(store: Store, ranges: list[_RangeCheck], result: VerifyResult,
                 position += 1
             first = position
     if store.shuffled:
-        _finish_scattered(store.device_table, scattered, counts, result)
+        assert digests is not None
+        _finish_scattered(store.device_table, scattered, digests, result)
         return
     for check in ranges:
         where = f"device {check.device_id}, windows [{check.start:,}, {check.stop:,})"
@@ -223,39 +229,46 @@ def _check_chunks(store: Store, ranges: list[_RangeCheck], result: VerifyResult,
 
 
 def _hash_scattered(
-    windows: np.ndarray | None, devices: np.ndarray | None, hashers: dict[int, Any],
-    counts: dict[int, int], chunk_start: int, result: VerifyResult,
+    windows: np.ndarray | None, devices: np.ndarray | None, hashers: dict[int, Any], chunk_start: int,
+    result: VerifyResult,
 ) -> None:
+    """Feed each device's windows of a chunk to its CRC-32C, in index order (the scattered
+    checksum of stores shuffled by earlier versions)."""
     if windows is None or devices is None:
-        for device in hashers:
-            counts[device] = -(10**18)  # mark: cannot be checked
-        return
+        return  # the digests see the chunk is missing and say so
     runs = device_runs(devices)
     grouped = np.take(np.asarray(windows, dtype="<f4"), runs.order, axis=0)  # device by device
     for device, start, stop in runs:
         if device in hashers:
             hashers[device].update(grouped[start:stop])
-            counts[device] += stop - start
 
 
-def _finish_scattered(table: list[DeviceEntry], hashers: dict[int, Any], counts: dict[int, int],
+def _finish_scattered(table: list[DeviceEntry], hashers: dict[int, Any], digests: _Digests,
                       result: VerifyResult) -> None:
     for entry in table:
-        expected = getattr(entry, "scattered_checksum", None)
-        if counts[entry.device_id] < 0:
-            result.problem(f"device {entry.device_id}: checksum cannot be checked, a chunk is missing "
+        device = entry.device_id
+        if digests.broken:
+            result.problem(f"device {device}: checksum cannot be checked, a chunk is missing "
                            "or damaged (above)")
             continue
-        if counts[entry.device_id] != entry.n_windows:
-            result.problem(f"device {entry.device_id}: {counts[entry.device_id]:,} windows carry its id, "
-                           f"the device table says {entry.n_windows:,}")
-        if expected is None:
-            continue
-        result.checksums_checked += 1
-        digest = hashers[entry.device_id].hexdigest()
-        if digest != expected:
-            result.problem(f"device {entry.device_id}: scattered checksum {digest} differs from the "
-                           f"{expected} recorded at write time: its windows changed after writing")
+        count = digests.counts.get(device, 0)
+        if count != entry.n_windows:
+            result.problem(f"device {device}: {count:,} windows carry its id, the device table says "
+                           f"{entry.n_windows:,}")
+        if entry.scattered_digest is not None:
+            result.checksums_checked += 1
+            digest = f"{digests.sums.get(device, 0):016x}"
+            if digest != entry.scattered_digest:
+                result.problem(f"device {device}: scattered digest {digest} differs from the "
+                               f"{entry.scattered_digest} recorded at write time: its windows, times or "
+                               "labels changed after writing")
+        elif entry.scattered_checksum is not None:
+            result.checksums_checked += 1
+            crc = hashers[device].hexdigest()
+            if crc != entry.scattered_checksum:
+                result.problem(f"device {device}: scattered checksum {crc} differs from the "
+                               f"{entry.scattered_checksum} recorded at write time: its windows changed "
+                               "after writing")
 
 
 # -- comparison with the sources ---------------------------------------------------------------
@@ -380,8 +393,9 @@ def _sorted_rows(parts: Iterator[tuple[np.ndarray, ...]]) -> np.ndarray:
 
 class _Digests:
     """Per device of a shuffled store: its window count and the wrapping sum of a 64-bit hash of
-    each (window, time, label) row: an order-free fingerprint, gathered in verify's one pass over
-    the chunks. Different multisets of rows have different sums with probability ~1 - 2**-64."""
+    each (window, time, label) row (``row_hashes``): the order-free fingerprint the device
+    table records as ``scattered_digest``, gathered in verify's one pass over the chunks.
+    Different multisets of rows have different sums with probability ~1 - 2**-64."""
 
     def __init__(self) -> None:
         self.counts: dict[int, int] = {}
@@ -394,7 +408,7 @@ class _Digests:
             self.broken = True
             return
         ids = data[DEVICE] if devices is None else devices
-        hashes = _row_hashes(data[GIMU], data[TIMESTAMP], data[LABEL])
+        hashes = row_hashes(data[GIMU], data[TIMESTAMP], data[LABEL])
         if not len(ids):
             return
         runs = device_runs(ids)
@@ -403,14 +417,6 @@ class _Digests:
         for device, total, count in zip(runs.ids.tolist(), sums.tolist(), counts.tolist(), strict=True):
             self.counts[device] = self.counts.get(device, 0) + count
             self.sums[device] = (self.sums.get(device, 0) + total) % 2**64
-
-
-def _row_hashes(windows: np.ndarray, times: np.ndarray, labels: np.ndarray) -> np.ndarray:
-    from birdzarr.convert._duplicates import fmix64, window_hashes
-
-    with np.errstate(over="ignore"):
-        return fmix64(window_hashes(windows, times) + labels.astype(np.int64).astype(np.uint64)
-                      * np.uint64(0x9E3779B97F4A7C15))
 
 
 _EXACT_LIMIT = 3  # devices whose digests differ that are then compared window by window
