@@ -26,7 +26,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from _util import machine, table  # noqa: E402
 
-from birdzarr.convert._duplicates import distinct, window_hashes  # noqa: E402
+from birdzarr.convert._duplicates import distinct  # noqa: E402
+from birdzarr.format._digest import window_hashes  # noqa: E402
 
 BLOCK = 16_384  # windows per block, as the Parquet reader hands them over
 
