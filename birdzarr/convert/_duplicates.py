@@ -20,7 +20,6 @@ import numpy as np
 
 from birdzarr._errors import DuplicateWindowsWarning
 from birdzarr.convert._blocks import WindowBlock
-from birdzarr.format._digest import window_hashes
 
 
 def distinct(values: np.ndarray) -> np.ndarray:
@@ -41,7 +40,7 @@ _IN_FLIGHT = 8  # blocks hashed ahead at most: the hasher holds no more than thi
 
 
 def block_keys(block: WindowBlock) -> tuple[np.ndarray, np.ndarray]:
-    return window_hashes(block.windows, block.timestamps), distinct(block.timestamps)
+    return block.window_hashes(), distinct(block.timestamps)
 
 
 def repeated_windows(

@@ -121,7 +121,7 @@ class Summarizer:
         if self._hasher is not None:
             self._hasher.update(np.ascontiguousarray(block.windows, dtype="<f4"))
         if self._digest is not None:
-            self._digest.update(block.windows, block.timestamps, block.labels)
+            self._digest.update_hashed(block.window_hashes(), block.labels)
         for label, count in zip(*label_counts(block.labels), strict=True):
             entry.label_counts[label] = entry.label_counts.get(label, 0) + count
         known = block.timestamps[block.timestamps != TIMESTAMP_UNKNOWN]

@@ -44,9 +44,12 @@ def window_hashes(windows: np.ndarray, timestamps: np.ndarray) -> np.ndarray:
 
 def row_hashes(windows: np.ndarray, timestamps: np.ndarray, labels: np.ndarray) -> np.ndarray:
     """One uint64 per row: its window, timestamp and label."""
+    return _with_labels(window_hashes(windows, timestamps), labels)
+
+
+def _with_labels(hashes: np.ndarray, labels: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
-        label_terms = labels.astype(np.int64).astype(np.uint64) * _LABEL_KEY
-        return fmix64(window_hashes(windows, timestamps) + label_terms)
+        return fmix64(hashes + labels.astype(np.int64).astype(np.uint64) * _LABEL_KEY)
 
 
 class RowDigest:
@@ -57,8 +60,12 @@ class RowDigest:
         self.value = 0
 
     def update(self, windows: np.ndarray, timestamps: np.ndarray, labels: np.ndarray) -> None:
-        if len(windows):
-            total = row_hashes(windows, timestamps, labels).sum(dtype=np.uint64)  # wraps mod 2**64
+        self.update_hashed(window_hashes(windows, timestamps), labels)
+
+    def update_hashed(self, hashes: np.ndarray, labels: np.ndarray) -> None:
+        """``update`` from the rows' ``window_hashes``, found already."""
+        if len(hashes):
+            total = _with_labels(hashes, labels).sum(dtype=np.uint64)  # wraps mod 2**64
             self.value = (self.value + int(total)) % 2**64
 
     def hexdigest(self) -> str:
