@@ -16,8 +16,8 @@ near two cores, as it does an ordered conversion: ``_segments.py``). Here:
 
 The store is byte-identical to the one written on threads. Memory: each pass-1 process holds at
 most ``PASS1_BUFFER_WINDOWS / processes`` windows waiting to be spilled (so all together as on
-threads) and one block; each pass-2 process one bucket's buffers (500 bytes a window) and one
-slab; this process the dictionaries, as on threads.
+threads) and one block; each pass-2 process one bucket's buffers (176 bytes a window as codes)
+and one slab; this process the dictionaries, as on threads.
 """
 
 from __future__ import annotations

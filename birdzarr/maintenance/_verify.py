@@ -187,7 +187,7 @@ def _check_chunks(store: Store, ranges: list[_RangeCheck], result: VerifyResult,
                                    f"{unknown[:5].tolist()} are not in the device table")
             if store.shuffled:
                 if scattered:
-                    _hash_scattered(windows, devices, scattered, chunk_start, result)
+                    _hash_scattered(windows, devices, scattered)
                 if digests is not None:
                     digests.add(data)
                 continue
@@ -228,10 +228,7 @@ def _check_chunks(store: Store, ranges: list[_RangeCheck], result: VerifyResult,
                            f"{check.start // chunk}..{(check.stop - 1) // chunk} of 'gimu')")
 
 
-def _hash_scattered(
-    windows: np.ndarray | None, devices: np.ndarray | None, hashers: dict[int, Any], chunk_start: int,
-    result: VerifyResult,
-) -> None:
+def _hash_scattered(windows: np.ndarray | None, devices: np.ndarray | None, hashers: dict[int, Any]) -> None:
     """Feed each device's windows of a chunk to its CRC-32C, in index order (the scattered
     checksum of stores shuffled by earlier versions)."""
     if windows is None or devices is None:
