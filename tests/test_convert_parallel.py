@@ -4,6 +4,7 @@ core count follows CPU affinity and the cgroup quota."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import pathlib
@@ -382,9 +383,58 @@ def test_shuffled_store_in_worker_processes_is_byte_identical(
         assert len(walls) == len(cpus) == 2 and min(walls) > 0 and min(cpus) > 0
         assert sum(walls) == pytest.approx(report["seconds"], abs=0.01)
         assert sum(cpus) == pytest.approx(report["cpu_seconds"], abs=0.01)
+        assert f"; shuffle pass 1 {walls[0]:.1f} s, pass 2 {walls[1]:.1f} s" in format_summary(summary(store))
     assert_same_store(tmp_path / "s1.zarr", tmp_path / "s2.zarr")
     assert verify(stores[2].url).ok
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("birdzarr-shuffle-")] == []
+
+
+class _RecordingBar:
+    """Stands in for the progress bar: what each pass counted, pass by pass."""
+
+    def __init__(self, **kwargs: object) -> None:
+        self.passes: list[tuple[str, int]] = [(str(kwargs.get("desc")), 0)]
+
+    def __enter__(self) -> _RecordingBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def update(self, n: int) -> None:
+        name, done = self.passes[-1]
+        self.passes[-1] = (name, done + n)
+
+    def set_description(self, desc: str, refresh: bool = True) -> None:
+        self.passes.append((desc, 0))
+
+    def reset(self, total: int | None = None) -> None:
+        assert self.passes[-1][1] == 0, "reset right after the new pass's name"
+
+    def set_postfix_str(self, text: str, refresh: bool = True) -> None:
+        pass
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_progress_bar_counts_every_window_once_in_each_shuffle_pass(
+    parquet_dir: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, workers: int
+) -> None:
+    """Pass 1 counts the windows read and spilled (in worker processes: group by group), pass 2
+    the windows written, each pass all of them once."""
+    monkeypatch.setattr(_shuffle, "BUCKET_WINDOWS", 3000)
+    monkeypatch.setattr(_shuffle_processes, "PROCESS_MIN_BYTES", 0)
+    bars: list[_RecordingBar] = []
+
+    def recording_bar(enabled: bool, **kwargs: object) -> _RecordingBar:
+        bars.append(_RecordingBar(**kwargs))
+        return bars[-1]
+
+    monkeypatch.setattr(importlib.import_module("birdzarr.convert"), "progress_bar", recording_bar)
+    store = birdzarr.convert(parquet_dir, tmp_path / "s.zarr", workers=workers, shuffle=True, seed=5,
+                             chunk_windows=2048, progress=True, shuffle_tmp=str(tmp_path))
+    assert ("worker_processes" in store.meta["report"]) == (workers > 1)
+    n = len(store)
+    assert bars[0].passes == [("convert parquet", n), ("convert parquet: write shuffled", n)]
 
 
 @pytest.mark.parametrize(("buckets", "workers"), [(1, 2), (7, 2), (8, 2), (31, 2), (3, 16), (190, 16)])

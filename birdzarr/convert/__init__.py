@@ -17,7 +17,7 @@ from birdzarr.convert._cpus import cpu_report, cpu_seconds, resolve_workers
 from birdzarr.convert._duplicates import DuplicateCounter
 from birdzarr.convert._memory import arrow_pool
 from birdzarr.convert._overwrite import check_destination, replacing, staged_location
-from birdzarr.convert._pipeline import counted, device_blocks
+from birdzarr.convert._pipeline import count_on_bar, counted, device_blocks
 from birdzarr.convert._segments import convert_in_processes, plan_processes
 from birdzarr.convert._shuffle import bucket_count, write_shuffled
 from birdzarr.convert._shuffle_processes import plan_spill_groups, write_shuffled_in_processes
@@ -187,17 +187,20 @@ def _convert_here(
                 bar.set_description(f"convert {kind}: {name} shuffled", refresh=False)
                 bar.reset(total=windows)
 
+            def windows_done(windows: int) -> None:  # windows/s and MB/s on the bar, in either pass
+                count_on_bar(bar, windows)
+
             groups = plan_spill_groups(devices, workers=workers)
             if groups is not None:  # in worker processes (convert/_shuffle_processes.py)
                 refuse_repeated_devices(src.display, devices)
                 shuffled = write_shuffled_in_processes(
                     writer, groups, seed=seed, buckets=buckets, tmp_dir=shuffle_tmp, curation=curation,
                     on_bad_rows=on_bad_rows, workers=workers, dest=dst, duplicates=duplicates,
-                    on_pass=second_pass, on_written=bar.update)
+                    on_pass=second_pass, on_written=windows_done, on_spilled=windows_done)
                 extra["worker_processes"] = shuffled["worker_processes"]
             else:
                 shuffled = write_shuffled(writer, inputs, seed=seed, buckets=buckets, tmp_dir=shuffle_tmp,
-                                          on_pass=second_pass, on_written=bar.update)
+                                          on_pass=second_pass, on_written=windows_done)
             extra["shuffle"] = {"buckets": shuffled["buckets"], "spill_bytes": shuffled["spill_bytes"]}
         elif (segments := plan_processes(kind, devices, curation=curation, on_bad_rows=on_bad_rows,
                                          workers=workers, chunk_windows=chunk_windows)) is not None:

@@ -201,10 +201,11 @@ def write_shuffled_in_processes(
     writer: StoreWriter, groups: list[list[DeviceSource]], *, seed: int, buckets: int,
     tmp_dir: str | None, curation: Curation, on_bad_rows: str, workers: int, dest: Location,
     duplicates: DuplicateCounter | None, on_pass: Callable[[str, int], Any] | None = None,
-    on_written: Callable[[int], Any] | None = None,
+    on_written: Callable[[int], Any] | None = None, on_spilled: Callable[[int], Any] | None = None,
 ) -> dict[str, Any]:
     """``write_shuffled`` in worker processes; the same store and the same facts, and the
-    number of processes."""
+    number of processes. ``on_spilled`` is told how many windows each group spilled in pass 1
+    (a progress bar's steps, as ``on_written`` in pass 2)."""
     global _PASS2
     directory = tempfile.mkdtemp(prefix="birdzarr-shuffle-", dir=tmp_dir)
     processes = max(1, min(workers, len(groups)))
@@ -220,7 +221,9 @@ def write_shuffled_in_processes(
             results: dict[int, SpillResult] = {}
             try:
                 for future in as_finished(spilled):
-                    results[spilled[future]] = future.result()
+                    result = results[spilled[future]] = future.result()
+                    if on_spilled is not None:
+                        on_spilled(int(result.windows.sum()))
             except BaseException:
                 pool.shutdown(wait=True, cancel_futures=True)
                 raise

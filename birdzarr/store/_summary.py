@@ -50,7 +50,8 @@ def summary(store: Store) -> dict[str, Any]:
         "report": {"rows_read": rows_read, "bad_lines": bad_lines, "bad_files": bad_files,
                    "mixed_label_windows": mixed, "dropped": dropped, "seconds": report.get("seconds"),
                    "cpu_seconds": report.get("cpu_seconds"), "cores_used": report.get("cores_used"),
-                   "workers": report.get("workers")},
+                   "workers": report.get("workers"),
+                   "pass_seconds": (report.get("shuffle") or {}).get("pass_seconds")},
     }
 
 
@@ -97,4 +98,7 @@ def format_summary(info: dict[str, Any]) -> str:
             workers = report.get("workers")
             lines[-1] += (f", {report['cpu_seconds']:.1f} CPU s on {report.get('cores_used', 0):.1f} cores "
                           f"({workers} worker{'' if workers == 1 else 's'})")
+        if report.get("pass_seconds"):  # a shuffle: read and spill, then load and write
+            first, second = report["pass_seconds"]
+            lines[-1] += f"; shuffle pass 1 {first:.1f} s, pass 2 {second:.1f} s"
     return "\n".join(lines)
