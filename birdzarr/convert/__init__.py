@@ -179,7 +179,6 @@ def _convert_here(
         if shuffle:
             assert seed is not None
 
-
             def second_pass(name: str, windows: int) -> None:
                 # pass 1's worker processes have ended: their CPU time is counted
                 pass_one[:] = [time.perf_counter(), cpu_seconds()]

@@ -168,7 +168,7 @@ def die_with_parent() -> None:
 def forked_pool(processes: int) -> ProcessPoolExecutor:
     """Worker processes started with ``fork``, each ending with this process (``die_with_parent``)."""
     # The encoders' hash tables are pandas': imported here once, before the fork, instead of in
-    # every worker (0.1-0.3 s of CPU each, 0.1 s of CPU each here)
+    # every worker (0.1 s of CPU each here)
     import pandas  # noqa: F401
 
     return ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork"),

@@ -362,10 +362,10 @@ class BucketLoader:
         self.chunk_windows = chunk_windows
         # the store position of each bucket's first window (a shuffled store is written from 0)
         self.starts = np.concatenate(([0], np.cumsum(spill.windows)[:-1])).astype(np.int64)
-        # per device and channel, a code of pass 1 (order first seen) -> its value's bit
-        # pattern, and its code in the table
+        # per device and channel, a code of pass 1 (order first seen) -> its code in the table
+        # (a gdict16 store) or its value's bit pattern (any other)
         self.lookups = {
-            d: [(known[c], table.codes_of(d, c, known[c])) for c in range(N_CHANNELS)]
+            d: [table.codes_of(d, c, known[c]) if coded else known[c] for c in range(N_CHANNELS)]
             for d, known in dictionaries.items()
         }
         largest = int(spill.windows.max(initial=0))
@@ -399,12 +399,12 @@ class BucketLoader:
         at = 0
         for piece in self.spill.pieces(bucket):
             k = len(piece.meta)
-            for c, (values, to_table) in enumerate(self.lookups[piece.device_id]):
+            for c, lookup in enumerate(self.lookups[piece.device_id]):
                 if scratch.codes is not None:
-                    scratch.codes[at : at + k, c] = np.take(to_table, piece.codes[c], mode="clip")
+                    scratch.codes[at : at + k, c] = np.take(lookup, piece.codes[c], mode="clip")
                 else:
                     assert scratch.bits is not None
-                    np.take(values, piece.codes[c], out=scratch.bits[at : at + k, :, c], mode="clip")
+                    np.take(lookup, piece.codes[c], out=scratch.bits[at : at + k, :, c], mode="clip")
             scratch.devices[at : at + k] = piece.device_id
             scratch.meta[at : at + k] = piece.meta
             at += k

@@ -242,8 +242,6 @@ def write_shuffled_in_processes(
                                 N_CHANNELS)
         gimu_codec = writer.slabs.sink.codecs[GIMU]
         coded = gimu_codec is not None and gimu_codec.kind == "gdict16"
-        if coded:
-            writer.slabs.sink.code_encoder = table.encode  # the shared chunks, written here
         loader = BucketLoader(files, table, dictionaries, seed=seed, coded=coded,
                          chunk_windows=writer.slabs.chunk_windows)
         runs = plan_bucket_runs(buckets, workers=workers)

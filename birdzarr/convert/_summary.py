@@ -37,10 +37,6 @@ class WindowChecksum:
             data = np.ascontiguousarray(data).view(np.uint8)
         self._crc = google_crc32c.extend(self._crc, data)
 
-    @property
-    def value(self) -> int:
-        return self._crc
-
     def hexdigest(self) -> str:
         return f"{self._crc:08x}"
 

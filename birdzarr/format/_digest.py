@@ -69,4 +69,9 @@ class RowDigest:
             self.value = (self.value + int(total)) % 2**64
 
     def hexdigest(self) -> str:
-        return f"{self.value:016x}"
+        return digest_hex(self.value)
+
+
+def digest_hex(value: int) -> str:
+    """A digest as the device table records it: 16 lowercase hex digits."""
+    return f"{value:016x}"

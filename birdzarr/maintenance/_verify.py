@@ -31,7 +31,7 @@ import numpy as np
 
 from birdzarr._errors import BirdzarrError, MissingChunkError
 from birdzarr.convert._summary import checksum_hasher, device_runs
-from birdzarr.format._digest import row_hashes
+from birdzarr.format._digest import digest_hex, row_hashes
 from birdzarr.format._spec import DEVICE, GIMU, LABEL, TIMESTAMP, DeviceEntry
 from birdzarr.storage._location import StoreLike, resolve
 from birdzarr.storage._lock import read_holder
@@ -115,10 +115,7 @@ def verify(
     generation = int(committed.get("generation", 0))
     result = VerifyResult(url=opened.url, n_windows=len(opened), generation=generation)
     ranges = _check_table(opened, result)
-    # a shuffled store's devices are checked (and compared with the source) through digests
-    # gathered in this same pass: each device's windows are scattered over every chunk
-    digests = _Digests() if opened.shuffled else None
-    _check_chunks(opened, ranges, result, progress=progress, digests=digests)
+    digests = _check_chunks(opened, ranges, result, progress=progress)
     if source is not None:
         _compare_with_source(opened, resolve(source, source_storage_options), result, digests)
     result.notes += [f"uncommitted leftover: {item} (invisible to readers; `birdzarr repair` removes it)"
@@ -159,11 +156,16 @@ def _check_table(store: Store, result: VerifyResult) -> list[_RangeCheck]:
 
 
 def _check_chunks(store: Store, ranges: list[_RangeCheck], result: VerifyResult, *, progress: bool,
-                  digests: _Digests | None = None) -> None:
+) -> _Digests | None:
+    """Read every committed chunk once and check it (module doc); a shuffled store's per-device
+    digests, gathered in this pass, are returned for the comparison with the source."""
     from birdzarr._progress import progress_bar
 
     reader = store.reader
     known = {e.device_id for e in store.device_table}
+    # a shuffled store's devices are checked (and compared with the source) through digests
+    # gathered in this one pass: each device's windows are scattered over every chunk
+    digests = _Digests() if store.shuffled else None
     # stores shuffled by earlier versions: a CRC-32C of each device's windows in index order
     scattered = {e.device_id: checksum_hasher() for e in store.device_table
                  if e.scattered_digest is None and e.scattered_checksum is not None}
@@ -185,11 +187,10 @@ def _check_chunks(store: Store, ranges: list[_RangeCheck], result: VerifyResult,
                 if len(unknown):
                     result.problem(f"windows {chunk_start:,}..{chunk_stop - 1:,}: device ids "
                                    f"{unknown[:5].tolist()} are not in the device table")
-            if store.shuffled:
+            if digests is not None:  # shuffled
+                digests.add(data)
                 if scattered:
                     _hash_scattered(windows, devices, scattered)
-                if digests is not None:
-                    digests.add(data)
                 continue
             position = first
             while position < len(ranges) and ranges[position].start < chunk_stop:
@@ -207,10 +208,9 @@ def _check_chunks(store: Store, ranges: list[_RangeCheck], result: VerifyResult,
                     break  # continues in the next chunk
                 position += 1
             first = position
-    if store.shuffled:
-        assert digests is not None
+    if digests is not None:
         _finish_scattered(store.device_table, scattered, digests, result)
-        return
+        return digests
     for check in ranges:
         where = f"device {check.device_id}, windows [{check.start:,}, {check.stop:,})"
         if check.wrong_device:
@@ -226,6 +226,7 @@ def _check_chunks(store: Store, ranges: list[_RangeCheck], result: VerifyResult,
             result.problem(f"{where}: checksum {digest} differs from the {check.checksum} recorded at "
                            f"write time: the windows changed after they were written (chunks "
                            f"{check.start // chunk}..{(check.stop - 1) // chunk} of 'gimu')")
+    return None
 
 
 def _hash_scattered(windows: np.ndarray | None, devices: np.ndarray | None, hashers: dict[int, Any]) -> None:
@@ -254,7 +255,7 @@ def _finish_scattered(table: list[DeviceEntry], hashers: dict[int, Any], digests
                            f"{entry.n_windows:,}")
         if entry.scattered_digest is not None:
             result.checksums_checked += 1
-            digest = f"{digests.sums.get(device, 0):016x}"
+            digest = digest_hex(digests.sums.get(device, 0))
             if digest != entry.scattered_digest:
                 result.problem(f"device {device}: scattered digest {digest} differs from the "
                                f"{entry.scattered_digest} recorded at write time: its windows, times or "
