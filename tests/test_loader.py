@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
@@ -26,6 +26,8 @@ def _epoch_indices(ds: birdzarr.WindowDataset, num_workers: int = 0) -> list[np.
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# a rank holding the short last chunk has 3 batches fewer than the other (found by hypothesis)
+@example(world_size=2, num_workers=0, batch_size=205, drop_last=True, buffer_batches=1, epoch=0)
 @given(
     world_size=st.integers(1, 4),
     num_workers=st.integers(0, 3),
@@ -44,7 +46,7 @@ def test_every_window_exactly_once_per_epoch(
     epoch: int,
 ) -> None:
     n = len(small_store)
-    per_rank_batches, per_rank_pools = [], []
+    per_rank_batches, full_batches = [], []
     delivered = []
     for rank in range(world_size):
         ds = _dataset(
@@ -63,16 +65,22 @@ def test_every_window_exactly_once_per_epoch(
         if drop_last:
             assert all(len(b) == batch_size for b in batches)
         per_rank_batches.append(len(batches))
-        per_rank_pools.append(len(ds.plan().pools))
+        # the full batches the rank's pools hold before the ranks are evened out (the same pools
+        # as without drop_last, where every window is delivered)
+        everything = _dataset(small_store, batch_size=batch_size, drop_last=False, world_size=world_size,
+                              rank=rank, shuffle_buffer=buffer_batches * batch_size, seed=3)
+        everything.set_epoch(epoch)
+        full_batches.append(sum(p.n_windows // batch_size for p in everything.plan().pools))
         delivered.extend(batches)
     assert len(set(per_rank_batches)) == 1, "every rank must get the same number of batches"
     flat = np.concatenate(delivered) if delivered else np.empty(0, dtype=np.int64)
     assert len(np.unique(flat)) == len(flat), "a window was delivered twice"
     if drop_last:
-        # each pool keeps its full batches only: less than one batch per pool is left out, and
-        # ranks with more batches than the others drop their extra ones
+        # each pool keeps its full batches only (less than one batch per pool is left out), and
+        # ranks with more full batches than the poorest drop their extra ones: a rank whose pools
+        # hold a store's short last chunk can have several batches fewer than the others
         assert len(flat) == world_size * len(ds) * batch_size
-        assert n - len(flat) < world_size * (max(per_rank_pools) + 1) * batch_size
+        assert len(ds) == min(full_batches)
     else:
         assert np.array_equal(np.sort(flat), np.arange(n))
 
