@@ -394,6 +394,7 @@ class _RecordingBar:
 
     def __init__(self, **kwargs: object) -> None:
         self.passes: list[tuple[str, int]] = [(str(kwargs.get("desc")), 0)]
+        self.postfix = ""
 
     def __enter__(self) -> _RecordingBar:
         return self
@@ -405,14 +406,23 @@ class _RecordingBar:
         name, done = self.passes[-1]
         self.passes[-1] = (name, done + n)
 
+    @property
+    def n(self) -> int:
+        return self.passes[-1][1]
+
+    @property
+    def format_dict(self) -> dict[str, float]:
+        return {"elapsed": 1.0}  # so that each pass shows its MB/s
+
     def set_description(self, desc: str, refresh: bool = True) -> None:
         self.passes.append((desc, 0))
 
     def reset(self, total: int | None = None) -> None:
         assert self.passes[-1][1] == 0, "reset right after the new pass's name"
+        assert self.postfix == "", "pass 1's MB/s cleared before pass 2 starts"
 
     def set_postfix_str(self, text: str, refresh: bool = True) -> None:
-        pass
+        self.postfix = text
 
 
 @pytest.mark.parametrize("workers", [1, 2])

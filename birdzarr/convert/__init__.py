@@ -184,6 +184,7 @@ def _convert_here(
                 pass_one[:] = [time.perf_counter(), cpu_seconds()]
                 # no redraw before the reset: it would print pass 1's count under pass 2's name
                 bar.set_description(f"convert {kind}: {name} shuffled", refresh=False)
+                bar.set_postfix_str("", refresh=False)  # pass 1's MB/s is not pass 2's
                 bar.reset(total=windows)
 
             def windows_done(windows: int) -> None:  # windows/s and MB/s on the bar, in either pass
