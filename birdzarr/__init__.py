@@ -30,6 +30,7 @@ from birdzarr._errors import (
     ChunkFetchError,
     CorruptChunkError,
     DestinationError,
+    DeviceNotFoundError,
     DuplicateWindowsWarning,
     FallbackWarning,
     FormatVersionError,
@@ -47,6 +48,7 @@ from birdzarr._errors import (
     StoreNotFoundError,
     TransferError,
     UnknownProtocolError,
+    WindowIndexError,
 )
 from birdzarr._version import __version__
 from birdzarr.convert import append, convert
@@ -74,6 +76,7 @@ __all__ = [
     "CorruptChunkError",
     "Curation",
     "DestinationError",
+    "DeviceNotFoundError",
     "DuplicateWindowsWarning",
     "FallbackWarning",
     "FormatVersionError",
@@ -94,6 +97,7 @@ __all__ = [
     "StoreStats",
     "TransferError",
     "UnknownProtocolError",
+    "WindowIndexError",
     "VerifyResult",
     "WindowDataset",
     "WindowsView",

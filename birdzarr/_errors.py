@@ -27,6 +27,17 @@ class IncompleteStoreError(BirdzarrError, ValueError):
     """A conversion started at this location and never committed."""
 
 
+class DeviceNotFoundError(BirdzarrError, KeyError):
+    """A device id that the store does not hold."""
+
+    def __str__(self) -> str:  # the message as written, not KeyError's repr of it
+        return str(self.args[0]) if self.args else ""
+
+
+class WindowIndexError(BirdzarrError, IndexError):
+    """A window (or chunk) index outside the store's committed windows."""
+
+
 class StoreExistsError(BirdzarrError, FileExistsError):
     """The destination already holds data and ``overwrite`` was not given."""
 

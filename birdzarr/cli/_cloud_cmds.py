@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from birdzarr.cli._args import positive_int
+
 
 def _cmd_copy(args: argparse.Namespace) -> int:
     from birdzarr.maintenance._copy import copy_store
@@ -31,7 +33,8 @@ def add_copy(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("dest", help="destination path or URL (s3://bucket/prefix/store.zarr, /scratch/x.zarr)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a different store at DEST (identical objects are kept)")
-    p.add_argument("--requests", type=int, default=16, help="objects transferred at once (default 16)")
+    p.add_argument("--requests", type=positive_int, default=16,
+                   help="objects transferred at once (default 16)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_copy)
 

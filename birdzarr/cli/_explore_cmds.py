@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from birdzarr.cli._args import non_negative_int, positive_int
+
 
 def _cmd_plot(args: argparse.Namespace) -> int:
     from birdzarr.store._handle import open_store
@@ -39,12 +41,13 @@ def add_plot(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("store", help="store path or URL")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--device", type=int, help="device id: channels over time, coloured by label")
-    what.add_argument("--window", type=int, help="global window index: the 20 samples of the window")
+    what.add_argument("--window", type=non_negative_int,
+                      help="global window index: the 20 samples of the window")
     p.add_argument("--out", help="output file, format from its extension "
                                    "(default device_ID.png or window_N.png)")
-    p.add_argument("--max-windows", type=int, default=500,
+    p.add_argument("--max-windows", type=positive_int, default=500,
                    help="with --device: windows spread over the device to show (default 500)")
-    p.add_argument("--dpi", type=int, default=110, help="resolution of the image (default 110)")
+    p.add_argument("--dpi", type=positive_int, default=110, help="resolution of the image (default 110)")
     p.set_defaults(func=_cmd_plot)
 
 

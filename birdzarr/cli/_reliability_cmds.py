@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from birdzarr.cli._args import non_negative_int
+
 
 def _cmd_append(args: argparse.Namespace) -> int:
     from birdzarr.convert._append import append_detailed
@@ -46,7 +48,8 @@ def add_append(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="stop at the first malformed row (default) or skip and count them")
     p.add_argument("--skip-unknown-files", action="store_true",
                    help="skip entries of SOURCE that are not input files and list them (default: error)")
-    p.add_argument("--workers", type=int, default=None, help="encoding threads (default: all cores)")
+    p.add_argument("--workers", type=non_negative_int, default=None,
+                   help="encoding threads (default, or 0: all usable cores)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_append)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from birdzarr.cli._args import non_negative_int, positive_int
+
 
 def _cmd_convert(args: argparse.Namespace) -> int:
     from birdzarr.convert import convert
@@ -73,20 +75,21 @@ def add_convert(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument("--compressor", choices=("lz4", "lz4hc", "zstd", "blosclz", "zlib"), default=None,
                    help="blosc compressor after the codec (default lz4): smaller with zstd, faster to "
                         "read with lz4")
-    p.add_argument("--chunk-windows", type=int, default=None,
+    p.add_argument("--chunk-windows", type=positive_int, default=None,
                    help="windows per chunk (default 8192; 32768 with --shuffle)")
     p.add_argument("--on-bad-rows", choices=("error", "skip"), default="error",
                    help="stop at the first malformed row (default) or skip and count them")
     p.add_argument("--skip-unknown-files", action="store_true",
                    help="skip entries of SOURCE that are not input files and list them in the report "
                         "(default: such entries are an error)")
-    p.add_argument("--workers", type=int, default=None,
-                   help="processes or threads doing conversion work (default: all usable cores, as CPU "
-                        "affinity and the cgroup quota allow); the store is identical for any count")
+    p.add_argument("--workers", type=non_negative_int, default=None,
+                   help="processes or threads doing conversion work (default, or 0: all usable cores, as "
+                        "CPU affinity and the cgroup quota allow); the store is identical for any count")
     p.add_argument("--shuffle", action="store_true",
                    help="store every chunk as a seeded uniform random sample of all windows "
                         "(docs/conversion.md#shuffle)")
-    p.add_argument("--seed", type=int, default=None, help="seed of --shuffle (default: random, recorded)")
+    p.add_argument("--seed", type=non_negative_int, default=None,
+                   help="seed of --shuffle (default: random, recorded)")
     p.add_argument("--shuffle-tmp", default=None, metavar="DIR",
                    help="where --shuffle spills its temporary bucket files (default: $TMPDIR); removed after")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -106,7 +109,8 @@ def add_info(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 def add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("demo", help="generate small raw data in both formats, convert, summarise")
     p.add_argument("directory", nargs="?", default="./demo")
-    p.add_argument("--windows", type=int, default=200_000, help="windows of Parquet data to generate")
+    p.add_argument("--windows", type=positive_int, default=200_000,
+                   help="windows of Parquet data to generate")
     p.set_defaults(func=_cmd_demo)
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
 import secrets
 import time
 from collections.abc import Iterator
@@ -100,7 +102,16 @@ def convert(
     if chunk_windows is None:
         chunk_windows = SHUFFLED_CHUNK_WINDOWS if shuffle else DEFAULT_CHUNK_WINDOWS
     if chunk_windows < 1:
-        raise ValueError("chunk_windows must be positive")
+        raise ValueError(f"chunk_windows must be positive, got {chunk_windows}")
+    resolve_workers(workers)  # a negative count is refused before any work
+    if seed is not None and not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be an integer in 0..2**63-1, got {seed}")
+    if shuffle and shuffle_tmp is not None and not os.path.isdir(shuffle_tmp):
+        missing = not os.path.exists(shuffle_tmp)
+        error = FileNotFoundError if missing else NotADirectoryError
+        raise error(errno.ENOENT if missing else errno.ENOTDIR,
+                    f"{'no such' if missing else 'not a'} directory, where the shuffle's temporary files "
+                    "were to go (--shuffle-tmp, Python: shuffle_tmp=; default $TMPDIR)", shuffle_tmp)
     if codec is None:
         codec = "gdict16" if shuffle else "dict16"
     curation = curation or Curation()

@@ -23,6 +23,7 @@ import zarr
 
 from birdzarr._errors import AppendError, IncompleteStoreError
 from birdzarr.convert._blocks import WindowBlock
+from birdzarr.convert._cpus import cpu_report, cpu_seconds, resolve_workers
 from birdzarr.convert._duplicates import DuplicateCounter
 from birdzarr.convert._memory import arrow_pool
 from birdzarr.convert._slabs import writable_arrays
@@ -232,16 +233,16 @@ def append_detailed(
 
     if on_bad_rows not in ON_BAD_ROWS:
         raise ValueError(f"on_bad_rows must be one of {ON_BAD_ROWS}, got {on_bad_rows!r}")
+    workers = resolve_workers(workers)
     src = resolve(source, source_storage_options)
     dst = resolve(store, storage_options)
     before = open_store(dst)  # a clear error (not a store, unfinished, newer format) before the lock
     inputs = find_inputs(src, skip_unknown_files=skip_unknown_files)
     kind, devices = inputs.kind, inputs.devices
-    started = time.perf_counter()
-    config = {"threading.max_workers": workers} if workers else {}
-    with arrow_pool(), zarr.config.set(config), DuplicateCounter() as duplicates, AppendWriter(
-        dst, lock_command=f"birdzarr append {src.display}"
-    ) as writer:
+    started, cpu_before = time.perf_counter(), cpu_seconds()
+    threads = zarr.config.set({"threading.max_workers": workers})
+    with arrow_pool(), threads, DuplicateCounter() as duplicates, \
+            AppendWriter(dst, lock_command=f"birdzarr append {src.display}", workers=workers) as writer:
         if kind != writer.meta.get("source_kind"):
             raise AppendError(
                 f"{dst.display} was converted from {writer.meta.get('source_kind')} input and "
@@ -262,7 +263,8 @@ def append_detailed(
         if work:
             writer.slabs.drain()  # the last slabs written before the clock stops
             seconds = round(time.perf_counter() - started, 3)
-            extra: dict[str, Any] = {"source": src.display, "seconds": seconds, "skipped_files": len(skipped)}
+            extra: dict[str, Any] = {"source": src.display, "seconds": seconds, "skipped_files": len(skipped),
+                                     **cpu_report(seconds, cpu_before, workers)}
             if duplicates.counts:
                 extra["duplicate_windows"] = duplicates.report()
             if inputs.skipped:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from birdzarr._errors import DeviceNotFoundError
 from birdzarr.format._spec import DEVICE, DeviceEntry
 from birdzarr.store._chunks import ChunkReader
 
@@ -121,7 +122,9 @@ def make_selection(
         chosen = {int(d) for d in devices}
         missing = sorted(chosen - known)
         if missing:
-            raise KeyError(f"devices not in the store: {missing[:10]}")
+            listed = ", ".join(str(d) for d in missing[:10]) + (", ..." if len(missing) > 10 else "")
+            raise DeviceNotFoundError(f"devices={listed} are not in the store ({len(known)} devices; "
+                                      "`birdzarr info --devices` lists them)")
     if exclude_devices is not None:
         chosen = (known if chosen is None else chosen) - {int(d) for d in exclude_devices}
     window_split = None

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from birdzarr._errors import CorruptChunkError, MissingChunkError, NotAStoreError
+from birdzarr._errors import CorruptChunkError, MissingChunkError, NotAStoreError, WindowIndexError
 from birdzarr.format._codec import ChunkCodec, parse_dict16
 from birdzarr.format._spec import DEVICE, GIMU, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH
 from birdzarr.storage._location import Location
@@ -123,7 +123,7 @@ class ChunkReader:
         layout = self.layouts[name]
         start, stop = self.chunk_span(index)
         if not 0 <= index < self.n_chunks:
-            raise IndexError(f"chunk {index} out of range 0..{self.n_chunks - 1}")
+            raise WindowIndexError(f"chunk {index} is out of range: the store has {self.n_chunks} chunks")
         if layout.chain == "zarr":
             return self._read_with_zarr(name, start, stop)
         assert layout.codec is not None
@@ -187,7 +187,8 @@ class ChunkReader:
         """Windows ``[start, stop)`` of one array, each needed chunk read once, several at a time,
         whole chunks decoded straight into the result (no second copy)."""
         if not 0 <= start <= stop <= self.n_windows:
-            raise IndexError(f"window range [{start}, {stop}) outside the committed 0..{self.n_windows}")
+            raise WindowIndexError(
+                f"window range [{start}, {stop}) is outside the store's {self.n_windows} windows")
         width = self.chunk_windows
         shape = (stop - start, WINDOW_LENGTH, N_CHANNELS) if name == GIMU else (stop - start,)
         out = np.empty(shape, dtype=self.layouts[name].dtype)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from birdzarr._errors import IncompleteStoreError
+from birdzarr._errors import DeviceNotFoundError, IncompleteStoreError, WindowIndexError
 from birdzarr.format._spec import (
     DEVICE,
     GIMU,
@@ -81,12 +81,16 @@ class Store:
         return {int(k): DeviceReport.from_json(v) for k, v in devices.items()}
 
     def device(self, device_id: int) -> DeviceEntry:
-        """The device table's entry for ``device_id`` (KeyError if the store has no such device)."""
+        """The device table's entry for ``device_id`` (``DeviceNotFoundError``, a
+        ``KeyError``, if the store has no such device)."""
         for entry in self.device_table:
             if entry.device_id == device_id:
                 return entry
         known = ", ".join(str(e.device_id) for e in self.device_table[:20])
-        raise KeyError(f"device {device_id} is not in {self.url} (devices: {known}...)")
+        more = ", ..." if len(self.device_table) > 20 else ""
+        raise DeviceNotFoundError(f"device {device_id} is not in {self.url} (it holds "
+                                  f"{len(self.device_table)} devices: {known}{more}); "
+                                  "`birdzarr info --devices` lists them")
 
     # -- zarr and tables -------------------------------------------------------------------------
     @cached_property
@@ -257,12 +261,12 @@ class WindowsView:
         if isinstance(key, (int, np.integer)):
             index = int(key) + n if key < 0 else int(key)
             if not 0 <= index < n:
-                raise IndexError(f"window {key} out of range for {n} committed windows")
+                raise WindowIndexError(f"window {key} is out of range: the store holds {n} windows")
             return reader.read_range(self.name, index, index + 1)[0]
         indices = np.asarray(key, dtype=np.int64)
         indices = np.where(indices < 0, indices + n, indices)
         if len(indices) and (indices.min() < 0 or indices.max() >= n):
-            raise IndexError(f"window index out of range for {n} committed windows")
+            raise WindowIndexError(f"a window index is out of range: the store holds {n} windows")
         return gather(reader, self.name, indices)
 
 
@@ -290,7 +294,8 @@ def _to_datetime(seconds: int) -> Any:
 
 
 def open_store(store: StoreLike, *, storage_options: dict[str, Any] | None = None) -> Store:
-    """Open a committed store read-only (a path, ``file://``, ``s3://``, ``memory://``, ...)."""
+    """Open a committed store read-only (a path, ``file://``, ``s3://``, ``memory://``, ...;
+    an opened ``Store`` is opened again at its location, to see a later commit)."""
     location = resolve(store, storage_options)
     attrs = _read_root(location)
     meta = check_root_attrs(attrs, where=location.display)

@@ -1,0 +1,139 @@
+"""Wrong arguments are refused before any work, in one line with exit status 2 (the command line)
+or a typed error that is also the built-in one (Python), and nothing is written."""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import birdzarr
+from birdzarr import DeviceNotFoundError, WindowIndexError
+from birdzarr.cli import main
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["convert", "{src}", "{dest}", "--workers", "-3"],
+         "birdzarr convert: error: argument --workers: expected an integer of 0 or more, got -3"),
+        (["convert", "{src}", "{dest}", "--workers", "two"],
+         "birdzarr convert: error: argument --workers: expected an integer, got 'two'"),
+        (["convert", "{src}", "{dest}", "--chunk-windows", "0"],
+         "birdzarr convert: error: argument --chunk-windows: expected a positive integer, got 0"),
+        (["convert", "{src}", "{dest}", "--shuffle", "--seed", "-1"],
+         "birdzarr convert: error: argument --seed: expected an integer of 0 or more, got -1"),
+        (["append", "{store}", "{src}", "--workers", "-1"],
+         "birdzarr append: error: argument --workers: expected an integer of 0 or more, got -1"),
+        (["copy", "{store}", "{dest}", "--requests", "0"],
+         "birdzarr copy: error: argument --requests: expected a positive integer, got 0"),
+        (["plot", "{store}", "--window", "-1"],
+         "birdzarr plot: error: argument --window: expected an integer of 0 or more, got -1"),
+        (["plot", "{store}", "--device", "1", "--max-windows", "0"],
+         "birdzarr plot: error: argument --max-windows: expected a positive integer, got 0"),
+        (["plot", "{store}", "--window", "1", "--dpi", "0"],
+         "birdzarr plot: error: argument --dpi: expected a positive integer, got 0"),
+        (["demo", "{dest}", "--windows", "0"],
+         "birdzarr demo: error: argument --windows: expected a positive integer, got 0"),
+    ],
+)
+def test_cli_refuses_a_wrong_number_in_one_line(
+    arguments: list[str], message: str, parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]],
+    small_store: birdzarr.Store, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    src, dest = str(parquet_source[0]), str(tmp_path / "new")
+    argv = [a.format(src=src, dest=dest, store=small_store.url) for a in arguments]
+    with pytest.raises(SystemExit) as exited:  # argparse refuses it, before the command runs
+        main(argv)
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == message
+    assert not (tmp_path / "new").exists()
+
+
+def test_unknown_device_and_window_out_of_range(
+    small_store: birdzarr.Store, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(DeviceNotFoundError) as unknown:
+        small_store.device(424242)
+    assert isinstance(unknown.value, KeyError)
+    assert str(unknown.value) == (f"device 424242 is not in {small_store.url} (it holds 12 devices: "
+                                  + ", ".join(str(e.device_id) for e in small_store.device_table)
+                                  + "); `birdzarr info --devices` lists them")
+    n = len(small_store)
+    with pytest.raises(WindowIndexError, match=f"^window {n} is out of range: the store holds {n} windows$"):
+        small_store.windows[n]
+    with pytest.raises(IndexError, match="a window index is out of range"):
+        small_store.windows[[0, n + 5]]
+    refused = r"^devices=424242, 424243 are not in the store \(12 devices"
+    with pytest.raises(DeviceNotFoundError, match=refused):
+        birdzarr.WindowDataset(small_store.url, batch_size=8, devices=[424243, 424242])
+
+    pytest.importorskip("matplotlib")
+    assert main(["plot", small_store.url, "--device", "424242"]) == 2
+    assert capsys.readouterr().err == f"birdzarr plot: error: {unknown.value}\n"
+    assert main(["plot", small_store.url, "--window", str(n)]) == 2
+    assert capsys.readouterr().err == (
+        f"birdzarr plot: error: window {n} is out of range: the store holds {n} windows\n")
+
+
+def test_shuffle_tmp_must_be_a_directory(
+    parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]], tmp_path: pathlib.Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    src, dest = parquet_source[0], tmp_path / "s.zarr"
+    with pytest.raises(FileNotFoundError, match="no such directory, where the shuffle's temporary files"):
+        birdzarr.convert(src, dest, shuffle=True, shuffle_tmp=str(tmp_path / "missing"), progress=False)
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(NotADirectoryError, match="not a directory, where the shuffle's temporary files"):
+        birdzarr.convert(src, dest, shuffle=True, shuffle_tmp=str(tmp_path / "a-file"), progress=False)
+    missing = str(tmp_path / "missing")
+    assert main(["convert", str(src), str(dest), "--shuffle", "--shuffle-tmp", missing]) == 2
+    assert capsys.readouterr().err == (
+        f"birdzarr convert: error: {tmp_path / 'missing'}: no such directory, where the shuffle's "
+        "temporary files were to go (--shuffle-tmp, Python: shuffle_tmp=; default $TMPDIR) "
+        "(FileNotFoundError); check the path.\n")
+    assert not dest.exists() and (tmp_path / "a-file").read_text() == "x"
+
+
+def test_python_refuses_a_negative_seed_or_workers_before_writing(
+    parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]], tmp_path: pathlib.Path
+) -> None:
+    src, dest = parquet_source[0], tmp_path / "s.zarr"
+    with pytest.raises(ValueError, match=r"^seed must be an integer in 0\.\.2\*\*63-1, got -1$"):
+        birdzarr.convert(src, dest, shuffle=True, seed=-1, progress=False)
+    with pytest.raises(ValueError, match="^workers must be positive"):
+        birdzarr.convert(src, dest, workers=-2, progress=False)
+    assert not dest.exists()
+
+
+def test_append_uses_and_records_its_workers(
+    parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]], tmp_path: pathlib.Path
+) -> None:
+    files = sorted(parquet_source[0].glob("*.parquet"))
+    for name, part in (("base", files[:6]), ("more", files[6:])):
+        (tmp_path / name).mkdir()
+        for path in part:
+            shutil.copy(path, tmp_path / name / path.name)
+    dest = tmp_path / "s.zarr"
+    base = len(birdzarr.convert(tmp_path / "base", dest, progress=False))
+    with pytest.raises(ValueError, match="^workers must be positive"):
+        birdzarr.append(dest, tmp_path / "more", workers=-1, progress=False)
+    assert birdzarr.open_store(dest).meta["committed"]["generation"] == 1  # nothing appended
+    store = birdzarr.append(dest, tmp_path / "more", workers=1, progress=False)
+    entry = store.meta["report"]["appends"][-1]
+    assert entry["workers"] == 1
+    assert entry["first_window"] == base and entry["windows"] == len(store) - base > 0
+    assert entry["cpu_seconds"] > 0 and entry["usable_cores"] >= 1
+
+
+def test_an_opened_store_is_accepted_where_a_location_is(small_store: birdzarr.Store) -> None:
+    assert birdzarr.open_store(small_store).location is small_store.location
+    by_store = birdzarr.WindowDataset(small_store, batch_size=4096, shuffle=False)
+    by_url = birdzarr.WindowDataset(small_store.url, batch_size=4096, shuffle=False)
+    assert all(torch.equal(a, b) for a, b in zip(by_store, by_url, strict=True))
+    assert birdzarr.verify(small_store).ok
+    with pytest.raises(TypeError, match="^expected a path, a URL or a birdzarr.Store, got dict$"):
+        birdzarr.open_store({"path": small_store.url})  # type: ignore[arg-type]
