@@ -156,6 +156,18 @@ def test_forked_workers_yield_the_same_batches_as_one_process(small_store: birdz
         assert all(torch.equal(x, y) for x, y in zip(got, expected, strict=True))
 
 
+def test_spawned_workers_after_the_main_process_has_read(small_store: birdzarr.Store) -> None:
+    """A ``spawn`` worker (``forkserver``, Python 3.14's default on Linux, pickles the same way)
+    gets the dataset pickled, also once this process has read batches and holds reader threads."""
+    ds = _dataset(small_store, batch_size=1500, seed=2)
+    in_process = [x.clone() for x in ds]
+    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="spawn")
+    got = list(loader)
+    expected = _in_loader_order(in_process, ds, 2)
+    assert len(got) == len(expected) == len(ds)
+    assert all(torch.equal(x, y) for x, y in zip(got, expected, strict=True))
+
+
 def test_resume_mid_epoch_equals_uninterrupted(small_store: birdzarr.Store) -> None:
     full = _dataset(small_store, batch_size=900, seed=9)
     full.set_epoch(4)

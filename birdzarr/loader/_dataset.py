@@ -71,7 +71,8 @@ class WindowDataset(IterableDataset[Batch]):
     """Batches of windows from a store, reshuffled every epoch, split over workers and ranks.
 
     Args:
-        store: path or URL of a committed store (``s3://...`` works the same).
+        store: path or URL of a committed store (``s3://...`` works the same), or an opened
+            ``birdzarr.Store``.
         batch_size: windows per batch. Streaming, each pool's last batch may be shorter unless
             ``drop_last``.
         shuffle: new batches every epoch (call ``set_epoch``). Streaming from a
@@ -159,6 +160,14 @@ class WindowDataset(IterableDataset[Batch]):
         self._progress = Progress()
         self._per_process: _PerProcess | None = None
         self._plan_memo: tuple[tuple[str, int], Any] | None = None  # the current epoch's plan
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (a ``spawn`` or ``forkserver`` DataLoader worker, Python 3.14's default on
+        Linux) without this process's reader threads and buffers: each process opens its own
+        (``_local``), also after this one has read batches."""
+        state = self.__dict__.copy()
+        state["_per_process"] = None
+        return state
 
     def _open(self, opened: Store) -> None:
         """What the store says (a snapshot: windows committed later, by an append during

@@ -27,7 +27,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, Union, cast
+from typing import Any, Protocol, TypeVar, Union, cast
 
 import fsspec
 from fsspec.core import url_to_fs
@@ -42,7 +42,15 @@ from birdzarr._errors import (
     UnknownProtocolError,
 )
 
-StoreLike = Union[str, "os.PathLike[str]", "Location"]
+
+class OpenedStore(Protocol):
+    """Anything opened at a location (``birdzarr.Store``): it is used where it was opened."""
+
+    @property
+    def location(self) -> Location: ...
+
+
+StoreLike = Union[str, "os.PathLike[str]", "Location", OpenedStore]
 T = TypeVar("T")
 
 # s3fs issues a HEAD before each whole-object GET unless max_concurrency is 1 (test_s3.py counts
@@ -162,9 +170,15 @@ def redact(text: str) -> str:
 def resolve(
     store: StoreLike, storage_options: dict[str, Any] | None = None, *, retry: RetryPolicy | None = None
 ) -> Location:
-    """Turn any accepted store or source reference into a ``Location``."""
+    """Turn any accepted store or source reference into a ``Location``: a path or URL (with
+    ``storage_options``), a ``Location``, or an opened ``birdzarr.Store`` (its own location)."""
     if isinstance(store, Location):
         return store
+    if not isinstance(store, (str, os.PathLike)):
+        opened = getattr(store, "location", None)
+        if isinstance(opened, Location):
+            return opened
+        raise TypeError(f"expected a path, a URL or a birdzarr.Store, got {type(store).__name__}")
     url = os.fspath(store)
     if "://" not in url and "::" not in url:
         url = os.path.abspath(os.path.expanduser(url))
