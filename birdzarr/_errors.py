@@ -110,6 +110,10 @@ class UnknownProtocolError(BirdzarrError, ValueError):
     """A URL names a protocol that neither fsspec nor an installed package knows."""
 
 
+class SchedulerError(BirdzarrError, ConnectionError):
+    """The Dask scheduler given to a conversion is not a valid address or does not answer."""
+
+
 class StorageError(BirdzarrError, OSError):
     """The storage cannot be used: no credentials, an unreachable endpoint, a refused request."""
 

@@ -23,9 +23,9 @@ from birdzarr.cli import main
         (["convert", "{src}", "{dest}", "--workers", "two"],
          "birdzarr convert: error: argument --workers: expected an integer, got 'two'"),
         (["convert", "{src}", "{dest}", "--chunk-windows", "0"],
-         "birdzarr convert: error: argument --chunk-windows: expected a positive integer, got 0"),
+         "birdzarr convert: error: argument --chunk-windows: expected an integer from 1 to 4,194,304, got 0"),
         (["convert", "{src}", "{dest}", "--shuffle", "--seed", "-1"],
-         "birdzarr convert: error: argument --seed: expected an integer of 0 or more, got -1"),
+         "birdzarr convert: error: argument --seed: expected an integer from 0 to 2**63-1, got -1"),
         (["append", "{store}", "{src}", "--workers", "-1"],
          "birdzarr append: error: argument --workers: expected an integer of 0 or more, got -1"),
         (["copy", "{store}", "{dest}", "--requests", "0"],
@@ -34,10 +34,15 @@ from birdzarr.cli import main
          "birdzarr plot: error: argument --window: expected an integer of 0 or more, got -1"),
         (["plot", "{store}", "--device", "1", "--max-windows", "0"],
          "birdzarr plot: error: argument --max-windows: expected a positive integer, got 0"),
-        (["plot", "{store}", "--window", "1", "--dpi", "0"],
-         "birdzarr plot: error: argument --dpi: expected a positive integer, got 0"),
         (["demo", "{dest}", "--windows", "0"],
          "birdzarr demo: error: argument --windows: expected a positive integer, got 0"),
+        (["convert", "{src}", "{dest}", "--shuffle", "--seed", str(2**63)],
+         f"birdzarr convert: error: argument --seed: expected an integer from 0 to 2**63-1, got {2**63}"),
+        (["convert", "{src}", "{dest}", "--chunk-windows", "4194305"],
+         "birdzarr convert: error: argument --chunk-windows: expected an integer from 1 to 4,194,304, "
+         "got 4194305"),
+        (["plot", "{store}", "--window", "1", "--dpi", "9"],
+         "birdzarr plot: error: argument --dpi: expected an integer from 10 to 1200, got 9"),
     ],
 )
 def test_cli_refuses_a_wrong_number_in_one_line(
@@ -137,3 +142,60 @@ def test_an_opened_store_is_accepted_where_a_location_is(small_store: birdzarr.S
     assert birdzarr.verify(small_store).ok
     with pytest.raises(TypeError, match="^expected a path, a URL or a birdzarr.Store, got dict$"):
         birdzarr.open_store({"path": small_store.url})  # type: ignore[arg-type]
+
+
+def test_options_that_do_not_go_together_or_do_not_fit(
+    parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]], small_store: birdzarr.Store,
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    src, dest = str(parquet_source[0]), str(tmp_path / "s.zarr")
+    for option in (["--seed", "5"], ["--shuffle-tmp", str(tmp_path)]):
+        assert main(["convert", src, dest, *option]) == 2
+        assert capsys.readouterr().err == ("birdzarr convert: error: --seed and --shuffle-tmp apply to "
+                                           "--shuffle only: add --shuffle, or leave them out\n")
+    with pytest.raises(ValueError, match="^seed and shuffle_tmp .* apply to a shuffled conversion only"):
+        birdzarr.convert(src, dest, seed=5, progress=False)
+    with pytest.raises(ValueError, match=r"^chunk_windows must be from 1 to 4,194,304, got 0$"):
+        birdzarr.convert(src, dest, chunk_windows=0, progress=False)
+    assert not (tmp_path / "s.zarr").exists()
+
+    monkeypatch.chdir(tmp_path)  # nothing may be written here
+    assert main(["demo", "foo://x", "--windows", "1000"]) == 2
+    assert capsys.readouterr().err == ("birdzarr demo: error: foo://x: the demo writes its raw files and "
+                                       "stores into a local directory; give a path, e.g. birdzarr demo "
+                                       "./demo\n")
+    assert main(["demo", "d", "--windows", "20"]) == 2
+    assert capsys.readouterr().err == ("birdzarr demo: error: --windows 20: the demo generates at least "
+                                       "1,000 windows (24 devices); give 1,000 or more (default 200,000)\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+    pytest.importorskip("matplotlib")
+    assert main(["plot", small_store.url, "--window", "0", "--out", "x.foo"]) == 2
+    assert capsys.readouterr().err.startswith("birdzarr plot: error: --out x.foo: no image format '.foo'; "
+                                              "use one of .avif, .eps, ")
+    assert main(["plot", small_store.url, "--window", "0", "--out", "s3://b/x.png"]) == 2
+    assert "plot writes a local file" in capsys.readouterr().err
+    assert main(["plot", small_store.url, "--window", "0", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"birdzarr plot: error: --out {tmp_path}: is a directory; give a "
+                                       f"file name, e.g. {tmp_path / 'plot.png'}\n")
+    assert main(["plot", small_store.url, "--window", "0", "--out", "w0"]) == 0
+    assert capsys.readouterr().out == "w0.png\n"  # the file written, extension included
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w0.png"]
+
+
+def test_a_scheduler_address_that_is_not_one() -> None:
+    pytest.importorskip("distributed")
+    from birdzarr.convert._dask import connect
+
+    with pytest.raises(birdzarr.SchedulerError, match=r"^--dask-scheduler foo: not a scheduler address"):
+        connect("foo")
+
+
+def test_workers_beyond_four_per_core_are_lowered_with_a_warning() -> None:
+    from birdzarr.convert._cpus import resolve_workers, usable_cpus
+
+    cores = usable_cpus()
+    assert resolve_workers(4 * cores) == 4 * cores
+    with pytest.warns(birdzarr.BirdzarrWarning, match=f"^workers=10000 is more than 4 per usable core "
+                      f"\\({cores}\\): using {4 * cores}, as more only add memory$"):
+        assert resolve_workers(10_000) == 4 * cores

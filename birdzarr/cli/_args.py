@@ -5,6 +5,12 @@ from __future__ import annotations
 
 import argparse
 
+from birdzarr._errors import BirdzarrError
+
+
+class UsageError(BirdzarrError, ValueError):
+    """Options that do not go together (one line, exit status 2, as argparse's own errors)."""
+
 
 def positive_int(text: str) -> int:
     """An integer of at least 1."""
@@ -19,6 +25,33 @@ def non_negative_int(text: str) -> int:
     value = _int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected an integer of 0 or more, got {text}")
+    return value
+
+
+def chunk_windows(text: str) -> int:
+    """Windows a chunk: 1 to ``MAX_CHUNK_WINDOWS``."""
+    from birdzarr.format._spec import MAX_CHUNK_WINDOWS
+
+    value = _int(text)
+    if not 1 <= value <= MAX_CHUNK_WINDOWS:
+        raise argparse.ArgumentTypeError(f"expected an integer from 1 to {MAX_CHUNK_WINDOWS:,}, got {text}")
+    return value
+
+
+def dpi(text: str) -> int:
+    """Dots per inch of a saved figure: 10 to 1200 (the device plot, 8.5 x 7 inches, is then
+    340 MB of RGBA pixels)."""
+    value = _int(text)
+    if not 10 <= value <= 1200:
+        raise argparse.ArgumentTypeError(f"expected an integer from 10 to 1200, got {text}")
+    return value
+
+
+def seed(text: str) -> int:
+    """A seed of a shuffle: 0 to 2**63 - 1 (what the store records)."""
+    value = _int(text)
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"expected an integer from 0 to 2**63-1, got {text}")
     return value
 
 

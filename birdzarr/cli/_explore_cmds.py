@@ -6,22 +6,44 @@ import argparse
 import json
 import sys
 
-from birdzarr.cli._args import non_negative_int, positive_int
+from birdzarr.cli._args import UsageError, dpi, non_negative_int, positive_int
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
     from birdzarr.store._handle import open_store
 
+    default = f"window_{args.window}.png" if args.window is not None else f"device_{args.device}.png"
+    out = _image_path(args.out or default)
     store = open_store(args.store)
     if args.window is not None:
         figure = store.plot_window(args.window)
-        out = args.out or f"window_{args.window}.png"
     else:
         figure = store.plot_device(args.device, max_windows=args.max_windows)
-        out = args.out or f"device_{args.device}.png"
     figure.savefig(out, dpi=args.dpi)
     print(out)
     return 0
+
+
+def _image_path(out: str) -> str:
+    """The file ``--out`` names, checked before any work: a local path whose extension is an
+    image format matplotlib writes (none: ``.png`` is added, as matplotlib would)."""
+    import os
+
+    from matplotlib.figure import Figure
+
+    if "://" in out or "::" in out:
+        raise UsageError(f"--out {out}: plot writes a local file; give a path (copy it elsewhere after)")
+    if os.path.isdir(out):
+        example = os.path.join(out, "plot.png")
+        raise UsageError(f"--out {out}: is a directory; give a file name, e.g. {example}")
+    extension = os.path.splitext(out)[1].lstrip(".").lower()
+    if not extension:
+        return out + ".png"
+    formats = Figure().canvas.get_supported_filetypes()
+    if extension not in formats:
+        raise UsageError(f"--out {out}: no image format '.{extension}'; use one of "
+                         f"{', '.join('.' + f for f in sorted(formats))}")
+    return out
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
@@ -47,7 +69,7 @@ def add_plot(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                                    "(default device_ID.png or window_N.png)")
     p.add_argument("--max-windows", type=positive_int, default=500,
                    help="with --device: windows spread over the device to show (default 500)")
-    p.add_argument("--dpi", type=positive_int, default=110, help="resolution of the image (default 110)")
+    p.add_argument("--dpi", type=dpi, default=110, help="resolution of the image: 10 to 1200 (default 110)")
     p.set_defaults(func=_cmd_plot)
 
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 
-from birdzarr.cli._args import non_negative_int, positive_int
+from birdzarr.cli._args import UsageError, chunk_windows, non_negative_int, positive_int, seed
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
     from birdzarr.convert import convert
     from birdzarr.store._summary import format_summary, summary
 
+    if not args.shuffle and (args.seed is not None or args.shuffle_tmp is not None):
+        raise UsageError("--seed and --shuffle-tmp apply to --shuffle only: add --shuffle, or leave them out")
     client = None
     if args.dask_scheduler:  # read, curate and write on a Dask cluster (docs/scaling.md#dask)
         from birdzarr.convert._dask import connect
@@ -75,7 +77,7 @@ def add_convert(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument("--compressor", choices=("lz4", "lz4hc", "zstd", "blosclz", "zlib"), default=None,
                    help="blosc compressor after the codec (default lz4): smaller with zstd, faster to "
                         "read with lz4")
-    p.add_argument("--chunk-windows", type=positive_int, default=None,
+    p.add_argument("--chunk-windows", type=chunk_windows, default=None,
                    help="windows per chunk (default 8192; 32768 with --shuffle)")
     p.add_argument("--on-bad-rows", choices=("error", "skip"), default="error",
                    help="stop at the first malformed row (default) or skip and count them")
@@ -84,11 +86,12 @@ def add_convert(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
                         "(default: such entries are an error)")
     p.add_argument("--workers", type=non_negative_int, default=None,
                    help="processes or threads doing conversion work (default, or 0: all usable cores, as "
-                        "CPU affinity and the cgroup quota allow); the store is identical for any count")
+                        "CPU affinity and the cgroup quota allow; at most 4 per core); the store is "
+                        "identical for any count")
     p.add_argument("--shuffle", action="store_true",
                    help="store every chunk as a seeded uniform random sample of all windows "
                         "(docs/conversion.md#shuffle)")
-    p.add_argument("--seed", type=non_negative_int, default=None,
+    p.add_argument("--seed", type=seed, default=None,
                    help="seed of --shuffle (default: random, recorded)")
     p.add_argument("--shuffle-tmp", default=None, metavar="DIR",
                    help="where --shuffle spills its temporary bucket files (default: $TMPDIR); removed after")

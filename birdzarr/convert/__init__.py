@@ -28,6 +28,7 @@ from birdzarr.convert._writer import StoreWriter
 from birdzarr.format._codec import compressor_of
 from birdzarr.format._spec import (
     DEFAULT_CHUNK_WINDOWS,
+    MAX_CHUNK_WINDOWS,
     MIXED_LABEL_POLICY,
     SHUFFLED_CHUNK_WINDOWS,
     WINDOW_RULE,
@@ -90,8 +91,8 @@ def convert(
     ``chunk_windows`` is the windows per chunk (default 8192; 32768 for shuffled stores, whose
     chunks hold ~190 per-device dictionaries: larger chunks share them over more windows).
     ``workers`` is the number of processes or threads doing conversion work (default:
-    all usable cores, as CPU affinity and the cgroup quota allow; 1: all in the calling thread);
-    it never changes the stored bytes. ``client`` (a
+    all usable cores, as CPU affinity and the cgroup quota allow; 1: all in the calling thread;
+    at most 4 per usable core, with a warning); it never changes the stored bytes. ``client`` (a
     ``distributed.Client``) runs the reading, curation and chunk writing on a Dask cluster
     instead, with a byte-identical result (docs/scaling.md).
     """
@@ -101,11 +102,14 @@ def convert(
         raise ValueError(f"on_bad_rows must be one of {ON_BAD_ROWS}, got {on_bad_rows!r}")
     if chunk_windows is None:
         chunk_windows = SHUFFLED_CHUNK_WINDOWS if shuffle else DEFAULT_CHUNK_WINDOWS
-    if chunk_windows < 1:
-        raise ValueError(f"chunk_windows must be positive, got {chunk_windows}")
-    resolve_workers(workers)  # a negative count is refused before any work
+    if not 1 <= chunk_windows <= MAX_CHUNK_WINDOWS:
+        raise ValueError(f"chunk_windows must be from 1 to {MAX_CHUNK_WINDOWS:,}, got {chunk_windows}")
+    workers = resolve_workers(workers)  # a negative count is refused before any work
     if seed is not None and not 0 <= seed < 2**63:
         raise ValueError(f"seed must be an integer in 0..2**63-1, got {seed}")
+    if not shuffle and (seed is not None or shuffle_tmp is not None):
+        raise ValueError("seed and shuffle_tmp (--seed, --shuffle-tmp) apply to a shuffled conversion "
+                         "only: add shuffle=True (--shuffle), or leave them out")
     if shuffle and shuffle_tmp is not None and not os.path.isdir(shuffle_tmp):
         missing = not os.path.exists(shuffle_tmp)
         error = FileNotFoundError if missing else NotADirectoryError

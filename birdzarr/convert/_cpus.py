@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 
 CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "QUOTA PERIOD" or "max PERIOD"
 CGROUP_V1_QUOTA = "/sys/fs/cgroup/cpu/cpu.cfs_quota_us"  # cgroup v1: quota (-1: none) ...
@@ -52,12 +53,26 @@ def usable_cpus() -> int:
     return max(1, min(count, limit) if limit is not None else count)
 
 
+# Workers beyond the usable cores only overlap waiting (object stores); far beyond, each adds
+# its memory (docs/conversion.md#memory) and processes for nothing: 10,000 did not finish
+MAX_WORKERS_PER_CORE = 4
+
+
 def resolve_workers(workers: int | None) -> int:
-    """``workers`` as given (must be positive), or all usable cores when None or 0."""
+    """``workers`` as given (must be positive), or all usable cores when None or 0; at most
+    ``MAX_WORKERS_PER_CORE`` per usable core (with a warning)."""
     if workers is None or workers == 0:
         return usable_cpus()
     if workers < 0:
         raise ValueError(f"workers must be positive (or None for all usable cores), got {workers}")
+    cores = usable_cpus()
+    if workers > MAX_WORKERS_PER_CORE * cores:
+        from birdzarr._errors import BirdzarrWarning
+
+        warnings.warn(f"workers={workers} is more than {MAX_WORKERS_PER_CORE} per usable core ({cores}): "
+                      f"using {MAX_WORKERS_PER_CORE * cores}, as more only add memory",
+                      BirdzarrWarning, stacklevel=2)
+        return MAX_WORKERS_PER_CORE * cores
     return int(workers)
 
 

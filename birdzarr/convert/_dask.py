@@ -121,4 +121,13 @@ def connect(address: str) -> Any:
         raise MissingDependencyError(
             "--dask-scheduler needs Dask's distributed scheduler: pip install 'birdzarr[dask]'"
         ) from None
-    return Client(address)
+    from birdzarr._errors import SchedulerError
+
+    try:
+        return Client(address)
+    except ValueError as exc:  # distributed's parsing of the address
+        raise SchedulerError(f"--dask-scheduler {address}: not a scheduler address ({exc}); give "
+                             "tcp://HOST:PORT, as `dask scheduler` prints it") from None
+    except OSError as exc:  # nothing answered (distributed's connect timeout)
+        raise SchedulerError(f"--dask-scheduler {address}: no scheduler answered ({exc}); check that it "
+                             "runs and that this machine can reach that host and port") from None

@@ -16,7 +16,16 @@ from birdzarr.store._summary import format_summary, summary
 MARKER = ".birdzarr-demo"  # a directory holding it was made by the demo, and only its files are replaced
 
 
+MIN_WINDOWS = 1_000  # the generated Parquet data's 24 devices need a few dozen windows each
+
+
 def run_demo(directory: str, *, windows: int = 200_000) -> int:
+    if windows < MIN_WINDOWS:
+        raise BadInputError(f"--windows {windows}: the demo generates at least {MIN_WINDOWS:,} windows "
+                            f"(24 devices); give {MIN_WINDOWS:,} or more (default 200,000)")
+    if "://" in directory or "::" in directory:
+        raise BadInputError(f"{directory}: the demo writes its raw files and stores into a local "
+                            "directory; give a path, e.g. birdzarr demo ./demo")
     _claim(directory)
     parquet_dir = os.path.join(directory, "raw_parquet")
     csv_dir = os.path.join(directory, "raw_csv")

@@ -50,6 +50,9 @@ DEFAULT_CHUNK_WINDOWS = 8192
 # makes the store 0.75x the size with the same compressor and decoding cheaper per window
 # (docs/format.md, shuffled stores).
 SHUFFLED_CHUNK_WINDOWS = 32768
+# Blosc compresses at most 2 GiB at once, and a chunk is read and decoded whole: 2**22 windows
+# (1.3 GB of float32) is far beyond any useful chunk and within that limit for every codec
+MAX_CHUNK_WINDOWS = 2**22
 
 # The window rule, recorded verbatim in every store converted from CSV.
 WINDOW_RULE = (
