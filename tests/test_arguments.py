@@ -199,3 +199,22 @@ def test_workers_beyond_four_per_core_are_lowered_with_a_warning() -> None:
     with pytest.warns(birdzarr.BirdzarrWarning, match=f"^workers=10000 is more than 4 per usable core "
                       f"\\({cores}\\): using {4 * cores}, as more only add memory$"):
         assert resolve_workers(10_000) == 4 * cores
+
+
+def test_loader_options_of_the_wrong_kind_are_named(small_store: birdzarr.Store) -> None:
+    assert small_store.device(str(small_store.device_table[0].device_id)) == small_store.device_table[0]
+    for options, error, message in [
+        ({"batch_size": 1.5}, TypeError, "batch_size must be an integer, got 1.5"),
+        ({"batch_size": "8"}, TypeError, "batch_size must be an integer, got '8'"),
+        ({"shuffle_buffer": 0}, ValueError, "shuffle_buffer must be positive, got 0"),
+        ({"devices": "200"}, TypeError, "devices and exclude_devices are lists of device ids, got '200': "
+                                        "write ['200']"),
+        ({"exclude_devices": 200}, TypeError, "devices and exclude_devices are lists of device ids, got "
+                                              "200: write [200]"),
+    ]:
+        with pytest.raises(error) as refused:
+            birdzarr.WindowDataset(small_store, allow_device_order=True, **options)  # type: ignore[arg-type]
+        assert str(refused.value) == message
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"^resident='cuda': this PyTorch sees no CUDA device"):
+            birdzarr.WindowDataset(small_store, resident="cuda")

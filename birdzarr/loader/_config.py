@@ -9,6 +9,7 @@ options and live on the dataset.
 
 from __future__ import annotations
 
+import numbers
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -25,7 +26,13 @@ DEFAULT_SHUFFLE_BUFFER = 2**19
 
 
 def _ids(devices: Iterable[int] | None) -> tuple[int, ...] | None:
-    return None if devices is None else tuple(int(d) for d in devices)
+    if devices is None:
+        return None
+    # one id given alone (devices="200" was read as the devices 2, 0, 0)
+    if isinstance(devices, (str, bytes, numbers.Integral)):
+        raise TypeError(f"devices and exclude_devices are lists of device ids, got {devices!r}: "
+                        f"write [{devices!r}]")
+    return tuple(int(d) for d in devices)
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,11 @@ class ResidentOptions:
             device = torch.device("cpu" if resident is True else resident)
         except (RuntimeError, TypeError) as exc:
             raise ValueError(f"resident must be False, 'cpu' or a torch device, got {resident!r}") from exc
+        if device.type == "cuda" and not torch.cuda.is_available():
+            # else a bare AssertionError from torch once the selection is loaded
+            raise ValueError(f"resident={resident!r}: this PyTorch sees no CUDA device (torch "
+                             f"{torch.__version__}, CUDA build: {torch.version.cuda is not None}); "
+                             "use resident='cpu', or install the CUDA build of PyTorch (README)")
         return cls(device, bool(codes), bool(progress))
 
 
@@ -109,12 +121,17 @@ class LoaderConfig:
     cache: CacheOptions | None
 
     def __post_init__(self) -> None:
+        for name in ("batch_size", "shuffle_buffer", "prefetch", "world_size", "rank"):
+            value = getattr(self, name)
+            # a float or a string would fail later, deep in the planning, with numpy's words
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an integer, got {value!r}")
         if self.batch_size < 1:
-            raise ValueError("batch_size must be positive")
+            raise ValueError(f"batch_size must be positive, got {self.batch_size}")
         if self.shuffle_buffer < 1:
-            raise ValueError("shuffle_buffer must be positive")
+            raise ValueError(f"shuffle_buffer must be positive, got {self.shuffle_buffer}")
         if self.prefetch < 1:
-            raise ValueError("prefetch must be positive")
+            raise ValueError(f"prefetch must be positive, got {self.prefetch}")
         if self.world_size < 1:
             raise ValueError(f"world_size must be positive, got {self.world_size}")
         if not 0 <= self.rank < self.world_size:

@@ -84,7 +84,7 @@ class Store:
         """The device table's entry for ``device_id`` (``DeviceNotFoundError``, a
         ``KeyError``, if the store has no such device)."""
         for entry in self.device_table:
-            if entry.device_id == device_id:
+            if entry.device_id == int(device_id):  # also "200", as a CLI or a table may give it
                 return entry
         known = ", ".join(str(e.device_id) for e in self.device_table[:20])
         more = ", ..." if len(self.device_table) > 20 else ""
