@@ -218,3 +218,11 @@ def test_loader_options_of_the_wrong_kind_are_named(small_store: birdzarr.Store)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match=r"^resident='cuda': this PyTorch sees no CUDA device"):
             birdzarr.WindowDataset(small_store, resident="cuda")
+
+
+def test_an_empty_path_names_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(birdzarr.StoreNotFoundError, match="^an empty path names no store or source"):
+        birdzarr.open_store("")
+    assert main(["info", ""]) == 2  # not the current directory
+    assert capsys.readouterr().err == ("birdzarr info: error: an empty path names no store or source: "
+                                       "give a path or URL\n")

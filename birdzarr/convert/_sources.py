@@ -130,8 +130,8 @@ def find_inputs(source: Location, *, skip_unknown_files: bool = False) -> Inputs
             )
         if not names:
             raise BadInputError(
-                f"{source.display}: no .csv, .csv.gz, .csv.zst or .parquet files found. Point convert "
-                "at a directory of {device}_{part}.csv exports or {device}.parquet files, or at one file."
+                f"{source.display}: no .csv, .csv.gz, .csv.zst or .parquet files found. Give a "
+                "directory of {device}_{part}.csv exports or {device}.parquet files, or at one file."
             )
         kinds = {_kind_of(n) for n in names}
         if len(kinds) > 1:

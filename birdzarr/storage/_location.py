@@ -39,6 +39,7 @@ from birdzarr._errors import (
     MissingDependencyError,
     ReadOnlyLocationError,
     StorageError,
+    StoreNotFoundError,
     UnknownProtocolError,
 )
 
@@ -174,6 +175,8 @@ def resolve(
     ``storage_options``), a ``Location``, or an opened ``birdzarr.Store`` (its own location)."""
     if isinstance(store, Location):
         return store
+    if isinstance(store, str) and not store.strip():  # "" would be the current directory
+        raise StoreNotFoundError("an empty path names no store or source: give a path or URL")
     if not isinstance(store, (str, os.PathLike)):
         opened = getattr(store, "location", None)
         if isinstance(opened, Location):
@@ -444,13 +447,13 @@ def environment_error(exc: BaseException) -> StorageError | None:
         return StorageError(
             f"no credentials for the object store ({detail}). Set AWS_ACCESS_KEY_ID and "
             "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or run where an instance role applies; for a "
-            "public bucket pass storage_options={'anon': True}."
+            "public bucket, Python: storage_options={'anon': True}."
         )
     if names & set(_UNREACHABLE):
         where = f" (AWS_ENDPOINT_URL={endpoint})" if endpoint else ""
         return StorageError(
-            f"cannot reach the storage endpoint{where}: {detail}. Check the URL, the network and "
-            "AWS_ENDPOINT_URL; birdzarr gave up after a few bounded retries."
+            f"cannot reach the storage endpoint{where}: {detail}. Check the URL and the network (for "
+            "s3://, also AWS_ENDPOINT_URL); birdzarr gave up after a few bounded retries."
         )
     if "ClientError" in names or type(exc).__module__.split(".")[0] in ("botocore", "aiobotocore"):
         return StorageError(f"the object store refused the request: {detail}. Check the bucket name, "
