@@ -226,3 +226,18 @@ def test_an_empty_path_names_nothing(capsys: pytest.CaptureFixture[str]) -> None
     assert main(["info", ""]) == 2  # not the current directory
     assert capsys.readouterr().err == ("birdzarr info: error: an empty path names no store or source: "
                                        "give a path or URL\n")
+
+
+def test_window_views_index_as_numpy_does(small_store: birdzarr.Store) -> None:
+    windows, labels = small_store.windows, small_store.labels
+    first = windows[:5]
+    assert windows[2, 3, 1] == first[2, 3, 1] and windows[2, :, 1].tolist() == first[2, :, 1].tolist()
+    assert np.array_equal(windows[[4, 0], :, 0], first[[4, 0], :, 0])
+    assert np.array_equal(windows[1:4, 2], first[1:4, 2])
+    mask = np.zeros(len(small_store), dtype=bool)
+    mask[[3, 1]] = True
+    assert np.array_equal(windows[mask], first[[1, 3]]) and np.array_equal(labels[mask], labels[[1, 3]])
+    for key in (1.5, "a", [0.5], np.ones(3, dtype=bool)):
+        with pytest.raises(TypeError, match="^windows are indexed by an integer, a slice, integers or a "
+                                            f"mask of all {len(small_store)} windows, not "):
+            windows[key]

@@ -241,7 +241,8 @@ class Store:
 
 
 class WindowsView:
-    """``view[i]``, ``view[i:j]`` and ``view[index_array]`` over one per-window array."""
+    """``view[i]``, ``view[i:j]`` and ``view[index_array]`` over one per-window array; more
+    indices after the window's (``view[i, :, 0]``) index into what those give, as numpy does."""
 
     def __init__(self, store: Store, name: str) -> None:
         self.store = store
@@ -250,7 +251,13 @@ class WindowsView:
     def __len__(self) -> int:
         return len(self.store)
 
-    def __getitem__(self, key: int | slice | np.ndarray | list[int]) -> np.ndarray:
+    def __getitem__(self, key: Any) -> np.ndarray:
+        if isinstance(key, tuple):  # the windows first, then the rest within them
+            if not key:
+                return self[slice(None)]
+            picked = self[key[0]]
+            rest = key[1:] if isinstance(key[0], (int, np.integer)) else (slice(None), *key[1:])
+            return np.asarray(picked[rest])
         reader = self.store.reader
         n = len(self.store)
         if isinstance(key, slice):
@@ -263,7 +270,11 @@ class WindowsView:
             if not 0 <= index < n:
                 raise WindowIndexError(f"window {key} is out of range: the store holds {n} windows")
             return reader.read_range(self.name, index, index + 1)[0]
-        indices = np.asarray(key, dtype=np.int64)
+        given = np.asarray(key)
+        if given.dtype.kind not in "iub" or given.dtype.kind == "b" and given.shape != (n,):
+            raise TypeError(f"windows are indexed by an integer, a slice, integers or a mask of all "
+                            f"{n} windows, not {type(key).__name__} {given.dtype}")
+        indices = np.flatnonzero(given) if given.dtype.kind == "b" else given.astype(np.int64)
         indices = np.where(indices < 0, indices + n, indices)
         if len(indices) and (indices.min() < 0 or indices.max() >= n):
             raise WindowIndexError(f"a window index is out of range: the store holds {n} windows")
