@@ -20,7 +20,6 @@ Repair never touches a window below the committed count.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +28,8 @@ from birdzarr.format._spec import check_root_attrs
 from birdzarr.storage._location import Location, StoreLike, resolve, zarr_store
 from birdzarr.storage._lock import StoreLock, clear_except_lock, read_holder
 from birdzarr.storage._lock import break_lock as _break_lock
+from birdzarr.storage._root import parse_root
+from birdzarr.store._chunks import ChunkReader
 from birdzarr.store._tail import discard_uncommitted
 
 
@@ -63,15 +64,20 @@ def repair(
     location = resolve(store, storage_options)
     report = RepairReport(url=location.display)
     holder = read_holder(location)
+    meta: dict[str, Any]
     try:
-        raw = json.loads(location.fs.cat_file(location.join("zarr.json")))
-        meta = check_root_attrs(raw.get("attributes", {}), where=location.display)
+        raw = location.fs.cat_file(location.join("zarr.json"))
     except FileNotFoundError:
         if holder is None:
             raise NotAStoreError(
                 f"{location.display}: no zarr.json, so nothing here is a birdzarr store to repair."
             ) from None
         meta = {"committed": None}  # a conversion killed before it wrote any metadata
+    else:
+        # the readers' checks and messages: damaged metadata is refused before anything changes
+        meta = check_root_attrs(parse_root(raw, location), where=location.display)
+        if meta.get("committed"):
+            ChunkReader.open(location, int(meta["committed"]["n_windows"]))
     if holder is not None and not holder.is_stale():
         if not break_lock:
             raise StoreLockedError(

@@ -36,10 +36,34 @@ def read_root(location: Location) -> dict[str, Any]:
             "(the AWS_* environment, profile or instance role, or storage_options) and that they "
             "may read this bucket and prefix."
         ) from None
+    return parse_root(raw, location)
+
+
+# What to do about a damaged metadata file: birdzarr cannot rebuild one (its content is the
+# commit), and repair only removes leftovers, so the cure is a copy of the store or a conversion.
+RESTORE_HINT = "restore that file from a copy of the store, or convert the store again from its sources"
+
+
+def parse_root(raw: bytes, location: Location) -> dict[str, Any]:
+    """The attributes of the root ``zarr.json`` bytes ``raw``; NotAStoreError when they are not a
+    Zarr v3 group's metadata (every reader and ``repair`` say the same for the same damage)."""
+    meta = load_json(raw, f"{location.display}/zarr.json", what="the store's root metadata")
+    # valid JSON but no object ([] or "x") is refused like {}: no caller meets a list for a dict
+    attributes = meta.get("attributes", {}) if isinstance(meta, dict) else None
+    if not isinstance(meta, dict) or meta.get("node_type") != "group" or meta.get("zarr_format") != 3 \
+            or not isinstance(attributes, dict):
+        raise NotAStoreError(
+            f"{location.display} is not a Zarr v3 group (its zarr.json is not a group's metadata). "
+            f"If it was a birdzarr store, its zarr.json is damaged: {RESTORE_HINT}."
+        )
+    return dict(attributes)
+
+
+def load_json(raw: bytes, where: str, *, what: str) -> Any:
+    """``raw`` parsed as JSON, or NotAStoreError naming ``where`` (a metadata file) and ``what``
+    it holds. Truncated, empty or binary bytes (UnicodeDecodeError is a ValueError too) all
+    land here; the caller checks the parsed value's shape."""
     try:
-        meta = json.loads(raw)
+        return json.loads(raw)
     except ValueError:
-        raise NotAStoreError(f"{location.display}/zarr.json is not valid JSON") from None
-    if meta.get("node_type") != "group" or meta.get("zarr_format") != 3:
-        raise NotAStoreError(f"{location.display} is not a Zarr v3 group")
-    return dict(meta.get("attributes", {}))
+        raise NotAStoreError(f"{where} is not valid JSON: {what} is damaged; {RESTORE_HINT}.") from None

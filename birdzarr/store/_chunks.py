@@ -8,7 +8,6 @@ chains are those of format version 1 (docs/format.md); other chains fall back to
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +18,7 @@ from birdzarr._errors import CorruptChunkError, MissingChunkError, NotAStoreErro
 from birdzarr.format._codec import ChunkCodec, parse_dict16
 from birdzarr.format._spec import DEVICE, GIMU, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH
 from birdzarr.storage._location import Location
+from birdzarr.storage._root import RESTORE_HINT, load_json
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class ArrayLayout:
 
     @classmethod
     def from_metadata(cls, name: str, meta: dict[str, Any]) -> ArrayLayout:
+        """The layout of array ``name`` from its parsed zarr.json (``read_array_meta``)."""
         chunk_shape = meta["chunk_grid"]["configuration"]["chunk_shape"]
         encoding = meta.get("chunk_key_encoding", {})
         separator = encoding.get("configuration", {}).get("separator", "/")
@@ -54,6 +55,37 @@ class ArrayLayout:
     def key(self, index: int) -> str:
         tail = ["0", "0"] if self.name == GIMU else []
         return self.separator.join(["c", str(index), *tail]) if self.separator else ""
+
+
+def read_array_meta(location: Location, name: str) -> dict[str, Any]:
+    """Array ``name``'s zarr.json, checked to be the metadata of a Zarr v3 array with what every
+    reader of it uses (shape, chunk grid, data type, codecs), or one NotAStoreError naming the
+    file: a damaged store's metadata is the user's problem to fix, not a crash deep in a reader.
+    """
+    where = f"{location.display}/{name}/zarr.json"
+    try:
+        raw = location.fs.cat_file(location.join(name, "zarr.json"))
+    except FileNotFoundError:
+        raise NotAStoreError(
+            f"{location.display}: array '{name}' is missing (no {name}/zarr.json): the store is "
+            "damaged; restore the array from a copy of the store, or convert the store again from "
+            "its sources."
+        ) from None
+    meta = load_json(raw, where, what=f"the metadata of array '{name}'")
+    try:
+        if not isinstance(meta, dict):
+            raise ValueError(f"a JSON {type(meta).__name__}, not an object")
+        if meta.get("node_type") != "array" or meta.get("zarr_format") != 3:
+            raise ValueError(f"node_type {meta.get('node_type')!r}, zarr_format {meta.get('zarr_format')!r}")
+        int(meta["shape"][0])
+        ArrayLayout.from_metadata(name, meta)  # the chunk grid, data type and codecs parse
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+        detail = f"{exc} is missing" if isinstance(exc, KeyError) else str(exc)
+        raise NotAStoreError(
+            f"{where} is not the metadata of a Zarr v3 array ({detail[:120]}): the metadata of "
+            f"array '{name}' is damaged; {RESTORE_HINT}."
+        ) from None
+    return meta
 
 
 class ChunkReader:
@@ -72,13 +104,8 @@ class ChunkReader:
 
     @classmethod
     def open(cls, location: Location, n_windows: int) -> ChunkReader:
-        layouts = {}
-        for name in (GIMU, DEVICE, TIMESTAMP, LABEL):
-            try:
-                meta = json.loads(location.fs.cat_file(location.join(name, "zarr.json")))
-            except FileNotFoundError:
-                raise NotAStoreError(f"{location.display}: array '{name}' is missing") from None
-            layouts[name] = ArrayLayout.from_metadata(name, meta)
+        layouts = {name: ArrayLayout.from_metadata(name, read_array_meta(location, name))
+                   for name in (GIMU, DEVICE, TIMESTAMP, LABEL)}
         return cls(location, layouts, n_windows)
 
     def chunk_span(self, index: int) -> tuple[int, int]:
