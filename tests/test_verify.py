@@ -12,7 +12,7 @@ import pytest
 import zarr
 
 import birdzarr
-from birdzarr._errors import MissingChunkError
+from birdzarr._errors import BadInputError, MissingChunkError, StoreNotFoundError
 from birdzarr.cli import main
 from birdzarr.demo import _synthetic
 from birdzarr.maintenance._verify import verify
@@ -199,3 +199,45 @@ def test_a_store_shuffled_by_an_earlier_version_checks_its_scattered_checksums(
     b.write_bytes(data_a)
     found = verify(dest).format()
     assert "scattered checksum" in found and "scattered digest" not in found
+
+def _unreadable_sources(tmp_path: pathlib.Path) -> dict[str, pathlib.Path]:
+    (tmp_path / "a-file.txt").write_text("not a source\n")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "unrelated").mkdir()
+    (tmp_path / "unrelated" / "notes.txt").write_text("hello\n")
+    return {"missing": tmp_path / "nonexistent", "file": tmp_path / "a-file.txt",
+            "empty": tmp_path / "empty", "unrelated": tmp_path / "unrelated"}
+
+
+@pytest.mark.parametrize("case", ["missing", "file", "empty", "unrelated"])
+def test_an_unreadable_source_is_the_converters_error_not_damage(
+    store_copy: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str], case: str
+) -> None:
+    source = _unreadable_sources(tmp_path)[case]
+    with pytest.raises(birdzarr.BirdzarrError) as converting:
+        birdzarr.convert(source, tmp_path / "c.zarr", progress=False)
+    with pytest.raises(type(converting.value)) as verifying:
+        verify(store_copy, source=source)
+    assert type(verifying.value) is type(converting.value)
+    assert str(verifying.value) == str(converting.value)
+    assert isinstance(verifying.value, StoreNotFoundError if case == "missing" else BadInputError)
+    capsys.readouterr()
+    assert main(["verify", str(store_copy), "--source", str(source), "--quiet"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"birdzarr verify: error: {converting.value}\n"
+    assert captured.out == ""  # refused before checking anything: no FAILED listing
+
+
+def test_a_source_of_the_other_kind_is_refused(
+    store_copy: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = tmp_path / "csv"
+    source.mkdir()
+    (source / "5_1.csv").write_text("device_id,date_time\n")
+    expected = (f"{source} holds csv files, but {store_copy} was converted from parquet input: point "
+                "--source (Python: source=) at the files it was converted from.")
+    with pytest.raises(BadInputError) as caught:
+        verify(store_copy, source=source)
+    assert str(caught.value) == expected
+    assert main(["verify", str(store_copy), "--source", str(source), "--quiet"]) == 2
+    assert capsys.readouterr().err == f"birdzarr verify: error: {expected}\n"

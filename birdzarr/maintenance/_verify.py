@@ -25,18 +25,21 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from birdzarr._errors import BirdzarrError, MissingChunkError
+from birdzarr._errors import BadInputError, BirdzarrError, MissingChunkError
 from birdzarr.convert._summary import checksum_hasher, device_runs
 from birdzarr.format._digest import digest_hex, row_hashes
 from birdzarr.format._spec import DEVICE, GIMU, LABEL, TIMESTAMP, DeviceEntry
-from birdzarr.storage._location import StoreLike, resolve
+from birdzarr.storage._location import Location, StoreLike, resolve
 from birdzarr.storage._lock import read_holder
 from birdzarr.store._handle import Store, open_store
 from birdzarr.store._tail import leftovers
+
+if TYPE_CHECKING:
+    from birdzarr.convert._sources import DeviceSource
 
 _ARRAYS = (GIMU, DEVICE, TIMESTAMP, LABEL)
 _MAX_LISTED = 50  # problems listed one by one; beyond that they are counted
@@ -111,13 +114,16 @@ def verify(
 ) -> VerifyResult:
     """Check a committed store (and, with ``source``, compare it with its sources)."""
     opened = open_store(store, storage_options=storage_options)
+    # A source that cannot be read is a wrong argument, not damage in the store: refused (with
+    # the converter's own error) before the pass over the chunks, never listed as a difference.
+    sources = None if source is None else _read_source(opened, resolve(source, source_storage_options))
     committed = opened.meta.get("committed") or {}
     generation = int(committed.get("generation", 0))
     result = VerifyResult(url=opened.url, n_windows=len(opened), generation=generation)
     ranges = _check_table(opened, result)
     digests = _check_chunks(opened, ranges, result, progress=progress)
-    if source is not None:
-        _compare_with_source(opened, resolve(source, source_storage_options), result, digests)
+    if sources is not None:
+        _compare_with_source(opened, *sources, result, digests)
     result.notes += [f"uncommitted leftover: {item} (invisible to readers; `birdzarr repair` removes it)"
                      for item in leftovers(opened.location, len(opened)) if "stale lock" not in item]
     holder = read_holder(opened.location)
@@ -281,21 +287,29 @@ def _batches(store: Store, entry: DeviceEntry) -> list[list[str]]:
     return [batch for batch in [first, *appended] if batch]
 
 
+def _read_source(store: Store, src: Location) -> tuple[Location, list[DeviceSource]]:
+    """The source's devices and files, or the error ``convert`` gives for this source (a missing
+    path, a file or directory holding no input files, unknown entries), or BadInputError for
+    input of the other kind than the store was converted from."""
+    from birdzarr.convert._sources import discover
+
+    kind, devices = discover(src)
+    if kind != store.meta.get("source_kind"):
+        raise BadInputError(
+            f"{src.display} holds {kind} files, but {store.url} was converted from "
+            f"{store.meta.get('source_kind')} input: point --source (Python: source=) at the files "
+            "it was converted from."
+        )
+    return src, devices
+
+
 def _compare_with_source(
-    store: Store, src: Any, result: VerifyResult, digests: _Digests | None = None
+    store: Store, src: Location, devices: list[DeviceSource], result: VerifyResult,
+    digests: _Digests | None = None,
 ) -> None:
     from birdzarr.convert._append import store_curation
-    from birdzarr.convert._sources import DeviceSource, discover
+    from birdzarr.convert._sources import DeviceSource
 
-    try:
-        kind, devices = discover(src)
-    except BirdzarrError as exc:
-        result.problem(f"source {src.display} cannot be read: {exc}")
-        return
-    if kind != store.meta.get("source_kind"):
-        result.problem(f"source {src.display} holds {kind} files; the store was converted from "
-                       f"{store.meta.get('source_kind')} input")
-        return
     curation = store_curation(store.meta)
     reports = store.report
     in_source = {d.device_id: d for d in devices}
@@ -322,7 +336,7 @@ def _compare_with_source(
             continue
         report = reports.get(device.device_id)
         skipped = report is not None and (report.bad_lines > 0 or getattr(report, "bad_files", 0) > 0)
-        batches = [DeviceSource(device.device_id, kind, [files[n] for n in batch])
+        batches = [DeviceSource(device.device_id, device.kind, [files[n] for n in batch])
                    for batch in _batches(store, entry)]
 
         def derived(
