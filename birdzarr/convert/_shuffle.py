@@ -291,13 +291,15 @@ class Spiller:
         order = np.argsort(target, kind="stable")
         meta = np.empty(len(block), dtype=_META)
         meta["label"], meta["timestamp"] = block.labels, block.timestamps
+        # the block in bucket order, gathered at once: one take per block, not a fancy index on
+        # the middle axis per bucket (1.4x faster, alone); each bucket's run is then copied out
+        # (new arrays, not views that would keep the whole block alive until the bucket is released)
+        codes, meta = np.take(codes, order, axis=1), meta[order]
         bounds = np.searchsorted(target[order], np.arange(self.buckets + 1))
         for bucket in np.flatnonzero(np.diff(bounds)).tolist():
-            # each bucket's windows gathered straight from the block (new arrays, not views
-            # that would keep the whole block alive until the bucket is released)
-            rows = order[bounds[bucket] : bounds[bucket + 1]]
-            state.held[bucket].append((codes[:, rows, :], meta[rows]))
-            state.held_windows[bucket] += len(rows)
+            start, stop = int(bounds[bucket]), int(bounds[bucket + 1])
+            state.held[bucket].append((codes[:, start:stop, :].copy(), meta[start:stop].copy()))
+            state.held_windows[bucket] += stop - start
             if state.held_windows[bucket] >= self.piece_windows:
                 self._release(state.device_id, bucket, state.held.pop(bucket))
                 state.held_windows[bucket] = 0
