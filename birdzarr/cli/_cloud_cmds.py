@@ -25,7 +25,9 @@ def add_copy(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         description="Copy a committed store between any two locations (path, s3://, memory://, ...). "
         "Objects already at DEST with the same size and MD5 are skipped, so re-running an "
         "interrupted copy resumes it. The root zarr.json is written last, after every object is "
-        "verified: DEST becomes a store only when the copy is complete. Credentials come from the "
+        "verified: DEST becomes a store only when the copy is complete. A damaged source (a "
+        "committed chunk missing, or failing its CRC-32C) is never committed: the copy stops "
+        "before its commit, exit 2, naming the first damaged chunk. Credentials come from the "
         "standard AWS chain (AWS_* variables, profile, instance role); AWS_ENDPOINT_URL or "
         "FSSPEC_S3_ENDPOINT_URL point s3:// at MinIO or another S3-compatible server.",
     )

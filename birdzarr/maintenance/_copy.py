@@ -6,6 +6,18 @@ the commit), so it is written only after every other object has been verified: a
 interrupted, or fails verification, is never mistaken for a complete store by a reader, and
 running the same command again resumes it.
 
+A copy never commits a damaged store as if it were good: the committed chunks the source's
+metadata calls for are compared with its listing (a missing one is damage, as in ``verify``), and
+every committed chunk of birdzarr's own codec chains, which end with a CRC-32C of the chunk's
+bytes, is checked as it passes through memory, before it is written (one CRC pass over bytes
+already read: under 0.01 s per 100 MB with google_crc32c's C extension). A chunk that fails is
+not written; once every other object is copied the copy stops, uncommitted, with
+``MissingChunkError`` (or ``CorruptChunkError``) naming the first damaged chunk and how many there
+are. An object already at the destination with the source's size and MD5 is not read again: it
+was checked when it was copied. Chunks past the committed count (an interrupted writer's
+leftovers, which readers never see) are copied unchecked; objects of chains without a CRC at their
+end (a sharded ``gimu``, zarr's own codecs) are checked for presence only.
+
 Resuming skips an object already at the destination when its size and MD5 match the source's.
 MD5s come for free from S3 listings (the ETag of a single-part upload) and are computed for local
 and in-memory files; where neither side's MD5 is cheap (a multipart or KMS-encrypted ETag, an HTTP
@@ -18,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import os
 import re
 import threading
@@ -26,10 +39,19 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from birdzarr._errors import ChecksumMismatchError, StoreExistsError, TransferError
+import google_crc32c
+
+from birdzarr._errors import (
+    ChecksumMismatchError,
+    CorruptChunkError,
+    MissingChunkError,
+    StoreExistsError,
+    TransferError,
+)
 from birdzarr._progress import progress_bar
+from birdzarr.format._codec import with_crc32c
 from birdzarr.storage._location import (
     Location,
     StoreLike,
@@ -41,6 +63,9 @@ from birdzarr.storage._location import (
 )
 from birdzarr.storage._lock import StoreLock, release_and_tidy
 
+if TYPE_CHECKING:
+    from birdzarr.store._handle import Store
+
 ROOT = "zarr.json"
 # The writer's lock belongs to the source's writer; a copy must not carry it to the destination.
 _NOT_COPIED = frozenset({".birdzarr.lock"})
@@ -49,6 +74,9 @@ _PARTIAL_SUFFIX = ".birdzarr-partial"
 _IN_MEMORY_LIMIT = 64 * 2**20
 _STREAM_BLOCK = 8 * 2**20
 _MD5_ETAG = re.compile(r'^"?([0-9a-f]{32})"?$')
+# The CRC-32C of any bytes followed by their own little-endian CRC-32C is this constant (the CRC's
+# "residue"), so a chunk is checked in one pass over it, streamed or whole, without slicing.
+_CRC32C_RESIDUE = google_crc32c.value(with_crc32c(b""))
 
 
 @dataclass
@@ -105,23 +133,25 @@ def copy_store(
     src = resolve(source, storage_options)
     dst = resolve(dest, dest_storage_options)
     require_writable(dst)
-    open_store(src)  # a committed birdzarr store of a supported version, or a clear error
+    opened = open_store(src)  # a committed birdzarr store of a supported version, or a clear error
     # DEST: not inside SRC (or holding it), not a file, nothing there but a store of ours
     check_destination(dst, overwrite=True, source=src)
     lock = StoreLock(dst, f"birdzarr copy {src.display}")
     lock.acquire()  # one writer at a time at DEST: no convert, append or other copy meanwhile
     try:
-        return _copy_locked(src, dst, overwrite=overwrite, requests=requests, progress=progress,
-                            started=started)
+        return _copy_locked(src, dst, _committed_chunks(opened), overwrite=overwrite, requests=requests,
+                            progress=progress, started=started)
     finally:
         release_and_tidy(lock, remove_root=True)
 
 
 def _copy_locked(
-    src: Location, dst: Location, *, overwrite: bool, requests: int, progress: bool, started: float
+    src: Location, dst: Location, committed: dict[str, bool], *, overwrite: bool, requests: int,
+    progress: bool, started: float,
 ) -> CopyResult:
     root = with_retries(lambda: bytes(src.fs.cat_file(src.join(ROOT))), src.retry)
     wanted = {o.key: o for o in _listing(src) if o.key != ROOT and _basename(o.key) not in _NOT_COPIED}
+    damaged = {key: "is missing" for key in committed if key not in wanted}
     present = {o.key: o for o in _listing(dst)}
     for leftover in [key for key in present if key.endswith(_PARTIAL_SUFFIX)]:
         dst.fs.rm_file(dst.join(leftover))  # written aside by a copy that was killed
@@ -153,14 +183,19 @@ def _copy_locked(
                         result.skipped += 1
                         bar.update(obj.size)
                     return
-            md5 = _transfer(src, dst, obj.key, obj.size)
+            md5 = _transfer(src, dst, obj.key, obj.size, check_crc=committed.get(obj.key, False))
             with tally:
+                bar.update(obj.size)
+                if md5 is None:  # not written: a re-run reads it from the source again
+                    damaged[obj.key] = "fails its CRC-32C (its bytes were changed or truncated)"
+                    return
                 md5s[obj.key] = md5
                 result.copied += 1
                 result.bytes_copied += obj.size
-                bar.update(obj.size)
 
         _run_all(one, list(wanted.values()), requests)
+        if damaged:
+            _refuse_damaged(src, dst, damaged)
         stale = [key for key in present if key not in wanted and _basename(key) not in _NOT_COPIED]
         if overwrite and stale:
             dst.fs.rm([dst.join(key) for key in stale])
@@ -218,13 +253,62 @@ def _md5_of(location: Location, key: str) -> str:
     return digest.hexdigest()
 
 
-def _transfer(src: Location, dst: Location, key: str, size: int) -> str:
-    """Copy one object (with retries); returns the MD5 of the bytes written."""
+def _committed_chunks(store: Store) -> dict[str, bool]:
+    """The key of every object the source's committed windows are stored in, each with whether
+    it ends with a CRC-32C that copy can check (birdzarr's own chains with the crc32c codec).
 
-    def attempt() -> str:
+    Keys follow each array's zarr.json (chunk grid, which is the shard grid when sharded, and key
+    encoding), so a missing object is found whatever the chain; along the window axis only the
+    chunks below the committed count, the ones readers need.
+    """
+    from birdzarr.store._chunks import read_array_meta
+
+    found: dict[str, bool] = {}
+    for name, layout in store.reader.layouts.items():
+        meta = read_array_meta(store.location, name)  # checked when the store was opened
+        grid = [int(n) for n in meta["chunk_grid"]["configuration"]["chunk_shape"]]
+        shape = [store.n_windows, *(int(n) for n in meta["shape"][1:])]
+        counts = [-(-size // step) for size, step in zip(shape, grid, strict=True)]
+        encoding = meta.get("chunk_key_encoding", {"name": "default"})
+        v2 = encoding.get("name") == "v2"
+        separator = encoding.get("configuration", {}).get("separator", "." if v2 else "/")
+        checkable = layout.codec is not None and layout.codec.crc32c
+        for coords in itertools.product(*(range(n) for n in counts)):
+            parts = [str(c) for c in coords]
+            key = separator.join(parts) if v2 else separator.join(["c", *parts])
+            found[f"{name}/{key or '0'}"] = checkable
+    return found
+
+
+def _crc32c_intact(data: bytes) -> bool:
+    return len(data) >= 4 and google_crc32c.value(data) == _CRC32C_RESIDUE
+
+
+def _refuse_damaged(src: Location, dst: Location, damaged: dict[str, str]) -> None:
+    """Stop before the commit, naming the first damaged chunk and counting them all."""
+    order = sorted(damaged, key=lambda key: [int(p) if p.isdigit() else p for p in re.split(r"[/.]", key)])
+    first = order[0]
+    missing = sum(1 for why in damaged.values() if why == "is missing")
+    counts = f"{missing} missing, {len(damaged) - missing} failing their CRC-32C"
+    error = MissingChunkError if damaged[first] == "is missing" else CorruptChunkError
+    raise error(
+        f"{redact(src.display)}: committed chunk '{first}' {damaged[first]}; {len(damaged)} damaged chunk(s) "
+        f"in all ({counts}), so the copy to {redact(dst.display)} was not committed. Run `birdzarr "
+        f"verify {redact(src.display)}` to list the damage, restore those chunks from another copy or "
+        "convert the store again, then run this copy again to finish it."
+    )
+
+
+def _transfer(src: Location, dst: Location, key: str, size: int, *, check_crc: bool = False) -> str | None:
+    """Copy one object (with retries); returns the MD5 of the bytes written, or None when
+    ``check_crc`` and the source's bytes fail their CRC-32C (then nothing is left at DEST)."""
+
+    def attempt() -> str | None:
         if size > _IN_MEMORY_LIMIT:
-            return _stream(src, dst, key)
+            return _stream(src, dst, key, check_crc=check_crc)
         data = bytes(src.fs.cat_file(src.join(key)))
+        if check_crc and not _crc32c_intact(data):
+            return None
         _write(dst, key, data)
         return hashlib.md5(data, usedforsecurity=False).hexdigest()
 
@@ -257,19 +341,29 @@ def _write(dst: Location, key: str, data: bytes) -> None:
             os.remove(partial)
 
 
-def _stream(src: Location, dst: Location, key: str) -> str:
+def _stream(src: Location, dst: Location, key: str, *, check_crc: bool = False) -> str | None:
     digest = hashlib.md5(usedforsecurity=False)
+    crc = google_crc32c.Checksum()
     target = dst.join(key)
     partial = f"{target}.{uuid.uuid4().hex[:8]}{_PARTIAL_SUFFIX}" if dst.is_local else target
     if dst.is_local:
         os.makedirs(os.path.dirname(target), exist_ok=True)
+    size = 0
     with (
         src.fs.open(src.join(key), "rb", block_size=_STREAM_BLOCK) as fin,
         dst.fs.open(partial, "wb") as fout,
     ):
         while block := fin.read(_STREAM_BLOCK):
             digest.update(block)
+            if check_crc:
+                crc.update(block)
+            size += len(block)
             fout.write(block)
+    if check_crc and (size < 4 or int.from_bytes(crc.digest(), "big") != _CRC32C_RESIDUE):
+        # written already (an object store takes a stream as it comes): remove it, so that a
+        # re-run finds no "identical" object at DEST and reads the source again
+        dst.fs.rm_file(partial)
+        return None
     if dst.is_local:
         os.replace(partial, target)
     return digest.hexdigest()
