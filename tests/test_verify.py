@@ -241,3 +241,18 @@ def test_a_source_of_the_other_kind_is_refused(
     assert str(caught.value) == expected
     assert main(["verify", str(store_copy), "--source", str(source), "--quiet"]) == 2
     assert capsys.readouterr().err == f"birdzarr verify: error: {expected}\n"
+
+
+def test_entries_skipped_at_conversion_are_skipped_again_and_only_those(tmp_path: pathlib.Path) -> None:
+    source = tmp_path / "src"
+    _synthetic.make_parquet_dir(source, n_devices=3, total_windows=3000, seed=5)
+    (source / "notes.txt").write_text("field notes")
+    dest = tmp_path / "s.zarr"
+    birdzarr.convert(source, dest, skip_unknown_files=True, progress=False)
+    assert verify(dest, source=source).ok  # notes.txt was skipped by the conversion: skipped again
+    (source / "later.txt").write_text("x")
+    with pytest.raises(BadInputError) as refused:
+        verify(dest, source=source)
+    assert str(refused.value) == (
+        f"{source}: 1 entry is not an input file and was not skipped when {dest} was converted: "
+        "'later.txt'. Remove or rename it, or point --source at the converted files only.")

@@ -291,9 +291,24 @@ def _read_source(store: Store, src: Location) -> tuple[Location, list[DeviceSour
     """The source's devices and files, or the error ``convert`` gives for this source (a missing
     path, a file or directory holding no input files, unknown entries), or BadInputError for
     input of the other kind than the store was converted from."""
-    from birdzarr.convert._sources import discover
+    from birdzarr.convert._sources import find_inputs
 
-    kind, devices = discover(src)
+    # entries the conversion (or an append) skipped as not input files are skipped again, and
+    # only those: any other unknown entry is refused as convert refuses it
+    report = store.meta.get("report", {})
+    recorded = {*(store.meta.get("skipped_files") or []),
+                *(name for a in report.get("appends", []) for name in a.get("skipped_unknown_files", []))}
+    found = find_inputs(src, skip_unknown_files=bool(recorded))
+    unexpected = [name for name in found.skipped if name not in recorded]
+    if unexpected:
+        one = len(unexpected) == 1
+        raise BadInputError(
+            f"{src.display}: {len(unexpected)} "
+            f"{'entry is not an input file and was' if one else 'entries are not input files and were'} "
+            f"not skipped when {store.url} was converted: {', '.join(repr(n) for n in unexpected[:10])}. "
+            f"Remove or rename {'it' if one else 'them'}, or point --source at the converted files only."
+        )
+    kind, devices = found.kind, found.devices
     if kind != store.meta.get("source_kind"):
         raise BadInputError(
             f"{src.display} holds {kind} files, but {store.url} was converted from "
