@@ -241,3 +241,34 @@ def test_window_views_index_as_numpy_does(small_store: birdzarr.Store) -> None:
         with pytest.raises(TypeError, match="^windows are indexed by an integer, a slice, integers or a "
                                             f"mask of all {len(small_store)} windows, not "):
             windows[key]
+
+
+def test_more_python_arguments_of_the_wrong_kind(small_store: birdzarr.Store, tmp_path: pathlib.Path) -> None:
+    with pytest.raises(TypeError, match=r"^storage_options must be a dict of fsspec options, got 'x'$"):
+        birdzarr.open_store(small_store.url, storage_options="x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^requests must be a positive integer, got 0$"):
+        birdzarr.copy(small_store, tmp_path / "c.zarr", requests=0, progress=False)
+    assert not (tmp_path / "c.zarr").exists()
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(NotADirectoryError, match="cache_dir is not a directory"):
+        birdzarr.WindowDataset(small_store, cache_dir=tmp_path / "a-file")
+    with pytest.raises(ValueError, match=r"^cache_max_bytes must be an integer of 0 or more, got -1$"):
+        birdzarr.WindowDataset(small_store, cache_dir=tmp_path / "cache", cache_max_bytes=-1)
+
+
+def test_a_format_version_that_is_not_an_integer_says_what_it_may_be(
+    small_store: birdzarr.Store, tmp_path: pathlib.Path
+) -> None:
+    import json
+
+    copy = tmp_path / "s.zarr"
+    shutil.copytree(small_store.url, copy)
+    root = json.loads((copy / "zarr.json").read_text())
+    root["attributes"]["birdzarr"]["format_version"] = "1"
+    (copy / "zarr.json").write_text(json.dumps(root))
+    with pytest.raises(birdzarr.FormatVersionError) as refused:
+        birdzarr.open_store(copy)
+    assert str(refused.value) == (
+        f"{copy} has birdzarr format version '1', a str where every version so far is an integer (this "
+        "birdzarr supports 1): a newer birdzarr wrote it (upgrade: pip install -U birdzarr), or its "
+        "zarr.json is damaged (restore it from a copy of the store).")

@@ -219,7 +219,14 @@ def check_root_attrs(attrs: dict[str, Any], *, where: str) -> dict[str, Any]:
             "attribute). Create one with `birdzarr convert SOURCE DEST`."
         )
     version = meta["format_version"]
-    if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
+    if not isinstance(version, int) or isinstance(version, bool):  # "1" would read as version 1
+        raise FormatVersionError(
+            f"{where} has birdzarr format version {version!r}, a {type(version).__name__} where every "
+            f"version so far is an integer (this birdzarr supports {FORMAT_VERSION}): a newer birdzarr "
+            "wrote it (upgrade: pip install -U birdzarr), or its zarr.json is damaged (restore it "
+            "from a copy of the store)."
+        )
+    if version > FORMAT_VERSION or version < 1:
         raise FormatVersionError(
             f"{where} has birdzarr format version {version!r}; this birdzarr "
             f"supports version {FORMAT_VERSION}. Upgrade birdzarr (pip install -U birdzarr)."

@@ -9,6 +9,7 @@ options and live on the dataset.
 
 from __future__ import annotations
 
+import errno
 import numbers
 import os
 from collections.abc import Callable, Iterable
@@ -97,6 +98,13 @@ class CacheOptions:
 
     directory: str | os.PathLike[str]
     max_bytes: int
+
+    def __post_init__(self) -> None:
+        if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+            raise NotADirectoryError(errno.ENOTDIR, "cache_dir is not a directory: give a directory (it is "
+                                     "made if missing)", os.fspath(self.directory))
+        if not isinstance(self.max_bytes, int) or self.max_bytes < 0:
+            raise ValueError(f"cache_max_bytes must be an integer of 0 or more, got {self.max_bytes!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -129,6 +129,8 @@ def copy_store(
     from birdzarr.convert._overwrite import check_destination
     from birdzarr.store._handle import open_store
 
+    if not isinstance(requests, int) or isinstance(requests, bool) or requests < 1:
+        raise ValueError(f"requests must be a positive integer, got {requests!r}")
     started = time.perf_counter()
     src = resolve(source, storage_options)
     dst = resolve(dest, dest_storage_options)

@@ -182,6 +182,8 @@ def resolve(
         if isinstance(opened, Location):
             return opened
         raise TypeError(f"expected a path, a URL or a birdzarr.Store, got {type(store).__name__}")
+    if storage_options is not None and not isinstance(storage_options, dict):
+        raise TypeError(f"storage_options must be a dict of fsspec options, got {storage_options!r}")
     url = os.fspath(store)
     if "://" not in url and "::" not in url:
         url = os.path.abspath(os.path.expanduser(url))
