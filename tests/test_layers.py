@@ -17,7 +17,7 @@ PACKAGE = pathlib.Path(birdzarr.__file__).parent
 
 # lowest first; a module may import modules of its own layer and of every layer before it
 LAYERS: list[tuple[str, ...]] = [
-    ("birdzarr._errors", "birdzarr._progress", "birdzarr._version"),  # shared by everything
+    ("birdzarr._checks", "birdzarr._errors", "birdzarr._progress", "birdzarr._version"),  # shared by all
     ("birdzarr.format",),  # the spec: names, device table, codecs, checksums
     ("birdzarr.storage",),  # locations, retries, fetchers, the chunk cache, the writer lock
     ("birdzarr.explore",),  # views and plots over anything with the store's read interface
@@ -95,7 +95,7 @@ def test_no_module_imports_a_higher_layer(path: pathlib.Path) -> None:
 
 def test_every_layer_exists_and_nothing_sits_flat_at_the_top() -> None:
     flat = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
-    assert flat == ["_errors.py", "_progress.py", "_version.py"]
+    assert flat == ["_checks.py", "_errors.py", "_progress.py", "_version.py"]
     for prefixes in LAYERS[1:-2]:
         assert (PACKAGE / prefixes[0].split(".")[1] / "__init__.py").exists(), prefixes
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import zarr
 
+from birdzarr._checks import require_bool, require_int
 from birdzarr._errors import BadInputError
 from birdzarr._progress import progress_bar
 from birdzarr.convert._blocks import WindowBlock
@@ -98,13 +99,25 @@ def convert(
     """
     from birdzarr.store._handle import open_store
 
+    # before anything is read or written: a truthy non-bool (overwrite="no") must not act as True
+    overwrite = require_bool("overwrite", overwrite)
+    progress = require_bool("progress", progress)
+    shuffle = require_bool("shuffle", shuffle)
+    skip_unknown_files = require_bool("skip_unknown_files", skip_unknown_files)
     if on_bad_rows not in ON_BAD_ROWS:
         raise ValueError(f"on_bad_rows must be one of {ON_BAD_ROWS}, got {on_bad_rows!r}")
     if chunk_windows is None:
         chunk_windows = SHUFFLED_CHUNK_WINDOWS if shuffle else DEFAULT_CHUNK_WINDOWS
+    chunk_windows = require_int("chunk_windows", chunk_windows)
     if not 1 <= chunk_windows <= MAX_CHUNK_WINDOWS:
         raise ValueError(f"chunk_windows must be from 1 to {MAX_CHUNK_WINDOWS:,}, got {chunk_windows}")
     workers = resolve_workers(workers)  # a negative count is refused before any work
+    if seed is not None:
+        seed = require_int("seed", seed)
+    if curation is not None and not isinstance(curation, Curation):
+        raise TypeError(f"curation must be a birdzarr.Curation (or None for the default), got {curation!r}")
+    if client is not None:
+        _require_client(client)
     if seed is not None and not 0 <= seed < 2**63:
         raise ValueError(f"seed must be an integer in 0..2**63-1, got {seed}")
     if not shuffle and (seed is not None or shuffle_tmp is not None):
@@ -170,6 +183,21 @@ def convert(
                               buckets=buckets, shuffle_tmp=shuffle_tmp, duplicates=duplicates)
     duplicates.warn(dst.display)
     return open_store(dst)
+
+
+def _require_client(client: Any) -> None:
+    """Refuse a ``client`` that is not a ``distributed.Client`` (a scheduler address, say), which
+    would otherwise fail deep in the conversion with an AttributeError."""
+    try:
+        from distributed import Client
+    except ImportError:  # without distributed nothing can be a Client
+        is_client = False
+    else:
+        is_client = isinstance(client, Client)
+    if not is_client:
+        hint = f"; connect first: client=distributed.Client({client!r})" if isinstance(client, str) else ""
+        raise TypeError(f"client must be a distributed.Client (or None to convert here), "
+                        f"got {client!r}{hint}")
 
 
 def _convert_here(

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 import numpy as np
 import zarr
 
+from birdzarr._checks import require_bool
 from birdzarr._errors import AppendError, IncompleteStoreError
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._cpus import cpu_report, cpu_seconds, resolve_workers
@@ -231,6 +232,9 @@ def append_detailed(
     from birdzarr.convert._readahead import read_ahead
     from birdzarr.store._handle import open_store
 
+    # before anything is read or written: a truthy non-bool ("no") must not act as True
+    progress = require_bool("progress", progress)
+    skip_unknown_files = require_bool("skip_unknown_files", skip_unknown_files)
     if on_bad_rows not in ON_BAD_ROWS:
         raise ValueError(f"on_bad_rows must be one of {ON_BAD_ROWS}, got {on_bad_rows!r}")
     workers = resolve_workers(workers)

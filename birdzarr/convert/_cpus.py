@@ -7,6 +7,8 @@ import math
 import os
 import warnings
 
+from birdzarr._checks import require_int
+
 CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "QUOTA PERIOD" or "max PERIOD"
 CGROUP_V1_QUOTA = "/sys/fs/cgroup/cpu/cpu.cfs_quota_us"  # cgroup v1: quota (-1: none) ...
 CGROUP_V1_PERIOD = "/sys/fs/cgroup/cpu/cpu.cfs_period_us"  # ... per period
@@ -61,7 +63,10 @@ MAX_WORKERS_PER_CORE = 4
 def resolve_workers(workers: int | None) -> int:
     """``workers`` as given (must be positive), or all usable cores when None or 0; at most
     ``MAX_WORKERS_PER_CORE`` per usable core (with a warning)."""
-    if workers is None or workers == 0:
+    if workers is None:
+        return usable_cpus()
+    workers = require_int("workers", workers)  # "2" would fail later, comparing str with int
+    if workers == 0:
         return usable_cpus()
     if workers < 0:
         raise ValueError(f"workers must be positive (or None for all usable cores), got {workers}")

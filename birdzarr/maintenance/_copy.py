@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import google_crc32c
 
+from birdzarr._checks import require_bool
 from birdzarr._errors import (
     ChecksumMismatchError,
     CorruptChunkError,
@@ -129,6 +130,9 @@ def copy_store(
     from birdzarr.convert._overwrite import check_destination
     from birdzarr.store._handle import open_store
 
+    # before anything is read or written: overwrite="no" must not replace the store at dest
+    overwrite = require_bool("overwrite", overwrite)
+    progress = require_bool("progress", progress)
     if not isinstance(requests, int) or isinstance(requests, bool) or requests < 1:
         raise ValueError(f"requests must be a positive integer, got {requests!r}")
     started = time.perf_counter()

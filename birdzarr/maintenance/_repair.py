@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from birdzarr._checks import require_bool
 from birdzarr._errors import NotAStoreError, StoreLockedError
 from birdzarr.format._spec import check_root_attrs
 from birdzarr.storage._location import Location, StoreLike, resolve, zarr_store
@@ -61,6 +62,8 @@ def repair(
     (the CLI's ``--break-lock``)."""
     import zarr
 
+    # break_lock="no" must not break a live writer's lock
+    break_lock = require_bool("break_lock", break_lock)
     location = resolve(store, storage_options)
     report = RepairReport(url=location.display)
     holder = read_holder(location)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from birdzarr._checks import require_bool
 from birdzarr._errors import BadInputError, BirdzarrError, MissingChunkError
 from birdzarr.convert._summary import checksum_hasher, device_runs
 from birdzarr.format._digest import digest_hex, row_hashes
@@ -113,6 +114,7 @@ def verify(
     progress: bool = False,
 ) -> VerifyResult:
     """Check a committed store (and, with ``source``, compare it with its sources)."""
+    progress = require_bool("progress", progress)
     opened = open_store(store, storage_options=storage_options)
     # A source that cannot be read is a wrong argument, not damage in the store: refused (with
     # the converter's own error) before the pass over the chunks, never listed as a difference.
