@@ -46,6 +46,10 @@ def test_every_window_exactly_once_per_epoch(
     epoch: int,
 ) -> None:
     n = len(small_store)
+    if drop_last and batch_size * world_size > n:  # some rank would hold less than a batch
+        with pytest.raises(ValueError, match="gives no batch in any epoch"):
+            _dataset(small_store, batch_size=batch_size, drop_last=True, world_size=world_size)
+        return
     per_rank_batches, full_batches = [], []
     delivered = []
     for rank in range(world_size):
@@ -490,9 +494,17 @@ def test_state_dict_format_round_trips_and_options_fail_at_once(small_store: bir
     iterator = iter(ds)
     next(iterator), next(iterator)
     state = ds.state_dict()
+    selection = {"store_windows": 30_000, "store_shuffle_seed": None, "shuffle": True, "drop_last": False,
+                 "devices": None, "exclude_devices": None, "split": None, "split_by": None,
+                 "val_fraction": None, "split_seed": None}
     assert state == {"version": 3, "seed": 3, "epoch": 0, "world_size": 1, "rank": 0, "batch_size": 1000,
-                     "pool_chunks": ds.pool_chunks, "resident": False, "next_batch": 2, "num_workers": 1}
+                     "pool_chunks": ds.pool_chunks, "resident": False, "selection": selection,
+                     "next_batch": 2, "num_workers": 1}
     assert ResumeState.from_dict(state).to_dict() == state
+    # a state saved before the selection was recorded resumes as it did
+    older = {k: v for k, v in state.items() if k != "selection"}
+    assert ResumeState.from_dict(older).to_dict() == {**older, "selection": None}
+    _dataset(small_store, seed=3).load_state_dict(older)
     in_worker = {**{k: v for k, v in state.items() if k != "next_batch"},
                  "start": 4, "start_workers": 2, "worker_yielded": 3, "num_workers": 2}
     assert ResumeState.from_dict(in_worker).to_dict() == in_worker

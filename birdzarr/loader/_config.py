@@ -33,7 +33,11 @@ def _ids(devices: Iterable[int] | None) -> tuple[int, ...] | None:
     if isinstance(devices, (str, bytes, numbers.Integral)):
         raise TypeError(f"devices and exclude_devices are lists of device ids, got {devices!r}: "
                         f"write [{devices!r}]")
-    return tuple(int(d) for d in devices)
+    ids = tuple(devices)
+    for d in ids:
+        if not isinstance(d, numbers.Integral) or isinstance(d, bool):  # 200.5 would read as 200
+            raise TypeError(f"device ids are integers, got {d!r}")
+    return tuple(int(d) for d in ids)
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,8 @@ class SubsetOptions:
     def of(cls, devices: Iterable[int] | None, exclude_devices: Iterable[int] | None, split: str | None,
            split_by: str, val_fraction: float, split_seed: int) -> SubsetOptions:
         """The options as given (device iterables are read once, here)."""
+        if not isinstance(split_seed, numbers.Integral) or isinstance(split_seed, bool) or split_seed < 0:
+            raise ValueError(f"split_seed must be an integer of 0 or more, got {split_seed!r}")
         return cls(_ids(devices), _ids(exclude_devices), split, split_by, float(val_fraction),
                    int(split_seed))
 
@@ -129,7 +135,7 @@ class LoaderConfig:
     cache: CacheOptions | None
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "shuffle_buffer", "prefetch", "world_size", "rank"):
+        for name in ("batch_size", "shuffle_buffer", "prefetch", "world_size", "rank", "seed"):
             value = getattr(self, name)
             # a float or a string would fail later, deep in the planning, with numpy's words
             if not isinstance(value, numbers.Integral) or isinstance(value, bool):
@@ -140,6 +146,8 @@ class LoaderConfig:
             raise ValueError(f"shuffle_buffer must be positive, got {self.shuffle_buffer}")
         if self.prefetch < 1:
             raise ValueError(f"prefetch must be positive, got {self.prefetch}")
+        if self.seed < 0:  # numpy's seeds are non-negative; -1 would fail at the first plan
+            raise ValueError(f"seed must be an integer of 0 or more, got {self.seed}")
         if self.world_size < 1:
             raise ValueError(f"world_size must be positive, got {self.world_size}")
         if not 0 <= self.rank < self.world_size:
@@ -162,4 +170,5 @@ def distributed_defaults() -> tuple[int, int]:
 def resolve_ranks(world_size: int | None, rank: int | None) -> tuple[int, int]:
     """The given world size and rank, each defaulting to what torch.distributed or torchrun say."""
     env_world, env_rank = distributed_defaults()
-    return (env_world if world_size is None else int(world_size)), (env_rank if rank is None else int(rank))
+    # given values are checked, not coerced: LoaderConfig refuses "2" or 1.0
+    return (env_world if world_size is None else world_size), (env_rank if rank is None else rank)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -57,6 +58,14 @@ if TYPE_CHECKING:
 _T = TypeVar("_T")
 
 
+def _few(ids: tuple[int, ...] | None) -> str:
+    """Device ids for a message: at most ten, then how many more."""
+    if ids is None:
+        return "None"
+    more = f", ... ({len(ids)} in all)" if len(ids) > 10 else ""
+    return "[" + ", ".join(str(i) for i in ids[:10]) + more + "]"
+
+
 @dataclass
 class _PerProcess:
     """What one process (the main one, or a DataLoader worker) opens for itself."""
@@ -65,6 +74,7 @@ class _PerProcess:
     reader: ChunkReader
     pool: PoolBuffers
     sink: Sink  # where its batches are gathered to
+    iterations: int = 0  # iterations started here: only the latest may use the pool buffer
 
 
 class WindowDataset(IterableDataset[Batch]):
@@ -149,7 +159,7 @@ class WindowDataset(IterableDataset[Batch]):
         self._config = LoaderConfig(
             batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
             shuffle_buffer=shuffle_buffer, channel_first=channel_first, with_ldt=with_ldt,
-            transform=transform, prefetch=max(1, prefetch), reuse_batch_memory=reuse_batch_memory,
+            transform=transform, prefetch=prefetch, reuse_batch_memory=reuse_batch_memory,
             allow_device_order=allow_device_order, world_size=world_size, rank=rank,
             subset=SubsetOptions.of(devices, exclude_devices, split, split_by, val_fraction, split_seed),
             resident=ResidentOptions.of(resident, resident_codes, progress),
@@ -160,6 +170,18 @@ class WindowDataset(IterableDataset[Batch]):
         self._progress = Progress()
         self._per_process: _PerProcess | None = None
         self._plan_memo: tuple[tuple[str, int], Any] | None = None  # the current epoch's plan
+        c = self.config
+        # Epochs of no batch would train on nothing, silently: refused where that holds in every
+        # epoch (a pool, or a rank's share, smaller than one batch); uneven pools may still leave
+        # some epoch a batch or two short (docs/training.md)
+        pool_windows = self.pool_chunks * self.chunk_windows if self.resident is None else self.n_selected
+        if c.drop_last and (c.batch_size > pool_windows or c.batch_size * c.world_size > self.n_selected):
+            raise ValueError(
+                f"batch_size={c.batch_size:,} with drop_last=True gives no batch in any epoch: "
+                f"{self.n_selected:,} windows selected over {c.world_size} rank(s), in pools of at most "
+                f"{pool_windows:,} (shuffle_buffer rounded up to whole chunks). Lower batch_size, raise "
+                "shuffle_buffer, or leave drop_last off"
+            )
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled (a ``spawn`` or ``forkserver`` DataLoader worker, Python 3.14's default on
@@ -175,6 +197,8 @@ class WindowDataset(IterableDataset[Batch]):
         config = self.config
         self.n_windows = len(opened)
         self.shuffled_store = opened.shuffled
+        # which store, for state_dict (with its window count)
+        self.store_shuffle_seed = opened.meta.get("layout", {}).get("shuffle_seed")
         subset = config.subset
         self.selection = make_selection(
             opened.device_table, shuffled_store=opened.shuffled, devices=subset.devices,
@@ -183,6 +207,12 @@ class WindowDataset(IterableDataset[Batch]):
         )
         self.counts = self.selection.counts(opened.reader)
         self.n_selected = int(self.counts.sum())
+        if not self.n_selected:  # an epoch of no batch would train on nothing, silently
+            raise ValueError(
+                f"the selection holds no window of {opened.url}: devices={_few(subset.devices)}, "
+                f"exclude_devices={_few(subset.exclude_devices)}, split={subset.split!r}; choose "
+                "devices the store holds (`birdzarr info --devices`)"
+            )
         self.chunk_windows = opened.reader.chunk_windows
         self.pool_chunks = config.pool_chunks(self.chunk_windows)
         self._layouts = opened.reader.layouts
@@ -286,19 +316,50 @@ class WindowDataset(IterableDataset[Batch]):
 
     def _order_key(self) -> OrderKey:
         c, resident = self.config, self.resident is not None
-        return OrderKey(c.seed, c.world_size, c.rank, c.batch_size, self.pool_chunks, resident)
+        subset = c.subset
+        selection = {
+            "store_windows": self.n_windows, "store_shuffle_seed": self.store_shuffle_seed,
+            "shuffle": c.shuffle, "drop_last": c.drop_last,
+            "devices": None if subset.devices is None else sorted(subset.devices),
+            "exclude_devices": None if subset.exclude_devices is None else sorted(subset.exclude_devices),
+            "split": subset.split,
+            # the split's settings matter only with a split
+            "split_by": subset.split_by if subset.split else None,
+            "val_fraction": subset.val_fraction if subset.split else None,
+            "split_seed": subset.split_seed if subset.split else None,
+        }
+        return OrderKey(c.seed, c.world_size, c.rank, c.batch_size, self.pool_chunks, resident, selection)
 
     def state_dict(self, batches_seen: int | None = None) -> dict[str, Any]:
         """Where the epoch stands. With DataLoader workers, pass the batches the loop consumed
         this epoch (the dataset in the main process does not see workers' progress), or use
         torchdata's ``StatefulDataLoader``, which snapshots each worker's own state."""
+        if batches_seen is not None:
+            seen_ok = isinstance(batches_seen, numbers.Integral) and not isinstance(batches_seen, bool)
+            if not seen_ok or not 0 <= batches_seen <= len(self) - self._progress.resume_at:
+                raise ValueError(f"batches_seen must be an integer from 0 to the batches left in this "
+                                 f"epoch ({len(self) - self._progress.resume_at}), got {batches_seen!r}")
         return self._progress.snapshot(self._order_key(), batches_seen).to_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next iteration of ``state['epoch']`` starts at its next batch."""
         saved = ResumeState.from_dict(state)
         saved.check_resumable(self._order_key())
+        if saved.next_batch is not None:
+            batches = self._batches_in(saved.epoch)
+            if saved.next_batch > batches:
+                raise ValueError(f"cannot resume at batch {saved.next_batch}: epoch {saved.epoch} of this "
+                                 f"dataset has {batches} batches")
         self._progress.restore(saved)
+
+    def _batches_in(self, epoch: int) -> int:
+        """``len(self)`` in ``epoch`` (streaming, pools of uneven sizes make it vary a little)."""
+        current = self._progress.epoch
+        self._progress.epoch = epoch
+        try:
+            return len(self)
+        finally:
+            self._progress.epoch = current
 
     # -- planning ----------------------------------------------------------------------------------
     def _memoised(self, kind: str, compute: Callable[[], _T]) -> _T:
@@ -377,17 +438,35 @@ class WindowDataset(IterableDataset[Batch]):
     def __iter__(self) -> Iterator[Batch]:
         progress = self._progress
         progress.follow()
-        batches = self._streamed() if self.resident is None else self._held()
+        # Streaming iterations of one process share its pool buffer (memory set by the options,
+        # not by the number of iterators): a new one supersedes any older one, which raises if
+        # it is resumed instead of yielding windows the new one has overwritten
+        local = self._local() if self.resident is None else None
+        if local is not None:
+            local.iterations += 1
+        mine = None if local is None else local.iterations
+        batches = iter(self._streamed() if self.resident is None else self._held())
         progress.begin()
         try:
-            for batch in batches:
+            while True:
+                if local is not None and local.iterations != mine:
+                    raise RuntimeError(
+                        "this iteration of the WindowDataset was superseded: a newer iteration of "
+                        "the same dataset started in this process, and streaming iterations share "
+                        "its pool buffer. Iterate one at a time (finish or drop the older "
+                        "iterator), or make a second WindowDataset."
+                    )
+                batch = next(batches, None)
+                if batch is None:
+                    break
                 progress.yielded += 1  # counted before handing over: state_dict() names the next batch
                 # a SharedBatch only in a DataLoader worker, which the transport turns into a Batch
                 yield cast(Batch, batch)
         finally:
-            local = self._per_process
-            if local is not None and local.pid == os.getpid():
-                local.sink.end_iteration()
+            current = self._per_process
+            # a superseded iteration leaves the sink to the one that superseded it
+            if current is not None and current.pid == os.getpid() and mine in (None, current.iterations):
+                current.sink.end_iteration()
         progress.finish()
 
     def _streamed(self) -> Iterator[Batch | SharedBatch]:

@@ -118,6 +118,15 @@ class _Sink:
         fill(x, ldt)
         out[:] = x.transpose(0, 2, 1)
 
+    def _transformed(self, x: torch.Tensor) -> torch.Tensor:
+        """The transform's result, which must be a tensor (in a worker it travels as one; in
+        this process anything else would reach the training loop only there)."""
+        assert self.transform is not None
+        result = self.transform(x)
+        if not isinstance(result, torch.Tensor):
+            raise TypeError(f"transform must return a torch.Tensor, got {type(result).__name__}")
+        return result
+
     def end_iteration(self) -> None:
         """An iteration is over (finished or abandoned)."""
 
@@ -134,7 +143,7 @@ class TensorSink(_Sink):
         ldt = new_batch((size, 3), torch.int64, self.shared) if self.layout.with_ldt else None
         self._fill(tensor.numpy(), None if ldt is None else ldt.numpy(), fill)
         if self.transform is not None:
-            tensor = self.transform(tensor)
+            tensor = self._transformed(tensor)
         return tensor if ldt is None else (tensor, ldt)
 
 
@@ -158,7 +167,7 @@ class SlotSink(_Sink):
         self._fill(out, ldt, fill)
         if self.transform is not None:
             x_slot = torch.from_numpy(out)
-            transformed = self.transform(x_slot)
+            transformed = self._transformed(x_slot)
             if transformed.shape != x_slot.shape or transformed.dtype != x_slot.dtype:
                 # another shape or dtype: torch's own transport (copies: the slot is reused)
                 ldt_copy = None if ldt is None else torch.from_numpy(ldt).clone()

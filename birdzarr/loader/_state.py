@@ -18,6 +18,7 @@ their count back through it).
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,10 @@ class OrderKey:
     batch_size: int
     pool_chunks: int
     resident: bool
+    # which windows the epoch holds and how they are drawn (the store's windows and shuffle seed,
+    # shuffle, drop_last, the device filters and the split); None in states saved before it was
+    # recorded, which are resumed unchecked on these
+    selection: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,7 @@ class ResumeState:
         state: dict[str, Any] = {
             "version": STATE_VERSION, "seed": k.seed, "epoch": self.epoch, "world_size": k.world_size,
             "rank": k.rank, "batch_size": k.batch_size, "pool_chunks": k.pool_chunks, "resident": k.resident,
+            "selection": None if k.selection is None else dict(k.selection),
         }
         if self.worker is not None:
             return {**state, "start": self.worker.start, "start_workers": self.worker.start_workers,
@@ -76,7 +82,11 @@ class ResumeState:
 
     @classmethod
     def from_dict(cls, state: Mapping[str, Any]) -> ResumeState:
-        """Read a ``state_dict()``; refuses other versions (their batch order differs)."""
+        """Read a ``state_dict()``; refuses other versions (their batch order differs) and
+        anything that is not one."""
+        if not isinstance(state, Mapping):
+            raise TypeError("load_state_dict takes what state_dict() returned (a dict), got "
+                            f"{type(state).__name__}")
         if state.get("version") != STATE_VERSION:
             raise ValueError(
                 f"cannot resume from WindowDataset state version {state.get('version')!r}: this "
@@ -84,8 +94,20 @@ class ResumeState:
                 "Restart the epoch (call set_epoch without load_state_dict) or use the birdzarr "
                 "version that saved the state."
             )
+        in_worker = "worker_yielded" in state
+        position = ("start", "start_workers", "worker_yielded") if in_worker else ("next_batch",)
+        for name in (*MUST_MATCH, "rank", "epoch", "num_workers", *position):
+            if name not in state:
+                raise ValueError(f"not a WindowDataset state_dict: it has no {name!r} "
+                                 f"(keys: {sorted(state)})")
+        for name in ("epoch", "num_workers", *position):
+            value = state[name]
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"not a WindowDataset state_dict: {name} is {value!r}, "
+                                 "not an integer of 0 or more")
+        check_epoch(state["epoch"])
         key = OrderKey(state["seed"], state["world_size"], state["rank"], state["batch_size"],
-                       state["pool_chunks"], state["resident"])
+                       state["pool_chunks"], state["resident"], state.get("selection"))
         if "worker_yielded" in state:
             worker = WorkerSnapshot(
                 int(state["start"]), int(state["start_workers"]), int(state["worker_yielded"])
@@ -102,6 +124,29 @@ class ResumeState:
                     f"cannot resume: the state was saved with {name}={saved!r}, this dataset "
                     f"has {name}={now!r}; the order would differ"
                 )
+        if self.key.selection is None or current.selection is None:
+            return
+        for name in sorted({*self.key.selection, *current.selection}):
+            saved, now = self.key.selection.get(name), current.selection.get(name)
+            if saved != now:
+                raise ValueError(
+                    f"cannot resume: the state was saved with {name}={saved!r}, this dataset "
+                    f"has {name}={now!r}; the epoch's windows would differ (some twice, some never)"
+                )
+
+
+MAX_EPOCH = 2**31 - 1  # far beyond any training run; the shared control tensor holds it exactly
+
+
+def check_epoch(epoch: object) -> int:
+    """An epoch number: an integer from 0 to ``MAX_EPOCH`` (-1 marks "no resume point" in the
+    shared control tensor, and a float would be truncated into another epoch's order)."""
+    if not isinstance(epoch, numbers.Integral) or isinstance(epoch, bool):
+        raise TypeError(f"epoch must be an integer, got {epoch!r}")
+    value = int(epoch)
+    if not 0 <= value <= MAX_EPOCH:
+        raise ValueError(f"epoch must be from 0 to {MAX_EPOCH:,}, got {value}")
+    return value
 
 
 # Slots of the shared control tensor (training process -> persistent workers, and back).
@@ -124,7 +169,7 @@ class Progress:
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch; a resume point of another epoch is dropped."""
-        self.epoch = int(epoch)
+        self.epoch = check_epoch(epoch)
         if self.resume_epoch is not None and self.resume_epoch != self.epoch:
             self.resume_at, self.resume_epoch, self.skip_own = 0, None, 0
         self.publish()

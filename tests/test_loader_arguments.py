@@ -1,0 +1,123 @@
+"""WindowDataset refuses what would break exactly-once or exact resume, or train on nothing, with
+an error that names it: a second iteration over one pool buffer, epochs and resume points out
+of range, a state saved for other windows, empty selections, options of the wrong kind."""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+import pytest
+import torch
+
+import birdzarr
+
+
+def _dataset(store: birdzarr.Store, **options: object) -> birdzarr.WindowDataset:
+    options.setdefault("batch_size", 1000)
+    options.setdefault("allow_device_order", True)  # small_store is device-ordered
+    return birdzarr.WindowDataset(store, **options)  # type: ignore[arg-type]
+
+
+def test_a_newer_iteration_supersedes_an_unfinished_one(small_store: birdzarr.Store) -> None:
+    ds = _dataset(small_store, batch_size=500, shuffle_buffer=4096)
+    every = sorted(w.tobytes() for w in small_store.windows[:])
+    older = iter(ds)
+    next(older)
+    newer = iter(ds)
+    delivered = [x.clone() for x in newer]
+    with pytest.raises(RuntimeError, match="^this iteration of the WindowDataset was superseded"):
+        next(older)
+    assert len(delivered) == len(ds)
+    assert sorted(w.tobytes() for w in torch.cat(delivered).numpy()) == every  # each window once
+
+    for _ in ds:  # leaving a loop early and starting again is the ordinary case
+        break
+    assert sorted(w.tobytes() for w in torch.cat([x.clone() for x in ds]).numpy()) == every
+
+
+def test_epochs_are_integers_from_zero(small_store: birdzarr.Store) -> None:
+    ds = _dataset(small_store)
+    ds.set_epoch(3)
+    for epoch, error, message in [(-1, ValueError, "epoch must be from 0 to 2,147,483,647, got -1"),
+                                  (2**63, ValueError, f"epoch must be from 0 to 2,147,483,647, got {2**63}"),
+                                  (1.5, TypeError, "epoch must be an integer, got 1.5")]:
+        with pytest.raises(error) as refused:
+            ds.set_epoch(epoch)  # type: ignore[arg-type]
+        assert str(refused.value) == message
+    assert ds.epoch == 3  # unchanged by a refused value
+
+
+def test_a_state_of_other_windows_is_refused_by_name(
+    small_store: birdzarr.Store, parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]],
+    tmp_path: pathlib.Path,
+) -> None:
+    devices = [e.device_id for e in small_store.device_table]
+    saved = _dataset(small_store, exclude_devices=devices[:1])
+    next(iter(saved))
+    state = saved.state_dict()
+    for options, name in [({}, "exclude_devices"),
+                          ({"exclude_devices": devices[:1], "shuffle": False}, "shuffle"),
+                          ({"exclude_devices": devices[:1], "drop_last": True}, "drop_last"),
+                          ({"exclude_devices": devices[:1], "split": "train"}, "split")]:
+        with pytest.raises(ValueError, match=f"^cannot resume: the state was saved with {name}="):
+            _dataset(small_store, **options).load_state_dict(state)
+    val = _dataset(small_store, split="val", split_seed=0)
+    with pytest.raises(ValueError, match="^cannot resume: the state was saved with split_seed=0, this "
+                                         "dataset has split_seed=1; the epoch's windows would differ"):
+        _dataset(small_store, split="val", split_seed=1).load_state_dict(val.state_dict())
+    other = birdzarr.convert(parquet_source[0], tmp_path / "other.zarr", chunk_windows=1024, shuffle=True,
+                             seed=5, progress=False)  # the same windows, another store
+    with pytest.raises(ValueError, match="^cannot resume: the state was saved with store_shuffle_seed=None"):
+        _dataset(other, exclude_devices=devices[:1]).load_state_dict(state)
+    _dataset(small_store, exclude_devices=devices[:1]).load_state_dict(state)  # the same: resumes
+
+
+def test_resume_points_and_states_are_checked(small_store: birdzarr.Store) -> None:
+    ds = _dataset(small_store)
+    n = len(ds)
+    for seen in (-1, n + 1, 2.5, True):
+        with pytest.raises(ValueError, match=f"^batches_seen must be an integer from 0 to the batches left "
+                                             f"in this epoch \\({n}\\), got "):
+            ds.state_dict(batches_seen=seen)  # type: ignore[arg-type]
+    state = ds.state_dict(batches_seen=n)  # the epoch's end is a valid point
+    with pytest.raises(TypeError, match="^load_state_dict takes what state_dict\\(\\) returned"):
+        ds.load_state_dict(None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="^not a WindowDataset state_dict: it has no 'seed'"):
+        ds.load_state_dict({k: v for k, v in state.items() if k != "seed"})
+    with pytest.raises(ValueError, match="^not a WindowDataset state_dict: next_batch is -3, not an integer"):
+        ds.load_state_dict({**state, "next_batch": -3})
+    with pytest.raises(ValueError, match=f"^cannot resume at batch {n + 5}: epoch 0 of this dataset has {n} "
+                                         "batches$"):
+        ds.load_state_dict({**state, "next_batch": n + 5})
+
+
+def test_selections_that_give_no_batch_are_refused(small_store: birdzarr.Store) -> None:
+    devices = [e.device_id for e in small_store.device_table]
+    for options in ({"devices": []}, {"exclude_devices": devices}, {"devices": [], "resident": "cpu"}):
+        with pytest.raises(ValueError, match=f"^the selection holds no window of {small_store.url}"):
+            _dataset(small_store, **options)
+    refused = "^batch_size=40,000 with drop_last=True gives no batch in any epoch: 30,000 windows selected"
+    with pytest.raises(ValueError, match=refused):
+        _dataset(small_store, batch_size=40_000, drop_last=True)
+    assert len(_dataset(small_store, batch_size=40_000)) == 1  # without drop_last: one short batch
+    with pytest.raises(ValueError, match="in pools of at most 2,048 "):
+        _dataset(small_store, batch_size=3000, shuffle_buffer=2000, drop_last=True)
+
+
+def test_options_of_the_wrong_kind(small_store: birdzarr.Store) -> None:
+    for options, error, message in [
+        ({"seed": None}, TypeError, "seed must be an integer, got None"),
+        ({"seed": -1}, ValueError, "seed must be an integer of 0 or more, got -1"),
+        ({"split": "val", "split_seed": -1}, ValueError,
+         "split_seed must be an integer of 0 or more, got -1"),
+        ({"devices": [200.5]}, TypeError, "device ids are integers, got 200.5"),
+        ({"world_size": "2"}, TypeError, "world_size must be an integer, got '2'"),
+        ({"prefetch": -5}, ValueError, "prefetch must be positive, got -5"),
+    ]:
+        with pytest.raises(error) as refused:
+            _dataset(small_store, **options)
+        assert str(refused.value) == message
+    ds = _dataset(small_store, transform=lambda x: x.numpy())
+    with pytest.raises(TypeError, match="^transform must return a torch.Tensor, got ndarray$"):
+        next(iter(ds))
