@@ -107,6 +107,8 @@ def test_selections_that_give_no_batch_are_refused(small_store: birdzarr.Store) 
 
 def test_options_of_the_wrong_kind(small_store: birdzarr.Store) -> None:
     for options, error, message in [
+        ({"shuffle": "no"}, TypeError, "shuffle must be True or False, got 'no'"),
+        ({"drop_last": 1}, TypeError, "drop_last must be True or False, got 1"),
         ({"seed": None}, TypeError, "seed must be an integer, got None"),
         ({"seed": -1}, ValueError, "seed must be an integer of 0 or more, got -1"),
         ({"split": "val", "split_seed": -1}, ValueError,

@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from birdzarr.loader._selection import SPLIT_BY, SPLITS
@@ -135,6 +136,11 @@ class LoaderConfig:
     cache: CacheOptions | None
 
     def __post_init__(self) -> None:
+        for name in ("shuffle", "drop_last", "channel_first", "with_ldt", "reuse_batch_memory",
+                     "allow_device_order"):
+            flag = getattr(self, name)
+            if not isinstance(flag, (bool, np.bool_)):  # shuffle="no" would read as True
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
         for name in ("batch_size", "shuffle_buffer", "prefetch", "world_size", "rank", "seed"):
             value = getattr(self, name)
             # a float or a string would fail later, deep in the planning, with numpy's words
