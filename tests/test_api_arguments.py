@@ -104,6 +104,39 @@ def test_verify_refuses_progress_that_is_not_a_bool_and_takes_a_numpy_bool(
     assert birdzarr.verify(small_store.url, progress=np.False_).n_windows == len(small_store)
 
 
+# -- 3. curation parameters ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("fields", "error", "message"), [
+    ({"gps_scale": 0}, ValueError,
+     "Curation gps_scale must be above 0 (gps_speed is divided by it), got 0.0"),
+    ({"gps_scale": -1.5}, ValueError,
+     "Curation gps_scale must be above 0 (gps_speed is divided by it), got -1.5"),
+    ({"gps_scale": float("nan")}, ValueError, "Curation gps_scale must be a finite number, got nan"),
+    ({"clip_min": float("nan")}, ValueError, "Curation clip_min must be a finite number, got nan"),
+    ({"clip_max": float("inf")}, ValueError, "Curation clip_max must be a finite number, got inf"),
+    ({"clip_min": 2, "clip_max": -2}, ValueError,
+     "Curation clip_min must be below clip_max (imu_x/y/z are clipped to [clip_min, clip_max]), "
+     "got 2.0 and -2.0"),
+    ({"speed_limit": 0}, ValueError, "Curation speed_limit must be above 0 m/s (windows with a gps_speed "
+                                     "at or above it are dropped), got 0.0"),
+    ({"speed_limit": "30"}, TypeError, "Curation speed_limit must be a number, got '30'"),
+    ({"clip_max": True}, TypeError, "Curation clip_max must be a number, got True"),
+])
+def test_curation_refuses_parameters_that_cannot_curate(
+    fields: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error) as refused:
+        birdzarr.Curation(**fields)
+    assert type(refused.value) is error
+    assert str(refused.value) == message
+
+
+def test_curation_stores_numbers_as_floats() -> None:
+    curation = birdzarr.Curation(speed_limit=np.float32(25), clip_min=-3, clip_max=np.int64(3))
+    assert curation.to_json(applied_by="birdzarr")["clip"] == [-3.0, 3.0]
+    assert type(curation.speed_limit) is float and curation.speed_limit == 25.0
+
+
 # -- 4. conversion arguments --------------------------------------------------------------------------
 
 @pytest.fixture

@@ -74,6 +74,24 @@ class Curation:
     clip_max: float = 2.0
     gps_scale: float = 22.3012351755624
 
+    def __post_init__(self) -> None:
+        # Checked here, not where they are used: a zero scale, a NaN or a reversed clip range
+        # would otherwise be written into every window (inf, NaN) and recorded in the store.
+        from birdzarr._checks import require_number
+
+        for name in ("speed_limit", "clip_min", "clip_max", "gps_scale"):
+            # stored as float: a numpy float32 would not serialise into the store's attributes
+            object.__setattr__(self, name, require_number(f"Curation {name}", getattr(self, name)))
+        if self.speed_limit <= 0:
+            raise ValueError(f"Curation speed_limit must be above 0 m/s (windows with a gps_speed at or "
+                             f"above it are dropped), got {self.speed_limit}")
+        if self.gps_scale <= 0:
+            raise ValueError(f"Curation gps_scale must be above 0 (gps_speed is divided by it), "
+                             f"got {self.gps_scale}")
+        if self.clip_min >= self.clip_max:
+            raise ValueError(f"Curation clip_min must be below clip_max (imu_x/y/z are clipped to "
+                             f"[clip_min, clip_max]), got {self.clip_min} and {self.clip_max}")
+
     def to_json(self, *, applied_by: str) -> dict[str, Any]:
         return {
             "applied_by": applied_by,
