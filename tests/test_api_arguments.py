@@ -104,6 +104,29 @@ def test_verify_refuses_progress_that_is_not_a_bool_and_takes_a_numpy_bool(
     assert birdzarr.verify(small_store.url, progress=np.False_).n_windows == len(small_store)
 
 
+# -- 2. negative window indices in the xarray view ---------------------------------------------------
+
+def test_xarray_negative_window_indices_index_as_numpy_does(small_store: birdzarr.Store) -> None:
+    pytest.importorskip("xarray")
+    n = len(small_store)
+    ds = small_store.to_xarray()
+    every = small_store.windows[:]
+    for index in (-1, -2, -1000, -n):
+        np.testing.assert_array_equal(ds.isel(window=index).gimu.values, every[index])
+        assert int(ds.isel(window=index).device.values) == int(small_store.window_devices[:][index])
+    np.testing.assert_array_equal(ds.isel(window=[-1, -n, 5]).gimu.values, every[[-1, -n, 5]])
+    for index in (-n - 1, -n - 1000, -2 * n + 7):  # -n - 1000 read window n - 1000 before
+        with pytest.raises(IndexError):
+            every[index]  # numpy refuses it ...
+        with pytest.raises(birdzarr.WindowIndexError) as refused:  # ... and so does the view (an IndexError)
+            _ = ds.isel(window=index).gimu.values
+        assert str(refused.value) == f"a window index is out of range: the store holds {n} windows"
+        with pytest.raises(birdzarr.WindowIndexError):
+            _ = ds.isel(window=index).device.values
+        with pytest.raises(birdzarr.WindowIndexError):
+            _ = ds.isel(window=[0, index]).gimu.values
+
+
 # -- 3. curation parameters ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("fields", "error", "message"), [

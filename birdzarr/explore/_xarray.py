@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from birdzarr._errors import WindowIndexError
 from birdzarr.explore._deps import require
 from birdzarr.explore._units import gps_scale
 from birdzarr.format._spec import (
@@ -65,11 +66,31 @@ class WindowArray(_backends.BackendArray):  # type: ignore[misc,name-defined]
         self.shape = (len(store), *tail)
 
     def __getitem__(self, key: Any) -> Any:
+        self._refuse_wrapped(key.tuple[0])
         # OUTER_1VECTOR: xarray hands us ints, slices and at most one integer array; a vector
         # of windows becomes one gather that reads each touched chunk once.
         return _indexing.explicit_indexing_adapter(
             key, self.shape, _indexing.IndexingSupport.OUTER_1VECTOR, self._read
         )
+
+    def _refuse_wrapped(self, windows: Any) -> None:
+        """Refuse a window index that is still negative when it reaches us.
+
+        xarray's lazy indexing adds the length once to a negative index (``isel(window=-1)``
+        arrives as ``len - 1``) and checks nothing, so a negative index here was below ``-len``;
+        passed on, the store's view would add the length again and read a wrong window
+        (``-5000`` of 2,605 windows gave window 210) where numpy raises ``IndexError``.
+        """
+        if isinstance(windows, slice):
+            return
+        n = self.shape[0]
+        if np.ndim(windows) == 0:
+            if int(windows) < 0:
+                raise WindowIndexError(f"a window index is out of range: the store holds {n} windows")
+            return
+        given = np.asarray(windows)
+        if given.dtype.kind in "iu" and given.size and int(given.min()) < 0:
+            raise WindowIndexError(f"a window index is out of range: the store holds {n} windows")
 
     def _read(self, key: tuple[Any, ...]) -> np.ndarray:
         windows, rest = key[0], key[1:]
