@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import shutil
 
 import numpy as np
 import pytest
@@ -25,3 +26,11 @@ def small_store(parquet_source, tmp_path_factory) -> birdzarr.Store:  # type: ig
     directory, _ = parquet_source
     dest = tmp_path_factory.mktemp("stores") / "small.zarr"
     return birdzarr.convert(directory, dest, chunk_windows=1024, progress=False)
+
+
+@pytest.fixture()
+def store_copy(small_store: birdzarr.Store, tmp_path: pathlib.Path) -> pathlib.Path:
+    """A private copy of the session's small store (1024-window chunks), free to damage."""
+    dest = tmp_path / "copy.zarr"
+    shutil.copytree(small_store.location.path, dest)
+    return dest

@@ -18,11 +18,9 @@ from birdzarr.maintenance import _copy
 
 
 @pytest.fixture()
-def source(small_store: birdzarr.Store, tmp_path: pathlib.Path) -> pathlib.Path:
+def source(store_copy: pathlib.Path) -> pathlib.Path:
     """A private copy of the session's small store (30,000 windows, 1024-window chunks)."""
-    dest = tmp_path / "src.zarr"
-    shutil.copytree(small_store.location.path, dest)
-    return dest
+    return store_copy
 
 
 def _flip(path: pathlib.Path) -> None:

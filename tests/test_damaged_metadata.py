@@ -17,14 +17,6 @@ from birdzarr.cli import main
 RESTORE = "restore that file from a copy of the store, or convert the store again from its sources."
 
 
-@pytest.fixture()
-def store_copy(small_store: birdzarr.Store, tmp_path: pathlib.Path) -> pathlib.Path:
-    """A private copy of the session's small store, free to damage."""
-    dest = tmp_path / "copy.zarr"
-    shutil.copytree(small_store.location.path, dest)
-    return dest
-
-
 def _truncate(path: pathlib.Path) -> None:
     path.write_bytes(path.read_bytes()[:30])  # as `head -c 30` leaves it
 

@@ -18,14 +18,6 @@ from birdzarr.demo import _synthetic
 from birdzarr.maintenance._verify import verify
 
 
-@pytest.fixture()
-def store_copy(small_store: birdzarr.Store, tmp_path: pathlib.Path) -> pathlib.Path:
-    """A private copy of the session's small store (1024-window chunks), free to damage."""
-    dest = tmp_path / "copy.zarr"
-    shutil.copytree(small_store.location.path, dest)
-    return dest
-
-
 def _chunk(store: pathlib.Path, name: str, index: int) -> pathlib.Path:
     return store / name / "c" / str(index) / ("0/0" if name == "gimu" else "")
 
