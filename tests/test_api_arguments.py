@@ -205,3 +205,69 @@ def test_append_refuses_workers_that_is_not_an_integer(
         birdzarr.append(existing, parquet_source[0], workers="2", progress=False)  # type: ignore[typeddict-item]
     assert str(refused.value) == "workers must be an integer, got '2'"
     assert _snapshot(existing) == before
+
+
+# -- 5. exploration arguments ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("max_windows", "message"), [
+    (1.5, "max_windows must be an integer, got 1.5"),
+    ("10", "max_windows must be an integer, got '10'"),
+    (None, "max_windows must be an integer, got None"),
+])
+def test_plot_device_refuses_max_windows_that_is_not_an_integer(
+    max_windows: Any, message: str, small_store: birdzarr.Store
+) -> None:
+    device = small_store.device_table[0].device_id
+    with pytest.raises(TypeError) as refused:
+        small_store.plot_device(device, max_windows=max_windows)
+    assert str(refused.value) == message
+
+
+def test_plots_refuse_label_names_that_are_not_a_mapping(small_store: birdzarr.Store) -> None:
+    device = small_store.device_table[0].device_id
+    message = "label_names must be a mapping of label ids to names, such as {3: 'flying'}, got ['a', 'b']"
+    with pytest.raises(TypeError) as refused:
+        small_store.plot_device(device, label_names=["a", "b"])  # type: ignore[arg-type]
+    assert str(refused.value) == message
+    with pytest.raises(TypeError) as refused:
+        small_store.plot_window(0, label_names=["a", "b"])  # type: ignore[arg-type]
+    assert str(refused.value) == message
+
+
+@pytest.mark.parametrize("index", ["3", None, 1.5, np.float64(2.0)])
+def test_plot_window_refuses_an_index_that_is_not_an_integer(index: Any, small_store: birdzarr.Store) -> None:
+    with pytest.raises(TypeError) as refused:
+        small_store.plot_window(index)
+    assert str(refused.value) == f"index must be an integer, got {index!r}"
+
+
+def test_plot_window_refuses_an_index_below_minus_the_length(small_store: birdzarr.Store) -> None:
+    n = len(small_store)
+    with pytest.raises(birdzarr.WindowIndexError) as refused:  # it drew window n - 1 before
+        small_store.plot_window(-n - 1)
+    assert str(refused.value) == f"window {-n - 1} is out of range: the store holds {n} windows"
+
+
+def test_device_lookups_refuse_a_float_device_id(small_store: birdzarr.Store) -> None:
+    device = small_store.device_table[0].device_id
+    for call in (small_store.device_windows, small_store.plot_device):
+        with pytest.raises(TypeError) as refused:  # it was truncated to the device before
+            call(device + 0.5)
+        assert str(refused.value) == f"device_id must be an integer, got {device + 0.5!r}"
+    assert len(small_store.device_windows(np.int64(device))) == small_store.device_table[0].n_windows
+
+
+@pytest.mark.parametrize(("options", "error", "message"), [
+    ({"bins": -1}, ValueError, "bins must be an integer of 1 or more, got -1"),
+    ({"bins": 0}, ValueError, "bins must be an integer of 1 or more, got 0"),
+    ({"bins": "8"}, TypeError, "bins must be an integer, got '8'"),
+    ({"bins": 8.0}, TypeError, "bins must be an integer, got 8.0"),
+    ({"persist": "no"}, TypeError, "persist must be True or False, got 'no'"),
+])
+def test_stats_refuses_wrong_arguments(
+    options: dict[str, Any], error: type[Exception], message: str, small_store: birdzarr.Store
+) -> None:
+    with pytest.raises(error) as refused:
+        small_store.stats(progress=False, **options)
+    assert type(refused.value) is error
+    assert str(refused.value) == message

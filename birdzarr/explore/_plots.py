@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from birdzarr._checks import refuse_float, require_int
+from birdzarr._errors import WindowIndexError
 from birdzarr.explore._deps import require
 from birdzarr.explore._html import format_time
 from birdzarr.explore._units import CHANNEL_UNITS, gps_scale
@@ -59,6 +61,12 @@ def _show_figures_in_ipython(figure_class: type) -> None:
     select_figure_formats(shell, {"png"})
 
 
+def _check_label_names(label_names: Any) -> None:
+    if label_names is not None and not isinstance(label_names, Mapping):
+        raise TypeError("label_names must be a mapping of label ids to names, such as {3: 'flying'}, "
+                        f"got {label_names!r}")
+
+
 def _label_text(label: int, label_names: Mapping[int, str] | None = None) -> str:
     if label == LABEL_UNLABELLED:
         return "unlabelled"
@@ -68,7 +76,13 @@ def _label_text(label: int, label_names: Mapping[int, str] | None = None) -> str
 
 def plot_window(store: Store, index: int, *, label_names: Mapping[int, str] | None = None) -> Figure:
     """The 20 samples of window ``index``: imu x/y/z in g above, GPS speed in m/s below."""
-    index = int(index) + len(store) if index < 0 else int(index)
+    # an integer, as store.windows[...] wants: int() would truncate 1.5 and take "3"
+    given = require_int("index", index)
+    n = len(store)
+    index = given + n if given < 0 else given  # made non-negative once: -n-1 is refused, not wrapped
+    if not 0 <= index < n:
+        raise WindowIndexError(f"window {given} is out of range: the store holds {n} windows")
+    _check_label_names(label_names)
     window = store.windows[index]
     device = int(store.window_devices[index])
     timestamp = int(store.timestamps[index])
@@ -135,8 +149,11 @@ def plot_device(
     device-ordered store and a random order in a shuffled one (the axis label says which).
     ``label_names`` maps label ids to names for the legend (``{3: "flying"}``).
     """
+    refuse_float("device_id", device_id)  # Store.device's int() would make 200.5 device 200
+    max_windows = require_int("max_windows", max_windows)
     if max_windows < 1:
         raise ValueError(f"max_windows must be at least 1, not {max_windows}")
+    _check_label_names(label_names)
     require("matplotlib", "Plotting")
     import matplotlib.dates as mdates
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from birdzarr._checks import require_bool, require_int
 from birdzarr._errors import StoreLockedError
 from birdzarr._progress import progress_bar
 from birdzarr.explore._units import gps_scale
@@ -311,6 +312,10 @@ def store_stats(
     store: Store, *, bins: int = DEFAULT_BINS, cache: bool = True, persist: bool = True, progress: bool = True
 ) -> StoreStats:
     """Cached stats if still valid (memory, then the store), else computed and cached."""
+    bins = require_int("bins", bins, minimum=1)
+    cache = require_bool("cache", cache)
+    persist = require_bool("persist", persist)
+    progress = require_bool("progress", progress)
     if cache:
         for candidate in (_MEMORY.get(store), load_saved(store)):
             if candidate is not None and _valid(candidate, store, bins):

@@ -129,6 +129,9 @@ class Store:
     # -- data ------------------------------------------------------------------------------------
     def device_windows(self, device_id: int) -> np.ndarray:
         """All committed windows of one device, float32 ``(n, 20, 4)``, in stored order."""
+        from birdzarr._checks import refuse_float
+
+        refuse_float("device_id", device_id)  # self.device's int() would make 200.5 device 200
         entry = self.device(device_id)
         if self.shuffled:
             return self._scattered(device_id)
