@@ -113,7 +113,7 @@ def test_options_of_the_wrong_kind(small_store: birdzarr.Store) -> None:
         ({"seed": -1}, ValueError, "seed must be an integer of 0 or more, got -1"),
         ({"split": "val", "split_seed": -1}, ValueError,
          "split_seed must be an integer of 0 or more, got -1"),
-        ({"devices": [200.5]}, TypeError, "device ids are integers, got 200.5"),
+        ({"devices": [200.5]}, TypeError, "a device id must be an integer, got 200.5"),
         ({"world_size": "2"}, TypeError, "world_size must be an integer, got '2'"),
         ({"prefetch": -5}, ValueError, "prefetch must be positive, got -5"),
     ]:

@@ -15,9 +15,9 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
+from birdzarr._checks import require_bool, require_int
 from birdzarr.loader._selection import SPLIT_BY, SPLITS
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
@@ -35,10 +35,7 @@ def _ids(devices: Iterable[int] | None) -> tuple[int, ...] | None:
         raise TypeError(f"devices and exclude_devices are lists of device ids, got {devices!r}: "
                         f"write [{devices!r}]")
     ids = tuple(devices)
-    for d in ids:
-        if not isinstance(d, numbers.Integral) or isinstance(d, bool):  # 200.5 would read as 200
-            raise TypeError(f"device ids are integers, got {d!r}")
-    return tuple(int(d) for d in ids)
+    return tuple(require_int("a device id", d) for d in ids)  # 200.5 would read as 200
 
 
 @dataclass(frozen=True)
@@ -56,8 +53,7 @@ class SubsetOptions:
     def of(cls, devices: Iterable[int] | None, exclude_devices: Iterable[int] | None, split: str | None,
            split_by: str, val_fraction: float, split_seed: int) -> SubsetOptions:
         """The options as given (device iterables are read once, here)."""
-        if not isinstance(split_seed, numbers.Integral) or isinstance(split_seed, bool) or split_seed < 0:
-            raise ValueError(f"split_seed must be an integer of 0 or more, got {split_seed!r}")
+        require_int("split_seed", split_seed, minimum=0)
         return cls(_ids(devices), _ids(exclude_devices), split, split_by, float(val_fraction),
                    int(split_seed))
 
@@ -138,22 +134,17 @@ class LoaderConfig:
     def __post_init__(self) -> None:
         for name in ("shuffle", "drop_last", "channel_first", "with_ldt", "reuse_batch_memory",
                      "allow_device_order"):
-            flag = getattr(self, name)
-            if not isinstance(flag, (bool, np.bool_)):  # shuffle="no" would read as True
-                raise TypeError(f"{name} must be True or False, got {flag!r}")
+            require_bool(name, getattr(self, name))  # shuffle="no" would read as True
         for name in ("batch_size", "shuffle_buffer", "prefetch", "world_size", "rank", "seed"):
-            value = getattr(self, name)
             # a float or a string would fail later, deep in the planning, with numpy's words
-            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-                raise TypeError(f"{name} must be an integer, got {value!r}")
+            require_int(name, getattr(self, name))
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {self.batch_size}")
         if self.shuffle_buffer < 1:
             raise ValueError(f"shuffle_buffer must be positive, got {self.shuffle_buffer}")
         if self.prefetch < 1:
             raise ValueError(f"prefetch must be positive, got {self.prefetch}")
-        if self.seed < 0:  # numpy's seeds are non-negative; -1 would fail at the first plan
-            raise ValueError(f"seed must be an integer of 0 or more, got {self.seed}")
+        require_int("seed", self.seed, minimum=0)  # numpy's seeds are non-negative
         if self.world_size < 1:
             raise ValueError(f"world_size must be positive, got {self.world_size}")
         if not 0 <= self.rank < self.world_size:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.utils.data import get_worker_info
 
+from birdzarr._checks import require_int
 from birdzarr.loader._sampling import resumed_worker
 
 STATE_VERSION = 3  # 3: pools of whole chunks taken by workers (order depends on num_workers)
@@ -141,9 +142,7 @@ MAX_EPOCH = 2**31 - 1  # far beyond any training run; the shared control tensor 
 def check_epoch(epoch: object) -> int:
     """An epoch number: an integer from 0 to ``MAX_EPOCH`` (-1 marks "no resume point" in the
     shared control tensor, and a float would be truncated into another epoch's order)."""
-    if not isinstance(epoch, numbers.Integral) or isinstance(epoch, bool):
-        raise TypeError(f"epoch must be an integer, got {epoch!r}")
-    value = int(epoch)
+    value = require_int("epoch", epoch)
     if not 0 <= value <= MAX_EPOCH:
         raise ValueError(f"epoch must be from 0 to {MAX_EPOCH:,}, got {value}")
     return value
