@@ -527,7 +527,8 @@ def test_stats_save_errors_are_warnings_not_silence(csv_case, monkeypatch, tmp_p
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(_stats.tempfile, "NamedTemporaryFile", disk_full)
-    with pytest.warns(UserWarning, match=r"computed but not saved in the store \(OSError: .*No space left"):
+    not_saved = r"computed but not saved in the store \(OSError: .*No space left"
+    with pytest.warns(birdzarr.BirdzarrWarning, match=not_saved):
         stats = store.stats(progress=False, cache=False)
     assert stats.count == len(store) * 20
     assert not store.location.fs.exists(store.location.join(".birdzarr.lock"))

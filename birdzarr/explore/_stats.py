@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from birdzarr._checks import require_bool, require_int
-from birdzarr._errors import StoreLockedError
+from birdzarr._errors import BirdzarrWarning, StoreLockedError
 from birdzarr._progress import progress_bar
 from birdzarr.explore._units import gps_scale
 from birdzarr.format._spec import CHANNELS, GIMU, N_CHANNELS, WINDOW_LENGTH, Curation
@@ -304,7 +304,7 @@ def _not_saved(store: Store, why: str) -> None:
     warnings.warn(
         f"statistics of {store.url} were computed but not saved in the store ({why}). They are "
         "kept in memory for this process; store.stats(persist=False) does not try to save.",
-        UserWarning, stacklevel=5,
+        BirdzarrWarning, stacklevel=5,
     )
 
 
