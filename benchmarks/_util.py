@@ -1,17 +1,36 @@
-"""Small helpers shared by the benchmark scripts: peak memory of a process tree, tables, plots."""
+"""Small helpers shared by the benchmark scripts: scratch directories, peak memory of a process
+tree, tables, plots."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import psutil
+
+
+@contextlib.contextmanager
+def work_directory(given: str | None, *, prefix: str, keep: bool = False) -> Iterator[str]:
+    """A benchmark's scratch directory: ``given`` (made if missing) or a new temporary one.
+
+    Removed at the end unless ``keep``, and only if this run made it: a directory that already
+    existed (the user's, or one an earlier run kept to reuse its data) is never deleted."""
+    made = given is None or not os.path.exists(given)
+    path = tempfile.mkdtemp(prefix=prefix) if given is None else given
+    os.makedirs(path, exist_ok=True)
+    try:
+        yield path
+    finally:
+        if made and not keep:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def tree_rss(pid: int) -> int:

@@ -8,7 +8,7 @@ arguments after ``--``) with ``PYTHONPATH`` set to one checkout, which the run a
 imported. The two checkouts alternate (A B, B A, ...), so a change of the shared machine's speed
 falls on both; the table gives each one's median seconds and CPU seconds (from the store's
 report) and the ratio. The destinations are written under ``--workdir`` (default: a temporary
-directory) and removed at the end.
+directory, removed at the end).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -24,7 +23,7 @@ import tempfile
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _util import machine, table  # noqa: E402
+from _util import machine, table, work_directory  # noqa: E402
 
 _CLI = ("import sys, birdzarr; assert birdzarr.__file__.startswith(sys.argv[1]), birdzarr.__file__; "
         "from birdzarr.cli import main; sys.exit(main(sys.argv[2:]))")
@@ -54,10 +53,9 @@ def main() -> int:
     split = argv.index("--") if "--" in argv else len(argv)
     args = parser.parse_args(argv[:split])
     extra = argv[split + 1 :]  # after "--": arguments for birdzarr convert
-    workdir = args.workdir or tempfile.mkdtemp(prefix="birdzarr-compare-")
     runs: dict[str, list[dict[str, Any]]] = {"A": [], "B": []}
     trees = {"A": args.a, "B": args.b}
-    try:
+    with work_directory(args.workdir, prefix="birdzarr-compare-") as workdir:
         print(f"# {machine()}; A = {args.a}, B = {args.b}; convert {args.source} {' '.join(extra)}")
         for round_ in range(args.repeat):
             for name in ("A", "B") if round_ % 2 == 0 else ("B", "A"):
@@ -72,9 +70,6 @@ def main() -> int:
                      "median CPU s": float(rows[0]["median CPU s"]) / float(rows[1]["median CPU s"])})
         print()
         print(table(rows))
-    finally:
-        if not args.workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
     return 0
 
 

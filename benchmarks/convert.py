@@ -7,8 +7,9 @@ CPU seconds, cores used, store size against the Parquet source, peak memory, loa
     python benchmarks/convert.py --workers 1 2 16      # on a larger machine
     python benchmarks/convert.py --repeat 5            # median of 5 alternating runs each
 
-Generated data goes to --workdir (default: a temporary directory) and is removed at the end
-unless --keep is given. Each conversion runs in its own process (the CLI) so its peak RSS (whole
+Generated data goes to --workdir (default: a temporary directory), removed at the end unless
+--keep is given or the directory existed before (then generated data there is reused). Each
+conversion runs in its own process (the CLI) so its peak RSS (whole
 process tree, sampled every 50 ms) and CPU time (children's rusage) are its own. Parquet MB/s
 counts float32 window bytes (320 per window), CSV MB/s counts CSV text bytes. The machine's load
 average (1 minute) is printed beside each run: on a shared machine the wall-clock figures are
@@ -32,13 +33,12 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _util import children_cpu, dir_bytes, machine, run_measured, table  # noqa: E402
+from _util import children_cpu, dir_bytes, machine, run_measured, table, work_directory  # noqa: E402
 
 from birdzarr.demo import _synthetic  # noqa: E402
 
@@ -200,11 +200,9 @@ def main() -> int:
                         help="runs of each conversion, interleaved; figures are the medians")
     args = parser.parse_args()
 
-    workdir = args.workdir or tempfile.mkdtemp(prefix="birdzarr-bench-convert-")
-    os.makedirs(workdir, exist_ok=True)
     rows: list[dict[str, Any]] = []
     most = max(args.workers)
-    try:
+    with work_directory(args.workdir, prefix="birdzarr-bench-convert-", keep=args.keep) as workdir:
         print(f"# {machine()}; workdir {workdir}")
         ids = _synthetic.device_ids(args.devices).tolist()
         sizes = _synthetic.device_sizes(args.devices, args.windows, seed=0).tolist()
@@ -315,9 +313,6 @@ def main() -> int:
                 every = [row for done in runs.values() for row in done]
                 results = {"runs": rows, "all_runs": every, "targets": targets}
                 json.dump(results, handle, indent=2, default=str)
-    finally:
-        if not args.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
     return 0
 
 

@@ -4,9 +4,10 @@
     python benchmarks/loader.py --windows 500000 --no-scale-check   # quicker
 
 Generates realistic data (186 devices as skewed as the real set, calibrated values) into
---workdir (under /tmp, removed at the end unless --keep), writes it as per-device Parquet
-files, one ``.npy`` of all windows and one ``.npy`` per device, converts it with birdzarr (device
-order, and pre-shuffled when ``birdzarr.convert`` has ``shuffle=``), then compares:
+--workdir (under /tmp; removed at the end unless --keep, or unless it existed before the run),
+writes it as per-device Parquet files, one ``.npy`` of all windows and one ``.npy`` per device,
+converts it with birdzarr (device order, and pre-shuffled when ``birdzarr.convert`` has
+``shuffle=``), then compares:
 
   (a) the in-RAM BirdDataset birdzarr replaces, DataLoader with a shuffled sampler (per item)
   (b) one memory-mapped .npy, per-item __getitem__
@@ -42,7 +43,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _util import PeakSampler, machine, table, tree_private  # noqa: E402
+from _util import PeakSampler, machine, table, tree_private, work_directory  # noqa: E402
 
 BATCH = 8192
 WORKERS = 2
@@ -409,7 +410,7 @@ def main() -> int:
         print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
     started = time.perf_counter()
-    try:
+    with work_directory(workdir, prefix="", keep=args.keep):
         meta = prepare(workdir, args.windows, args.devices, scale_check=args.scale_check, log=log)
         wanted = args.only.split("|") if args.only else []
         every = cases(meta, args)
@@ -439,9 +440,6 @@ def main() -> int:
             median["runs_windows_per_s"] = [r["windows_per_s"] for r in runs[spec["label"]]]
             median["peak_uss_mb"] = max(r["peak_uss_mb"] for r in measured)
             results.append((spec, median))
-    finally:
-        if not args.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
     reference = {spec["kind"]: r["windows_per_s"] for spec, r in results if spec["kind"] in ("old", "ideal")}
     nan = float("nan")
     rows = []
