@@ -299,9 +299,12 @@ class WindowDataset(IterableDataset[Batch]):
         Streaming, it can differ by a batch or two between epochs when a subset or a batch size
         that does not divide the chunk size leaves pools of uneven sizes (docs/training.md).
         """
+        return self._n_batches(self.epoch)
+
+    def _n_batches(self, epoch: int) -> int:
         if self.resident is not None:
-            return self._resident_plan().n_batches
-        return self.plan().n_batches
+            return self._resident_plan(epoch).n_batches
+        return self.plan(epoch).n_batches
 
     @property
     def windows_per_epoch(self) -> int:
@@ -335,10 +338,11 @@ class WindowDataset(IterableDataset[Batch]):
         this epoch (the dataset in the main process does not see workers' progress), or use
         torchdata's ``StatefulDataLoader``, which snapshots each worker's own state."""
         if batches_seen is not None:
-            seen_ok = isinstance(batches_seen, numbers.Integral) and not isinstance(batches_seen, bool)
-            if not seen_ok or not 0 <= batches_seen <= len(self) - self._progress.resume_at:
+            left = len(self) - self._progress.resume_at
+            whole = isinstance(batches_seen, numbers.Integral) and not isinstance(batches_seen, bool)
+            if not whole or not 0 <= batches_seen <= left:
                 raise ValueError(f"batches_seen must be an integer from 0 to the batches left in this "
-                                 f"epoch ({len(self) - self._progress.resume_at}), got {batches_seen!r}")
+                                 f"epoch ({left}), got {batches_seen!r}")
         return self._progress.snapshot(self._order_key(), batches_seen).to_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -346,43 +350,34 @@ class WindowDataset(IterableDataset[Batch]):
         saved = ResumeState.from_dict(state)
         saved.check_resumable(self._order_key())
         if saved.next_batch is not None:
-            batches = self._batches_in(saved.epoch)
+            batches = self._n_batches(saved.epoch)
             if saved.next_batch > batches:
                 raise ValueError(f"cannot resume at batch {saved.next_batch}: epoch {saved.epoch} of this "
                                  f"dataset has {batches} batches")
         self._progress.restore(saved)
 
-    def _batches_in(self, epoch: int) -> int:
-        """``len(self)`` in ``epoch`` (streaming, pools of uneven sizes make it vary a little)."""
-        current = self._progress.epoch
-        self._progress.epoch = epoch
-        try:
-            return len(self)
-        finally:
-            self._progress.epoch = current
-
     # -- planning ----------------------------------------------------------------------------------
-    def _memoised(self, kind: str, compute: Callable[[], _T]) -> _T:
-        """The current epoch's plan of one kind, computed once (only the latest plan is kept)."""
-        key = (kind, self.epoch)
+    def _memoised(self, kind: str, epoch: int, compute: Callable[[], _T]) -> _T:
+        """An epoch's plan of one kind, computed once (only the latest plan is kept)."""
+        key = (kind, epoch)
         if self._plan_memo is None or self._plan_memo[0] != key:
             self._plan_memo = (key, compute())
         return cast(_T, self._plan_memo[1])
 
-    def plan(self) -> EpochPlan:
-        """This rank's streaming plan of the current epoch (pools and batches)."""
-        c = self.config
-        return self._memoised("stream", lambda: plan_epoch(
-            self.counts, seed=c.seed, epoch=self.epoch, world_size=c.world_size, rank=c.rank,
+    def plan(self, epoch: int | None = None) -> EpochPlan:
+        """This rank's streaming plan of an epoch (default: the current one): pools and batches."""
+        c, epoch = self.config, self.epoch if epoch is None else epoch
+        return self._memoised("stream", epoch, lambda: plan_epoch(
+            self.counts, seed=c.seed, epoch=epoch, world_size=c.world_size, rank=c.rank,
             batch_size=c.batch_size, drop_last=c.drop_last, shuffle=c.shuffle, pool_chunks=self.pool_chunks,
         ))
 
-    def _resident_plan(self) -> ResidentPlan:
-        """This rank's slice of the epoch's permutation (resident mode)."""
-        c, resident = self.config, self.resident
+    def _resident_plan(self, epoch: int | None = None) -> ResidentPlan:
+        """This rank's slice of an epoch's permutation (resident mode; default: the current epoch)."""
+        c, resident, epoch = self.config, self.resident, self.epoch if epoch is None else epoch
         assert resident is not None
-        return self._memoised("resident", lambda: resident.plan(
-            seed=c.seed, epoch=self.epoch, world_size=c.world_size, rank=c.rank,
+        return self._memoised("resident", epoch, lambda: resident.plan(
+            seed=c.seed, epoch=epoch, world_size=c.world_size, rank=c.rank,
             batch_size=c.batch_size, drop_last=c.drop_last, shuffle=c.shuffle,
         ))
 
