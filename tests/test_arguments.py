@@ -241,6 +241,24 @@ def test_window_views_index_as_numpy_does(small_store: birdzarr.Store) -> None:
         with pytest.raises(TypeError, match="^windows are indexed by an integer, a slice, integers or a "
                                             f"mask of all {len(small_store)} windows, not "):
             windows[key]
+    # index arrays pair as numpy's do, also after an index array of windows
+    for key in (([0, 1], [2, 3]), ([0, 1], slice(None), [2, 3]), ([4, 0], slice(2, 5)), (3, [0, 1], 2)):
+        assert np.array_equal(windows[key], first[key]), key
+    assert np.array_equal(windows[mask, [2, 3]], first[[1, 3], [2, 3]])
+
+
+def test_a_device_id_is_the_same_device_everywhere(
+    parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]], tmp_path: pathlib.Path
+) -> None:
+    shuffled = birdzarr.convert(parquet_source[0], tmp_path / "s.zarr", chunk_windows=1024, shuffle=True,
+                                seed=3, progress=False)
+    device = shuffled.device_table[0]
+    as_text = str(device.device_id)  # as a table or the command line gives it
+    assert len(shuffled.device_indices(as_text)) == device.n_windows
+    assert np.array_equal(shuffled.device_windows(as_text), shuffled.device_windows(device.device_id))
+    for call in (shuffled.device, shuffled.device_indices, shuffled.device_windows):
+        with pytest.raises(TypeError, match=r"^device_id must be an integer, got 200\.5$"):
+            call(200.5)  # type: ignore[arg-type]
 
 
 def test_more_python_arguments_of_the_wrong_kind(small_store: birdzarr.Store, tmp_path: pathlib.Path) -> None:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from birdzarr._checks import refuse_float, require_int
+from birdzarr._checks import require_int
 from birdzarr._errors import WindowIndexError
 from birdzarr.explore._deps import require
 from birdzarr.explore._html import format_time
@@ -149,7 +149,6 @@ def plot_device(
     device-ordered store and a random order in a shuffled one (the axis label says which).
     ``label_names`` maps label ids to names for the legend (``{3: "flying"}``).
     """
-    refuse_float("device_id", device_id)  # Store.device's int() would make 200.5 device 200
     max_windows = require_int("max_windows", max_windows)
     if max_windows < 1:
         raise ValueError(f"max_windows must be at least 1, not {max_windows}")

@@ -82,9 +82,14 @@ class Store:
 
     def device(self, device_id: int) -> DeviceEntry:
         """The device table's entry for ``device_id`` (``DeviceNotFoundError``, a
-        ``KeyError``, if the store has no such device)."""
+        ``KeyError``, if the store has no such device). The id may be given as a string
+        (``"200"``, as a table or the command line gives it), not as a float (200.5 is no id)."""
+        from birdzarr._checks import refuse_float
+
+        refuse_float("device_id", device_id)
+        wanted = int(device_id)
         for entry in self.device_table:
-            if entry.device_id == int(device_id):  # also "200", as a CLI or a table may give it
+            if entry.device_id == wanted:
                 return entry
         known = ", ".join(str(e.device_id) for e in self.device_table[:20])
         more = ", ..." if len(self.device_table) > 20 else ""
@@ -129,12 +134,9 @@ class Store:
     # -- data ------------------------------------------------------------------------------------
     def device_windows(self, device_id: int) -> np.ndarray:
         """All committed windows of one device, float32 ``(n, 20, 4)``, in stored order."""
-        from birdzarr._checks import refuse_float
-
-        refuse_float("device_id", device_id)  # self.device's int() would make 200.5 device 200
         entry = self.device(device_id)
         if self.shuffled:
-            return self._scattered(device_id)
+            return self._scattered(entry.device_id)
         parts = [self.reader.read_range(GIMU, r.start, r.stop) for r in entry.ranges]
         if not parts:
             return np.empty((0, 20, 4), dtype=np.float32)
@@ -145,7 +147,7 @@ class Store:
         entry = self.device(device_id)
         if self.shuffled:
             hits = [
-                np.flatnonzero(self.reader.read(DEVICE, i) == device_id) + self.reader.chunk_span(i)[0]
+                np.flatnonzero(self.reader.read(DEVICE, i) == entry.device_id) + self.reader.chunk_span(i)[0]
                 for i in range(self.reader.n_chunks)
             ]
             return np.concatenate(hits) if hits else np.empty(0, dtype=np.int64)
@@ -258,9 +260,15 @@ class WindowsView:
         if isinstance(key, tuple):  # the windows first, then the rest within them
             if not key:
                 return self[slice(None)]
-            picked = self[key[0]]
-            rest = key[1:] if isinstance(key[0], (int, np.integer)) else (slice(None), *key[1:])
-            return np.asarray(picked[rest])
+            first, rest = key[0], key[1:]
+            picked = self[first]
+            if isinstance(first, (int, np.integer)):
+                return np.asarray(picked[rest])
+            if isinstance(first, slice):
+                return np.asarray(picked[(slice(None), *rest)])
+            # an index array (or mask) stands as the positions it picked, so further index arrays
+            # pair with it as numpy's do (view[[0, 1], [2, 3]]: two samples, not a 2 x 2 block)
+            return np.asarray(picked[(np.arange(len(picked)), *rest)])
         reader = self.store.reader
         n = len(self.store)
         if isinstance(key, slice):
