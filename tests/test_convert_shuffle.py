@@ -191,3 +191,23 @@ def test_the_second_pass_progress_bar_ends_full(
     lines = [line for line in capsys.readouterr().err.splitlines() if "write shuffled" in line]
     assert lines and "100%" in lines[-1] and f"{total / 1000:.1f}k/{total / 1000:.1f}k" in lines[-1]
     assert all(f"/{total / 1000:.1f}k" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_each_window_is_hashed_once(
+    parquet_source, tmp_path, monkeypatch: pytest.MonkeyPatch, workers: int  # type: ignore[no-untyped-def]
+) -> None:
+    """The duplicate check and the shuffle's digest share one hash per window (on threads too)."""
+    from birdzarr.convert import _blocks
+
+    hashed: list[int] = []
+    real = _blocks.window_hashes
+
+    def counting(windows: np.ndarray, timestamps: np.ndarray) -> np.ndarray:
+        hashed.append(len(windows))
+        return real(windows, timestamps)
+
+    monkeypatch.setattr(_blocks, "window_hashes", counting)
+    store = birdzarr.convert(parquet_source[0], tmp_path / "s.zarr", shuffle=True, seed=1, workers=workers,
+                             progress=False)  # 30,000 windows: under the worker processes' 64 MB
+    assert sum(hashed) == len(store) == 30_000

@@ -126,10 +126,13 @@ class DuplicateCounter:
                 times.append(block_times)
 
         for block in blocks:
+            yield block
+            # hashed once the consumer is done with the block, while the next one is read: a
+            # consumer that hashes it too (a shuffle's digest) has then filled its cache, where
+            # two threads at once would both compute it (WindowBlock.window_hashes)
             if len(block):
                 pending.append(self._hasher.submit(block_keys, block))
                 collect(_IN_FLIGHT)
-            yield block
         collect(0)
         if hashes:  # counted on the hasher's thread while the next device streams
             self._counting.append((device_id, self._hasher.submit(repeated_windows, hashes, times, existing)))
