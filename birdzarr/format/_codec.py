@@ -504,17 +504,23 @@ def with_crc32c(data: bytes) -> bytes:
     return data + google_crc32c.value(data).to_bytes(4, "little")
 
 
-# The CRC-32C of any message followed by its own little-endian CRC-32C (the CRC's "residue")
-_CRC32C_RESIDUE = 0x48674BC7
+# The CRC-32C of any message followed by its own little-endian CRC-32C (the CRC's "residue"), so
+# a CRC over the whole stored object checks it, whole or streamed block by block
+CRC32C_RESIDUE = 0x48674BC7
 
 
-def strip_crc32c(data: bytes) -> memoryview:
-    """Check and remove the trailing CRC-32C written by ``with_crc32c`` (no copy: a view).
+def crc32c_intact(data: bytes) -> bool:
+    """Whether ``data`` ends with the CRC-32C of what precedes it (as ``with_crc32c`` wrote it).
 
     Checking the residue of the whole object instead of comparing the CRC of ``data[:-4]`` spares
     two copies of every chunk (slicing bytes copies, and google_crc32c takes no memoryview).
     """
-    if len(data) < 4 or google_crc32c.value(data) != _CRC32C_RESIDUE:
+    return len(data) >= 4 and google_crc32c.value(data) == CRC32C_RESIDUE
+
+
+def strip_crc32c(data: bytes) -> memoryview:
+    """Check and remove the trailing CRC-32C written by ``with_crc32c`` (no copy: a view)."""
+    if not crc32c_intact(data):
         raise ValueError("crc32c checksum mismatch: the chunk's bytes were changed or truncated")
     return memoryview(data)[:-4]
 

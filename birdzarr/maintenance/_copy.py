@@ -13,10 +13,12 @@ bytes, is checked as it passes through memory, before it is written (one CRC pas
 already read: under 0.01 s per 100 MB with google_crc32c's C extension). A chunk that fails is
 not written; once every other object is copied the copy stops, uncommitted, with
 ``MissingChunkError`` (or ``CorruptChunkError``) naming the first damaged chunk and how many there
-are. An object already at the destination with the source's size and MD5 is not read again: it
-was checked when it was copied. Chunks past the committed count (an interrupted writer's
-leftovers, which readers never see) are copied unchecked; objects of chains without a CRC at their
-end (a sharded ``gimu``, zarr's own codecs) are checked for presence only.
+are. An object already at the destination with the source's size and MD5 is not read again, nor
+CRC-checked: if this copy command wrote it, it was checked then, but identical bytes put there
+another way (rsync, a birdzarr before this check) are not, so a chunk damaged alike at both ends
+is not found by copy (``birdzarr verify`` finds it). Chunks past the committed count (an
+interrupted writer's leftovers, which readers never see) are copied unchecked; objects of chains
+without a CRC at their end (a sharded ``gimu``, zarr's own codecs) are checked for presence only.
 
 Resuming skips an object already at the destination when its size and MD5 match the source's.
 MD5s come for free from S3 listings (the ETag of a single-part upload) and are computed for local
@@ -52,7 +54,7 @@ from birdzarr._errors import (
     TransferError,
 )
 from birdzarr._progress import progress_bar
-from birdzarr.format._codec import with_crc32c
+from birdzarr.format._codec import CRC32C_RESIDUE, crc32c_intact
 from birdzarr.storage._location import (
     Location,
     StoreLike,
@@ -75,9 +77,7 @@ _PARTIAL_SUFFIX = ".birdzarr-partial"
 _IN_MEMORY_LIMIT = 64 * 2**20
 _STREAM_BLOCK = 8 * 2**20
 _MD5_ETAG = re.compile(r'^"?([0-9a-f]{32})"?$')
-# The CRC-32C of any bytes followed by their own little-endian CRC-32C is this constant (the CRC's
-# "residue"), so a chunk is checked in one pass over it, streamed or whole, without slicing.
-_CRC32C_RESIDUE = google_crc32c.value(with_crc32c(b""))
+_FAILS_CRC = "fails its CRC-32C (its bytes were changed or truncated)"
 
 
 @dataclass
@@ -157,7 +157,8 @@ def _copy_locked(
 ) -> CopyResult:
     root = with_retries(lambda: bytes(src.fs.cat_file(src.join(ROOT))), src.retry)
     wanted = {o.key: o for o in _listing(src) if o.key != ROOT and _basename(o.key) not in _NOT_COPIED}
-    damaged = {key: "is missing" for key in committed if key not in wanted}
+    missing = {key for key in committed if key not in wanted}
+    failing: set[str] = set()  # committed chunks read from the source that fail their CRC-32C
     present = {o.key: o for o in _listing(dst)}
     for leftover in [key for key in present if key.endswith(_PARTIAL_SUFFIX)]:
         dst.fs.rm_file(dst.join(leftover))  # written aside by a copy that was killed
@@ -193,15 +194,15 @@ def _copy_locked(
             with tally:
                 bar.update(obj.size)
                 if md5 is None:  # not written: a re-run reads it from the source again
-                    damaged[obj.key] = "fails its CRC-32C (its bytes were changed or truncated)"
+                    failing.add(obj.key)
                     return
                 md5s[obj.key] = md5
                 result.copied += 1
                 result.bytes_copied += obj.size
 
         _run_all(one, list(wanted.values()), requests)
-        if damaged:
-            _refuse_damaged(src, dst, damaged)
+        if missing or failing:
+            _refuse_damaged(src, dst, missing, failing)
         stale = [key for key in present if key not in wanted and _basename(key) not in _NOT_COPIED]
         if overwrite and stale:
             dst.fs.rm([dst.join(key) for key in stale])
@@ -263,42 +264,33 @@ def _committed_chunks(store: Store) -> dict[str, bool]:
     """The key of every object the source's committed windows are stored in, each with whether
     it ends with a CRC-32C that copy can check (birdzarr's own chains with the crc32c codec).
 
-    Keys follow each array's zarr.json (chunk grid, which is the shard grid when sharded, and key
-    encoding), so a missing object is found whatever the chain; along the window axis only the
-    chunks below the committed count, the ones readers need.
+    Keys are zarr's for each array's zarr.json, as parsed when the store was opened (the chunk
+    grid, which is the shard grid when sharded, and the key encoding), so a missing object is found
+    whatever the chain; along the window axis only the chunks below the committed count, the ones
+    readers need.
     """
-    from birdzarr.store._chunks import read_array_meta
+    from zarr.core.metadata.v3 import ArrayV3Metadata
 
     found: dict[str, bool] = {}
     for name, layout in store.reader.layouts.items():
-        meta = read_array_meta(store.location, name)  # checked when the store was opened
-        grid = [int(n) for n in meta["chunk_grid"]["configuration"]["chunk_shape"]]
-        shape = [store.n_windows, *(int(n) for n in meta["shape"][1:])]
+        meta = ArrayV3Metadata.from_dict(layout.meta)
+        grid = meta.shards or meta.chunks  # the objects' grid, as ChunkReader._read_with_zarr
+        shape = [store.n_windows, *meta.shape[1:]]
         counts = [-(-size // step) for size, step in zip(shape, grid, strict=True)]
-        encoding = meta.get("chunk_key_encoding", {"name": "default"})
-        v2 = encoding.get("name") == "v2"
-        separator = encoding.get("configuration", {}).get("separator", "." if v2 else "/")
         checkable = layout.codec is not None and layout.codec.crc32c
         for coords in itertools.product(*(range(n) for n in counts)):
-            parts = [str(c) for c in coords]
-            key = separator.join(parts) if v2 else separator.join(["c", *parts])
-            found[f"{name}/{key or '0'}"] = checkable
+            found[f"{name}/{meta.encode_chunk_key(coords)}"] = checkable
     return found
 
 
-def _crc32c_intact(data: bytes) -> bool:
-    return len(data) >= 4 and google_crc32c.value(data) == _CRC32C_RESIDUE
-
-
-def _refuse_damaged(src: Location, dst: Location, damaged: dict[str, str]) -> None:
+def _refuse_damaged(src: Location, dst: Location, missing: set[str], failing: set[str]) -> None:
     """Stop before the commit, naming the first damaged chunk and counting them all."""
-    order = sorted(damaged, key=lambda key: [int(p) if p.isdigit() else p for p in re.split(r"[/.]", key)])
-    first = order[0]
-    missing = sum(1 for why in damaged.values() if why == "is missing")
-    counts = f"{missing} missing, {len(damaged) - missing} failing their CRC-32C"
-    error = MissingChunkError if damaged[first] == "is missing" else CorruptChunkError
+    damaged = missing | failing
+    first = min(damaged, key=lambda key: [int(p) if p.isdigit() else p for p in re.split(r"[/.]", key)])
+    counts = f"{len(missing)} missing, {len(failing)} failing their CRC-32C"
+    error, why = (MissingChunkError, "is missing") if first in missing else (CorruptChunkError, _FAILS_CRC)
     raise error(
-        f"{redact(src.display)}: committed chunk '{first}' {damaged[first]}; {len(damaged)} damaged chunk(s) "
+        f"{redact(src.display)}: committed chunk '{first}' {why}; {len(damaged)} damaged chunk(s) "
         f"in all ({counts}), so the copy to {redact(dst.display)} was not committed. Run `birdzarr "
         f"verify {redact(src.display)}` to list the damage, restore those chunks from another copy or "
         "convert the store again, then run this copy again to finish it."
@@ -313,7 +305,7 @@ def _transfer(src: Location, dst: Location, key: str, size: int, *, check_crc: b
         if size > _IN_MEMORY_LIMIT:
             return _stream(src, dst, key, check_crc=check_crc)
         data = bytes(src.fs.cat_file(src.join(key)))
-        if check_crc and not _crc32c_intact(data):
+        if check_crc and not crc32c_intact(data):
             return None
         _write(dst, key, data)
         return hashlib.md5(data, usedforsecurity=False).hexdigest()
@@ -365,7 +357,7 @@ def _stream(src: Location, dst: Location, key: str, *, check_crc: bool = False) 
                 crc.update(block)
             size += len(block)
             fout.write(block)
-    if check_crc and (size < 4 or int.from_bytes(crc.digest(), "big") != _CRC32C_RESIDUE):
+    if check_crc and (size < 4 or int.from_bytes(crc.digest(), "big") != CRC32C_RESIDUE):
         # written already (an object store takes a stream as it comes): remove it, so that a
         # re-run finds no "identical" object at DEST and reads the source again
         dst.fs.rm_file(partial)

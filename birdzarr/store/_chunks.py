@@ -9,7 +9,7 @@ chains are those of format version 1 (docs/format.md); other chains fall back to
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -31,6 +31,8 @@ class ArrayLayout:
     codec: ChunkCodec | None  # None: a chain birdzarr does not write, read through zarr-python
     separator: str
     fill_value: Any
+    # the zarr.json it was parsed from, for what needs more of it (copy's list of chunk keys)
+    meta: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def chain(self) -> str:
@@ -50,7 +52,7 @@ class ArrayLayout:
         windows_chain = codec is not None and codec.kind in ("dict16", "gdict16", "standard")
         if codec is not None and windows_chain != (len(chunk_shape) == 3):
             codec = None  # a chain on an array of another shape than birdzarr writes: zarr-python
-        return cls(name, int(chunk_shape[0]), dtype, codec, separator, meta.get("fill_value"))
+        return cls(name, int(chunk_shape[0]), dtype, codec, separator, meta.get("fill_value"), meta)
 
     def key(self, index: int) -> str:
         tail = ["0", "0"] if self.name == GIMU else []
