@@ -30,8 +30,8 @@ from birdzarr.storage._location import Location, StoreLike, resolve, zarr_store
 from birdzarr.storage._lock import StoreLock, clear_except_lock, read_holder
 from birdzarr.storage._lock import break_lock as _break_lock
 from birdzarr.storage._root import parse_root
-from birdzarr.store._chunks import ChunkReader
-from birdzarr.store._tail import discard_uncommitted
+from birdzarr.store._chunks import read_array_meta
+from birdzarr.store._tail import ARRAYS, discard_uncommitted
 
 
 @dataclass
@@ -80,7 +80,8 @@ def repair(
         # the readers' checks and messages: damaged metadata is refused before anything changes
         meta = check_root_attrs(parse_root(raw, location), where=location.display)
         if meta.get("committed"):
-            ChunkReader.open(location, int(meta["committed"]["n_windows"]))
+            for name in ARRAYS:
+                read_array_meta(location, name)
     if holder is not None and not holder.is_stale():
         if not break_lock:
             raise StoreLockedError(

@@ -32,7 +32,7 @@ import numpy as np
 from birdzarr._checks import require_bool
 from birdzarr._errors import BadInputError, BirdzarrError, MissingChunkError
 from birdzarr.convert._summary import checksum_hasher, device_runs
-from birdzarr.format._digest import digest_hex, row_hashes
+from birdzarr.format._digest import RowDigest, digest_hex, row_hashes
 from birdzarr.format._spec import DEVICE, GIMU, LABEL, TIMESTAMP, DeviceEntry
 from birdzarr.storage._location import Location, StoreLike, resolve
 from birdzarr.storage._lock import read_holder
@@ -432,11 +432,11 @@ class _Digests:
         self.broken = False  # a chunk could not be read: no device can be compared this way
         self.differing = 0  # devices found different so far
 
-    def add(self, data: dict[str, np.ndarray], devices: np.ndarray | None = None) -> None:
+    def add(self, data: dict[str, np.ndarray]) -> None:
         if any(name not in data for name in _ARRAYS):
             self.broken = True
             return
-        ids = data[DEVICE] if devices is None else devices
+        ids = data[DEVICE]
         hashes = row_hashes(data[GIMU], data[TIMESTAMP], data[LABEL])
         if not len(ids):
             return
@@ -460,13 +460,13 @@ def _compare_by_digest(store: Store, entry: DeviceEntry, derive: Callable[[], _R
     is read again (a full pass of the store each, so at most a few) to count the difference."""
     if digests.broken:
         raise MissingChunkError("a chunk is missing or damaged")
-    theirs = _Digests()
+    theirs, count = RowDigest(), 0
     for windows, times, labels in derive():
-        theirs.add({GIMU: windows, TIMESTAMP: times, LABEL: labels, DEVICE: np.empty(0)},
-                   devices=np.full(len(windows), entry.device_id, dtype=np.int64))
+        theirs.update(windows, times, labels)
+        count += len(windows)
     device = entry.device_id
     mine = (digests.counts.get(device, 0), digests.sums.get(device, 0))
-    other = (theirs.counts.get(device, 0), theirs.sums.get(device, 0))
+    other = (count, theirs.value)
     if mine == other:
         return
     digests.differing += 1

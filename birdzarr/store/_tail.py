@@ -8,22 +8,15 @@ temp files. ``append`` discards them before it writes; ``repair`` reports and re
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from birdzarr.format._spec import GIMU, PER_WINDOW_ARRAYS
 from birdzarr.storage._location import Location
 from birdzarr.storage._lock import read_holder
+from birdzarr.store._chunks import read_array_meta
 
 ARRAYS = (GIMU, *PER_WINDOW_ARRAYS)
 _TEMP_SUFFIXES = (".partial", ".broken", ".tmp", ".breaking")
-
-
-def _array_meta(location: Location, name: str) -> dict[str, Any] | None:
-    try:
-        return dict(json.loads(location.fs.cat_file(location.join(name, "zarr.json"))))
-    except FileNotFoundError:
-        return None
 
 
 def _chunk_indices(location: Location, name: str) -> list[tuple[int, str]]:
@@ -45,9 +38,7 @@ def leftovers(location: Location, n_windows: int) -> list[str]:
     """Describe uncommitted leftovers without changing anything (verify reports these as notes)."""
     found = []
     for name in ARRAYS:
-        meta = _array_meta(location, name)
-        if meta is None:
-            continue
+        meta = read_array_meta(location, name)  # damaged or missing: the readers' one-line error
         length = int(meta["shape"][0])
         if length != n_windows:
             found.append(f"array '{name}' has shape {length:,} along windows; {n_windows:,} are committed")
