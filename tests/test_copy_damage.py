@@ -17,12 +17,6 @@ from birdzarr.cli import main
 from birdzarr.maintenance import _copy
 
 
-@pytest.fixture()
-def source(store_copy: pathlib.Path) -> pathlib.Path:
-    """A private copy of the session's small store (30,000 windows, 1024-window chunks)."""
-    return store_copy
-
-
 def _flip(path: pathlib.Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -40,76 +34,76 @@ FAILS_CRC = "fails its CRC-32C (its bytes were changed or truncated)"
 
 
 def test_a_missing_committed_chunk_is_not_copied_as_verified(
-    source: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+    store_copy: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    (source / "gimu" / "c" / "3" / "0" / "0").unlink()
+    (store_copy / "gimu" / "c" / "3" / "0" / "0").unlink()
     dest = tmp_path / "dest.zarr"
-    assert main(["copy", str(source), str(dest), "--quiet"]) == 2
+    assert main(["copy", str(store_copy), str(dest), "--quiet"]) == 2
     captured = capsys.readouterr()
-    expected = _refusal(source, dest, "gimu/c/3/0/0", "is missing", 1, 0)
+    expected = _refusal(store_copy, dest, "gimu/c/3/0/0", "is missing", 1, 0)
     assert captured.err == f"birdzarr copy: error: {expected}\n"
     assert captured.out == ""
     assert not (dest / "zarr.json").exists()  # not committed: nothing at DEST is a store
     with pytest.raises(NotAStoreError):
         birdzarr.open_store(dest)
     with pytest.raises(MissingChunkError) as caught:
-        birdzarr.copy(source, dest, progress=False)
+        birdzarr.copy(store_copy, dest, progress=False)
     assert type(caught.value) is MissingChunkError
     assert str(caught.value) == expected
 
 
 def test_a_changed_chunk_is_refused_and_not_written(
-    source: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str],
+    store_copy: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str],
     small_store: birdzarr.Store,
 ) -> None:
-    _flip(source / "label" / "c" / "5")
-    _flip(source / "gimu" / "c" / "12" / "0" / "0")
-    _flip(source / "gimu" / "c" / "2" / "0" / "0")
-    (source / "timestamp" / "c" / "7").unlink()
+    _flip(store_copy / "label" / "c" / "5")
+    _flip(store_copy / "gimu" / "c" / "12" / "0" / "0")
+    _flip(store_copy / "gimu" / "c" / "2" / "0" / "0")
+    (store_copy / "timestamp" / "c" / "7").unlink()
     dest = tmp_path / "dest.zarr"
-    expected = _refusal(source, dest, "gimu/c/2/0/0", FAILS_CRC, 1, 3)  # gimu/c/2 before gimu/c/12
+    expected = _refusal(store_copy, dest, "gimu/c/2/0/0", FAILS_CRC, 1, 3)  # gimu/c/2 before gimu/c/12
     with pytest.raises(CorruptChunkError) as caught:
-        birdzarr.copy(source, dest, progress=False)
+        birdzarr.copy(store_copy, dest, progress=False)
     assert str(caught.value) == expected
     assert not (dest / "zarr.json").exists()
     for damaged in ("label/c/5", "gimu/c/12/0/0", "gimu/c/2/0/0", "timestamp/c/7"):
         assert not (dest / damaged).exists()  # so a re-run reads them from the source again
     assert (dest / "label" / "c" / "4").exists()  # the sound objects are kept for the resume
-    assert main(["copy", str(source), str(dest), "--quiet"]) == 2  # the re-run checks them again
+    assert main(["copy", str(store_copy), str(dest), "--quiet"]) == 2  # the re-run checks them again
     assert capsys.readouterr().err == f"birdzarr copy: error: {expected}\n"
 
     # the source restored: the same command finishes the copy, which then verifies
-    shutil.rmtree(source)
-    shutil.copytree(small_store.location.path, source)
-    assert main(["copy", str(source), str(dest), "--quiet"]) == 0
+    shutil.rmtree(store_copy)
+    shutil.copytree(small_store.location.path, store_copy)
+    assert main(["copy", str(store_copy), str(dest), "--quiet"]) == 0
     out = capsys.readouterr().out
     assert ": 5 copied (" in out and "120 already present" in out  # the damaged four and the root
     assert birdzarr.verify(dest).ok
 
 
-def test_uncommitted_leftovers_are_copied_unchecked(source: pathlib.Path, tmp_path: pathlib.Path) -> None:
+def test_uncommitted_leftovers_are_copied_unchecked(store_copy: pathlib.Path, tmp_path: pathlib.Path) -> None:
     """A cut-short chunk file past the committed count (a killed writer's leftover, which verify
     lists as a note) is no reason to refuse: readers never see it."""
-    leftover = source / "gimu" / "c" / "40" / "0" / "0"
+    leftover = store_copy / "gimu" / "c" / "40" / "0" / "0"
     leftover.parent.mkdir(parents=True)
     leftover.write_bytes(b"torn")
-    result = birdzarr.copy(source, tmp_path / "dest.zarr", progress=False)
+    result = birdzarr.copy(store_copy, tmp_path / "dest.zarr", progress=False)
     assert (tmp_path / "dest.zarr" / "gimu" / "c" / "40" / "0" / "0").read_bytes() == b"torn"
     assert result.copied == result.objects
     assert birdzarr.verify(tmp_path / "dest.zarr").ok
 
 
 def test_a_streamed_chunk_is_checked_too_and_removed_from_an_object_store(
-    source: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+    store_copy: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Objects larger than the in-memory limit are streamed; a chunk streamed into an object
     store is written as it comes, so one failing its CRC-32C is removed afterwards."""
     monkeypatch.setattr(_copy, "_IN_MEMORY_LIMIT", 0)  # every object streamed
-    _flip(source / "device" / "c" / "9")
+    _flip(store_copy / "device" / "c" / "9")
     dest = "memory://copy-damage/dest.zarr"
     with pytest.raises(CorruptChunkError) as caught:
-        birdzarr.copy(source, dest, progress=False)
-    assert str(caught.value) == _refusal(source, dest, "device/c/9", FAILS_CRC, 0, 1)
+        birdzarr.copy(store_copy, dest, progress=False)
+    assert str(caught.value) == _refusal(store_copy, dest, "device/c/9", FAILS_CRC, 0, 1)
     fs = fsspec.filesystem("memory")
     assert not fs.exists("/copy-damage/dest.zarr/device/c/9")
     assert not fs.exists("/copy-damage/dest.zarr/zarr.json")

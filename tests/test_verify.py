@@ -192,6 +192,7 @@ def test_a_store_shuffled_by_an_earlier_version_checks_its_scattered_checksums(
     found = verify(dest).format()
     assert "scattered checksum" in found and "scattered digest" not in found
 
+
 def _unreadable_sources(tmp_path: pathlib.Path) -> dict[str, pathlib.Path]:
     (tmp_path / "a-file.txt").write_text("not a source\n")
     (tmp_path / "empty").mkdir()
