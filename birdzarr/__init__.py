@@ -23,6 +23,7 @@ from typing import Any
 
 from birdzarr._errors import (
     AppendError,
+    ArgumentError,
     BadInputError,
     BirdzarrError,
     BirdzarrWarning,
@@ -67,6 +68,7 @@ __all__ = [
     "FORMAT_VERSION",
     "TIMESTAMP_UNKNOWN",
     "AppendError",
+    "ArgumentError",
     "BadInputError",
     "BirdzarrError",
     "BirdzarrWarning",

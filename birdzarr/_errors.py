@@ -15,6 +15,11 @@ class StoreNotFoundError(BirdzarrError, FileNotFoundError):
     """Nothing exists at the given store location."""
 
 
+class ArgumentError(BirdzarrError, ValueError):
+    """A call's arguments are out of range or do not go together; the message names them (the
+    command line reports it in one line, as the errors of the input)."""
+
+
 class NotAStoreError(BirdzarrError, ValueError):
     """The location holds something that is not a birdzarr store."""
 

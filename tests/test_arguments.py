@@ -290,3 +290,16 @@ def test_a_format_version_that_is_not_an_integer_says_what_it_may_be(
         f"{copy} has birdzarr format version '1', a str where every version so far is an integer (this "
         "birdzarr supports 1): a newer birdzarr wrote it (upgrade: pip install -U birdzarr), or its "
         "zarr.json is damaged (restore it from a copy of the store).")
+
+
+def test_conversion_options_out_of_range_are_argument_errors(
+    parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]], tmp_path: pathlib.Path
+) -> None:
+    """ArgumentError (a ValueError and a BirdzarrError): the command line reports it in one line."""
+    src, dest = parquet_source[0], tmp_path / "s.zarr"
+    for options in ({"workers": -1}, {"chunk_windows": 0}, {"shuffle": True, "seed": 2**63}, {"seed": 5},
+                    {"on_bad_rows": "ignore"}):
+        with pytest.raises(birdzarr.ArgumentError) as refused:
+            birdzarr.convert(src, dest, progress=False, **options)  # type: ignore[arg-type]
+        assert isinstance(refused.value, ValueError)
+    assert not dest.exists()

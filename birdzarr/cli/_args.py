@@ -5,12 +5,6 @@ from __future__ import annotations
 
 import argparse
 
-from birdzarr._errors import BirdzarrError
-
-
-class UsageError(BirdzarrError, ValueError):
-    """Options that do not go together (one line, exit status 2, as argparse's own errors)."""
-
 
 def positive_int(text: str) -> int:
     """An integer of at least 1."""

@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 
-from birdzarr.cli._args import UsageError, dpi, non_negative_int, positive_int
+from birdzarr._errors import ArgumentError
+from birdzarr.cli._args import dpi, non_negative_int, positive_int
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
@@ -32,16 +33,16 @@ def _image_path(out: str) -> str:
     from matplotlib.figure import Figure
 
     if "://" in out or "::" in out:
-        raise UsageError(f"--out {out}: plot writes a local file; give a path (copy it elsewhere after)")
+        raise ArgumentError(f"--out {out}: plot writes a local file; give a path (copy it elsewhere after)")
     if os.path.isdir(out):
         example = os.path.join(out, "plot.png")
-        raise UsageError(f"--out {out}: is a directory; give a file name, e.g. {example}")
+        raise ArgumentError(f"--out {out}: is a directory; give a file name, e.g. {example}")
     extension = os.path.splitext(out)[1].lstrip(".").lower()
     if not extension:
         return out + ".png"
     formats = Figure().canvas.get_supported_filetypes()
     if extension not in formats:
-        raise UsageError(f"--out {out}: no image format '.{extension}'; use one of "
+        raise ArgumentError(f"--out {out}: no image format '.{extension}'; use one of "
                          f"{', '.join('.' + f for f in sorted(formats))}")
     return out
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from birdzarr.cli._args import UsageError, chunk_windows, non_negative_int, positive_int, seed
+from birdzarr._errors import ArgumentError
+from birdzarr.cli._args import chunk_windows, non_negative_int, positive_int, seed
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
@@ -13,7 +14,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from birdzarr.store._summary import format_summary, summary
 
     if not args.shuffle and (args.seed is not None or args.shuffle_tmp is not None):
-        raise UsageError("--seed and --shuffle-tmp apply to --shuffle only: add --shuffle, or leave them out")
+        raise ArgumentError("--seed and --shuffle-tmp apply to --shuffle only: add --shuffle, or leave them "
+                            "out")
     client = None
     if args.dask_scheduler:  # read, curate and write on a Dask cluster (docs/scaling.md#dask)
         from birdzarr.convert._dask import connect

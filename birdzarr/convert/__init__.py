@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import zarr
 
 from birdzarr._checks import require_bool, require_int
-from birdzarr._errors import BadInputError
+from birdzarr._errors import ArgumentError, BadInputError
 from birdzarr._progress import progress_bar
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._cpus import cpu_report, cpu_seconds, resolve_workers
@@ -105,24 +105,24 @@ def convert(
     shuffle = require_bool("shuffle", shuffle)
     skip_unknown_files = require_bool("skip_unknown_files", skip_unknown_files)
     if on_bad_rows not in ON_BAD_ROWS:
-        raise ValueError(f"on_bad_rows must be one of {ON_BAD_ROWS}, got {on_bad_rows!r}")
+        raise ArgumentError(f"on_bad_rows must be one of {ON_BAD_ROWS}, got {on_bad_rows!r}")
     if chunk_windows is None:
         chunk_windows = SHUFFLED_CHUNK_WINDOWS if shuffle else DEFAULT_CHUNK_WINDOWS
     chunk_windows = require_int("chunk_windows", chunk_windows)
     if not 1 <= chunk_windows <= MAX_CHUNK_WINDOWS:
-        raise ValueError(f"chunk_windows must be from 1 to {MAX_CHUNK_WINDOWS:,}, got {chunk_windows}")
+        raise ArgumentError(f"chunk_windows must be from 1 to {MAX_CHUNK_WINDOWS:,}, got {chunk_windows}")
     workers = resolve_workers(workers)  # a negative count is refused before any work
     if seed is not None:
         seed = require_int("seed", seed)
+        if not 0 <= seed < 2**63:  # what the store records
+            raise ArgumentError(f"seed must be an integer in 0..2**63-1, got {seed}")
     if curation is not None and not isinstance(curation, Curation):
         raise TypeError(f"curation must be a birdzarr.Curation (or None for the default), got {curation!r}")
     if client is not None:
         _require_client(client)
-    if seed is not None and not 0 <= seed < 2**63:
-        raise ValueError(f"seed must be an integer in 0..2**63-1, got {seed}")
     if not shuffle and (seed is not None or shuffle_tmp is not None):
-        raise ValueError("seed and shuffle_tmp (--seed, --shuffle-tmp) apply to a shuffled conversion "
-                         "only: add shuffle=True (--shuffle), or leave them out")
+        raise ArgumentError("seed and shuffle_tmp (--seed, --shuffle-tmp) apply to a shuffled conversion "
+                            "only: add shuffle=True (--shuffle), or leave them out")
     if shuffle and shuffle_tmp is not None and not os.path.isdir(shuffle_tmp):
         missing = not os.path.exists(shuffle_tmp)
         error = FileNotFoundError if missing else NotADirectoryError
@@ -161,7 +161,7 @@ def convert(
         buckets = bucket_count(_estimated_windows(kind, devices))
         layout["shuffled"], layout["shuffle_seed"], layout["shuffle_buckets"] = True, int(seed), buckets
     if client is not None and shuffle:
-        raise ValueError("shuffle=True is not supported with a Dask client yet; convert locally")
+        raise ArgumentError("shuffle=True is not supported with a Dask client yet; convert locally")
     # overwriting a local store: write the new one aside and swap it in once committed
     staged = staged_location(dst, overwrite=overwrite, state=state)
     with DuplicateCounter() as duplicates:
@@ -202,13 +202,12 @@ def _require_client(client: Any) -> None:
 
 def _convert_here(
     src: Location, dst: Location, kind: str, devices: list[DeviceSource], *, codec: str,
-    chunk_windows: int, overwrite: bool, static: dict[str, Any], workers: int | None, progress: bool,
+    chunk_windows: int, overwrite: bool, static: dict[str, Any], workers: int, progress: bool,
     curation: Curation, on_bad_rows: str, shuffle: bool, seed: int | None, buckets: int,
     shuffle_tmp: str | None, duplicates: DuplicateCounter | None = None,
 ) -> None:
     """The conversion in this process (``convert`` without a Dask client)."""
     started, cpu = time.perf_counter(), cpu_seconds()
-    workers = resolve_workers(workers)
     config = {"threading.max_workers": workers}
     with arrow_pool(), zarr.config.set(config), StoreWriter(
         dst, codec=codec, chunk_windows=chunk_windows, overwrite=overwrite, static_attrs=static,

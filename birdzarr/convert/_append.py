@@ -22,7 +22,7 @@ import numpy as np
 import zarr
 
 from birdzarr._checks import require_bool
-from birdzarr._errors import AppendError, IncompleteStoreError
+from birdzarr._errors import AppendError, ArgumentError, IncompleteStoreError
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._cpus import cpu_report, cpu_seconds, resolve_workers
 from birdzarr.convert._duplicates import DuplicateCounter
@@ -236,7 +236,7 @@ def append_detailed(
     progress = require_bool("progress", progress)
     skip_unknown_files = require_bool("skip_unknown_files", skip_unknown_files)
     if on_bad_rows not in ON_BAD_ROWS:
-        raise ValueError(f"on_bad_rows must be one of {ON_BAD_ROWS}, got {on_bad_rows!r}")
+        raise ArgumentError(f"on_bad_rows must be one of {ON_BAD_ROWS}, got {on_bad_rows!r}")
     workers = resolve_workers(workers)
     src = resolve(source, source_storage_options)
     dst = resolve(store, storage_options)

@@ -8,6 +8,7 @@ import os
 import warnings
 
 from birdzarr._checks import require_int
+from birdzarr._errors import ArgumentError, BirdzarrWarning
 
 CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "QUOTA PERIOD" or "max PERIOD"
 CGROUP_V1_QUOTA = "/sys/fs/cgroup/cpu/cpu.cfs_quota_us"  # cgroup v1: quota (-1: none) ...
@@ -69,16 +70,16 @@ def resolve_workers(workers: int | None) -> int:
     if workers == 0:
         return usable_cpus()
     if workers < 0:
-        raise ValueError(f"workers must be positive (or None for all usable cores), got {workers}")
+        raise ArgumentError(f"workers must be positive (or None for all usable cores), got {workers}")
+    if workers <= MAX_WORKERS_PER_CORE:  # within the cap on any machine: no need to read the limits
+        return workers
     cores = usable_cpus()
     if workers > MAX_WORKERS_PER_CORE * cores:
-        from birdzarr._errors import BirdzarrWarning
-
         warnings.warn(f"workers={workers} is more than {MAX_WORKERS_PER_CORE} per usable core ({cores}): "
                       f"using {MAX_WORKERS_PER_CORE * cores}, as more only add memory",
                       BirdzarrWarning, stacklevel=2)
         return MAX_WORKERS_PER_CORE * cores
-    return int(workers)
+    return workers
 
 
 def cpu_seconds() -> float:
