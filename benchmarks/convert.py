@@ -88,12 +88,15 @@ def input_bytes(source: str, suffix: str) -> int:
     return sum(os.path.getsize(os.path.join(source, f)) for f in os.listdir(source) if f.endswith(suffix))
 
 
+_CLI = "import sys; from birdzarr.cli import main; sys.exit(main(sys.argv[1:]))"  # `birdzarr` in a process
+
+
 def convert_measured(source: str, dest: str, *extra: str, parquet: str | None = None,
                      threads_only: bool = False) -> dict[str, Any]:
     """One CLI conversion; ``parquet`` (a directory) for the store-vs-Parquet size column;
     ``threads_only``: Parquet converted on threads, as below the worker processes' size threshold
     (birdzarr/convert/_segments.py), for the comparison."""
-    cli = "import sys; from birdzarr.cli import main; sys.exit(main(sys.argv[1:]))"
+    cli = _CLI
     if threads_only:
         cli = ("import importlib; importlib.import_module('birdzarr.convert._segments').PROCESS_MIN_BYTES = "
                "1 << 62; " + cli)
@@ -133,7 +136,8 @@ def convert_measured(source: str, dest: str, *extra: str, parquet: str | None = 
 def split_in_two(source: str, into: str) -> list[str]:
     """Hard-link ``source``'s Parquet files into two directories of about equal bytes (largest
     first, each to the lighter half): the input of two independent 1-worker conversions."""
-    halves = [os.path.join(into, "half_a"), os.path.join(into, "half_b")]
+    # named after the source: a kept --workdir may hold the halves of another corpus
+    halves = [os.path.join(into, f"{os.path.basename(source)}.half_{h}") for h in "ab"]
     if all(os.path.isdir(h) for h in halves):
         return halves
     for h in halves:
@@ -153,10 +157,9 @@ def convert_halves_at_once(halves: list[str], workdir: str) -> dict[str, Any]:
     """Two 1-worker conversions of half the devices each, started together: no conversion can
     share its work between two cores better than two that share nothing, so their combined rate
     against one 1-worker conversion of everything is this machine's ceiling for 2 workers."""
-    cli = "import sys; from birdzarr.cli import main; sys.exit(main(sys.argv[1:]))"
     dests = [os.path.join(workdir, f"half_{i}.zarr") for i in range(len(halves))]
     load = os.getloadavg()[0]
-    procs = [subprocess.Popen([sys.executable, "-c", cli, "convert", half, dest, "--overwrite", "--quiet",
+    procs = [subprocess.Popen([sys.executable, "-c", _CLI, "convert", half, dest, "--overwrite", "--quiet",
                                "--workers", "1"]) for half, dest in zip(halves, dests, strict=True)]
     if any(proc.wait() for proc in procs):
         raise RuntimeError("a half conversion failed")

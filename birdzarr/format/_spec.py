@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from birdzarr._checks import require_number
 from birdzarr._errors import FormatVersionError, NotAStoreError
 
 FORMAT_VERSION = 1
@@ -77,8 +78,6 @@ class Curation:
     def __post_init__(self) -> None:
         # Checked here, not where they are used: a zero scale, a NaN or a reversed clip range
         # would otherwise be written into every window (inf, NaN) and recorded in the store.
-        from birdzarr._checks import require_number
-
         for name in ("speed_limit", "clip_min", "clip_max", "gps_scale"):
             # stored as float: a numpy float32 would not serialise into the store's attributes
             object.__setattr__(self, name, require_number(f"Curation {name}", getattr(self, name)))
