@@ -34,8 +34,8 @@ _KEYS = fmix64(np.uint64(_SEED) + np.arange(WORDS + 1, dtype=np.uint64)) | np.ui
 
 def window_hashes(windows: np.ndarray, timestamps: np.ndarray) -> np.ndarray:
     """One uint64 per window from its timestamp and exact float32 bits."""
-    n = len(windows)
-    words = np.ascontiguousarray(windows, dtype="<f4").reshape(n, -1).view("<u8")
+    # the row length is spelled out: ``reshape(0, -1)`` cannot infer it for an empty piece
+    words = np.ascontiguousarray(windows, dtype="<f4").reshape(len(windows), 2 * WORDS).view("<u8")
     with np.errstate(over="ignore"):
         mixed = words * _KEYS[:WORDS]
         mixed ^= mixed >> np.uint64(29)

@@ -33,7 +33,7 @@ from birdzarr._checks import require_bool
 from birdzarr._errors import BadInputError, BirdzarrError, MissingChunkError
 from birdzarr.convert._summary import checksum_hasher, device_runs
 from birdzarr.format._digest import RowDigest, digest_hex, row_hashes
-from birdzarr.format._spec import DEVICE, GIMU, LABEL, TIMESTAMP, DeviceEntry
+from birdzarr.format._spec import DEVICE, GIMU, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH, DeviceEntry
 from birdzarr.storage._location import Location, StoreLike, resolve
 from birdzarr.storage._lock import read_holder
 from birdzarr.store._handle import Store, open_store
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 _ARRAYS = (GIMU, DEVICE, TIMESTAMP, LABEL)
 _MAX_LISTED = 50  # problems listed one by one; beyond that they are counted
 _PIECE = 8192  # windows compared at a time against the source
+_VALUES = WINDOW_LENGTH * N_CHANNELS  # float32 values a window (spelled out: an empty piece has no -1)
 
 
 @dataclass
@@ -413,7 +414,7 @@ def _sorted_rows(parts: Iterator[tuple[np.ndarray, ...]]) -> np.ndarray:
     windows, times, labels = (np.concatenate(c) for c in columns)
     n = len(windows)
     raw = np.concatenate([
-        np.ascontiguousarray(windows, dtype="<f4").reshape(n, -1).view(np.uint8),
+        np.ascontiguousarray(windows, dtype="<f4").reshape(n, _VALUES).view(np.uint8),
         np.ascontiguousarray(times, dtype="<i8").reshape(n, 1).view(np.uint8),
         np.ascontiguousarray(labels, dtype="<i4").reshape(n, 1).view(np.uint8),
     ], axis=1)
@@ -515,8 +516,8 @@ def _compare_device(store: Store, entry: DeviceEntry, derived: Iterator[tuple[np
         base = stored_n - len(mine[0])
         for name, a, b in zip(differing, mine, theirs, strict=True):
             if name == "windows":
-                bits_a = np.ascontiguousarray(a[:n], dtype="<f4").reshape(n, -1).view(np.uint32)
-                bits_b = np.ascontiguousarray(b[:n], dtype="<f4").reshape(n, -1).view(np.uint32)
+                bits_a = np.ascontiguousarray(a[:n], dtype="<f4").reshape(n, _VALUES).view(np.uint32)
+                bits_b = np.ascontiguousarray(b[:n], dtype="<f4").reshape(n, _VALUES).view(np.uint32)
                 unequal = (bits_a != bits_b).any(axis=1)  # bitwise, so NaN equals NaN
             else:
                 unequal = a[:n] != b[:n]
