@@ -223,3 +223,71 @@ def test_clip_and_scale(tmp_path: pathlib.Path) -> None:
     )
     store = birdzarr.convert(path, tmp_path / "s.zarr", progress=False)
     assert store.windows[0][0].tolist() == [2.0, -2.0, np.float32(1.999), 1.0]
+
+
+# -- a file cut off inside its last line --------------------------------------------------------
+
+
+def _cut_export(tmp_path: pathlib.Path) -> pathlib.Path:
+    """Two parts of device 9: part 0 whole, part 1 cut inside its last field (1.910000 -> 1.)."""
+    t1, t2 = "2014-01-01 10:00:00", "2014-01-01 10:05:00"
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "9_0.csv").write_text("".join(_line(9, t1, i, 0.001 * i, 3.5) for i in range(40)))
+    text = "".join(_line(9, t2, i, 0.002 * i, 1.91) for i in range(40)).replace(",1.91\n", ",1.910000\n")
+    assert text.endswith(",1.910000\n")
+    (source / "9_1.csv").write_text(text[: -len("910000\n")])  # "...,1." and no newline
+    return source
+
+
+def test_a_file_cut_inside_its_last_line_is_an_error(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from birdzarr.cli import main
+
+    source = _cut_export(tmp_path)
+    expected = (
+        f"{source / '9_1.csv'}, line 40: the file ends inside this line: no newline follows it and "
+        "its gps_speed '1.' has 0 decimals where the line before has 6, so the file looks cut off "
+        "(copy it again from its origin; if the line is complete, end the file with a newline). "
+        "Fix or remove that line, or pass --on-bad-rows skip (Python: on_bad_rows='skip') to skip "
+        "bad lines and count them in the report."
+    )
+    with pytest.raises(birdzarr.BadInputError) as caught:
+        birdzarr.convert(source, tmp_path / "s.zarr", progress=False)
+    assert str(caught.value) == expected
+    assert not (tmp_path / "s.zarr").exists()
+    assert main(["convert", str(source), str(tmp_path / "s.zarr"), "--quiet"]) == 2
+    assert capsys.readouterr().err == f"birdzarr convert: error: {expected}\n"
+    # fewer fields than the line before: the same error, naming the fields
+    cut = source / "9_1.csv"
+    cut.write_text(cut.read_text()[: -len("-0.039000,1.")])
+    with pytest.raises(birdzarr.BadInputError, match=r"9_1.csv, line 40: .* it has 6 of the 8 fields"):
+        birdzarr.convert(source, tmp_path / "s.zarr", progress=False)
+
+
+def test_a_file_cut_inside_its_last_line_skips_that_line(tmp_path: pathlib.Path) -> None:
+    source = _cut_export(tmp_path)
+    store = birdzarr.convert(source, tmp_path / "s.zarr", progress=False, on_bad_rows="skip")
+    report = store.report[9]
+    assert report.bad_lines == 1 and report.rows_read == 80
+    # the cut line's window (rows 20..39 of the second burst) is dropped; a speed of 1.0 is not stored
+    assert len(store) == 3 and report.dropped == {"bad_rows": 1}
+    assert store.timestamps[:].tolist() == [1388570400, 1388570400, 1388570700]
+    assert report.problems == [
+        f"{source / '9_1.csv'}, line 40: the file ends inside this line: no newline follows it and its "
+        "gps_speed '1.' has 0 decimals where the line before has 6, so the file looks cut off (copy it "
+        "again from its origin; if the line is complete, end the file with a newline) (skipped)"
+    ]
+
+
+def test_a_complete_last_line_without_a_newline_is_read(tmp_path: pathlib.Path) -> None:
+    """Real exports end without a newline (tests/data/data_from_db.csv): a complete last line is
+    read, also when its number is shorter than the line before's only in its integer part."""
+    text = "".join(_line(9, "2014-01-01 10:00:00", i, 0.001 * i, 12.5 if i < 19 else 3.25) for i in range(20))
+    assert not (FIXTURES / "data_from_db.csv").read_bytes().endswith(b"\n")
+    path = tmp_path / "9_0.csv"
+    path.write_text(text.rstrip("\n"))
+    store = birdzarr.convert(path, tmp_path / "s.zarr", progress=False)
+    assert len(store) == 1 and store.report[9].bad_lines == 0
+    assert store.windows[0][-1][3] == np.float32(3.25 / GPS_SCALE)

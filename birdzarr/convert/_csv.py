@@ -218,14 +218,84 @@ def _parse_slow(data: bytes, source: str, on_bad_rows: str) -> _Rows:
     return kept
 
 
+def _decimals(field: bytes) -> int:
+    """Digits after the decimal point of a number's text (0 without one)."""
+    point = field.find(b".")
+    if point < 0:
+        return 0
+    digits = field[point + 1 :]
+    for stop, char in enumerate(digits):
+        if not 48 <= char <= 57:  # an exponent ("e-05") ends the decimals
+            return stop
+    return len(digits)
+
+
+def _cut_last_line(data: bytes) -> tuple[int, str] | None:
+    """(line number, reason) when the file ends inside its last line, else None.
+
+    A last line without its newline is where a cut-off copy ends. Real exports often end
+    without a newline after a complete line, so such a line is judged against the line before
+    it, whose fields have the export's fixed number of decimals: a cut line has fewer fields,
+    or fewer decimals in its last field (``1.910000`` cut to ``1.``), than that line.
+    """
+    if data.endswith(b"\n"):
+        return None
+    start = data.rfind(b"\n") + 1
+    if start == 0:
+        return None  # a file of one line: nothing to judge it by (the parser checks its fields)
+    previous = data[data.rfind(b"\n", 0, start - 1) + 1 : start - 1].rstrip(b"\r").split(b",")
+    last = data[start:].rstrip(b"\r").split(b",")
+    if len(previous) != len(COLUMNS):
+        return None  # the line before is itself malformed: the parser reports it
+    if len(last) < len(COLUMNS):
+        found = f"it has {len(last)} of the {len(COLUMNS)} fields"
+    else:
+        want, have = _decimals(previous[-1].strip()), _decimals(last[-1].strip())
+        if have >= want and not last[-1].strip().endswith((b".", b"-", b"+", b"e", b"E")):
+            return None
+        text = last[-1].strip().decode("utf-8", "replace")
+        found = f"its {COLUMNS[-1]} {text!r} has {have} decimals where the line before has {want}"
+    line = data.count(b"\n", 0, start) + 1
+    return line, (f"the file ends inside this line: no newline follows it and {found}, so the file "
+                  "looks cut off (copy it again from its origin; if the line is complete, end the "
+                  "file with a newline)")
+
+
+def _skip_last_line(rows: _Rows, message: str) -> _Rows:
+    """``rows`` and a skipped last line: a placeholder in the last row's burst, so the window it
+    would complete is dropped as "bad_rows" (as ``_parse_slow`` does for any bad line)."""
+    if len(rows):
+        placeholder = _Rows(
+            rows.device[-1:], rows.time[-1:], np.zeros(1, np.int64),
+            np.full((1, N_CHANNELS), np.nan), np.ones(1, bool),
+        )
+        joined = _Rows.concat([rows, placeholder])
+    else:
+        joined = rows  # no row before it: the line is dropped, and counted
+    joined.bad_lines = rows.bad_lines + 1
+    joined.problems = [*rows.problems, message]
+    return joined
+
+
 def parse_csv(data: bytes, source: str, *, on_bad_rows: str = "error") -> _Rows:
-    """Parse one file's bytes into rows (see module docstring for the two paths)."""
+    """Parse one file's bytes into rows (see module docstring for the two paths); a file cut
+    off inside its last line (``_cut_last_line``) is an error, or that line a skipped one."""
     if not data or data.isspace():  # not data.strip(): that copies the whole file
         if on_bad_rows != "skip":
             raise BadInputError(
                 f"{source}: the file is empty. Remove it, or pass --on-bad-rows skip to ignore it."
             )
         return _empty_rows()
+    cut = _cut_last_line(data)
+    if cut is not None:
+        line, reason = cut
+        if on_bad_rows != "skip":
+            raise _bad(source, line, reason)
+        body = data[: data.rfind(b"\n") + 1]
+        rows = _parse_fast(body)
+        if rows is None:
+            rows = _parse_slow(body, source, on_bad_rows)
+        return _skip_last_line(rows, f"{source}, line {line}: {reason} (skipped)")
     rows = _parse_fast(data)
     return rows if rows is not None else _parse_slow(data, source, on_bad_rows)
 
