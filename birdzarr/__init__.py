@@ -9,10 +9,15 @@ Public API (everything else is private and may change)::
     birdzarr.verify(url) / repair(url) / copy(src, dest)   # keeping stores sound
     birdzarr.generate_demo(directory)            # generated CSV exports to try it on
 
-The package is layered; each layer imports only the ones below it (tests/test_layers.py):
-``format`` (the spec, codecs) < ``storage`` (locations, cache, lock) < ``explore`` (views and
-plots) < ``store`` (the read-only handle, chunk reading) < ``convert`` < ``maintenance``
-(verify, repair, copy) < ``loader`` (the torch dataset) < ``demo`` < this module < ``cli``.
+The package is layered; each layer imports only the ones below it, at run time, lazily or for
+typing (tests/test_layers.py): ``format`` (the spec, codecs) < ``storage`` (locations, cache,
+lock) < ``store`` (the read-only handle, chunk reading) < ``explore`` (summaries, views, plots,
+statistics: functions over the handle's read interface, attached to ``Store`` as methods below)
+< ``convert`` < ``maintenance`` (verify, repair, copy) < ``loader`` (the torch dataset) <
+``demo`` < this module < ``cli``.
+
+Only ``birdzarr.WindowDataset`` needs PyTorch (the ``torch`` extra); everything else works
+without it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import os
 import pathlib
 from typing import Any
 
+from birdzarr import explore as _explore
 from birdzarr._errors import (
     AppendError,
     ArgumentError,
@@ -35,6 +41,7 @@ from birdzarr._errors import (
     DuplicateWindowsWarning,
     FallbackWarning,
     FormatVersionError,
+    IgnoredColumnsWarning,
     IncompleteStoreError,
     MissingChunkError,
     MissingDependencyError,
@@ -54,7 +61,7 @@ from birdzarr._errors import (
 )
 from birdzarr._version import __version__
 from birdzarr.convert import append, convert
-from birdzarr.explore._stats import StoreStats
+from birdzarr.explore import StoreStats
 from birdzarr.format._spec import CHANNELS, FORMAT_VERSION, TIMESTAMP_UNKNOWN, Curation
 from birdzarr.maintenance._copy import CopyResult
 from birdzarr.maintenance._copy import copy_store as copy
@@ -62,6 +69,14 @@ from birdzarr.maintenance._repair import RepairReport, repair
 from birdzarr.maintenance._verify import VerifyResult, verify
 from birdzarr.storage._cache import ChunkCache, attach_cache
 from birdzarr.store._handle import Store, WindowsView, open_store
+
+_explore.attach(Store)  # store.to_xarray(), .plot_window(), .plot_device(), .stats(), the summaries
+
+_TORCH_HINT = (
+    "PyTorch is not installed. Install it first the way your machine needs (for a GPU, the command "
+    "pytorch.org gives for your CUDA version; the CPU build: pip install torch), then: "
+    'pip install "birdzarr[torch]"'
+)
 
 __all__ = [
     "CHANNELS",
@@ -83,6 +98,7 @@ __all__ = [
     "DuplicateWindowsWarning",
     "FallbackWarning",
     "FormatVersionError",
+    "IgnoredColumnsWarning",
     "IncompleteStoreError",
     "MissingChunkError",
     "MissingDependencyError",
@@ -138,7 +154,11 @@ def __getattr__(name: str) -> Any:
     # torch is imported only when the dataset is first used, so conversion and exploration
     # never pay for it.
     if name == "WindowDataset":
-        from birdzarr.loader._dataset import WindowDataset
-
+        try:
+            from birdzarr.loader._dataset import WindowDataset
+        except ModuleNotFoundError as exc:
+            if exc.name is None or exc.name.split(".")[0] != "torch":
+                raise
+            raise MissingDependencyError(f"birdzarr.WindowDataset needs torch: {_TORCH_HINT}") from exc
         return WindowDataset
     raise AttributeError(f"module 'birdzarr' has no attribute {name!r}")

@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import pathlib
 import shutil
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 import birdzarr
 from birdzarr.demo import _synthetic
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stats_cache_of_the_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Statistics are cached per machine (birdzarr.explore): never in the user's ~/.cache from tests."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("BIRDZARR_CACHE_DIR", str(tmp_path_factory.mktemp("birdzarr_cache")))
+    yield
+    mp.undo()
 
 
 @pytest.fixture(scope="session")

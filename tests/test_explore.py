@@ -7,7 +7,6 @@ imu clipped to [-2, 2], gps_speed / 22.3012351755624) and the exact Parquet wind
 
 from __future__ import annotations
 
-import errno
 import html
 import json
 import pathlib
@@ -76,7 +75,7 @@ def csv_case(tmp_path_factory: pytest.TempPathFactory) -> tuple[birdzarr.Store, 
 
 @pytest.fixture(scope="module")
 def parquet_case(parquet_source, tmp_path_factory) -> tuple[birdzarr.Store, dict[int, np.ndarray]]:  # type: ignore[no-untyped-def]
-    """The shared Parquet source in a store of our own (stats() writes into it)."""
+    """The shared Parquet source in a store of our own."""
     directory, truth = parquet_source
     dest = tmp_path_factory.mktemp("explore_pq") / "pq.zarr"
     return birdzarr.convert(directory, dest, chunk_windows=1024, progress=False), truth
@@ -456,25 +455,34 @@ def test_mean_std_text_keeps_three_significant_figures_of_the_std() -> None:
     assert _stats.mean_std_text(3.0, 0.0, "g") == "mean 3 g, std 0 g"
 
 
-def test_stats_are_cached_in_memory_and_in_the_store(parquet_case, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    store = fresh(parquet_case[0])
+def _files(store: birdzarr.Store) -> dict[str, tuple[int, int]]:
+    """Every file of a local store with its size and modification time."""
+    root = pathlib.Path(store.location.path)
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_stats_are_cached_on_this_machine_never_in_the_store(parquet_case, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("BIRDZARR_CACHE_DIR", str(tmp_path / "cache"))
+    store = copy_of(parquet_case[0], tmp_path)
+    before = _files(store)
     reads = ReadCounter(store, monkeypatch)
     first = store.stats(progress=False, cache=False)
     assert len(reads.calls) == store.reader.n_chunks
     reads.calls.clear()
-    assert store.stats(progress=False) is first
+    assert store.stats(progress=False) is first  # in memory
     assert reads.calls == []
 
-    reopened = fresh(store)  # a new process would see the same: the numbers live in stats/zarr.json
+    reopened = fresh(store)  # a new process on this machine: the numbers are in the local cache
     reads = ReadCounter(reopened, monkeypatch)
     again = reopened.stats(progress=False)
     assert reads.calls == []
     assert np.array_equal(again.mean, first.mean) and np.array_equal(again.counts, first.counts)
-    assert (store.location.fs.exists(store.location.join("stats", "zarr.json")))
-    assert len(list(store.group.arrays())) == 4  # the stats group is a valid (empty) Zarr group
+    assert [p.parent.name for p in (tmp_path / "cache").rglob("*.json")] == ["stats"]
+    assert _files(store) == before  # not a byte of the store written: no stats group, no lock
 
     # A store that changed (a new generation, or a new conversion: generation 1 again, another
-    # commit time) recomputes, and does not save numbers that describe another commit.
+    # commit time) recomputes.
     for key, value in (("generation", 99), ("committed_at", "2030-01-01T00:00:00+00:00")):
         changed = fresh(store)
         changed.meta["committed"] = {**changed.meta["committed"], key: value}
@@ -482,71 +490,99 @@ def test_stats_are_cached_in_memory_and_in_the_store(parquet_case, monkeypatch) 
         recomputed = changed.stats(progress=False)
         assert len(reads.calls) == changed.reader.n_chunks
         assert getattr(recomputed, key) == value
-        saved = _stats.load_saved(store)
-        assert saved is not None
-        assert (saved.generation, saved.committed_at) == (first.generation, first.committed_at)
-    assert not store.location.fs.exists(store.location.join(".birdzarr.lock"))  # taken and released
+    assert _files(store) == before
 
 
-def test_stats_on_a_read_only_location_stay_in_memory(csv_case, monkeypatch, tmp_path, recwarn) -> None:  # type: ignore[no-untyped-def]
-    store = copy_of(csv_case[0], tmp_path)
+def test_stats_ignore_a_writer_holding_the_lock(csv_case, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Reading statistics takes no lock: a conversion or append at work changes nothing for them."""
+    import warnings
 
-    def read_only(*args: Any, **kwargs: Any) -> None:
-        raise PermissionError("read-only file system")
-
-    monkeypatch.setattr(_stats.tempfile, "NamedTemporaryFile", read_only)
-    store.stats(progress=False, cache=False)
-    assert _stats.load_saved(store) is None
-    assert not store.location.fs.exists(store.location.join(".birdzarr.lock"))
-    reads = ReadCounter(store, monkeypatch)
-    store.stats(progress=False)
-    assert reads.calls == []
-    assert [str(w.message) for w in recwarn] == []  # documented behaviour, no warning
-
-
-def test_stats_are_not_saved_into_a_locked_store(csv_case, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """A writer holds the store: the cache stays in memory and a warning names the holder."""
     from birdzarr.storage._lock import StoreLock, read_holder
 
+    monkeypatch.setenv("BIRDZARR_CACHE_DIR", str(tmp_path / "cache"))
     store = copy_of(csv_case[0], tmp_path)
     with StoreLock(store.location, command="birdzarr append (test)") as lock:
-        holder_named = r"not saved in the store .*locked by 'birdzarr append \(test\)'"
-        with pytest.warns(UserWarning, match=holder_named):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
             computed = store.stats(progress=False, cache=False)
         holder = read_holder(store.location)
         assert holder is not None and holder.token == lock.holder.token  # the writer's lock is untouched
+    assert computed.count == len(store) * 20
     assert _stats.load_saved(store) is None
-    reads = ReadCounter(store, monkeypatch)
-    assert store.stats(progress=False) is computed and reads.calls == []  # kept in memory
 
 
-def test_stats_save_errors_are_warnings_not_silence(csv_case, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_stats_persist_false_writes_nothing_anywhere(csv_case, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("BIRDZARR_CACHE_DIR", str(tmp_path / "cache"))
     store = copy_of(csv_case[0], tmp_path)
+    before = _files(store)
+    store.stats(progress=False, cache=False, persist=False)
+    assert not (tmp_path / "cache").exists() and _files(store) == before
 
-    def disk_full(*args: Any, **kwargs: Any) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(_stats.tempfile, "NamedTemporaryFile", disk_full)
-    not_saved = r"computed but not saved in the store \(OSError: .*No space left"
-    with pytest.warns(birdzarr.BirdzarrWarning, match=not_saved):
+def test_a_stats_cache_that_cannot_be_written_is_a_warning(csv_case, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    blocked = tmp_path / "a_file"
+    blocked.write_text("not a directory")
+    monkeypatch.setenv("BIRDZARR_CACHE_DIR", str(blocked))
+    store = fresh(csv_case[0])
+    not_cached = rf"computed but not cached in {blocked}/stats \((FileExistsError|NotADirectoryError): "
+    with pytest.warns(birdzarr.BirdzarrWarning, match=not_cached):
         stats = store.stats(progress=False, cache=False)
     assert stats.count == len(store) * 20
-    assert not store.location.fs.exists(store.location.join(".birdzarr.lock"))
+    reads = ReadCounter(store, monkeypatch)
+    assert store.stats(progress=False) is stats and reads.calls == []  # kept in memory
 
 
-def test_stats_saved_by_an_older_birdzarr_are_recomputed(csv_case, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_stats_save_writes_the_stats_group_under_the_lock(csv_case, monkeypatch, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """``birdzarr stats --save``: the one way statistics go into a store, for every machine."""
+    monkeypatch.setenv("BIRDZARR_CACHE_DIR", str(tmp_path / "cache"))
     store = copy_of(csv_case[0], tmp_path)
-    first = store.stats(progress=False, cache=False)
+    assert main(["stats", store.location.path, "--save", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    saved = _stats.load_saved(store)
+    assert saved is not None and saved.to_json() == printed
+    assert len(list(store.group.arrays())) == 4  # the stats group is a valid (empty) Zarr group
+    assert not store.location.fs.exists(store.location.join(".birdzarr.lock"))  # taken and released
+
+    monkeypatch.setenv("BIRDZARR_CACHE_DIR", str(tmp_path / "another_machine"))
+    elsewhere = fresh(store)
+    reads = ReadCounter(elsewhere, monkeypatch)
+    assert elsewhere.stats(progress=False).to_json() == printed and reads.calls == []
+
+    # numbers saved by an older birdzarr (stats version 1: before committed_at was in the key)
     node = store.location.join("stats", "zarr.json")
     raw = json.loads(store.location.fs.cat_file(node))
     assert raw["attributes"]["birdzarr_stats"]["stats_version"] == 2
-    raw["attributes"]["birdzarr_stats"]["stats_version"] = 1  # before committed_at was part of the key
+    raw["attributes"]["birdzarr_stats"]["stats_version"] = 1
     store.location.fs.pipe_file(node, json.dumps(raw).encode())
     assert _stats.load_saved(store) is None
+    monkeypatch.setenv("BIRDZARR_CACHE_DIR", str(tmp_path / "a_third_machine"))
     again = fresh(store)
     reads = ReadCounter(again, monkeypatch)
-    assert np.array_equal(again.stats(progress=False).counts, first.counts)
+    assert again.stats(progress=False).to_json() == printed
     assert len(reads.calls) == again.reader.n_chunks
+
+
+def test_stats_save_refuses_a_locked_or_changed_store(csv_case, monkeypatch, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from birdzarr.explore import save_stats
+    from birdzarr.storage._lock import StoreLock, read_holder
+
+    monkeypatch.setenv("BIRDZARR_CACHE_DIR", str(tmp_path / "cache"))
+    store = copy_of(csv_case[0], tmp_path)
+    with StoreLock(store.location, command="birdzarr append (test)") as lock:
+        assert main(["stats", store.location.path, "--save"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "locked by 'birdzarr append (test)'" in err[0]
+        assert "statistics not saved" in err[0]
+        holder = read_holder(store.location)
+        assert holder is not None and holder.token == lock.holder.token
+    assert _stats.load_saved(store) is None
+
+    changed = fresh(store)  # a commit landed after this handle was opened
+    changed.meta["committed"] = {**changed.meta["committed"], "generation": 99}
+    with pytest.raises(birdzarr.StoreLockedError, match="a writer committed while the statistics were"):
+        save_stats(changed, progress=False)
+    assert _stats.load_saved(store) is None
+    assert not store.location.fs.exists(store.location.join(".birdzarr.lock"))
 
 
 # -- optional dependencies and CLI ---------------------------------------------------------------
@@ -600,7 +636,7 @@ def s3_endpoint(request: pytest.FixtureRequest) -> Any:
     return request.getfixturevalue("moto")
 
 
-def test_views_and_stats_cache_over_s3(csv_case, s3_endpoint) -> None:  # type: ignore[no-untyped-def]
+def test_views_and_stats_cache_over_s3(csv_case, s3_endpoint, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
     local, _ = csv_case
     url = f"s3://{new_bucket(s3_endpoint)}/birds.zarr"
     options = s3_options(s3_endpoint.url)
@@ -615,8 +651,17 @@ def test_views_and_stats_cache_over_s3(csv_case, s3_endpoint) -> None:  # type: 
     assert store.reader.requests - before == 2  # two chunk GETs, nothing else
     assert np.array_equal(window_values, local.windows[250:260])
 
-    first = store.stats(progress=False, cache=False)  # computed, then written to the bucket
+    first = store.stats(progress=False, cache=False)  # computed; cached on this machine, not in the bucket
+    assert not remote.fs.exists(remote.path + "/stats/zarr.json")
     reopened = birdzarr.open_store(url, storage_options=options)
-    again = reopened.stats(progress=False)
-    assert reopened.reader.requests == 0  # read from the bucket's stats/zarr.json
+    assert np.array_equal(reopened.stats(progress=False).counts, first.counts)
+    assert reopened.reader.requests == 0  # from the local cache
+
+    from birdzarr.explore import save_stats
+
+    save_stats(reopened, progress=False)  # explicit: into the bucket, under the store's lock
+    monkeypatch.setenv("BIRDZARR_CACHE_DIR", str(tmp_path / "another_machine"))
+    elsewhere = birdzarr.open_store(url, storage_options=options)
+    again = elsewhere.stats(progress=False)
+    assert elsewhere.reader.requests == 0  # read from the bucket's stats/zarr.json
     assert np.array_equal(again.counts, first.counts)

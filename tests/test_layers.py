@@ -1,7 +1,8 @@
 """The package's layers import one way: a module imports only its own layer and the ones below.
 
-Imports under ``if TYPE_CHECKING:`` are annotations, not dependencies, and are not counted.
-Function-level (lazy) imports are counted like any other.
+Every import counts: at module level, inside functions (lazy), under ``if TYPE_CHECKING:`` (an
+annotation naming a higher layer is still a dependency on it) and ``importlib.import_module`` /
+``__import__`` of a literal name.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("birdzarr._checks", "birdzarr._errors", "birdzarr._progress", "birdzarr._version"),  # shared by all
     ("birdzarr.format",),  # the spec: names, device table, codecs, checksums
     ("birdzarr.storage",),  # locations, retries, fetchers, the chunk cache, the writer lock
-    ("birdzarr.explore",),  # views and plots over anything with the store's read interface
     ("birdzarr.store",),  # the read-only handle and chunk reading
+    ("birdzarr.explore",),  # summaries, views, plots, statistics over the handle's read interface
     ("birdzarr.convert",),  # CSV / Parquet -> store, append
     ("birdzarr.maintenance",),  # verify, repair, copy
     ("birdzarr.loader",),  # the torch dataset: sampling, pools, resident mode, hand-off
@@ -48,16 +49,11 @@ def _module_name(path: pathlib.Path) -> str:
     return ".".join(parts)
 
 
-def _runtime_imports(tree: ast.AST, module: str, is_package: bool) -> list[tuple[int, str]]:
-    """(line, imported module) of every birdzarr import outside ``if TYPE_CHECKING:``."""
-    skipped: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skipped.update(id(child) for stmt in node.body for child in ast.walk(stmt))
+def _imports(tree: ast.AST, module: str, is_package: bool) -> list[tuple[int, str]]:
+    """(line, imported module) of every birdzarr import, wherever it stands: module level,
+    functions, ``if TYPE_CHECKING:`` blocks, and literal ``importlib.import_module``/``__import__``."""
     found = []
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names if alias.name.startswith("birdzarr")]
         elif isinstance(node, ast.ImportFrom):
@@ -74,7 +70,22 @@ def _runtime_imports(tree: ast.AST, module: str, is_package: bool) -> list[tuple
                            (PACKAGE / f"{a.name}.py").exists() else "birdzarr") for a in node.names]
             else:
                 found.append((node.lineno, name))
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            called = ast.unparse(node.func)
+            target = node.args[0].value
+            if (called.endswith("import_module") or called == "__import__") and isinstance(target, str) \
+                    and target.startswith("birdzarr"):
+                found.append((node.lineno, target))
     return found
+
+
+def _upward(source: str, module: str, is_package: bool = False) -> list[str]:
+    mine = _layer(module)
+    return [
+        f"line {line}: {imported} (layer {_layer(imported)} > {mine})"
+        for line, imported in _imports(ast.parse(source), module, is_package)
+        if _layer(imported) > mine
+    ]
 
 
 MODULES = sorted(PACKAGE.rglob("*.py"))
@@ -83,14 +94,44 @@ MODULES = sorted(PACKAGE.rglob("*.py"))
 @pytest.mark.parametrize("path", MODULES, ids=[str(p.relative_to(PACKAGE)) for p in MODULES])
 def test_no_module_imports_a_higher_layer(path: pathlib.Path) -> None:
     module = _module_name(path)
-    mine = _layer(module)
-    tree = ast.parse(path.read_text(), filename=str(path))
-    upward = [
-        f"line {line}: {imported} (layer {_layer(imported)} > {mine})"
-        for line, imported in _runtime_imports(tree, module, path.name == "__init__.py")
-        if _layer(imported) > mine
-    ]
+    upward = _upward(path.read_text(), module, path.name == "__init__.py")
     assert not upward, f"{module} imports a higher layer: " + "; ".join(upward)
+
+
+@pytest.mark.parametrize("source", [
+    "from birdzarr.explore._stats import StoreStats",
+    "import birdzarr.explore",
+    "from birdzarr import explore",
+    "def f():\n    from birdzarr.explore._html import text_repr\n    return text_repr",
+    "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from birdzarr.explore._stats import StoreStats",
+    "import typing\nif typing.TYPE_CHECKING:\n    import birdzarr.explore._plots",
+    "import importlib\ndef f():\n    return importlib.import_module('birdzarr.explore._xarray')",
+    "def f():\n    return __import__('birdzarr.explore')",
+], ids=["top", "import", "from-package", "lazy", "type-checking", "typing.type-checking", "import_module",
+        "__import__"])
+def test_every_kind_of_upward_import_is_caught(source: str) -> None:
+    """The check itself: store/ importing explore/ in any of these ways is refused."""
+    upward = _upward(source, "birdzarr.store._handle")
+    assert len(upward) == 1 and "birdzarr.explore" in upward[0], upward
+
+
+def test_exploration_sits_above_the_handle() -> None:
+    """The store handle satisfies exploration's read Protocol; ``import birdzarr`` attaches the
+    exploration functions as methods, so ``store.plot_device(...)`` is the function."""
+    from birdzarr import explore
+
+    assert _layer("birdzarr.explore") > _layer("birdzarr.store")
+    for name in ("to_xarray", "plot_window", "plot_device", "stats"):
+        assert getattr(birdzarr.Store, name) is getattr(explore, name)
+    assert birdzarr.Store.__repr__ is not object.__repr__
+
+
+def test_a_store_satisfies_the_read_protocol(small_store: birdzarr.Store) -> None:
+    from birdzarr.explore import ReadableStore
+
+    assert isinstance(small_store, ReadableStore)
+    assert repr(small_store).startswith(f"<birdzarr.Store {small_store.url}: ")
+    assert "\n  format   birdzarr format v" in repr(small_store)  # the summary, attached from explore
 
 
 def test_every_layer_exists_and_nothing_sits_flat_at_the_top() -> None:

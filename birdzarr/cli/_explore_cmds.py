@@ -11,15 +11,16 @@ from birdzarr.cli._args import dpi, non_negative_int, positive_int
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
+    from birdzarr.explore import plot_device, plot_window
     from birdzarr.store._handle import open_store
 
     default = f"window_{args.window}.png" if args.window is not None else f"device_{args.device}.png"
     out = _image_path(args.out or default)
     store = open_store(args.store)
     if args.window is not None:
-        figure = store.plot_window(args.window)
+        figure = plot_window(store, args.window)
     else:
-        figure = store.plot_device(args.device, max_windows=args.max_windows)
+        figure = plot_device(store, args.device, max_windows=args.max_windows)
     figure.savefig(out, dpi=args.dpi)
     print(out)
     return 0
@@ -48,10 +49,15 @@ def _image_path(out: str) -> str:
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
+    from birdzarr.explore import save_stats
+    from birdzarr.explore import stats as store_stats
     from birdzarr.store._handle import open_store
 
     store = open_store(args.store)
-    stats = store.stats(cache=not args.recompute, progress=not args.quiet and sys.stderr.isatty())
+    progress = not args.quiet and sys.stderr.isatty()
+    stats = store_stats(store, cache=not args.recompute, progress=progress)
+    if args.save:  # the numbers just computed or found, written into the store under its lock
+        stats = save_stats(store, progress=progress)
     if args.json:
         print(json.dumps(stats.to_json(), indent=2))
     else:
@@ -75,10 +81,13 @@ def add_plot(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def add_stats(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("stats", help="per-channel mean/std/min/max and histograms (cached in the store)")
+    p = sub.add_parser("stats", help="per-channel mean/std/min/max and histograms (cached on this machine)")
     p.add_argument("store", help="store path or URL")
     p.add_argument("--json", action="store_true", help="machine-readable output, histograms included")
     p.add_argument("--recompute", action="store_true", help="ignore cached statistics")
+    p.add_argument("--save", action="store_true",
+                   help="also write them into the store (its stats group), under the store's writer lock, "
+                        "so every machine that opens it gets them without a pass over the data")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_stats)
 

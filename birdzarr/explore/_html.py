@@ -15,7 +15,7 @@ import numpy as np
 from birdzarr.format._spec import LABEL_UNLABELLED, TIMESTAMP_UNKNOWN, DeviceEntry
 
 if TYPE_CHECKING:
-    from birdzarr.store._handle import Store
+    from birdzarr.explore._protocol import ReadableStore as Store
 
 _DEVICES_INLINE = 8  # devices named in the text repr before "..."
 _DEVICES_HTML = 25  # rows of the device table shown in the HTML summary

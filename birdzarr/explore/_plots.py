@@ -22,7 +22,7 @@ from birdzarr.format._spec import CHANNELS, LABEL_UNLABELLED, TIMESTAMP_UNKNOWN,
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from birdzarr.store._handle import Store
+    from birdzarr.explore._protocol import ReadableStore as Store
 
 IMU_COLOURS = ("tab:red", "tab:green", "tab:blue")
 GPS_COLOUR = "tab:purple"

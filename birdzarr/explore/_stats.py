@@ -1,26 +1,22 @@
-"""Per-channel statistics of a whole store, computed one chunk at a time and cached.
+"""Per-channel statistics of a whole store, computed one chunk at a time and cached outside it.
 
-The cache is keyed by the commit (generation, window count and commit time), so an append, a
-rewrite or a new conversion to the same place makes it stale. It lives in memory for the open
-store and, when the store's location is writable, in a small Zarr group ``stats/`` beside the
-arrays (its ``zarr.json`` attributes hold the numbers), so the next ``open_store`` on any machine
-gets them without reading a chunk.
+Reading a store never writes to it. The numbers are keyed by the store's place and commit
+(generation, window count and commit time), so an append, a rewrite or a new conversion to the same
+place makes them stale, and they are reused, first found first:
 
-Saving writes into the store, so it takes the store's writer lock, like a conversion, and under
-it checks that the store still holds the commit the numbers describe. What happens otherwise:
-
-- a read-only location (a static HTTP server; a PermissionError or read-only file system while
-  writing) keeps the numbers in memory, without a word: that is the documented behaviour there;
-- a store locked by a writer (a conversion or append running, or one that was killed) is left
-  alone, with a warning naming the holder;
-- a store that changed while the numbers were computed gets nothing (they describe the old one);
-- any other error while saving (a full disk, a network failure) is a warning that names it. The
-  numbers are returned either way, and kept in memory.
+1. in memory, for the open store;
+2. the local statistics cache, one small JSON file per store in ``$BIRDZARR_CACHE_DIR/stats``
+   (default ``$XDG_CACHE_HOME/birdzarr/stats``, i.e. ``~/.cache/birdzarr/stats``), written after
+   each computation unless ``persist=False``. A cache that cannot be written is a warning; the
+   numbers are returned either way;
+3. the store's ``stats`` group (its ``zarr.json`` attributes), present only where someone ran
+   ``birdzarr stats STORE --save`` (``save_stats``): an explicit write that takes the store's
+   writer lock, as a conversion does, so every machine that opens the store gets the numbers.
 """
 
 from __future__ import annotations
 
-import errno
+import hashlib
 import json
 import os
 import tempfile
@@ -32,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from birdzarr._checks import require_bool, require_int
-from birdzarr._errors import BirdzarrWarning, StoreLockedError
+from birdzarr._errors import BirdzarrWarning, ReadOnlyLocationError, StoreLockedError
 from birdzarr._progress import progress_bar
 from birdzarr.explore._units import gps_scale
 from birdzarr.format._spec import CHANNELS, GIMU, N_CHANNELS, WINDOW_LENGTH, Curation
@@ -42,7 +38,7 @@ if TYPE_CHECKING:
     import pandas as pd
     from matplotlib.figure import Figure
 
-    from birdzarr.store._handle import Store
+    from birdzarr.explore._protocol import ReadableStore as Store
 
 STATS_NODE = "stats"
 STATS_ATTR = "birdzarr_stats"
@@ -237,8 +233,50 @@ def load_saved(store: Store) -> StoreStats | None:
         return None
 
 
-def _is_read_only_error(exc: OSError) -> bool:
-    return isinstance(exc, PermissionError) or exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
+def cache_directory() -> str:
+    """Where computed statistics are cached on this machine (one JSON file per store)."""
+    explicit = os.environ.get("BIRDZARR_CACHE_DIR")
+    if explicit:
+        return os.path.join(os.path.expanduser(explicit), "stats")
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "birdzarr", "stats")
+
+
+def _cache_file(store: Store) -> str:
+    """The cache file of a store's place (protocol and path; credentials are never part of it)."""
+    location = store.location
+    place = json.dumps([location.protocol, location.path])
+    return os.path.join(cache_directory(), hashlib.sha256(place.encode()).hexdigest()[:32] + ".json")
+
+
+def load_cached(store: Store) -> StoreStats | None:
+    """The numbers in the local statistics cache for this store's place, or None."""
+    try:
+        with open(_cache_file(store), "rb") as handle:
+            raw = json.load(handle)
+        if raw.get("stats_version") != STATS_VERSION:
+            return None
+        return StoreStats.from_json(raw)
+    except (OSError, KeyError, ValueError, TypeError):
+        return None
+
+
+def _write_cache(store: Store, stats: StoreStats) -> None:
+    """Keep the numbers in the local cache: written aside and renamed, a reader never sees half."""
+    path = _cache_file(store)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(path), delete=False,
+                                         suffix=".partial") as handle:
+            json.dump(stats.to_json(), handle)
+        os.replace(handle.name, path)
+    except OSError as exc:
+        warnings.warn(
+            f"statistics of {store.url} were computed but not cached in {os.path.dirname(path)} "
+            f"({type(exc).__name__}: {exc}). They are kept in memory for this process; set "
+            "BIRDZARR_CACHE_DIR to a writable directory, or pass persist=False.",
+            BirdzarrWarning, stacklevel=4,
+        )
 
 
 def _describes_the_store_now(store: Store, stats: StoreStats) -> bool:
@@ -267,62 +305,54 @@ def _write_node(store: Store, stats: StoreStats) -> None:
         location.fs.pipe_file(_node_path(store), data)  # one PUT: atomic on object stores
 
 
-def save(store: Store, stats: StoreStats) -> bool:
-    """Write the stats as the attributes of the ``stats`` group, under the store's writer lock.
+def save_stats(store: Store, *, bins: int = DEFAULT_BINS, progress: bool = True) -> StoreStats:
+    """Write the store's statistics into it (its ``stats`` group), for every machine that opens it.
 
-    True if written. False, without a word, on a read-only location or when the store changed
-    since ``stats`` was computed; False with a warning when a writer holds the lock or saving
-    failed for another reason (see the module docstring).
+    The one way birdzarr writes statistics into a store, and only when asked
+    (``birdzarr stats STORE --save``): it takes the store's writer lock, as a conversion does,
+    and under it checks that the store still holds the commit the numbers describe. The numbers
+    come from the caches when still valid, else from one pass over the store. Raises
+    ``StoreLockedError`` when a writer holds the lock (never taken over: ``birdzarr repair``
+    deals with a killed writer), ``ReadOnlyLocationError`` where the location cannot be
+    written, and ``StoreLockedError`` too when a commit landed while the numbers were computed.
     """
+    stats_now = store_stats(store, bins=bins, progress=progress)
     location = store.location
     if location.read_only:
-        return False
-    lock = StoreLock(location, command="store.stats() saving its cache")
-    try:
-        holder = read_holder(location)
-        if holder is not None:  # a live writer, or a killed one that `birdzarr repair` should see
-            raise StoreLockedError(f"{location.display} is locked by {holder.describe()}")
-        lock.acquire()
+        raise ReadOnlyLocationError(f"{location.display}: the location is read-only; statistics are "
+                                    "cached on this machine instead (store.stats())")
+    holder = read_holder(location)
+    if holder is not None:
+        raise StoreLockedError(f"{location.display} is locked by {holder.describe()}; statistics not "
+                               "saved (a writer is at work, or was killed: `birdzarr repair`)")
+    with StoreLock(location, command="birdzarr stats --save"):
+        if not _describes_the_store_now(store, stats_now):
+            raise StoreLockedError(f"{location.display}: a writer committed while the statistics "
+                                   "were computed; nothing saved. Run the command again.")
         try:
-            if not _describes_the_store_now(store, stats):
-                return False
-            _write_node(store, stats)
-        finally:
-            lock.release()
-    except StoreLockedError as exc:
-        _not_saved(store, f"{exc}; a writer is at work (or was killed: `birdzarr repair`)")
-        return False
-    except OSError as exc:
-        if _is_read_only_error(exc):
-            return False
-        _not_saved(store, f"{type(exc).__name__}: {exc}")
-        return False
-    return True
-
-
-def _not_saved(store: Store, why: str) -> None:
-    warnings.warn(
-        f"statistics of {store.url} were computed but not saved in the store ({why}). They are "
-        "kept in memory for this process; store.stats(persist=False) does not try to save.",
-        BirdzarrWarning, stacklevel=5,
-    )
+            _write_node(store, stats_now)
+        except PermissionError as exc:
+            raise ReadOnlyLocationError(f"{location.display}: cannot write the stats group ({exc})") from exc
+    return stats_now
 
 
 def store_stats(
     store: Store, *, bins: int = DEFAULT_BINS, cache: bool = True, persist: bool = True, progress: bool = True
 ) -> StoreStats:
-    """Cached stats if still valid (memory, then the store), else computed and cached."""
+    """Cached stats if still valid (memory, the local cache, the store's saved group), else
+    computed and cached (in memory, and in the local cache unless ``persist=False``)."""
     bins = require_int("bins", bins, minimum=1)
     cache = require_bool("cache", cache)
     persist = require_bool("persist", persist)
     progress = require_bool("progress", progress)
     if cache:
-        for candidate in (_MEMORY.get(store), load_saved(store)):
+        for source in (_MEMORY.get, load_cached, load_saved):
+            candidate = source(store)
             if candidate is not None and _valid(candidate, store, bins):
                 _MEMORY[store] = candidate
                 return candidate
     stats = compute(store, bins=bins, progress=progress)
     _MEMORY[store] = stats
     if persist:
-        save(store, stats)
+        _write_cache(store, stats)
     return stats

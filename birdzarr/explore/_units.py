@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from birdzarr.format._spec import Curation
 
 if TYPE_CHECKING:
-    from birdzarr.store._handle import Store
+    from birdzarr.explore._protocol import ReadableStore as Store
 
 CHANNEL_UNITS = {"imu_x": "g", "imu_y": "g", "imu_z": "g", "gps_speed": "m/s"}
 

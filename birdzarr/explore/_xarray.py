@@ -40,7 +40,7 @@ from birdzarr.format._spec import (
 if TYPE_CHECKING:
     import xarray as xr
 
-    from birdzarr.store._handle import Store
+    from birdzarr.explore._protocol import ReadableStore as Store
 
 
 _FEATURE = "store.to_xarray()"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -25,15 +24,16 @@ from birdzarr.store._chunks import ChunkReader
 
 if TYPE_CHECKING:
     import pandas as pd
-    import xarray as xr
     import zarr
-    from matplotlib.figure import Figure
-
-    from birdzarr.explore._stats import StoreStats
 
 
 class Store:
-    """A committed birdzarr store, opened read-only. Only committed windows are visible."""
+    """A committed birdzarr store, opened read-only. Only committed windows are visible.
+
+    Reading never writes to the store. The exploration methods (``to_xarray``, ``plot_window``,
+    ``plot_device``, ``stats`` and the text and Jupyter summaries) are the functions of
+    ``birdzarr.explore``, a layer above this one, attached by ``import birdzarr``.
+    """
 
     def __init__(self, location: Location, attrs: dict[str, Any]) -> None:
         self.location = location
@@ -188,61 +188,8 @@ class Store:
         return self.array_view(DEVICE)
 
     def __repr__(self) -> str:
-        from birdzarr.explore._html import text_repr
-
-        return text_repr(self)
-
-    # -- exploration (birdzarr.explore; matplotlib and xarray come with the `explore` extra) ----
-    def _repr_html_(self) -> str:
-        from birdzarr.explore._html import html_repr
-
-        return html_repr(self)
-
-    def to_xarray(self) -> xr.Dataset:
-        """A lazy ``xarray.Dataset``: ``gimu(window, sample, channel)`` with coordinates ``device``,
-        ``time`` (the burst start, datetime64, NaT when unknown), ``label`` and ``channel``.
-        Nothing is read until values are asked for; then only the chunks holding them.
-        ``ds.sel(time=...)`` selects by burst time (a date string means its whole day or month;
-        slices include both ends), reading the timestamps on the first selection."""
-        from birdzarr.explore._xarray import to_xarray
-
-        return to_xarray(self)
-
-    def plot_window(self, index: int, *, label_names: Mapping[int, str] | None = None) -> Figure:
-        """A matplotlib Figure of window ``index``: imu x/y/z (g) and GPS speed (m/s) over its 20
-        samples. ``label_names`` maps label ids to names for the title (``{3: "flying"}``)."""
-        from birdzarr.explore._plots import plot_window
-
-        return plot_window(self, index, label_names=label_names)
-
-    def plot_device(
-        self, device_id: int, max_windows: int = 500, *, label_names: Mapping[int, str] | None = None
-    ) -> Figure:
-        """A matplotlib Figure of one device over time: each channel's per-window mean coloured by
-        label and its min..max, for at most ``max_windows`` windows spread over the device.
-
-        The x axis is the burst time, or the global window index when the source has no
-        timestamps (a random order on a shuffled store; the axis label says so).
-        ``label_names`` maps label ids to names for the legend (``{3: "flying"}``)."""
-        from birdzarr.explore._plots import plot_device
-
-        return plot_device(self, device_id, max_windows=max_windows, label_names=label_names)
-
-    def stats(
-        self, *, bins: int = 64, cache: bool = True, persist: bool = True, progress: bool = True
-    ) -> StoreStats:
-        """Per-channel count, mean, std, min, max and histograms over all committed windows.
-
-        Computed chunk by chunk (one chunk in memory), with a progress bar unless
-        ``progress=False``. Reused while the store holds the same commit: from memory, else from
-        the store's ``stats`` group. ``cache=False`` forces a recomputation. ``persist=True``
-        saves the result in the store under its writer lock; a read-only location keeps it in
-        memory only, and a store locked by a writer, or an error while saving, keeps it in memory
-        with a warning (docs/exploration.md#statistics). ``persist=False`` never writes.
-        """
-        from birdzarr.explore._stats import store_stats
-
-        return store_stats(self, bins=bins, cache=cache, persist=persist, progress=progress)
+        # `import birdzarr` replaces this with the full summary (birdzarr.explore, attached above)
+        return f"<birdzarr.Store {self.url}: {self.n_windows:,} windows, {len(self.device_table)} devices>"
 
 
 class WindowsView:
