@@ -64,8 +64,8 @@ def test_a_state_of_other_windows_is_refused_by_name(
             _dataset(small_store, **options).load_state_dict(state)
     val = _dataset(small_store, split="val", split_seed=0)
     with pytest.raises(ValueError, match="^cannot resume: the state was saved with split_seed=0, this "
-                                         "dataset has split_seed=1; the epoch's windows would differ"):
-        _dataset(small_store, split="val", split_seed=1).load_state_dict(val.state_dict())
+                                         "dataset has split_seed=2; the epoch's windows would differ"):
+        _dataset(small_store, split="val", split_seed=2).load_state_dict(val.state_dict())
     other = birdzarr.convert(parquet_source[0], tmp_path / "other.zarr", chunk_windows=1024, shuffle=True,
                              seed=5, progress=False)  # the same windows, another store
     with pytest.raises(ValueError, match="^cannot resume: the state was saved with store_shuffle_seed=None"):

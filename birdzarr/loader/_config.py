@@ -14,11 +14,12 @@ import numbers
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from birdzarr._checks import require_bool, require_int
-from birdzarr.loader._selection import SPLIT_BY, SPLITS
+from birdzarr.loader._selection import SPLIT_BY, SPLITS, TimeMask, WindowFilter, unix_seconds
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
 # windows per pool: 160 MiB of float32, 16 chunks of a shuffled store (32768 windows), 64 of 8192.
@@ -38,9 +39,18 @@ def _ids(devices: Iterable[int] | None) -> tuple[int, ...] | None:
     return tuple(require_int("a device id", d) for d in ids)  # 200.5 would read as 200
 
 
+def _labels(labels: Iterable[int] | None) -> tuple[int, ...] | None:
+    if labels is None:
+        return None
+    if isinstance(labels, (str, bytes, numbers.Integral)):
+        raise TypeError(f"labels is a list of label ids, got {labels!r}: write [{labels!r}]")
+    return tuple(sorted({require_int("a label", label) for label in labels}))
+
+
 @dataclass(frozen=True)
 class SubsetOptions:
-    """Which windows to draw from: device filters and one side of a seeded split."""
+    """Which windows to draw from: device filters, one side of a seeded split, and filters on
+    each window's label and burst time."""
 
     devices: tuple[int, ...] | None = None
     exclude_devices: tuple[int, ...] | None = None
@@ -48,14 +58,25 @@ class SubsetOptions:
     split_by: str = "device"
     val_fraction: float = 0.1
     split_seed: int = 0
+    filters: WindowFilter = WindowFilter()
 
     @classmethod
     def of(cls, devices: Iterable[int] | None, exclude_devices: Iterable[int] | None, split: str | None,
-           split_by: str, val_fraction: float, split_seed: int) -> SubsetOptions:
-        """The options as given (device iterables are read once, here)."""
+           split_by: str, val_fraction: float, split_seed: int, *, labelled_only: bool = False,
+           labels: Iterable[int] | None = None, start: Any = None, stop: Any = None,
+           time_mask: TimeMask | None = None) -> SubsetOptions:
+        """The options as given (device and label iterables are read once, here)."""
         require_int("split_seed", split_seed, minimum=0)
+        require_bool("labelled_only", labelled_only)
+        if time_mask is not None and not callable(time_mask):
+            raise TypeError(f"time_mask must be a callable (burst times in unix seconds -> a boolean "
+                            f"array) or None, got {time_mask!r}")
+        first, end = unix_seconds("start", start), unix_seconds("stop", stop)
+        if first is not None and end is not None and first >= end:
+            raise ValueError(f"start must be before stop, got start={start!r} and stop={stop!r}")
+        filters = WindowFilter(bool(labelled_only), _labels(labels), first, end, time_mask)
         return cls(_ids(devices), _ids(exclude_devices), split, split_by, float(val_fraction),
-                   int(split_seed))
+                   int(split_seed), filters)
 
     def __post_init__(self) -> None:
         if self.split is None:  # split_by and val_fraction only matter with a split

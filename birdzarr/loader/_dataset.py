@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from birdzarr._checks import require_int
 from birdzarr._errors import SamplingError
 from birdzarr.format._spec import DEVICE, LABEL, TIMESTAMP
 from birdzarr.loader._config import (
@@ -45,7 +46,7 @@ from birdzarr.loader._config import (
 )
 from birdzarr.loader._pool import LoadedPool, PoolBuffers
 from birdzarr.loader._sampling import EpochPlan, plan_epoch
-from birdzarr.loader._selection import make_selection
+from birdzarr.loader._selection import SPLIT_RULE, make_selection
 from birdzarr.loader._sink import Batch, BatchLayout, Filler, SharedBatch, Sink, device_batch, make_sink
 from birdzarr.loader._state import OrderKey, Progress, ResumeState
 from birdzarr.storage._location import StoreLike, resolve
@@ -98,7 +99,15 @@ class WindowDataset(IterableDataset[Batch]):
         devices / exclude_devices: keep only / drop these device ids.
         split: ``"train"`` or ``"val"`` to take one side of a seeded split; ``split_by`` is
             ``"device"`` (default: birds stay on one side) or ``"window"`` (a seeded per-window
-            split, one bird on both sides); ``val_fraction`` and ``split_seed`` set it.
+            split, one bird on both sides); ``val_fraction`` and ``split_seed`` set it. Each
+            device (or window) is in ``val`` with probability ``val_fraction``, from a hash of
+            its own identity, so data added later never moves it (docs/training.md#subsets-and-splits).
+        labelled_only / labels: keep only labelled windows (label != -1) / windows with these labels.
+        start / stop: keep windows whose burst time is in ``[start, stop)`` (datetimes, naive
+            ones UTC, ISO 8601 strings or unix seconds); windows of unknown time are dropped.
+        time_mask: a callable taking burst times (int64 unix seconds, ``-2**63`` = unknown) and
+            returning a boolean array: keep the windows it marks. Filters combine with devices and
+            the split (all must hold); they are applied once, when the dataset is made.
         shuffle_buffer: windows shuffled together per pool, rounded up to whole chunks (default
             524,288 = 160 MiB of float32 per reader). Larger pools make batches less likely to meet
             again next epoch (docs/training.md#shuffle-quality).
@@ -140,6 +149,11 @@ class WindowDataset(IterableDataset[Batch]):
         split_by: str = "device",
         val_fraction: float = 0.1,
         split_seed: int = 0,
+        labelled_only: bool = False,
+        labels: Iterable[int] | None = None,
+        start: Any = None,
+        stop: Any = None,
+        time_mask: Callable[[np.ndarray], np.ndarray] | None = None,
         shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER,
         prefetch: int = 4,
         transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -161,7 +175,9 @@ class WindowDataset(IterableDataset[Batch]):
             shuffle_buffer=shuffle_buffer, channel_first=channel_first, with_ldt=with_ldt,
             transform=transform, prefetch=prefetch, reuse_batch_memory=reuse_batch_memory,
             allow_device_order=allow_device_order, world_size=world_size, rank=rank,
-            subset=SubsetOptions.of(devices, exclude_devices, split, split_by, val_fraction, split_seed),
+            subset=SubsetOptions.of(devices, exclude_devices, split, split_by, val_fraction, split_seed,
+                                    labelled_only=labelled_only, labels=labels, start=start, stop=stop,
+                                    time_mask=time_mask),
             resident=ResidentOptions.of(resident, resident_codes, progress),
             cache=None if cache_dir is None else CacheOptions(cache_dir, cache_max_bytes),
         )
@@ -170,6 +186,7 @@ class WindowDataset(IterableDataset[Batch]):
         self._progress = Progress()
         self._per_process: _PerProcess | None = None
         self._plan_memo: tuple[tuple[str, int], Any] | None = None  # the current epoch's plan
+        self._label_counts: dict[int, int] | None = None
         c = self.config
         # Epochs of no batch would train on nothing, silently: refused where that holds in every
         # epoch (a pool, or a rank's share, smaller than one batch); uneven pools may still leave
@@ -201,17 +218,23 @@ class WindowDataset(IterableDataset[Batch]):
         self.store_shuffle_seed = opened.meta.get("layout", {}).get("shuffle_seed")
         subset = config.subset
         self.selection = make_selection(
-            opened.device_table, shuffled_store=opened.shuffled, devices=subset.devices,
-            exclude_devices=subset.exclude_devices, split=subset.split, split_by=subset.split_by,
-            val_fraction=subset.val_fraction, split_seed=subset.split_seed,
+            opened.device_table, reader=opened.reader, shuffled_store=opened.shuffled,
+            devices=subset.devices, exclude_devices=subset.exclude_devices, split=subset.split,
+            split_by=subset.split_by, val_fraction=subset.val_fraction, split_seed=subset.split_seed,
+            filters=subset.filters, threads=config.prefetch,
         )
         self.counts = self.selection.counts(opened.reader)
         self.n_selected = int(self.counts.sum())
         if not self.n_selected:  # an epoch of no batch would train on nothing, silently
+            f = subset.filters
+            filters = "".join(f", {name}={value!r}" for name, value in (
+                ("labelled_only", f.labelled_only or None), ("labels", f.labels), ("start", f.start),
+                ("stop", f.stop), ("time_mask", f.time_mask)) if value is not None)
             raise ValueError(
                 f"the selection holds no window of {opened.url}: devices={_few(subset.devices)}, "
-                f"exclude_devices={_few(subset.exclude_devices)}, split={subset.split!r}; choose "
-                "devices the store holds (`birdzarr info --devices`)"
+                f"exclude_devices={_few(subset.exclude_devices)}, split={subset.split!r}{filters}; "
+                "choose devices the store holds (`birdzarr info --devices`) and filters that keep "
+                "windows (`ds.label_counts()` of a wider selection shows its labels)"
             )
         self.chunk_windows = opened.reader.chunk_windows
         self.pool_chunks = config.pool_chunks(self.chunk_windows)
@@ -313,6 +336,35 @@ class WindowDataset(IterableDataset[Batch]):
             return self.resident.rank_windows(self._resident_plan())
         return self.plan().n_windows
 
+    def label_counts(self) -> dict[int, int]:
+        """Windows per label of the selection (``-1``: unlabelled), ascending labels: exactly the
+        windows one epoch delivers over all ranks and workers (less those ``drop_last`` leaves
+        out). Reads the ``label`` array of the chunks holding selected windows (once; cached)."""
+        if self._label_counts is None:
+            local = self._local() if self.resident is None else None
+            reader = local.reader if local is not None else ChunkReader(
+                resolve(self.location.url, self.location.storage_options), self._layouts, self.n_windows)
+            self._label_counts = self.selection.label_counts(reader, threads=self.config.prefetch)
+        return dict(self._label_counts)
+
+    def class_weights(self, num_classes: int | None = None) -> torch.Tensor:
+        """Per-label weights from ``label_counts()`` for ``torch.nn.CrossEntropyLoss(weight=...,
+        ignore_index=-1)``: ``n / (k * n_c)`` for label ``c`` with ``n_c`` windows, ``n`` the
+        labelled windows and ``k`` the labels present ("balanced": every label then weighs as
+        much in the loss). A float32 tensor of ``num_classes`` entries (default: the largest
+        label + 1); a label without windows gets 0."""
+        counts = {label: n for label, n in self.label_counts().items() if label >= 0}
+        if not counts:
+            raise ValueError("class_weights: the selection holds no labelled window (every label is -1)")
+        size = max(counts) + 1 if num_classes is None else require_int("num_classes", num_classes, minimum=1)
+        if max(counts) >= size:
+            raise ValueError(f"num_classes={size} is too small: the selection holds label {max(counts)}")
+        weights = torch.zeros(size, dtype=torch.float32)
+        total = sum(counts.values())
+        for label, n in counts.items():
+            weights[label] = total / (len(counts) * n)
+        return weights
+
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch's order; call before iterating (keeps a resume point of that epoch)."""
         self._progress.set_epoch(epoch)
@@ -331,6 +383,16 @@ class WindowDataset(IterableDataset[Batch]):
             "val_fraction": subset.val_fraction if subset.split else None,
             "split_seed": subset.split_seed if subset.split else None,
         }
+        # recorded only where used, so states of datasets without them resume as before
+        if subset.split:
+            selection["split_rule"] = SPLIT_RULE  # states of the older, index-based rule are refused
+        f = subset.filters
+        for name, value in (("labelled_only", f.labelled_only or None),
+                            ("labels", None if f.labels is None else list(f.labels)),
+                            ("start", f.start), ("stop", f.stop),
+                            ("time_mask", None if f.time_mask is None else self.selection.digest())):
+            if value is not None:
+                selection[name] = value
         return OrderKey(c.seed, c.world_size, c.rank, c.batch_size, self.pool_chunks, resident, selection)
 
     def state_dict(self, batches_seen: int | None = None) -> dict[str, Any]:
