@@ -132,6 +132,10 @@ class DuplicateWindowsWarning(BirdzarrWarning):
     and counted in the report."""
 
 
+class IgnoredColumnsWarning(BirdzarrWarning):
+    """Input files have columns birdzarr does not read; they are named in the report."""
+
+
 class FallbackWarning(BirdzarrWarning):
     """birdzarr fell back to a weaker mechanism (a non-exclusive lock, fsspec instead of obstore);
     the message says what and what it costs."""

@@ -78,3 +78,24 @@ def test_demo(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert (
         birdzarr.open_store(tmp_path / "demo" / "from_csv.zarr").meta["curation"]["applied_by"] == "birdzarr"
     )
+
+
+def test_a_csv_named_by_a_non_integer_device_gets_one_message(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = tmp_path / "src"
+    source.mkdir()
+    lines = [f"12,2014-01-01 10:00:00,{i},-1,0.1,0.2,0.3,1.0\n" for i in range(20)]
+    (source / "gull-A12_0.csv").write_text("".join(lines))
+    expected = ("'gull-A12_0.csv': 'gull-A12' is not a device id; device ids are integers (at most 9 "
+                "digits), and CSV exports are named {device}_{part}.csv")
+    errors = []
+    for given in ([str(source)], [str(source), "--skip-unknown-files"], [str(source / "gull-A12_0.csv")]):
+        assert main(["convert", *given, str(tmp_path / "s.zarr"), "--quiet"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and expected in err
+        errors.append(err.split(": ", 1)[1])
+    assert len(set(errors)) == 1  # the same words on every path
+    assert not (tmp_path / "s.zarr").exists()
+    (source / "gull-A12_0.csv").rename(source / "12_0.csv")
+    assert main(["convert", str(source), str(tmp_path / "s.zarr"), "--quiet"]) == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import warnings
 
 import numpy as np
 import pyarrow as pa
@@ -10,7 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 import birdzarr
-from birdzarr import TIMESTAMP_UNKNOWN
+from birdzarr import TIMESTAMP_UNKNOWN, BadInputError
+from birdzarr.cli import main
 from birdzarr.demo import _synthetic
 
 
@@ -141,3 +143,90 @@ def test_device_table_and_report(
     assert small_store.meta["committed"]["n_windows"] == len(small_store)
     assert small_store.meta["format_version"] == birdzarr.FORMAT_VERSION
     assert small_store.meta["layout"]["chunk_windows"] == 1024
+
+
+# -- columns beside gimu: label, timestamp and device_id are read, any other is named ---------------
+
+
+def _gimu(windows: np.ndarray) -> pa.Array:
+    flat = pa.array(windows.reshape(-1), type=pa.float32())
+    return pa.ListArray.from_arrays(pa.array(np.arange(0, len(flat) + 1, 80, dtype=np.int32)), flat)
+
+
+def _labelled_table(n: int, *, device: int | None = None) -> tuple[pa.Table, np.ndarray]:
+    windows = _synthetic.curated_windows(n, seed=4)
+    times = pa.array([1_400_000_000_123 + 1000 * i if i != 2 else None for i in range(n)],
+                     pa.timestamp("ms", tz="UTC"))
+    columns = {"gimu": _gimu(windows), "label": pa.array([i % 5 if i != 1 else None for i in range(n)],
+                                                          pa.int16()),
+               "timestamp": times}
+    if device is not None:
+        columns["device_id"] = pa.array([device] * n, pa.int64())
+    return pa.table(columns), windows
+
+
+@pytest.mark.parametrize("name", ["12.parquet", "part-0.parquet"])
+def test_label_and_timestamp_columns_are_read(tmp_path: pathlib.Path, name: str) -> None:
+    source = tmp_path / "src"
+    source.mkdir()
+    table, windows = _labelled_table(6, device=None if name[0].isdigit() else 12)
+    pq.write_table(table, source / name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", birdzarr.IgnoredColumnsWarning)
+        store = birdzarr.convert(source, tmp_path / "s.zarr", progress=False)
+    assert store.labels[:].tolist() == [0, -1, 2, 3, 4, 0]
+    expected = [1_400_000_000 + i for i in range(6)]
+    expected[2] = birdzarr.TIMESTAMP_UNKNOWN
+    assert store.timestamps[:].tolist() == expected
+    assert np.array_equal(store.windows[:], windows)
+    assert "ignored_columns" not in store.meta["report"]
+
+
+def test_integer_seconds_timestamps_and_bad_label_types(tmp_path: pathlib.Path) -> None:
+    source = tmp_path / "src"
+    source.mkdir()
+    windows = _synthetic.curated_windows(3, seed=4)
+    table = pa.table({"gimu": _gimu(windows), "timestamp": pa.array([10, -5, 7], pa.int64())})
+    pq.write_table(table, source / "4.parquet")
+    assert birdzarr.convert(source, tmp_path / "s.zarr", progress=False).timestamps[:].tolist() == [10, -5, 7]
+    table = pa.table({"gimu": _gimu(windows), "label": pa.array(["a", "b", "c"])})
+    pq.write_table(table, source / "4.parquet")
+    with pytest.raises(BadInputError, match="column 'label' has type string, expected an integer type"):
+        birdzarr.convert(source, tmp_path / "t.zarr", progress=False)
+    table = pa.table({"gimu": _gimu(windows), "label": pa.array([1, 2**40, 3], pa.int64())})
+    pq.write_table(table, source / "4.parquet")
+    with pytest.raises(BadInputError, match=r"column 'label' holds values from 1 to 1099511627776, outside"):
+        birdzarr.convert(source, tmp_path / "t.zarr", progress=False)
+
+
+def test_other_columns_are_named_in_the_report_and_a_warning(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = tmp_path / "src"
+    source.mkdir()
+    table, _ = _labelled_table(5, device=3)
+    pq.write_table(table.append_column("speed_kmh", pa.array([1.0] * 5)), source / "part-0.parquet")
+    pq.write_table(table.drop_columns(["device_id"]).append_column("note", pa.array(["x"] * 5)),
+                   source / "4.parquet")
+    with pytest.warns(birdzarr.IgnoredColumnsWarning,
+                      match=r"2 input file\(s\) \(4.parquet, part-0.parquet\) have columns birdzarr does not "
+                            r"read: 'note', 'speed_kmh'"):
+        store = birdzarr.convert(source, tmp_path / "s.zarr", progress=False)
+    assert store.meta["report"]["ignored_columns"] == {"note": ["4.parquet"], "speed_kmh": ["part-0.parquet"]}
+    assert main(["convert", str(source), str(tmp_path / "t.zarr"), "--quiet"]) == 0
+    assert "columns not read (see the warning): note, speed_kmh" in capsys.readouterr().out
+
+
+def test_nested_lists_get_the_flattening_hint_not_rounding(tmp_path: pathlib.Path) -> None:
+    source = tmp_path / "src"
+    source.mkdir()
+    nested = pa.array([[[0.5] * 4] * 20], type=pa.list_(pa.list_(pa.float32())))
+    pq.write_table(pa.table({"gimu": nested}), source / "3.parquet")
+    with pytest.raises(birdzarr.BadInputError) as raised:
+        birdzarr.convert(source, tmp_path / "s.zarr", progress=False)
+    message = str(raised.value)
+    assert "has type list<element: list<element: float>>, expected list<float32> of 80 values" in message
+    assert "flatten each row's nested lists" in message and "rounding" not in message
+    pq.write_table(pa.table({"gimu": pa.array([[0.5] * 80], pa.list_(pa.float64()))}), source / "3.parquet")
+    with pytest.raises(birdzarr.BadInputError, match="if rounding is acceptable"):
+        birdzarr.convert(source, tmp_path / "s.zarr", progress=False)

@@ -21,8 +21,9 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         from birdzarr.convert._dask import connect
 
         client = connect(args.dask_scheduler)
+    source = args.source if len(args.source) > 1 else args.source[0]
     store = convert(
-        args.source, args.dest, overwrite=args.overwrite, codec=args.codec, compressor=args.compressor,
+        source, args.dest, overwrite=args.overwrite, codec=args.codec, compressor=args.compressor,
         chunk_windows=args.chunk_windows, on_bad_rows=args.on_bad_rows, workers=args.workers,
         progress=not args.quiet, shuffle=args.shuffle, seed=args.seed, shuffle_tmp=args.shuffle_tmp,
         client=client, skip_unknown_files=args.skip_unknown_files,
@@ -34,6 +35,9 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if skipped:
         print(f"skipped {len(skipped)} source entries that are not input files (--skip-unknown-files): "
               f"{', '.join(skipped[:10])}{' ...' if len(skipped) > 10 else ''}")
+    ignored = store.meta.get("report", {}).get("ignored_columns") or {}
+    if ignored:
+        print(f"columns not read (see the warning): {', '.join(ignored)}")
     duplicates = store.meta.get("report", {}).get("duplicate_windows") or {}
     if duplicates:
         print(f"duplicate windows (kept, see the warning): {sum(duplicates.values()):,} in "
@@ -66,8 +70,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def add_convert(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("convert", help="convert CSV exports or per-device Parquet files into a store")
-    p.add_argument("source", help="directory, file or fsspec URL of {device}_{part}.csv or {device}.parquet")
+    p = sub.add_parser("convert", help="convert CSV exports or Parquet files into a store")
+    p.add_argument("source", nargs="+",
+                   help="directory, file or fsspec URL of {device}_{part}.csv, {device}.parquet or Parquet "
+                        "partition files with a device_id column; several sources convert as one directory "
+                        "holding all their files")
     p.add_argument("dest", help="store path or URL (s3://bucket/x.zarr, ...)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a birdzarr store at DEST, only once the new one has committed (needs "

@@ -3,28 +3,31 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
 import secrets
 import time
-from collections.abc import Iterator
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import zarr
 
 from birdzarr._checks import require_bool, require_int
-from birdzarr._errors import ArgumentError, BadInputError
+from birdzarr._errors import ArgumentError, BadInputError, IgnoredColumnsWarning
 from birdzarr._progress import progress_bar
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._cpus import cpu_report, cpu_seconds, resolve_workers
 from birdzarr.convert._duplicates import DuplicateCounter
 from birdzarr.convert._memory import arrow_pool
 from birdzarr.convert._overwrite import check_destination, replacing, staged_location
+from birdzarr.convert._parquet import clear_group_cache, ignored_from_notes
 from birdzarr.convert._pipeline import count_on_bar, counted, device_blocks
 from birdzarr.convert._segments import convert_in_processes, plan_processes
 from birdzarr.convert._shuffle import bucket_count, write_shuffled
 from birdzarr.convert._shuffle_processes import plan_spill_groups, write_shuffled_in_processes
-from birdzarr.convert._sources import DeviceSource, find_inputs, refuse_repeated_devices
+from birdzarr.convert._sources import DeviceSource, find_inputs, natural_key, refuse_repeated_devices
 from birdzarr.convert._writer import StoreWriter
 from birdzarr.format._codec import compressor_of
 from birdzarr.format._spec import (
@@ -34,6 +37,7 @@ from birdzarr.format._spec import (
     SHUFFLED_CHUNK_WINDOWS,
     WINDOW_RULE,
     Curation,
+    DeviceReport,
 )
 from birdzarr.storage._location import Location, StoreLike, require_writable, resolve
 
@@ -46,7 +50,7 @@ ON_BAD_ROWS = ("error", "skip")
 
 
 def convert(
-    source: StoreLike,
+    source: StoreLike | Sequence[StoreLike],
     dest: StoreLike,
     *,
     overwrite: bool = False,
@@ -66,6 +70,11 @@ def convert(
     skip_unknown_files: bool = False,
 ) -> Store:
     """Convert a directory (or file, or fsspec URL) of CSV exports or Parquet files into a store.
+
+    ``source`` may be a list of them (``[season1, season2]``): the store is the one converting a
+    single directory holding all their files would give (docs/conversion.md#several-sources).
+    Parquet input is per-device files (``{device}.parquet``, ``device_id={device}/`` folders)
+    or partition files of many devices with a ``device_id`` column (docs/conversion.md#input-layouts).
 
     CSV input is curated per window (see docs/conversion.md); Parquet input is already curated
     and copied exactly. Returns the committed store, opened read-only. On any error nothing is
@@ -132,11 +141,13 @@ def convert(
     if codec is None:
         codec = "gdict16" if shuffle else "dict16"
     curation = curation or Curation()
-    src = resolve(source, source_storage_options)
+    sources = _resolve_sources(source, source_storage_options)
+    src = _named_together(sources)
     dst = resolve(dest, storage_options)
     require_writable(dst)
-    state = check_destination(dst, overwrite=overwrite, source=src)
-    inputs = find_inputs(src, skip_unknown_files=skip_unknown_files)
+    for one in sources:
+        state = check_destination(dst, overwrite=overwrite, source=one)
+    inputs = find_inputs(sources, skip_unknown_files=skip_unknown_files)
     kind, devices = inputs.kind, inputs.devices
     curation_attrs = (
         curation.to_json(applied_by="birdzarr")
@@ -164,7 +175,7 @@ def convert(
         raise ArgumentError("shuffle=True is not supported with a Dask client yet; convert locally")
     # overwriting a local store: write the new one aside and swap it in once committed
     staged = staged_location(dst, overwrite=overwrite, state=state)
-    with DuplicateCounter() as duplicates:
+    with DuplicateCounter() as duplicates, _freeing_group_cache():
         if inputs.skipped:
             static["skipped_files"] = inputs.skipped
         with replacing(dst, staged) if staged is not None else contextlib.nullcontext():
@@ -182,7 +193,61 @@ def convert(
                               curation=curation, on_bad_rows=on_bad_rows, shuffle=shuffle, seed=seed,
                               buckets=buckets, shuffle_tmp=shuffle_tmp, duplicates=duplicates)
     duplicates.warn(dst.display)
-    return open_store(dst)
+    store = open_store(dst)
+    _warn_ignored_columns(store.meta.get("report", {}).get("ignored_columns") or {})
+    return store
+
+
+@contextlib.contextmanager
+def _freeing_group_cache() -> Iterator[None]:
+    """Partition files' decoded row groups are freed when the conversion ends, however it ends."""
+    try:
+        yield
+    finally:
+        clear_group_cache()
+
+
+def _resolve_sources(source: Any, storage_options: dict[str, Any] | None) -> list[Location]:
+    """One source, or a non-empty list or tuple of them, as Locations (each named once)."""
+    if isinstance(source, (list, tuple)):
+        if not source:
+            raise ArgumentError("source is an empty list: give at least one directory, file or URL")
+        sources = [resolve(one, storage_options) for one in source]
+        seen: set[str] = set()
+        for one in sources:
+            if one.url.rstrip("/") in seen:
+                raise ArgumentError(f"source {one.display} is given twice")
+            seen.add(one.url.rstrip("/"))
+        return sources
+    return [resolve(source, storage_options)]
+
+
+def _named_together(sources: list[Location]) -> Location:
+    """The location that names the input in messages and the report (``source``): the one
+    source, or all of them, comma-separated (only its ``display`` is used)."""
+    if len(sources) == 1:
+        return sources[0]
+    return dataclasses.replace(sources[0], url=", ".join(one.url for one in sources))
+
+
+def _ignored_columns(reports: Iterable[DeviceReport]) -> dict[str, list[str]]:
+    """{column: [file, ...]} of input columns that were not read (``_parquet.ignored_note``)."""
+    found: dict[str, set[str]] = {}
+    for report in reports:
+        for column, files in ignored_from_notes(report.problems).items():
+            found.setdefault(column, set()).update(files)
+    return {column: sorted(files, key=natural_key) for column, files in sorted(found.items())}
+
+
+def _warn_ignored_columns(ignored: dict[str, list[str]]) -> None:
+    if ignored:
+        files = sorted({f for names in ignored.values() for f in names}, key=natural_key)
+        warnings.warn(
+            f"{len(files)} input file(s) ({', '.join(files[:3])}{' ...' if len(files) > 3 else ''}) have "
+            f"columns birdzarr does not read: {', '.join(repr(c) for c in ignored)}; it reads gimu, "
+            "device_id, label and timestamp. They are listed in the report (ignored_columns).",
+            IgnoredColumnsWarning, stacklevel=3,
+        )
 
 
 def _require_client(client: Any) -> None:
@@ -265,6 +330,9 @@ def _convert_here(
         require_windows(src.display, writer)
         if duplicates is not None and duplicates.counts:
             extra["duplicate_windows"] = duplicates.report()
+        ignored = _ignored_columns(writer.reports.values())
+        if ignored:
+            extra["ignored_columns"] = ignored
         writer.commit({"source": src.display, "seconds": round(seconds, 3), **extra})
 
 
@@ -300,7 +368,8 @@ def _device_inputs(
 
 def _estimated_windows(kind: str, devices: list[DeviceSource]) -> int:
     """An over-estimate of the windows in the input, from file sizes (sizes the shuffle's buckets)."""
-    total = sum(f.fs.size(f.path) or 0 for d in devices for f in d.files)
+    files = {f.url: f for d in devices for f in d.files}  # a partition file is listed by each device
+    total = sum(f.fs.size(f.path) or 0 for f in files.values())
     # Parquet of calibrated windows compresses ~2.2x (320 bytes a window); a CSV window is 20
     # lines of 50-80 bytes. Over-estimating only makes more, smaller buckets.
     return int(total * 3 / 320) if kind == "parquet" else int(total / 1000)

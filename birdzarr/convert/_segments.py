@@ -70,8 +70,12 @@ def count_device(device: DeviceSource, curation: Curation, on_bad_rows: str) -> 
         try:
             import pyarrow.parquet as pq
 
-            total = 0
+            from birdzarr.convert._parquet import names_its_device
+
+            total = device.partition_rows  # its rows in partition files, counted by find_inputs
             for file in device.files:
+                if names_its_device(file) is None:  # a partition file: counted above
+                    continue
                 with file.fs.open(file.path, "rb") as handle:
                     total += pq.ParquetFile(handle).metadata.num_rows
             return total
@@ -90,7 +94,8 @@ def plan_processes(kind: str, devices: list[DeviceSource], *, curation: Curation
         return None
     if not fork_available():
         return None
-    if sum(int(f.fs.size(f.path) or 0) for d in devices for f in d.files) < PROCESS_MIN_BYTES:
+    files = {f.url: f for d in devices for f in d.files}  # a partition file is listed by each device
+    if sum(int(f.fs.size(f.path) or 0) for f in files.values()) < PROCESS_MIN_BYTES:
         return None
     from concurrent.futures import ThreadPoolExecutor
 

@@ -1,31 +1,57 @@
-"""Finding the input: a directory (or fsspec URL) of CSV parts or Parquet files, or single files.
+"""Finding the input: directories (or fsspec URLs) of CSV parts or Parquet files, or single files.
 
-File names carry the device id: ``{device}_{part}.csv`` (parts sort numerically: ``298_10``
-after ``298_9``; also ``.csv.gz`` and ``.csv.zst``, extensions in any case) or
-``{device}.parquet``. A single CSV with another name takes its device id from its first row.
-Every entry of a source directory is read or named: see ``find_inputs``.
+Two layouts, which one source may mix (Parquet):
+
+- **Per-device files**: the name carries the device id: ``{device}_{part}.csv`` (parts sort
+  numerically: ``298_10`` after ``298_9``; also ``.csv.gz`` and ``.csv.zst``, extensions in any
+  case), ``{device}.parquet``, or any Parquet file in a ``device_id={device}/`` folder (hive
+  partitioning; its files in name order). A single CSV named otherwise (``export.csv``) takes its
+  device id from its first row.
+- **Partition files** (Parquet): any other name, with an integer ``device_id`` column; their rows
+  may hold many devices, grouped or not, and a device may be split over several files. Their
+  ``device_id`` columns are read here (one integer column, one row group at a time) to list the
+  devices each holds; a device's windows are its rows in file order, its files in name order
+  (numbers compared as numbers: ``part-2`` before ``part-10``).
+
+A device's windows come from one per-device file (or folder) or from partition files, never both.
+Several sources are read as one directory holding all their files: CSV parts of one device are
+ordered numerically across sources; one device's Parquet file in two sources is refused.
+Devices are stored in ascending id order. Every entry of a source directory is read or named:
+see ``find_inputs``.
 """
 
 from __future__ import annotations
 
 import posixpath
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from birdzarr._errors import BadInputError, StoreNotFoundError
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._csv import CsvDeviceReader
 from birdzarr.convert._input import CSV_SUFFIXES, read_bytes, split_suffix
-from birdzarr.convert._parquet import ParquetDeviceReader
+from birdzarr.convert._parquet import (
+    DEVICE_COLUMN,
+    HIVE_FOLDER,
+    READ_BUFFER,
+    ParquetDeviceReader,
+    names_its_device,
+    no_device_message,
+)
 from birdzarr.format._spec import Curation
 from birdzarr.storage._location import Location
 
 Kind = Literal["csv", "parquet"]
 _CSV_STEM = re.compile(r"^(\d{1,9})_(\d{1,9})$")
-_PARQUET_STEM = re.compile(r"^(\d{1,9})$")
+_CSV_PARTED = re.compile(r"^(.*)_(\d{1,9})$")  # "gull-A12_0": a part of a device named by a non-integer
 _LISTED = 10  # file names listed in an error; the rest are counted
+MAX_DEVICE_ID = 999_999_999  # nine digits, as file names give them (stored as int32)
 
 
 @dataclass
@@ -35,6 +61,8 @@ class DeviceSource:
     device_id: int
     kind: Kind
     files: list[Location] = field(default_factory=list)
+    # rows of this device in its partition files (their device_id columns, counted by find_inputs)
+    partition_rows: int = 0
 
     def source_names(self) -> list[str]:
         """The names of its files, as the device table lists them (``sources``)."""
@@ -62,19 +90,30 @@ def file_name(file: Location) -> str:
     return file.display.rsplit("/", 1)[-1]
 
 
-def _name_hint(name: str, kind: Kind) -> str:
-    pattern = "{device}_{part}.csv (or .csv.gz, .csv.zst)" if kind == "csv" else "{device}.parquet"
-    return (
-        f"cannot tell the device id from the file name {name!r}: name files {pattern} with a "
-        "numeric device id"
-    )
-
-
 def _kind_of(name: str) -> Kind | None:
     found = split_suffix(name)
     if found is None:
         return None
     return "csv" if found[1] in CSV_SUFFIXES else "parquet"
+
+
+def natural_key(name: str) -> list[Any]:
+    """Sorts names with their numbers compared as numbers (``part-2`` before ``part-10``)."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def csv_name_problem(name: str) -> str | None:
+    """Why a CSV name that looks like ``{device}_{part}`` does not name a device, or None. The
+    same message for a file in a directory and for a single file."""
+    stem = (split_suffix(name) or (name, ""))[0]
+    parted = _CSV_PARTED.match(stem)
+    if _CSV_STEM.match(stem) or parted is None:
+        return None
+    return (
+        f"{name!r}: {parted.group(1)!r} is not a device id; device ids are integers (at most 9 "
+        "digits), and CSV exports are named {device}_{part}.csv (12_0.csv; also .csv.gz, .csv.zst): "
+        "rename the file"
+    )
 
 
 @dataclass
@@ -98,86 +137,214 @@ def discover(source: Location) -> tuple[Kind, list[DeviceSource]]:
     return found.kind, found.devices
 
 
-def find_inputs(source: Location, *, skip_unknown_files: bool = False) -> Inputs:
-    """Classify the input and group its files per device, sorted by device id.
+@dataclass
+class _Entry:
+    """One input file found: where, its name, its kind, and whether it was given on its own."""
+
+    file: Location
+    name: str
+    kind: Kind
+    single: bool
+    order: int  # the source it came from (0, 1, ...)
+
+
+def find_inputs(source: Location | Sequence[Location], *, skip_unknown_files: bool = False) -> Inputs:
+    """Classify the input of one source or several and group its files per device, sorted by
+    device id; several sources are read as one directory holding all their files.
 
     Every entry of a source directory is either read or named: one whose name is not an input
-    file (``{device}_{part}.csv``, ``.csv.gz``, ``.csv.zst`` or ``{device}.parquet``, any case)
-    raises ``BadInputError``, or with ``skip_unknown_files`` is listed in
-    ``Inputs.skipped`` (and in the report). Nothing is skipped silently.
+    file (``{device}_{part}.csv``, ``.csv.gz``, ``.csv.zst``, ``*.parquet``, a
+    ``device_id={device}/`` folder of Parquet files; any case) raises ``BadInputError``, or with
+    ``skip_unknown_files`` is listed in ``Inputs.skipped`` (and in the report). Nothing is
+    skipped silently.
     """
-    fs = source.fs
-    if not fs.exists(source.path):
-        raise StoreNotFoundError(f"{source.display}: no such file or directory")
-    if fs.isdir(source.path):
-        entries = fs.ls(source.path, detail=True)
-        names, unknown = [], []
-        for entry in sorted(entries, key=lambda e: str(e["name"])):
-            name = posixpath.basename(str(entry["name"]).rstrip("/"))
-            is_dir = entry.get("type") == "directory"
-            if is_dir or _kind_of(name) is None:
-                unknown.append(name + ("/" if is_dir else ""))
+    sources = [source] if isinstance(source, Location) else list(source)
+    entries: list[_Entry] = []
+    skipped: list[str] = []
+    for order, src in enumerate(sources):
+        found, unknown = _list_source(src, order, skip_unknown_files=skip_unknown_files)
+        entries += found
+        skipped += unknown
+    kinds = {e.kind for e in entries}
+    if len(kinds) > 1:
+        where = sources[0].display if len(sources) == 1 else "the sources"
+        raise BadInputError(
+            f"{where}: hold both CSV and Parquet files; convert one kind at a time "
+            "(put them in separate directories)."
+        )
+    kind: Kind = "csv" if kinds == {"csv"} else "parquet"
+    devices = _group_csv(entries) if kind == "csv" else _group_parquet(entries)
+    return Inputs(kind, devices, skipped)
+
+
+def _list_source(src: Location, order: int, *, skip_unknown_files: bool) -> tuple[list[_Entry], list[str]]:
+    """The input files of one source, and the entries that are not (refused unless skipped)."""
+    fs = src.fs
+    if not fs.exists(src.path):
+        raise StoreNotFoundError(f"{src.display}: no such file or directory")
+    if not fs.isdir(src.path):
+        name = posixpath.basename(src.path)
+        single = _kind_of(name)
+        if single is None:
+            raise BadInputError(f"{src.display}: not a .csv, .csv.gz, .csv.zst or .parquet file.")
+        return [_Entry(src, name, single, True, order)], []
+    entries: list[_Entry] = []
+    unknown: list[str] = []
+    for entry in sorted(fs.ls(src.path, detail=True), key=lambda e: str(e["name"])):
+        name = posixpath.basename(str(entry["name"]).rstrip("/"))
+        if entry.get("type") == "directory":
+            if HIVE_FOLDER.match(name):
+                entries += _hive_folder(src.child(name), name, order, unknown)
             else:
-                names.append(name)
-        if unknown and not skip_unknown_files:
-            raise BadInputError(
-                f"{source.display}: {len(unknown)} "
-                f"{'entry is not an input file' if len(unknown) == 1 else 'entries are not input files'}"
-                f": {_listed(unknown)}. Inputs are {{device}}_{{part}}.csv (also "
-                ".csv.gz, .csv.zst) or {device}.parquet files; remove or rename the others, or pass "
-                "--skip-unknown-files (Python: skip_unknown_files=True) to skip them and list them "
-                "in the report."
-            )
-        if not names:
-            raise BadInputError(
-                f"{source.display}: no .csv, .csv.gz, .csv.zst or .parquet files found. Give a "
-                "directory of {device}_{part}.csv exports or {device}.parquet files, or at one file."
-            )
-        kinds = {_kind_of(n) for n in names}
-        if len(kinds) > 1:
-            raise BadInputError(
-                f"{source.display}: holds both CSV and Parquet files; convert one kind at a time "
-                "(put them in separate directories)."
-            )
-        kind: Kind = "csv" if kinds == {"csv"} else "parquet"
-        return Inputs(kind, _group(source, names, kind, single=False), unknown)
-    name = posixpath.basename(source.path)
-    single = _kind_of(name)
-    if single is None:
-        raise BadInputError(f"{source.display}: not a .csv, .csv.gz, .csv.zst or .parquet file.")
-    return Inputs(single, _group(source, [name], single, single=True))
+                unknown.append(name + "/")
+            continue
+        kind = _kind_of(name)
+        if kind is None:
+            unknown.append(name)
+        else:
+            entries.append(_Entry(src.child(name), name, kind, False, order))
+    if unknown and not skip_unknown_files:
+        raise BadInputError(
+            f"{src.display}: {len(unknown)} "
+            f"{'entry is not an input file' if len(unknown) == 1 else 'entries are not input files'}"
+            f": {_listed(unknown)}. Inputs are {{device}}_{{part}}.csv (also "
+            ".csv.gz, .csv.zst) or .parquet files (and device_id={device}/ folders of them); remove or "
+            "rename the others, or pass --skip-unknown-files (Python: skip_unknown_files=True) to skip "
+            "them and list them in the report."
+        )
+    if not entries:
+        raise BadInputError(
+            f"{src.display}: no .csv, .csv.gz, .csv.zst or .parquet files found. Give a "
+            "directory of {device}_{part}.csv exports or .parquet files, or at one file."
+        )
+    return entries, unknown
 
 
-def _group(source: Location, names: list[str], kind: Kind, *, single: bool) -> list[DeviceSource]:
-    base = source if not single else Location(
-        url=source.url.rsplit("/", 1)[0], fs=source.fs, path=posixpath.dirname(source.path),
-        storage_options=source.storage_options,
-    )
-    by_device: dict[int, list[tuple[int, str]]] = {}
-    pattern = _CSV_STEM if kind == "csv" else _PARQUET_STEM
-    for name in names:
-        stem = (split_suffix(name) or (name, ""))[0]
-        match = pattern.match(stem)
+def _hive_folder(folder: Location, name: str, order: int, unknown: list[str]) -> list[_Entry]:
+    """The Parquet files of a ``device_id=K/`` folder; anything else in it is unknown."""
+    found: list[_Entry] = []
+    for entry in sorted(folder.fs.ls(folder.path, detail=True), key=lambda e: str(e["name"])):
+        inner = posixpath.basename(str(entry["name"]).rstrip("/"))
+        if entry.get("type") == "directory" or _kind_of(inner) != "parquet":
+            unknown.append(f"{name}/{inner}" + ("/" if entry.get("type") == "directory" else ""))
+        else:
+            found.append(_Entry(folder.child(inner), f"{name}/{inner}", "parquet", False, order))
+    return found
+
+
+def _group_csv(entries: list[_Entry]) -> list[DeviceSource]:
+    by_device: dict[int, list[tuple[int, int, _Entry]]] = {}
+    for entry in entries:
+        stem = (split_suffix(entry.name) or (entry.name, ""))[0]
+        match = _CSV_STEM.match(stem)
         if match is None:
-            if single and kind == "csv":
-                by_device.setdefault(_first_device_id(base.child(name)), []).append((0, name))
-                continue
-            raise BadInputError(f"{base.display}/{name}: {_name_hint(name, kind)}.")
-        device = int(match.group(1))
-        part = int(match.group(2)) if kind == "csv" else 0
-        by_device.setdefault(device, []).append((part, name))
+            problem = csv_name_problem(entry.name)
+            where = entry.file.display.rsplit("/", 1)[0]
+            if problem is not None:
+                raise BadInputError(f"{where}: {problem}.")
+            if not entry.single:
+                raise BadInputError(
+                    f"{where}: {entry.name!r}: cannot tell the device id from the file name: name files "
+                    "{device}_{part}.csv (or .csv.gz, .csv.zst) with a numeric device id."
+                )
+            by_device.setdefault(_first_device_id(entry.file), []).append((0, entry.order, entry))
+            continue
+        device, part = int(match.group(1)), int(match.group(2))
+        by_device.setdefault(device, []).append((part, entry.order, entry))
     devices = []
     for device in sorted(by_device):
-        parts = sorted(by_device[device])
-        for (part, name), (next_part, other) in zip(parts, parts[1:], strict=False):
-            if part == next_part:  # "12.parquet" and "012.parquet", "5_0.csv" and "5_0.CSV" or "5_0.csv.gz"
-                what = "the same device" if kind == "parquet" else f"the same device and part ({part})"
+        parts = sorted(by_device[device], key=lambda p: (p[0], p[1]))
+        for (part, _, one), (next_part, _, other) in zip(parts, parts[1:], strict=False):
+            if part == next_part:  # "5_0.csv" and "5_0.CSV" or "5_0.csv.gz", or in two sources
                 raise BadInputError(
-                    f"{base.display}: {name!r} and {other!r} both name {what} {device}; keep one "
-                    "file per device (and part), or rename one."
+                    f"{_pair(one, other)} both name the same device and part ({part}) {device}; keep "
+                    "one file per device and part, or rename one."
                 )
-        devices.append(DeviceSource(device, kind, [base.child(n) for _, n in parts]))
+        devices.append(DeviceSource(device, "csv", [p[2].file for p in parts]))
     return devices
+
+
+def _pair(one: _Entry, other: _Entry) -> str:
+    """Two files, by name where they share a directory, else in full."""
+    here, there = one.file.display.rsplit("/", 1)[0], other.file.display.rsplit("/", 1)[0]
+    if here == there and not one.single:
+        return f"{here}: {one.name!r} and {other.name!r}"
+    return f"{one.file.display!r} and {other.file.display!r}"
+
+
+def _group_parquet(entries: list[_Entry]) -> list[DeviceSource]:
+    """Per-device files (named, or in a device's folder) and partition files, per device."""
+    whole: dict[int, list[_Entry]] = {}  # the per-device files (a folder may hold several)
+    parted: dict[int, list[tuple[_Entry, int]]] = {}  # (partition file, rows of the device in it)
+    for entry in entries:
+        named = names_its_device(entry.file)
+        if named is not None:
+            whole.setdefault(named, []).append(entry)
+            continue
+        for device, rows in _partition_devices(entry).items():
+            parted.setdefault(device, []).append((entry, rows))
+    devices = []
+    for device in sorted(whole.keys() | parted.keys()):
+        files = whole.get(device, [])
+        origins = {(e.order, e.name.split("/", 1)[0] if "/" in e.name else e.name) for e in files}
+        if len(origins) > 1:  # "12.parquet" and "012.parquet", or a device's file in two sources
+            one, other = sorted(files, key=lambda e: (e.order, e.name))[:2]
+            raise BadInputError(
+                f"{_pair(one, other)} both hold device {device}; keep one file (or device_id={device}/ "
+                "folder) per device, or give files of many devices a device_id column and a name "
+                "that is not a device id (part-0.parquet)."
+            )
+        if files and device in parted:
+            raise BadInputError(
+                f"device {device} is in {files[0].file.display!r} and also in the partition file "
+                f"{parted[device][0][0].file.display!r}: a device's windows come from its own file "
+                "(or folder) or from partition files, not both; remove one."
+            )
+        if files:
+            ordered = sorted(files, key=lambda e: natural_key(e.name))
+            devices.append(DeviceSource(device, "parquet", [e.file for e in ordered]))
+        else:
+            pieces = sorted(parted[device], key=lambda p: (natural_key(p[0].name), p[0].order))
+            devices.append(DeviceSource(device, "parquet", [p[0].file for p in pieces],
+                                        partition_rows=sum(p[1] for p in pieces)))
+    return devices
+
+
+def _partition_devices(entry: _Entry) -> dict[int, int]:
+    """{device: rows} of a partition file, from its ``device_id`` column (one row group at a
+    time: memory is one row group's ids). A file without that column, or with a null or a
+    negative id, is refused."""
+    file = entry.file
+    try:
+        with file.fs.open(file.path, "rb") as handle:
+            parquet = pq.ParquetFile(handle, buffer_size=READ_BUFFER, pre_buffer=False)
+            if DEVICE_COLUMN not in parquet.schema_arrow.names:
+                raise BadInputError(f"{file.display}: {no_device_message()}; this file has no "
+                                    f"{DEVICE_COLUMN} column.")
+            kind = parquet.schema_arrow.field(DEVICE_COLUMN).type
+            if not pa.types.is_integer(kind):
+                raise BadInputError(f"{file.display}: column '{DEVICE_COLUMN}' has type {kind}; device "
+                                    "ids are integers.")
+            counts: dict[int, int] = {}
+            for group in range(parquet.num_row_groups):
+                ids = parquet.read_row_group(group, columns=[DEVICE_COLUMN], use_threads=False).column(0)
+                if ids.null_count:
+                    raise BadInputError(f"{file.display}, row group {group}: {ids.null_count:,} rows have no "
+                                        f"{DEVICE_COLUMN}; every row of a partition file needs one.")
+                values = np.asarray(ids.combine_chunks().cast(pa.int64()))
+                if len(values) and (values.min() < 0 or values.max() > MAX_DEVICE_ID):
+                    bad = int(values[(values < 0) | (values > MAX_DEVICE_ID)][0])
+                    raise BadInputError(f"{file.display}, row group {group}: {DEVICE_COLUMN} {bad} is not a "
+                                        f"device id (0 to {MAX_DEVICE_ID:,}).")
+                found, rows = np.unique(values, return_counts=True)
+                for device, count in zip(found.tolist(), rows.tolist(), strict=True):
+                    counts[device] = counts.get(device, 0) + count
+            return counts
+    except (pa.ArrowInvalid, OSError, ValueError) as exc:
+        if isinstance(exc, BadInputError):
+            raise
+        raise BadInputError(f"{file.display}: {no_device_message()}; this file is not readable as Parquet "
+                            f"({exc}).") from None
 
 
 def _first_device_id(file: Location) -> int:

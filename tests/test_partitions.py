@@ -1,0 +1,260 @@
+"""Parquet partition files (many devices a file, a ``device_id`` column), hive ``device_id=K/``
+folders and several sources: the same store as the equivalent per-device files, and never a
+window attributed to the wrong device."""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import birdzarr
+from birdzarr import BadInputError
+from birdzarr.cli import main
+from birdzarr.convert import _parquet, _pipeline, _segments
+from birdzarr.demo import _synthetic
+
+SIZES = {3: 700, 8: 45, 15: 1300, 16: 1, 40: 380, 1000: 260}
+
+
+def _gimu(windows: np.ndarray) -> pa.Array:
+    flat = pa.array(windows.reshape(-1), type=pa.float32())
+    return pa.ListArray.from_arrays(pa.array(np.arange(0, len(flat) + 1, 80, dtype=np.int32)), flat)
+
+
+def _files(root: pathlib.Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def assert_same_windows_store(a: pathlib.Path, b: pathlib.Path) -> None:
+    """Every chunk and array metadata file byte-identical; the device tables equal but for the
+    file names (``sources``) each device came from."""
+    files_a, files_b = _files(a), _files(b)
+    assert sorted(files_a) == sorted(files_b)
+    for name, content in files_a.items():
+        if name != "zarr.json":
+            assert content == files_b[name], name
+    left, right = birdzarr.open_store(a), birdzarr.open_store(b)
+    for column in left.devices.columns:
+        if column != "sources":
+            assert left.devices[column].tolist() == right.devices[column].tolist(), column
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
+    """The same windows as per-device files and as three partition files whose rows mix the
+    devices (not grouped), a device split over all three, row groups of 97 rows."""
+    root = tmp_path_factory.mktemp("layouts")
+    truth = {d: _synthetic.curated_windows(n, seed=d) for d, n in SIZES.items()}
+    rng = np.random.default_rng(5)
+    # each device's windows dealt to the three files in runs, in order; rows shuffled across
+    # devices inside a file (a device's own rows keep their order)
+    per_file: list[list[tuple[int, int]]] = [[], [], []]
+    for device, windows in truth.items():
+        for index in range(len(windows)):
+            per_file[min(2, index * 3 // len(windows))].append((device, index))
+    order: dict[int, list[int]] = {d: [] for d in truth}
+    partitions = root / "partitions"
+    partitions.mkdir()
+    for number, rows in enumerate(per_file):
+        owners = [d for d, _ in rows]
+        rng.shuffle(owners)
+        queues = {d: iter([i for e, i in rows if e == d]) for d in truth}
+        mixed = [(d, next(queues[d])) for d in owners]
+        for device, index in mixed:
+            order[device].append(index)
+        table = pa.table({
+            "device_id": pa.array([d for d, _ in mixed], pa.int32()),
+            "gimu": _gimu(np.stack([truth[d][i] for d, i in mixed])),
+        })
+        pq.write_table(table, partitions / f"part-{number}.parquet", row_group_size=97)
+    per_device = root / "per_device"
+    per_device.mkdir()
+    for device, windows in truth.items():
+        pq.write_table(pa.table({"gimu": _gimu(windows[order[device]])}), per_device / f"{device}.parquet")
+    return {"partitions": partitions, "per_device": per_device}
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_partition_files_give_the_per_device_store(
+    layouts: dict[str, pathlib.Path], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, workers: int
+) -> None:
+    monkeypatch.setattr(_pipeline, "SPLIT_MIN_BYTES", 0)  # a task per row group
+    monkeypatch.setattr(_parquet._GROUPS, "max_bytes", 1)  # the cache keeps only the last group
+    birdzarr.convert(layouts["per_device"], tmp_path / "one.zarr", chunk_windows=256, workers=workers,
+                     progress=False)
+    parts = birdzarr.convert(layouts["partitions"], tmp_path / "parts.zarr", chunk_windows=256,
+                             workers=workers, progress=False)
+    assert len(parts) == sum(SIZES.values())
+    assert parts.devices["device_id"].tolist() == sorted(SIZES)
+    assert parts.device(15).sources == ["part-0.parquet", "part-1.parquet", "part-2.parquet"]
+    assert parts.device(16).sources == ["part-0.parquet"]
+    assert_same_windows_store(tmp_path / "one.zarr", tmp_path / "parts.zarr")
+
+
+def test_partition_files_in_worker_processes(
+    layouts: dict[str, pathlib.Path], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_segments, "PROCESS_MIN_BYTES", 0)
+    monkeypatch.setattr(_segments, "MIN_SEGMENT_CHUNKS", 0)
+    monkeypatch.setattr(_segments, "SEGMENTS_PER_WORKER", 100)
+    birdzarr.convert(layouts["per_device"], tmp_path / "one.zarr", chunk_windows=256, workers=1,
+                     progress=False)
+    parts = birdzarr.convert(layouts["partitions"], tmp_path / "parts.zarr", chunk_windows=256, workers=2,
+                             progress=False)
+    assert parts.meta["report"]["worker_processes"] == 2
+    assert_same_windows_store(tmp_path / "one.zarr", tmp_path / "parts.zarr")
+
+
+def test_shuffled_partition_store_equals_the_per_device_one(
+    layouts: dict[str, pathlib.Path], tmp_path: pathlib.Path
+) -> None:
+    for name in ("per_device", "partitions"):
+        birdzarr.convert(layouts[name], tmp_path / f"{name}.zarr", shuffle=True, seed=3, chunk_windows=512,
+                         workers=1, progress=False)
+    assert_same_windows_store(tmp_path / "per_device.zarr", tmp_path / "partitions.zarr")
+
+
+def test_a_device_named_file_with_other_devices_is_refused(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = tmp_path / "src"
+    source.mkdir()
+    windows = _synthetic.curated_windows(30, seed=1)
+    ids = pa.array([7] * 20 + [9] * 10, pa.int64())
+    pq.write_table(pa.table({"gimu": _gimu(windows), "device_id": ids}), source / "7.parquet")
+    assert main(["convert", str(source), str(tmp_path / "s.zarr"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "7.parquet, row group 0, row 20: device_id is 9" in err
+    assert "name (or folder) says device 7" in err and "partition file" in err
+    assert not (tmp_path / "s.zarr").exists()
+    # the same rows named as a partition file: two devices, by the column
+    (source / "7.parquet").rename(source / "part-0.parquet")
+    store = birdzarr.convert(source, tmp_path / "s.zarr", progress=False)
+    assert store.devices["device_id"].tolist() == [7, 9]
+    assert np.array_equal(store.device_windows(9), windows[20:])
+    # a device-named file whose column agrees is that device's file
+    shutil.rmtree(source)
+    source.mkdir()
+    pq.write_table(pa.table({"gimu": _gimu(windows), "device_id": pa.array([7] * 30)}), source / "7.parquet")
+    assert birdzarr.convert(source, tmp_path / "t.zarr", progress=False).devices["device_id"].tolist() == [7]
+
+
+def test_layouts_mix_but_a_device_comes_one_way(tmp_path: pathlib.Path) -> None:
+    source = tmp_path / "src"
+    source.mkdir()
+    windows = _synthetic.curated_windows(10, seed=2)
+    _synthetic.write_parquet(windows, source / "5.parquet")
+    table = pa.table({"device_id": pa.array([6] * 10), "gimu": _gimu(windows)})
+    pq.write_table(table, source / "batch-a.parquet")
+    store = birdzarr.convert(source, tmp_path / "s.zarr", progress=False)
+    assert store.devices["device_id"].tolist() == [5, 6]
+    table = pa.table({"device_id": pa.array([5] * 10), "gimu": _gimu(windows)})
+    pq.write_table(table, source / "batch-b.parquet")
+    with pytest.raises(BadInputError, match=r"device 5 is in '.*5.parquet' and also in the partition file "
+                                            r"'.*batch-b.parquet'.*not both"):
+        birdzarr.convert(source, tmp_path / "t.zarr", progress=False)
+
+
+def test_partition_files_need_a_device_id_column(tmp_path: pathlib.Path) -> None:
+    source = tmp_path / "src"
+    source.mkdir()
+    windows = _synthetic.curated_windows(4, seed=3)
+    pq.write_table(pa.table({"gimu": _gimu(windows)}), source / "part-0.parquet")
+    with pytest.raises(BadInputError, match=r"part-0.parquet: cannot tell the device: name per-device files "
+                                            r"\{device\}.parquet .* has no device_id column"):
+        birdzarr.convert(source, tmp_path / "s.zarr", progress=False)
+    ids = pa.array([1, None, 1, 2], pa.int64())
+    pq.write_table(pa.table({"gimu": _gimu(windows), "device_id": ids}), source / "part-0.parquet")
+    with pytest.raises(BadInputError, match="row group 0: 1 rows have no device_id"):
+        birdzarr.convert(source, tmp_path / "s.zarr", progress=False)
+    ids = pa.array([1, -4, 1, 2], pa.int64())
+    pq.write_table(pa.table({"gimu": _gimu(windows), "device_id": ids}), source / "part-0.parquet")
+    with pytest.raises(BadInputError, match="device_id -4 is not a device id"):
+        birdzarr.convert(source, tmp_path / "s.zarr", progress=False)
+    ids = pa.array(["1", "1", "1", "2"])
+    pq.write_table(pa.table({"gimu": _gimu(windows), "device_id": ids}), source / "part-0.parquet")
+    with pytest.raises(BadInputError, match="column 'device_id' has type string; device ids are integers"):
+        birdzarr.convert(source, tmp_path / "s.zarr", progress=False)
+
+
+def test_hive_folders_are_devices(layouts: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
+    hive = tmp_path / "hive"
+    for file in sorted(layouts["per_device"].iterdir()):
+        folder = hive / f"device_id={file.stem}"
+        folder.mkdir(parents=True)
+        table = pq.read_table(file)
+        half = len(table) // 2
+        # two files a folder, read in name order (numbers as numbers: part-2 before part-10)
+        pq.write_table(table.slice(0, half), folder / "part-2.parquet")
+        pq.write_table(table.slice(half), folder / "part-10.parquet")
+    birdzarr.convert(layouts["per_device"], tmp_path / "one.zarr", chunk_windows=256, progress=False)
+    store = birdzarr.convert(hive, tmp_path / "hive.zarr", chunk_windows=256, progress=False)
+    assert store.device(15).sources == ["part-2.parquet", "part-10.parquet"]
+    assert_same_windows_store(tmp_path / "one.zarr", tmp_path / "hive.zarr")
+    (hive / "device_id=3" / "notes.txt").write_text("x")
+    with pytest.raises(BadInputError, match="1 entry is not an input file: 'device_id=3/notes.txt'"):
+        birdzarr.convert(hive, tmp_path / "again.zarr", progress=False)
+
+
+# -- several sources ---------------------------------------------------------------------------------
+
+
+def test_several_csv_sources_equal_one_directory(tmp_path: pathlib.Path) -> None:
+    whole = tmp_path / "whole"
+    _synthetic.make_csv_dir(whole, n_devices=3, bursts_per_device=30, parts=4, seed=2)
+    seasons = [tmp_path / "s1", tmp_path / "s2"]
+    for season in seasons:
+        season.mkdir()
+    for file in whole.iterdir():  # parts 0 and 2 in one season, 1 and 3 (and part 10) in the other
+        part = int(file.stem.split("_")[1])
+        shutil.copy(file, seasons[part % 2] / file.name)
+    birdzarr.convert(whole, tmp_path / "one.zarr", chunk_windows=128, progress=False)
+    store = birdzarr.convert([str(s) for s in seasons], tmp_path / "two.zarr", chunk_windows=128,
+                             progress=False)
+    for device in store.devices["device_id"].tolist():
+        assert store.device(device).sources == [f"{device}_{p}.csv" for p in range(4)]
+    assert_same_windows_store(tmp_path / "one.zarr", tmp_path / "two.zarr")
+    assert main(["convert", str(seasons[0]), str(seasons[1]), str(tmp_path / "cli.zarr"), "--quiet",
+                 "--chunk-windows", "128"]) == 0
+    assert_same_windows_store(tmp_path / "one.zarr", tmp_path / "cli.zarr")
+    report = birdzarr.open_store(tmp_path / "cli.zarr").meta["report"]
+    assert report["source"] == f"{seasons[0]}, {seasons[1]}"
+
+
+def test_several_sources_refuse_a_device_twice(tmp_path: pathlib.Path) -> None:
+    seasons = [tmp_path / "s1", tmp_path / "s2"]
+    windows = _synthetic.curated_windows(5, seed=1)
+    for season in seasons:
+        season.mkdir()
+        _synthetic.write_parquet(windows, season / "5.parquet")
+    with pytest.raises(BadInputError, match=r"'.*s1/5.parquet' and '.*s2/5.parquet' both hold device 5"):
+        birdzarr.convert(seasons, tmp_path / "s.zarr", progress=False)
+    (seasons[0] / "5_0.csv").write_text("5,2014-01-01 10:00:00,0,-1,0.1,0.2,0.3,1.0\n")
+    (seasons[0] / "5.parquet").unlink()
+    with pytest.raises(BadInputError, match="the sources: hold both CSV and Parquet files"):
+        birdzarr.convert(seasons, tmp_path / "s.zarr", progress=False)
+    # the same CSV part in two sources
+    (seasons[1] / "5.parquet").unlink()
+    (seasons[1] / "5_0.csv").write_text("5,2014-01-01 10:00:00,0,-1,0.1,0.2,0.3,1.0\n")
+    with pytest.raises(BadInputError, match=r"both name the same device and part \(0\) 5"):
+        birdzarr.convert(seasons, tmp_path / "s.zarr", progress=False)
+    with pytest.raises(birdzarr.ArgumentError, match="is given twice"):
+        birdzarr.convert([seasons[0], seasons[0]], tmp_path / "s.zarr", progress=False)
+    with pytest.raises(birdzarr.ArgumentError, match="empty list"):
+        birdzarr.convert([], tmp_path / "s.zarr", progress=False)
+
+
+def test_partition_files_across_sources(layouts: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
+    seasons = [tmp_path / "s1", tmp_path / "s2"]
+    for season in seasons:
+        season.mkdir()
+    for file in layouts["partitions"].iterdir():
+        shutil.copy(file, seasons[file.stem == "part-2"] / file.name)
+    birdzarr.convert(layouts["per_device"], tmp_path / "one.zarr", chunk_windows=256, progress=False)
+    birdzarr.convert(seasons, tmp_path / "two.zarr", chunk_windows=256, progress=False)
+    assert_same_windows_store(tmp_path / "one.zarr", tmp_path / "two.zarr")
