@@ -71,8 +71,10 @@ def test_append_adds_devices_and_parts_at_the_end(
     for index in range(n0 // CHUNK):
         assert (dest / "gimu" / "c" / str(index) / "0" / "0").read_bytes() == committed_before[str(index)]
     for entry in store.device_table:
-        new_part = _windows_of(csv_parts["more"], entry.device_id)
-        expected = np.concatenate([old.get(entry.device_id, np.empty((0, 20, 4), np.float32)), new_part])
+        # bursts split between the parts continue: the windows of converting all parts at once
+        expected = _windows_of(csv_parts["all"], entry.device_id)
+        assert np.array_equal(store.device_windows(entry.device_id)[: len(old.get(entry.device_id, []))],
+                              old.get(entry.device_id, np.empty((0, 20, 4), np.float32)))
         assert np.array_equal(store.device_windows(entry.device_id), expected)
         if entry.device_id in old:
             assert len(entry.ranges) == 2 and entry.ranges[1].start >= n0
@@ -208,3 +210,94 @@ def test_cli_append_verify_repair(csv_parts: dict[str, pathlib.Path], tmp_path: 
     assert "nothing to repair" in capsys.readouterr().out
     assert main(["append", str(tmp_path / "nowhere.zarr"), str(csv_parts["more"])]) == 2
     assert "no store at" in capsys.readouterr().err
+
+
+# -- a burst split between a committed part and an appended one -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def seasons(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
+    """Five labelled devices in four parts cut at arbitrary rows (bursts split between parts):
+    season 1 holds parts 0-1 of four devices, season 2 part 2, season 3 part 3 and the fifth
+    device; 'all' every file (what converting both seasons at once reads)."""
+    root = tmp_path_factory.mktemp("seasons")
+    raws = _synthetic.make_csv_dir(root / "all", n_devices=5, bursts_per_device=50, parts=4, seed=23)
+    last = max(raws)
+    for path in sorted((root / "all").iterdir()):
+        device, part = (int(x) for x in path.stem.split("_"))
+        season = "s3" if device == last or part == 3 else "s2" if part == 2 else "s1"
+        (root / season).mkdir(exist_ok=True)
+        shutil.copy(path, root / season / path.name)
+    return {name: root / name for name in ("all", "s1", "s2", "s3")}
+
+
+def _rows_by_device(store: birdzarr.Store) -> dict[int, tuple[np.ndarray, ...]]:
+    """Each device's windows (as bits), times, labels and device ids, in store order."""
+    found = {}
+    for entry in store.device_table:
+        index = store.device_indices(entry.device_id)
+        found[entry.device_id] = (store.device_windows(entry.device_id).view(np.uint32),
+                                  store.timestamps[index], store.labels[index], store.window_devices[index])
+    return found
+
+
+def test_append_continues_a_burst_split_between_seasons_as_one_conversion_would(
+    seasons: dict[str, pathlib.Path], tmp_path: pathlib.Path
+) -> None:
+    """convert(s1) + append(s2) + append(s3) == convert(s1 + s2 + s3), window for window; before,
+    a burst split between the last committed part and the first appended one lost its remainder."""
+    dest = tmp_path / "appended.zarr"
+    birdzarr.convert(seasons["s1"], dest, chunk_windows=CHUNK, progress=False)
+    tails = json.loads((dest / "zarr.json").read_text())["attributes"]["birdzarr"]["csv_tails"]
+    assert tails["unknown"] == [] and tails["devices"]  # some device ends inside a burst
+    assert all(0 < len(t["labels"]) < 20 for t in tails["devices"].values())  # small and bounded
+    second = append_detailed(dest, seasons["s2"], progress=False)
+    continued = second.store.meta["report"]["appends"][0]["continued_rows"]  # device -> rows continued
+    assert continued and all(n == len(tails["devices"][d]["labels"]) for d, n in continued.items())
+    appended = append(dest, seasons["s3"], progress=False)
+    whole = birdzarr.convert(seasons["all"], tmp_path / "whole.zarr", chunk_windows=CHUNK, progress=False)
+    assert len(appended) == len(whole)
+    mine, theirs = _rows_by_device(appended), _rows_by_device(whole)
+    assert mine.keys() == theirs.keys()
+    for device in theirs:
+        for a, b in zip(mine[device], theirs[device], strict=True):
+            assert np.array_equal(a, b), device
+        # the report counts every row once, as one conversion does
+        assert appended.report[device].to_json() == whole.report[device].to_json(), device
+    assert appended.meta["csv_tails"] == whole.meta["csv_tails"]
+    assert verify(dest, source=seasons["all"]).ok
+    # a shuffled conversion of all seasons holds the same windows, times and labels per device
+    shuffled = birdzarr.convert(seasons["all"], tmp_path / "shuffled.zarr", chunk_windows=CHUNK,
+                                shuffle=True, seed=3, progress=False)
+    for device, (bits, times, labels, _) in mine.items():
+        index = shuffled.device_indices(device)
+        rows = {(w.tobytes(), int(t), int(label)) for w, t, label in zip(bits, times, labels, strict=True)}
+        got = {(w.view(np.uint32).tobytes(), int(t), int(label)) for w, t, label in
+               zip(shuffled.windows[index], shuffled.timestamps[index], shuffled.labels[index], strict=True)}
+        assert len(index) == len(bits) and got == rows, device
+
+
+def test_a_store_without_the_tails_record_appends_as_before(
+    seasons: dict[str, pathlib.Path], tmp_path: pathlib.Path
+) -> None:
+    """A store written before ``csv_tails`` existed: its split bursts lose their remainder (as
+    before), verify --source still agrees, and from that append on the touched devices continue."""
+    dest = tmp_path / "old.zarr"
+    birdzarr.convert(seasons["s1"], dest, chunk_windows=CHUNK, progress=False)
+    root = json.loads((dest / "zarr.json").read_text())
+    carried = root["attributes"]["birdzarr"].pop("csv_tails")["devices"]
+    (dest / "zarr.json").write_text(json.dumps(root))
+    old = birdzarr.open_store(dest)
+    before = {e.device_id: old.device_windows(e.device_id) for e in old.device_table}
+    store = append(dest, seasons["s2"], progress=False)
+    assert "continued_rows" not in store.meta["report"]["appends"][0]
+    for device, windows in before.items():  # the old windows, then those of season 2 read alone
+        expected = np.concatenate([windows, _windows_of(seasons["s2"], device)])
+        assert np.array_equal(store.device_windows(device), expected)
+    # their remainder rows stay counted as dropped
+    assert sum(r.dropped.get("remainder_rows", 0) for r in store.report.values()) > sum(
+        len(t["labels"]) for t in carried.values())
+    assert store.meta["csv_tails"]["unknown"] == []  # every device was touched by the append
+    third = append_detailed(dest, seasons["s3"], progress=False)
+    assert third.store.meta["report"]["appends"][1].get("continued_rows")
+    assert verify(dest, source=seasons["all"]).ok

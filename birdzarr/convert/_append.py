@@ -7,8 +7,14 @@ first cuts the arrays back to the committed count.
 
 Idempotence: a source file is identified by its file name within its device. Files already in a
 device's ``sources`` are skipped, so re-running an interrupted or finished append adds exactly
-what is missing and nothing twice. CSV bursts do not continue across an append: a burst split
-between a committed part and a new part loses its remainder rows, as at the end of any export.
+what is missing and nothing twice.
+
+CSV bursts continue across an append. A CSV store in device order records, at each commit, the
+rows of each device's unfinished last burst (``csv_tails``: fewer than 20 rows a device, the
+float64 values as parsed); an append hands them to the device's first new part, so a burst split
+between a committed part and a new one forms the windows one conversion of all the parts would.
+A store written before that record existed (or a new part numbered before a stored part of its
+device) continues nothing: such a burst loses its remainder rows, as at the end of any export.
 """
 
 from __future__ import annotations
@@ -25,11 +31,13 @@ from birdzarr._checks import require_bool
 from birdzarr._errors import AppendError, ArgumentError, IncompleteStoreError
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._cpus import cpu_report, cpu_seconds, resolve_workers
+from birdzarr.convert._csv import CsvDeviceReader, tail_from_json, tail_to_json
 from birdzarr.convert._duplicates import DuplicateCounter
+from birdzarr.convert._input import split_suffix
 from birdzarr.convert._memory import arrow_pool
 from birdzarr.convert._slabs import writable_arrays
 from birdzarr.convert._sources import DeviceSource, file_name, find_inputs
-from birdzarr.convert._writer import Writer, _now
+from birdzarr.convert._writer import CSV_TAILS, Writer, _now, csv_tails_record
 from birdzarr.format._digest import window_hashes
 from birdzarr.format._spec import (
     GIMU,
@@ -44,8 +52,9 @@ from birdzarr.storage._location import Location, StoreLike, resolve, zarr_store
 from birdzarr.store._tail import discard_uncommitted
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Callable, Iterable, Iterator
 
+    from birdzarr.convert._csv import _Rows
     from birdzarr.store._handle import Store
 
 _PIECE = 65536  # committed windows read at a time when looking for duplicates
@@ -72,6 +81,11 @@ class AppendWriter(Writer):
         self.previous_windows = 0  # its committed count
         self.cleaned: list[str] = []  # what an interrupted write had left past it, removed first
         self.appended: dict[int, list[str]] = {}  # device -> the source files appended
+        # CSV: the committed unfinished bursts (``csv_tails``) as JSON, and the devices whose
+        # tail is not known (committed before stores recorded it)
+        self.stored_tails: dict[int, dict[str, Any] | None] = {}
+        self.unknown_tails: set[int] = set()
+        self.continued: dict[int, int] = {}  # device -> rows of a committed burst continued
 
     def _open(self) -> tuple[dict[str, Any], int]:
         from birdzarr.storage._root import read_root as _read_root
@@ -96,7 +110,37 @@ class AppendWriter(Writer):
         self.devices = {e.device_id: e for e in (DeviceEntry.from_json(d) for d in meta.get("devices", []))}
         report = meta.get("report", {}).get("devices", {})
         self.reports = {int(k): DeviceReport.from_json(v) for k, v in report.items()}
+        self._read_tails(meta)
         return writable_arrays(group), self.previous_windows
+
+    def _read_tails(self, meta: dict[str, Any]) -> None:
+        if meta.get("source_kind") != "csv":
+            return
+        record = meta.get(CSV_TAILS)
+        if not isinstance(record, dict):  # a store from before the record: no tail is known
+            self.unknown_tails = set(self.devices)
+            return
+        self.unknown_tails = {int(d) for d in record.get("unknown", [])}
+        stored = record.get("devices", {})
+        self.stored_tails = {d: stored.get(str(d)) for d in self.devices if d not in self.unknown_tails}
+
+    def carry(self, device_id: int, files: list[str]) -> _Rows | None:
+        """The committed unfinished burst that ``files`` (a device's new parts) continue; None
+        when there is none, or it is not known, or a new part is numbered before a stored one."""
+        raw = self.stored_tails.get(device_id)
+        if raw is None:
+            return None
+        stored = _part_numbers(self.devices[device_id].sources)
+        new = _part_numbers(files)
+        if stored is None or new is None or min(new) <= max(stored, default=-1):
+            return None
+        try:
+            return tail_from_json(device_id, raw)
+        except ValueError as exc:
+            raise AppendError(
+                f"{self.location.display}: the root attribute '{CSV_TAILS}' is damaged: {exc}. "
+                "Restore the store's zarr.json from a copy, or convert all sources again."
+            ) from None
 
     def _abandon(self) -> None:
         """A failed append leaves its previous commit exactly as it was, leftovers removed."""
@@ -105,12 +149,17 @@ class AppendWriter(Writer):
             with contextlib.suppress(Exception):
                 discard_uncommitted(self.location, self.group, self.previous_windows)
 
-    def write_device(self, device_id: int, blocks: Iterable[WindowBlock], sources: list[str]) -> DeviceReport:
-        """Write one device's new windows as a new range; merge its table entry and report."""
+    def write_device(self, device_id: int, blocks: Iterable[WindowBlock], sources: list[str],
+                     continued: int = 0) -> DeviceReport:
+        """Write one device's new windows as a new range; merge its table entry and report.
+        ``continued``: rows of its committed unfinished burst that the blocks continued."""
         if device_id in self.appended:
             raise AppendError(f"device {device_id} was given twice in one append")
         summary = self._write(device_id, blocks, sources)
         self.appended[device_id] = list(sources)
+        self.tails[device_id] = summary.tail
+        if continued:
+            self.continued[device_id] = continued
         previous = self.devices.get(device_id)
         entry = summary.entry
         self.devices[device_id] = entry if previous is None else _merge_entries(previous, entry)
@@ -119,6 +168,10 @@ class AppendWriter(Writer):
             self.reports[device_id] = summary.report
         else:
             merged = DeviceReport.from_json(previous_report.to_json())
+            if continued:  # counted as remainder rows at the last commit, counted again now
+                left = merged.dropped.get("remainder_rows", 0) - continued
+                merged.dropped.pop("remainder_rows", None)
+                merged.drop("remainder_rows", left)
             merged.merge(summary.report)
             self.reports[device_id] = merged
         return summary.report
@@ -136,8 +189,21 @@ class AppendWriter(Writer):
             "windows": self.n_windows - self.previous_windows,
             "files": {str(d): files for d, files in sorted(self.appended.items())},
             "converter_version": _version(),
+            **({"continued_rows": {str(d): n for d, n in sorted(self.continued.items())}}
+               if self.continued else {}),
             **(extra_report or {}),
         }]
+        if meta.get("source_kind") == "csv":
+            known = dict(self.stored_tails)
+            unknown = set(self.unknown_tails)
+            for device, tail in self.tails.items():
+                if tail is None:
+                    unknown.add(device)
+                    known.pop(device, None)
+                else:
+                    known[device] = tail_to_json(tail)
+                    unknown.discard(device)
+            meta[CSV_TAILS] = csv_tails_record(known, unknown)
         meta["committed"] = {
             "n_windows": self.n_windows,
             "generation": int(previous.get("generation", 1)) + 1,
@@ -152,6 +218,29 @@ def _version() -> str:
     from birdzarr._version import __version__
 
     return __version__
+
+
+def _part_numbers(names: list[str]) -> list[int] | None:
+    """The part numbers of ``{device}_{part}.csv`` names; None if one has none."""
+    numbers = []
+    for name in names:
+        stem = (split_suffix(name) or (name, ""))[0]
+        device, _, part = stem.rpartition("_")
+        if not (device.isdigit() and part.isdigit()):
+            return None
+        numbers.append(int(part))
+    return numbers
+
+
+@dataclass
+class _ContinuedDevice(DeviceSource):
+    """A device's new CSV parts, read as the continuation of its committed unfinished burst."""
+
+    carry: Any = None  # _csv._Rows
+
+    def blocks(self, *, curation: Curation, on_bad_rows: str) -> Iterator[WindowBlock]:
+        reader = CsvDeviceReader(self.device_id, self.files, curation, on_bad_rows, carry=self.carry)
+        yield from reader.blocks()
 
 
 def _merge_entries(old: DeviceEntry, new: DeviceEntry) -> DeviceEntry:
@@ -259,11 +348,16 @@ def append_detailed(
         added = [d.device_id for d in work if d.device_id not in writer.devices]
         with progress_bar(progress and bool(work), desc=f"append {kind}", unit=" windows") as bar:
             for device in work:
+                carry = writer.carry(device.device_id, device.source_names()) if kind == "csv" else None
+                if carry is not None:  # its first new part continues the committed last burst
+                    device = _ContinuedDevice(device_id=device.device_id, kind=device.kind,
+                                              files=device.files, carry=carry)
                 blocks = counted(read_ahead(device, curation, on_bad_rows), bar)
                 entry = writer.devices.get(device.device_id)
                 existing = None if entry is None else _committed_hashes(before, entry)
                 blocks = duplicates.watch(device.device_id, blocks, existing)
-                writer.write_device(device.device_id, blocks, device.source_names())
+                writer.write_device(device.device_id, blocks, device.source_names(),
+                                    continued=0 if carry is None else len(carry))
         if work:
             writer.slabs.drain()  # the last slabs written before the clock stops
             seconds = round(time.perf_counter() - started, 3)

@@ -7,11 +7,13 @@ validation, is parsed again line by line so the error names the exact line and r
 
 from __future__ import annotations
 
+import base64
 import calendar
 import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -308,11 +310,12 @@ class CsvDeviceReader:
     parts: list[Location]
     curation: Curation = field(default_factory=Curation)
     on_bad_rows: str = "error"
+    carry: _Rows | None = None  # an unfinished burst the first part may continue (an append's)
 
     def blocks(self) -> Iterator[WindowBlock]:
         """Every part read, parsed and curated in order, in this thread (see ``read_part``
         and ``Stitcher`` for the same work spread over several processes)."""
-        stitcher = Stitcher(self.curation)
+        stitcher = Stitcher(self.curation, self.carry)
         for part in self.parts:
             yield from stitcher.add(self.part(part))
         yield stitcher.finish()
@@ -399,11 +402,16 @@ def _split(rows: _Rows, curation: Curation, report: DeviceReport) -> PartPieces:
 
 
 class Stitcher:
-    """Joins the ``PartPieces`` of one device's parts, in part order, into curated blocks."""
+    """Joins the ``PartPieces`` of one device's parts, in part order, into curated blocks.
 
-    def __init__(self, curation: Curation) -> None:
+    ``carry`` is an unfinished burst the first part may continue: the ``DeviceEnd.unfinished`` rows of the
+    device's earlier parts, which a store records so that an append continues it exactly as
+    one conversion of all the parts would (``birdzarr/convert/_append.py``).
+    """
+
+    def __init__(self, curation: Curation, carry: _Rows | None = None) -> None:
         self.curation = curation
-        self.carry = _empty_rows()
+        self.carry = _empty_rows() if carry is None else carry
 
     def add(self, pieces: PartPieces) -> Iterator[WindowBlock]:
         rows = _Rows.concat([self.carry, pieces.head])
@@ -418,13 +426,60 @@ class Stitcher:
         if pieces.body is not None and len(pieces.body):
             yield pieces.body
 
-    def finish(self) -> WindowBlock:
-        """The end of the device: an unfinished burst left over forms no window."""
+    def finish(self) -> DeviceEnd:
+        """The end of the device: an unfinished burst left over forms no window (it is counted
+        as ``remainder_rows``, and handed on as the block's ``unfinished``)."""
         report = DeviceReport()
         report.drop("remainder_rows", len(self.carry))
-        self.carry = _empty_rows()
+        tail, self.carry = self.carry, _empty_rows()
         no_windows = np.empty((0, WINDOW_LENGTH, N_CHANNELS), np.float32)
-        return WindowBlock(no_windows, np.empty(0, np.int64), np.empty(0, np.int32), report)
+        return DeviceEnd(no_windows, np.empty(0, np.int64), np.empty(0, np.int32), report,
+                         unfinished=tail)
+
+
+@dataclass
+class DeviceEnd(WindowBlock):
+    """The last block of a CSV device: no windows; ``unfinished`` holds the rows of its
+    unfinished last burst (fewer than 20, maybe none), which a later part may continue."""
+
+    unfinished: _Rows | None = None
+
+
+# -- the unfinished last burst of each device, as a store records it (``csv_tails``) ------------
+
+
+def tail_to_json(rows: _Rows) -> dict[str, Any] | None:
+    """An unfinished burst as JSON, exactly: its time, each row's label, the rows' float64
+    values (little-endian, base64: NaN and the exact bits survive) and which rows are
+    placeholders of skipped lines. None for no rows."""
+    if not len(rows):
+        return None
+    if len(rows) >= WINDOW_LENGTH or (rows.time != rows.time[0]).any():
+        raise ValueError(f"not an unfinished burst: {len(rows)} rows, times {np.unique(rows.time)}")
+    return {
+        "time": int(rows.time[0]),
+        "labels": [int(x) for x in rows.label],
+        "values": base64.b64encode(np.ascontiguousarray(rows.values, dtype="<f8").tobytes()).decode("ascii"),
+        "bad_rows": [int(i) for i in np.flatnonzero(rows.bad)],
+    }
+
+
+def tail_from_json(device_id: int, raw: Any) -> _Rows:
+    """The rows ``tail_to_json`` wrote; ValueError when the record is not one it writes."""
+    try:
+        labels = np.array(raw["labels"], dtype=np.int64)
+        values = np.frombuffer(base64.b64decode(raw["values"], validate=True), dtype="<f8")
+        n = len(labels)
+        if not 0 < n < WINDOW_LENGTH or values.size != n * N_CHANNELS or labels.ndim != 1:
+            raise ValueError(f"{n} labels and {values.size} values")
+        bad = np.zeros(n, dtype=bool)
+        bad[np.array(raw["bad_rows"], dtype=np.int64)] = True
+        return _Rows(
+            np.full(n, device_id, np.int64), np.full(n, int(raw["time"]), np.int64), labels,
+            values.reshape(n, N_CHANNELS).astype(np.float64), bad,
+        )
+    except (KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:
+        raise ValueError(f"device {device_id}'s unfinished burst cannot be read back ({exc})") from None
 
 
 def read_part(device_id: int, part: Location, curation: Curation, on_bad_rows: str) -> PartPieces:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import google_crc32c
 import numpy as np
@@ -91,6 +92,9 @@ class DeviceSummary:
 
     entry: DeviceEntry
     report: DeviceReport
+    # CSV: the rows of the device's unfinished last burst (``_csv.DeviceEnd.unfinished``), which an
+    # append continues; None when the blocks did not say (Parquet, or no end block)
+    tail: Any = None
 
 
 class Summarizer:
@@ -108,9 +112,13 @@ class Summarizer:
         self.start = start
         self._hasher = checksum_hasher() if start is not None else None
         self._digest = RowDigest() if start is None else None
+        self.tail: Any = None
 
     def add(self, block: WindowBlock) -> None:
         self.report.merge(block.report)  # an empty block still reports what was read and dropped
+        unfinished = getattr(block, "unfinished", None)  # a CSV device's end (``_csv.DeviceEnd``)
+        if unfinished is not None:
+            self.tail = unfinished
         if not len(block):
             return
         entry = self.entry
@@ -134,4 +142,4 @@ class Summarizer:
             self.entry.ranges.append(DeviceRange(self.start, stop, self._hasher.hexdigest()))
         if self._digest is not None:
             self.entry.scattered_digest = self._digest.hexdigest()
-        return DeviceSummary(self.entry, self.report)
+        return DeviceSummary(self.entry, self.report, self.tail)

@@ -23,6 +23,7 @@ from birdzarr._errors import NotAStoreError, StoreExistsError
 from birdzarr._version import __version__
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._cpus import resolve_workers
+from birdzarr.convert._csv import tail_to_json
 from birdzarr.convert._slabs import EVERY_CHUNK, SlabWriter
 from birdzarr.convert._summary import DeviceSummary, Summarizer
 from birdzarr.format._codec import gimu_codecs, per_window_codecs
@@ -78,6 +79,8 @@ class Writer:
         self.lock = StoreLock(location, lock_command)  # one writer per store (birdzarr/storage/_lock.py)
         self.devices: dict[int, DeviceEntry] = {}
         self.reports: dict[int, DeviceReport] = {}
+        # CSV: each device's unfinished last burst (rows, maybe none); None where it is unknown
+        self.tails: dict[int, Any] = {}
         self.started_at = _now()
         self.group: zarr.Group | None = None  # set by _open as soon as it is open
         self._slabs: SlabWriter | None = None
@@ -248,6 +251,7 @@ class StoreWriter(Writer):
         self._refuse_twice(device_id)
         self.devices[device_id] = summary.entry
         self.reports[device_id] = summary.report
+        self.tails[device_id] = summary.tail
 
     def _refuse_twice(self, device_id: int) -> None:
         if device_id in self.devices:
@@ -265,6 +269,11 @@ class StoreWriter(Writer):
         attrs = self._attrs(committed=committed)
         attrs["devices"] = [self.devices[d].to_json() for d in sorted(self.devices)]
         attrs["report"] = report
+        layout = self.static_attrs.get("layout") or {}
+        if self.static_attrs.get("source_kind") == "csv" and not layout.get("shuffled"):
+            unknown = [d for d, tail in self.tails.items() if tail is None]
+            known = {d: tail_to_json(tail) for d, tail in self.tails.items() if tail is not None}
+            attrs[CSV_TAILS] = csv_tails_record(known, unknown)
         return attrs
 
     def _attrs(self, *, committed: dict[str, Any] | None) -> dict[str, Any]:
@@ -276,6 +285,20 @@ class StoreWriter(Writer):
             "converter": {"name": "birdzarr", "version": __version__},
             "committed": committed,
         }
+
+
+CSV_TAILS = "csv_tails"  # the root attribute: each device's unfinished last burst (docs/format.md)
+
+
+def csv_tails_record(known: dict[int, dict[str, Any] | None], unknown: Iterable[int]) -> dict[str, Any]:
+    """The ``csv_tails`` root attribute of a CSV store in device order: per device, the rows of
+    its unfinished last burst (``_csv.tail_to_json``; a device not listed has none), and the
+    devices whose tail is not known (written before stores recorded it). An append continues
+    these bursts, so it stores the windows one conversion of all the parts would."""
+    return {
+        "devices": {str(d): known[d] for d in sorted(known) if known[d] is not None},
+        "unknown": sorted(int(d) for d in unknown),
+    }
 
 
 def _is_unfinished_store(location: Location) -> bool:

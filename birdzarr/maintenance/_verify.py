@@ -282,12 +282,20 @@ def _finish_scattered(table: list[DeviceEntry], hashers: dict[int, Any], digests
 
 
 def _batches(store: Store, entry: DeviceEntry) -> list[list[str]]:
-    """The device's source file names grouped as they were read: the conversion, then each append."""
+    """The device's source file names grouped as they were read: the conversion, then each
+    append; an append that continued the device's unfinished last burst (``continued_rows``)
+    read its files as the continuation of the batch before, so they join it."""
+    device = str(entry.device_id)
     appends = store.meta.get("report", {}).get("appends", [])
-    appended = [a.get("files", {}).get(str(entry.device_id), []) for a in appends]
+    appended = [a.get("files", {}).get(device, []) for a in appends]
     later = {name for files in appended for name in files}
-    first = [name for name in entry.sources if name not in later]
-    return [batch for batch in [first, *appended] if batch]
+    batches = [[name for name in entry.sources if name not in later]]
+    for record, files in zip(appends, appended, strict=True):
+        if device in (record.get("continued_rows") or {}):
+            batches[-1] = [*batches[-1], *files]
+        else:
+            batches.append(list(files))
+    return [batch for batch in batches if batch]
 
 
 def _read_source(store: Store, src: Location) -> tuple[Location, list[DeviceSource]]:
