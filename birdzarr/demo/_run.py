@@ -76,7 +76,13 @@ def _train_epoch(dest: str) -> None:
     the shuffle-quality figures of each (docs/training.md#shuffle-quality)."""
     import numpy as np
 
-    from birdzarr.loader._dataset import WindowDataset  # torch only when the demo gets here
+    try:
+        from birdzarr.loader._dataset import WindowDataset  # torch only when the demo gets here
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.split(".")[0] != "torch":
+            raise
+        print('\ntraining reads skipped: PyTorch is not installed (pip install "birdzarr[torch]")')
+        return
     from birdzarr.loader._quality import pair_cooccurrence_ratio, quality_ratio, repeated_batch_fraction
     from birdzarr.store._handle import open_store
 
