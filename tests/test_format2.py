@@ -1,0 +1,300 @@
+"""Format 2's window layout (birdzarr/format/_v2.py): exact round trips for every dictionary rule, and
+stores written with core Zarr v3 codecs only, read by TensorStore and by zarr-python without birdzarr."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from birdzarr.format import _v2
+
+NEG_ZERO = np.float32(-0.0)
+# a quiet NaN with a payload: a dictionary keyed by bit pattern keeps it (curation drops NaN windows,
+# the layout does not rely on it)
+NAN_PAYLOAD = np.array([0x7FC01234], np.uint32).view(np.float32)[0]
+
+
+def calibrated(n_windows: int, *, seed: int, gps_per_sample: bool = False) -> np.ndarray:
+    """Windows of one device as real trackers make them: 12-bit counts through a per-device
+    calibration with non-power-of-two scales; gps_speed one continuous value per window (or per
+    sample), 6-8 decimals, divided by gps_scale."""
+    rng = np.random.default_rng(seed)
+    offset, scale = rng.normal(2048, 40, 3), rng.uniform(900.0, 1100.0, 3)
+    counts = np.clip(np.round(rng.normal(0, 0.4, (n_windows, 20, 3)) * scale + offset), 0, 4095)
+    windows = np.empty((n_windows, 20, 4), np.float32)
+    windows[:, :, :3] = np.clip((counts - offset) / scale, -2.0, 2.0)
+    shape = (n_windows, 20) if gps_per_sample else (n_windows, 1)
+    windows[:, :, 3] = np.round(rng.lognormal(0, 1, shape), 7) / 22.3012351755624
+    return windows
+
+
+def assert_exact(got: np.ndarray, expected: np.ndarray) -> None:
+    assert got.dtype == np.float32 and got.shape == expected.shape
+    assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
+
+
+def round_trip(windows: np.ndarray, device: np.ndarray, encoded: _v2.Encoded,
+               dictionaries: _v2.Dictionaries) -> None:
+    """Both decoders give the input bit for bit, and every code falls inside its dictionary."""
+    _v2.check(encoded.codes, encoded.row, dictionaries.start, len(dictionaries.values))
+    args = (encoded.codes, encoded.row, encoded.gps, dictionaries.values, dictionaries.start)
+    assert_exact(_v2.decode_reference(*args), windows)
+    assert_exact(_v2.decode(*args), windows)
+    # every window's row belongs to its device
+    assert np.array_equal(dictionaries.device[encoded.row], device)
+
+
+def test_normal_devices_get_one_row_each_and_round_trip_bit_for_bit() -> None:
+    parts = [calibrated(n, seed=s) for s, n in enumerate((700, 50, 1200))]
+    windows = np.concatenate(parts)
+    device = np.repeat([533, 7, 298], [len(p) for p in parts])
+    windows[3, 5, 0] = NEG_ZERO
+    windows[4, 0, 3] = NEG_ZERO
+    windows[800, 2, 1] = NAN_PAYLOAD
+    encoded = _v2.encode(windows, device)
+    round_trip(windows, device, encoded, encoded.new)
+    assert sorted(encoded.new.device.tolist()) == [7, 298, 533]
+    sizes = encoded.new.sizes()
+    assert (sizes <= 4096 + 2).all()  # 12-bit counts (+ the -0.0 and the NaN)
+    # the default entry order is ascending bit patterns in every (row, channel) dictionary
+    for r in range(encoded.new.n_rows):
+        for c in range(_v2.N_CODED):
+            entries = encoded.new.entries(r, c).view(np.uint32)
+            assert (np.diff(entries.astype(np.int64)) > 0).all()
+
+
+def test_first_occurrence_order_decodes_the_same() -> None:
+    windows = calibrated(900, seed=3)
+    device = np.zeros(900, np.int64)
+    encoded = _v2.encode(windows, device, orders=(_v2.FIRST,) * 3)
+    round_trip(windows, device, encoded, encoded.new)
+    first = encoded.new.entries(0, 0)
+    assert first[0] == windows[0, 0, 0] and first[1] == windows[0, 1, 0]
+
+
+def test_a_device_channel_over_65535_distinct_values_splits_into_rows() -> None:
+    # 4,000 windows of a channel with every value distinct (80,000 > 65,535): not 12-bit counts
+    windows = calibrated(4000, seed=5)
+    distinct = (np.random.default_rng(1).permutation(80_000) + 0.5) / 7  # float32 keeps them apart
+    windows[:, :, 1] = distinct.reshape(4000, 20).astype(np.float32)
+    device = np.full(4000, 42)
+    encoded = _v2.encode(windows, device)
+    round_trip(windows, device, encoded, encoded.new)
+    sizes = encoded.new.sizes()
+    assert encoded.new.n_rows == 2 and (sizes <= _v2.MAX_ENTRIES).all()
+    # a row takes windows in order up to the last one that fits: 65,535 // 20 whole windows
+    assert np.array_equal(encoded.row, np.repeat([0, 1], [3276, 724]))
+    assert sizes[0, 1] == 3276 * 20 and sizes[1, 1] == 724 * 20
+    # the rows' IMU channels that did not overflow keep their few thousand entries each
+    assert (sizes[:, 0] <= 4096).all()
+
+
+def test_the_split_starts_a_row_at_the_first_window_that_would_overflow() -> None:
+    # windows 0..3275 hold 65,520 distinct values, window 3276 adds 15 more (65,535: still fits), the
+    # next brings one new value, which would make 65,536
+    values = np.arange(3278 * 20, dtype=np.uint32)
+    values[3276 * 20 + 15 : 3277 * 20] = values[3276 * 20]  # window 3276: 15 distinct new values + repeats
+    values[3277 * 20 + 1 :] = values[0]  # window 3277: one new value, then old ones
+    row = _v2._split_device([(values, 20)], 3278)
+    assert np.array_equal(row, np.repeat([0, 1], [3277, 1]))
+
+
+def test_gps_speed_with_over_65535_distinct_values_needs_no_split() -> None:
+    # gps_speed varying inside windows (some exports): 4,000 x 20 distinct speeds, stored as float32
+    windows = calibrated(4000, seed=6, gps_per_sample=True)
+    assert len(np.unique(windows[:, :, 3])) > _v2.MAX_ENTRIES
+    device = np.full(4000, 1)
+    encoded = _v2.encode(windows, device)
+    round_trip(windows, device, encoded, encoded.new)
+    assert encoded.new.n_rows == 1
+
+
+def test_many_small_devices_in_shuffled_order() -> None:
+    rng = np.random.default_rng(9)
+    sizes = rng.integers(1, 6, 3000)
+    windows = np.concatenate([calibrated(int(n), seed=1000 + i) for i, n in enumerate(sizes)])
+    device = np.repeat(np.arange(3000) * 3 + 100, sizes)
+    order = rng.permutation(len(windows))
+    windows, device = windows[order], device[order]
+    encoded = _v2.encode(windows, device)
+    round_trip(windows, device, encoded, encoded.new)
+    assert encoded.new.n_rows == 3000
+    assert encoded.new.sizes().max() <= 5 * 20
+
+
+def test_an_append_with_new_values_grows_the_dictionary_and_old_codes_stay_valid() -> None:
+    old_windows = calibrated(300, seed=11)
+    old_device = np.full(300, 533)
+    first = _v2.encode(old_windows, old_device)
+    # new windows of device 533 (other counts: new values) and of a new device 7
+    new_windows = np.concatenate([calibrated(200, seed=12), calibrated(100, seed=13)])
+    new_windows[:, :, :3] = np.concatenate([
+        calibrated(200, seed=11)[:, :, :3] * np.float32(1.5),  # device 533: values it never had
+        new_windows[200:, :, :3],
+    ])
+    new_device = np.repeat([533, 7], [200, 100])
+    second = _v2.encode(new_windows, new_device, previous=first.new)
+    store = first.new.extend(second.new)
+    assert store.device.tolist() == [533, 533, 7]
+    # the old windows still decode from the grown arrays (nothing of theirs changed)
+    round_trip(old_windows, old_device, first, store)
+    round_trip(new_windows, new_device, second, store)
+    assert set(second.row[:200].tolist()) == {1} and set(second.row[200:].tolist()) == {2}
+    sizes = store.sizes()
+    for c in range(_v2.N_CODED):
+        # the grown row begins with the old row's entries: an old code means the same value in both
+        old_entries, grown = store.entries(0, c), store.entries(1, c)
+        assert sizes[1, c] > sizes[0, c]
+        assert_exact(grown[: sizes[0, c]], old_entries)
+        assert_exact(grown[first.codes[:, :, c]], old_windows[:, :, c])
+    # starts of the appended rows count the entries before them
+    assert second.new.start[0, 0] == len(first.new.values)
+
+
+def test_an_append_without_new_values_reuses_the_row() -> None:
+    windows = calibrated(400, seed=21)
+    first = _v2.encode(windows[:300], np.full(300, 5))
+    again = windows[:100].copy()
+    again[:, :, 3] = windows[300:, :, 3]  # gps_speed is stored as it is: new speeds need no entries
+    second = _v2.encode(again, np.full(100, 5), previous=first.new)
+    assert second.new.n_rows == 0 and len(second.new.values) == 0
+    assert set(second.row.tolist()) == {0}
+    round_trip(again, np.full(100, 5), second, first.new.extend(second.new))
+
+
+def test_an_append_that_would_overflow_the_row_starts_new_rows() -> None:
+    windows = calibrated(3500, seed=31)
+    distinct = (np.random.default_rng(2).permutation(70_000) + 0.5) / 7
+    windows[:, :, 2] = distinct.reshape(3500, 20).astype(np.float32)
+    first = _v2.encode(windows[:2500], np.full(2500, 8))  # 50,000 entries in imu_z
+    second = _v2.encode(windows[2500:], np.full(1000, 8), previous=first.new)  # +20,000 > 65,535
+    store = first.new.extend(second.new)
+    assert store.device.tolist() == [8, 8]
+    assert store.sizes()[1, 2] == 1000 * 20  # its own row, not the old one's entries + the new
+    round_trip(windows[:2500], np.full(2500, 8), first, store)
+    round_trip(windows[2500:], np.full(1000, 8), second, store)
+
+
+def test_check_refuses_codes_past_their_dictionary() -> None:
+    windows = calibrated(10, seed=41)
+    encoded = _v2.encode(windows, np.zeros(10))
+    codes = encoded.codes.copy()
+    codes[3, 4, 2] = encoded.new.sizes()[0, 2]
+    with pytest.raises(ValueError, match="past the end of its dictionary"):
+        _v2.check(codes, encoded.row, encoded.new.start, len(encoded.new.values))
+    with pytest.raises(ValueError, match="refers to row 1; the dictionary has 1 rows"):
+        _v2.check(encoded.codes, encoded.row + 1, encoded.new.start, len(encoded.new.values))
+
+
+def test_unique_matches_numpy() -> None:
+    keys = np.random.default_rng(3).integers(0, 5000, 100_000).astype(np.uint64) << np.uint64(7)
+    distinct, first_rank, inverse = _v2._unique(keys)
+    expected, first_at, expected_inverse = np.unique(keys, return_index=True, return_inverse=True)
+    assert np.array_equal(distinct, expected) and np.array_equal(inverse, expected_inverse.reshape(-1))
+    assert np.array_equal(np.argsort(first_rank), np.argsort(first_at))
+
+
+# -- interop: a store written with core codecs only, read without birdzarr ------------------------
+
+
+def documented_decode() -> str:
+    """The decoding lines of _v2's docstring, as a reader copies them."""
+    doc = _v2.__doc__ or ""
+    block = doc[doc.index("faster)::\n\n") + len("faster)::\n\n") :]
+    lines = []
+    for line in block.splitlines():
+        if not line.startswith("    "):
+            break
+        lines.append(line)
+    return textwrap.dedent("\n".join(lines))
+
+
+@pytest.fixture(scope="module")
+def v2_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray]:
+    """A small store of the format 2 arrays, shuffled, written by zarr-python from
+    ``array_metadata`` (3 chunks of 512 windows, the last one partial)."""
+    import zarr
+
+    rng = np.random.default_rng(17)
+    sizes = [600, 300, 400]
+    windows = np.concatenate([calibrated(n, seed=50 + i) for i, n in enumerate(sizes)])
+    windows[7, 3, 0] = NEG_ZERO
+    device = np.repeat([533, 298, 7], sizes)
+    order = rng.permutation(len(windows))
+    windows, device = windows[order], device[order]
+    encoded = _v2.encode(windows, device)
+    path = tmp_path_factory.mktemp("v2") / "store.zarr"
+    data = {_v2.CODES: encoded.codes, _v2.GPS: encoded.gps, _v2.ROW: encoded.row,
+            _v2.VALUES: encoded.new.values, _v2.START: encoded.new.start, _v2.DEVICE: encoded.new.device}
+    metadata = _v2.array_metadata(len(windows), len(encoded.new.values), encoded.new.n_rows,
+                                  chunk_windows=512)
+    path.mkdir(parents=True)
+    (path / "zarr.json").write_text(json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}))
+    for name, meta in metadata.items():
+        assert {codec["name"] for codec in meta["codecs"]} <= _v2.CORE_CODECS
+        (path / name).mkdir()
+        (path / name / "zarr.json").write_text(json.dumps(meta))
+        array = zarr.open_array(str(path / name), mode="r+", zarr_format=3)
+        array[...] = data[name]
+    return path, windows
+
+
+def test_the_store_holds_only_core_codecs_and_every_chunk(v2_store: tuple[Path, np.ndarray]) -> None:
+    path, _ = v2_store
+    for name in _v2.ARRAYS:
+        meta = json.loads((path / name / "zarr.json").read_text())
+        assert {codec["name"] for codec in meta["codecs"]} <= _v2.CORE_CODECS
+        assert meta["codecs"][-1] == {"name": "crc32c"}
+    assert sorted(p.name for p in (path / _v2.CODES / "c").iterdir()) == ["0", "1", "2"]
+
+
+def test_tensorstore_reads_the_store_and_the_documented_lines_decode_it(
+    v2_store: tuple[Path, np.ndarray],
+) -> None:
+    ts = pytest.importorskip("tensorstore")
+    path, windows = v2_store
+
+    def read(name: str) -> np.ndarray:
+        spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path / name)}}
+        return ts.open(spec, open=True).result().read().result()
+
+    z = {name: read(name) for name in _v2.ARRAYS}
+    for a, b in ((0, len(windows)), (500, 1100)):
+        scope = {"np": np, "z": z, "a": a, "b": b}
+        exec(documented_decode(), scope)
+        assert_exact(scope["windows"], windows[a:b])
+
+
+def test_zarr_without_birdzarr_reads_the_store_and_the_documented_lines_decode_it(
+    v2_store: tuple[Path, np.ndarray], tmp_path: Path,
+) -> None:
+    path, windows = v2_store
+    out = tmp_path / "decoded.npy"
+    script = "\n".join([
+        "import sys",
+        "sys.modules['birdzarr'] = None  # any import of birdzarr fails",
+        "try:",
+        "    import birdzarr",
+        "except ImportError:",
+        "    pass",
+        "else:",
+        "    raise SystemExit('birdzarr was importable')",
+        "import numpy as np, zarr",
+        f"root = {str(path)!r}",
+        "z = {name: zarr.open_array(root + '/' + name, mode='r', zarr_format=3)",
+        f"     for name in {_v2.ARRAYS!r}}}",
+        f"a, b = 100, {len(windows)}",
+        documented_decode(),
+        f"np.save({str(out)!r}, windows)",
+        "print(sorted(m for m in sys.modules if m.startswith('birdzarr')))",
+    ])
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['birdzarr']"  # only the blocked entry: nothing of birdzarr loaded
+    assert_exact(np.load(out), windows[100:])
