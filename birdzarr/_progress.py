@@ -2,7 +2,9 @@
 
 On a terminal the bar redraws in place. When stderr is not a terminal (a SLURM log, a file, a
 pipe) a redrawn bar would write about ten lines a second into the log, so there it writes one
-plain line every :data:`LOG_INTERVAL` (10) seconds instead (and the final state when the work ends);
+plain line every :data:`LOG_INTERVAL` (10) seconds instead, and the final state when the work
+ends; never a line before anything is done (tqdm draws its empty start, "0.00 windows [00:00,
+?]", and again after a reset), so a short run writes one line and a run with nothing to do none.
 ``BIRDZARR_PROGRESS_INTERVAL`` changes the interval, and ``0`` turns those lines off.
 """
 
@@ -19,6 +21,7 @@ if importlib.util.find_spec("ipywidgets") is not None:
     from tqdm.auto import tqdm
 else:
     from tqdm import tqdm
+from tqdm import tqdm as _plain_tqdm
 
 LOG_INTERVAL = 10.0  # seconds between progress lines in a log (stderr not a terminal)
 
@@ -45,8 +48,17 @@ def progress_bar(enabled: bool, **kwargs: Any) -> Any:
     if interval <= 0:
         return tqdm(disable=True, file=stream, **kwargs)
     # mininterval/maxinterval: at most one line per interval; a newline per refresh, no "\r"
-    return tqdm(file=_Lines(stream), unit_scale=True, mininterval=interval, maxinterval=interval,
-                miniters=1, ncols=100, ascii=True, **kwargs)
+    return _LogBar(file=_Lines(stream), unit_scale=True, mininterval=interval, maxinterval=interval,
+                   miniters=1, ncols=100, ascii=True, **kwargs)
+
+
+class _LogBar(_plain_tqdm):  # type: ignore[misc]
+    """A bar for a log: no line while nothing is done (its start, a reset), see module doc."""
+
+    def display(self, msg: str | None = None, pos: int | None = None) -> bool:
+        if self.n == 0 and msg is None:
+            return True
+        return bool(super().display(msg, pos))
 
 
 class _Lines:

@@ -301,3 +301,32 @@ def test_a_store_without_the_tails_record_appends_as_before(
     third = append_detailed(dest, seasons["s3"], progress=False)
     assert third.store.meta["report"]["appends"][1].get("continued_rows")
     assert verify(dest, source=seasons["all"]).ok
+
+
+def test_info_and_the_store_report_each_append(
+    csv_parts: dict[str, pathlib.Path], tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`info` gave the first conversion's time as the whole store's, and neither it (`--json`)
+    nor the Python store showed the appends the report keeps."""
+    dest = tmp_path / "s.zarr"
+    n0 = len(birdzarr.convert(csv_parts["base"], dest, chunk_windows=CHUNK, progress=False))
+    store = append(dest, csv_parts["more"], progress=False)
+    (record,) = store.appends
+    assert record == store.meta["report"]["appends"][0]
+    assert record["first_window"] == n0 and record["windows"] == len(store) - n0
+    assert main(["info", str(dest), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["report"]["windows"] == n0  # what the conversion's seconds and CPU figures cover
+    (listed,) = info["appends"]
+    assert listed["windows"] == len(store) - n0 and listed["seconds"] == record["seconds"]
+    files = len(list(csv_parts["more"].iterdir()))
+    assert listed["devices_appended"] == 4 and listed["files_appended"] == files
+    assert main(["info", str(dest)]) == 0
+    text = capsys.readouterr().out
+    assert f"s for its {n0:,} windows (" in text
+    assert (f"append 1     +{len(store) - n0:,} windows (4 device(s), {listed['files_appended']} file(s)) "
+            f"in {record['seconds']:.1f} s, {record['finished_at']}, from {csv_parts['more']}") in text
+    fresh = birdzarr.convert(csv_parts["base"], tmp_path / "fresh.zarr", progress=False)
+    assert fresh.appends == []
+    assert main(["info", str(tmp_path / "fresh.zarr")]) == 0
+    assert "append 1" not in capsys.readouterr().out

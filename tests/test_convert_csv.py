@@ -291,3 +291,26 @@ def test_a_complete_last_line_without_a_newline_is_read(tmp_path: pathlib.Path) 
     store = birdzarr.convert(path, tmp_path / "s.zarr", progress=False)
     assert len(store) == 1 and store.report[9].bad_lines == 0
     assert store.windows[0][-1][3] == np.float32(3.25 / GPS_SCALE)
+
+
+def test_progress_in_a_log_starts_with_work_done_not_an_empty_bar(
+    csv_dir: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """stderr is not a terminal here (a log): tqdm's empty start ("0.00 windows [00:00, ?]")
+    and a reset bar write no line; a short conversion writes its final line only."""
+    from birdzarr._progress import progress_bar
+    from birdzarr.cli import main
+
+    assert main(["convert", str(csv_dir), str(tmp_path / "s.zarr")]) == 0
+    store = birdzarr.open_store(tmp_path / "s.zarr")
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("convert csv: ") and "0.00" not in lines[0], lines
+    assert lines[0].startswith(f"convert csv: {len(store)} windows ["), lines
+    with progress_bar(True, desc="nothing", unit=" windows"):
+        pass
+    with progress_bar(True, desc="pass", total=5, unit=" windows") as bar:
+        bar.update(5)
+        bar.reset(total=7)
+        bar.update(7)
+    lines = capsys.readouterr().err.splitlines()  # nothing from "nothing", nor from the reset
+    assert len(lines) == 1 and lines[0].startswith("pass: 100%|") and "7.00/7.00" in lines[0], lines

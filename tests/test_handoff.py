@@ -131,6 +131,7 @@ def test_the_training_process_drops_the_slots_of_finished_workers(small_store: b
     assert max(sizes) <= 2 * 8, sizes
 
 
+@pytest.mark.slow
 def test_a_loop_that_stops_mid_epoch_leaves_no_slot_mapped(small_store: birdzarr.Store) -> None:
     ds = birdzarr.WindowDataset(small_store.url, batch_size=50, seed=4)
     loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")

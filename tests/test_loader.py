@@ -25,6 +25,7 @@ def _epoch_indices(ds: birdzarr.WindowDataset, num_workers: int = 0) -> list[np.
     return [ds.batch_indices(b, plan) for b in ds.delivery_order(num_workers)]
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 # a rank holding the short last chunk has 3 batches fewer than the other (found by hypothesis)
 @example(world_size=2, num_workers=0, batch_size=205, drop_last=True, buffer_batches=1, epoch=0)
@@ -146,6 +147,7 @@ def _in_loader_order(
     return [batches[b] for b in ds.delivery_order(workers)]
 
 
+@pytest.mark.slow
 def test_forked_workers_yield_the_same_batches_as_one_process(small_store: birdzarr.Store) -> None:
     """Batch membership does not depend on num_workers; the arrival order is delivery_order()."""
     ds = _dataset(small_store, batch_size=1500, seed=2, shuffle_buffer=3000)
@@ -160,6 +162,7 @@ def test_forked_workers_yield_the_same_batches_as_one_process(small_store: birdz
         assert all(torch.equal(x, y) for x, y in zip(got, expected, strict=True))
 
 
+@pytest.mark.slow
 def test_spawned_workers_after_the_main_process_has_read(small_store: birdzarr.Store) -> None:
     """A ``spawn`` worker (``forkserver``, Python 3.14's default on Linux, pickles the same way)
     gets the dataset pickled, also once this process has read batches and holds reader threads."""
@@ -290,6 +293,7 @@ def test_shuffled_streaming_of_a_device_ordered_store_is_refused(small_store: bi
     assert len(_dataset(small_store, batch_size=4096, drop_last=True)) == len(small_store) // 4096
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("num_workers", "persistent"), [(0, False), (2, False), (2, True)])
 def test_stateful_dataloader_resumes_exactly(
     small_store: birdzarr.Store, num_workers: int, persistent: bool
@@ -397,6 +401,7 @@ def test_one_reader_decodes_each_chunk_once_per_epoch(small_store: birdzarr.Stor
         assert ds._local().pool.decoded - before == ds._local().reader.n_chunks
 
 
+@pytest.mark.slow
 def test_persistent_workers_follow_set_epoch_and_resume(small_store: birdzarr.Store) -> None:
     """Persistent workers keep their own dataset copy; epochs and resume points must reach them."""
     reference = _dataset(small_store, batch_size=700, seed=6, shuffle_buffer=4096)

@@ -40,6 +40,8 @@ from birdzarr.maintenance._copy import copy_store
 from birdzarr.storage._cache import attach_cache
 from birdzarr.storage._location import RetryPolicy, resolve
 
+pytestmark = [pytest.mark.slow, pytest.mark.s3]
+
 CHUNK = 4096
 
 

@@ -80,6 +80,12 @@ class Store:
         devices = self.meta.get("report", {}).get("devices", {})
         return {int(k): DeviceReport.from_json(v) for k, v in devices.items()}
 
+    @property
+    def appends(self) -> list[dict[str, Any]]:
+        """Every append to the store, oldest first, as the report keeps it (``report.appends``:
+        first window, windows, files per device, source, times, CPU figures); [] if none."""
+        return [dict(record) for record in self.meta.get("report", {}).get("appends") or []]
+
     def device(self, device_id: int) -> DeviceEntry:
         """The device table's entry for ``device_id`` (``DeviceNotFoundError``, a
         ``KeyError``, if the store has no such device). The id may be given as a string

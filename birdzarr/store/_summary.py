@@ -7,6 +7,9 @@ from typing import Any
 from birdzarr.format._spec import GIMU
 from birdzarr.store._handle import Store
 
+_WINDOW_BYTES = 20 * 4 * 4  # a window as float32
+_APPENDS_LISTED = 5  # appends listed one a line by `info` (the latest)
+
 
 def stored_bytes(store: Store, name: str = GIMU) -> int:
     """Bytes of one array's chunk files (listing the array's directory once)."""
@@ -20,9 +23,10 @@ def stored_bytes(store: Store, name: str = GIMU) -> int:
 
 def summary(store: Store) -> dict[str, Any]:
     meta = store.meta
-    raw = len(store) * 20 * 4 * 4
+    raw = len(store) * _WINDOW_BYTES
     stored = stored_bytes(store)
     report = meta.get("report", {})
+    appends = report.get("appends") or []
     dropped: dict[str, int] = {}
     rows_read = bad_lines = bad_files = mixed = 0
     for entry in report.get("devices", {}).values():
@@ -47,12 +51,26 @@ def summary(store: Store) -> dict[str, Any]:
         "window_rule": meta.get("window_rule"),
         "mixed_label_policy": meta.get("mixed_label_policy"),
         "committed": meta.get("committed"),
-        "report": {"rows_read": rows_read, "bad_lines": bad_lines, "bad_files": bad_files,
+        # the totals cover every commit; the times and CPU figures are the first conversion's,
+        # of its ``windows`` (each append has its own, in ``appends``)
+        "report": {"windows": int(appends[0]["first_window"]) if appends else len(store),
+                   "rows_read": rows_read, "bad_lines": bad_lines, "bad_files": bad_files,
                    "mixed_label_windows": mixed, "dropped": dropped, "seconds": report.get("seconds"),
                    "cpu_seconds": report.get("cpu_seconds"), "cores_used": report.get("cores_used"),
                    "workers": report.get("workers"),
                    "pass_seconds": (report.get("shuffle") or {}).get("pass_seconds")},
+        "appends": [_append_summary(a) for a in appends],
     }
+
+
+def _append_summary(record: dict[str, Any]) -> dict[str, Any]:
+    """One append of the report, its per-device file lists counted (the store's root
+    attributes keep them: ``report.appends[i].files``)."""
+    files = record.get("files") or {}
+    found = {k: v for k, v in record.items() if k != "files"}
+    found["devices_appended"] = len(files)
+    found["files_appended"] = sum(len(names) for names in files.values())
+    return found
 
 
 def _size(n: float) -> str:
@@ -91,9 +109,12 @@ def format_summary(info: dict[str, Any]) -> str:
         f"{report['bad_lines']:,}, bad files {report.get('bad_files', 0):,}; mixed-label windows "
         f"{report['mixed_label_windows']:,}"
     )
+    appends = info.get("appends") or []
     if report.get("seconds"):
-        rate = info["bytes_raw"] / report["seconds"] / 1e6
-        lines.append(f"conversion   {report['seconds']:.1f} s ({rate:.0f} MB/s of float32 windows)")
+        windows = report.get("windows", info["windows"])
+        rate = windows * _WINDOW_BYTES / report["seconds"] / 1e6
+        of = f" for its {windows:,} windows" if appends else ""
+        lines.append(f"conversion   {report['seconds']:.1f} s{of} ({rate:.0f} MB/s of float32 windows)")
         if report.get("cpu_seconds") is not None:
             workers = report.get("workers")
             lines[-1] += (f", {report['cpu_seconds']:.1f} CPU s on {report.get('cores_used', 0):.1f} cores "
@@ -101,4 +122,17 @@ def format_summary(info: dict[str, Any]) -> str:
         if report.get("pass_seconds"):  # a shuffle: read and spill, then load and write
             first, second = report["pass_seconds"]
             lines[-1] += f"; shuffle pass 1 {first:.1f} s, pass 2 {second:.1f} s"
+    shown = appends[-_APPENDS_LISTED:]
+    if len(appends) > len(shown):
+        lines.append(f"appends      {len(appends)}, the last {len(shown)}:")
+    for number, record in enumerate(shown, start=len(appends) - len(shown) + 1):
+        line = (f"append {number:<6d}+{record.get('windows', 0):,} windows ({record['devices_appended']} "
+                f"device(s), {record['files_appended']} file(s))")
+        if record.get("seconds") is not None:
+            line += f" in {record['seconds']:.1f} s"
+        if record.get("finished_at"):
+            line += f", {record['finished_at']}"
+        if record.get("source"):
+            line += f", from {record['source']}"
+        lines.append(line)
     return "\n".join(lines)
