@@ -13,6 +13,14 @@ import birdzarr
 from birdzarr.demo import _synthetic
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test on moto's S3 server is ``s3`` and ``slow`` wherever it is (tests/s3_support.py)."""
+    for item in items:
+        if {"moto", "s3_endpoint"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.s3)
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _stats_cache_of_the_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Statistics are cached per machine (birdzarr.explore): never in the user's ~/.cache from tests."""

@@ -58,6 +58,7 @@ def test_info_errors(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str])
     assert "no store at" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_demo(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", str(tmp_path / "demo"), "--windows", "3000"]) == 0
     out = capsys.readouterr().out

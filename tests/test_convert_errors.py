@@ -244,6 +244,7 @@ birdzarr.convert(sys.argv[1], sys.argv[2], overwrite=True, progress=False, chunk
 """
 
 
+@pytest.mark.slow
 def test_killed_overwrite_keeps_the_old_store(tmp_path: pathlib.Path) -> None:
     import signal
     import subprocess

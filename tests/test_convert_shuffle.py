@@ -31,6 +31,7 @@ def _sorted_rows(rows: np.ndarray) -> np.ndarray:
     return np.sort(rows.view(np.dtype((np.void, rows.dtype.itemsize * rows.shape[1]))).ravel())
 
 
+@pytest.mark.slow
 def test_shuffled_store_is_a_seeded_permutation(
     parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]],
     small_store: birdzarr.Store,

@@ -42,6 +42,8 @@ from birdzarr.format._spec import ATTRS_KEY
 from birdzarr.maintenance._repair import repair
 from birdzarr.maintenance._verify import verify
 
+pytestmark = pytest.mark.slow
+
 CHUNK = 64
 MODES = ("before", "after", "torn")
 COMMIT = "commit"  # the kill point at the commit write itself, found by its content

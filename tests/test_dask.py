@@ -13,6 +13,8 @@ import birdzarr
 from birdzarr.cli import main as cli_main
 from birdzarr.demo import _synthetic
 
+pytestmark = pytest.mark.slow
+
 distributed = pytest.importorskip("distributed")
 
 

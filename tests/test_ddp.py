@@ -23,7 +23,7 @@ import pytest
 import birdzarr
 from birdzarr.demo import _synthetic
 
-pytestmark = pytest.mark.filterwarnings("ignore:.*stored in device order")
+pytestmark = [pytest.mark.filterwarnings("ignore:.*stored in device order"), pytest.mark.slow]
 
 N_WINDOWS = 9_999  # odd: the ranks' shares differ, the last batches are short
 BATCH = 700
@@ -57,7 +57,7 @@ RANK_SCRIPT = textwrap.dedent(
     loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
     for epoch in epochs:
         ds.set_epoch(epoch)
-        plan = ds.plan()
+        plan = ds.plan(num_workers=2)
         order = ds.delivery_order(2)  # the order the 2-worker loader yields batch numbers in
         delivered, claimed, sizes = [], [], []
         for step, x in enumerate(loader):

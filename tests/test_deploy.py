@@ -109,6 +109,7 @@ def test_slurm_script_is_valid_bash() -> None:
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.slow
 def test_train_script_runs_one_short_epoch(small_store: birdzarr.Store) -> None:
     pytest.importorskip("torch")
     done = subprocess.run(
@@ -120,6 +121,7 @@ def test_train_script_runs_one_short_epoch(small_store: birdzarr.Store) -> None:
     assert re.search(r"epoch 0: 30,000 windows", done.stdout), done.stdout
 
 
+@pytest.mark.slow
 def test_train_script_runs_two_epochs_with_persistent_workers(small_store: birdzarr.Store) -> None:
     pytest.importorskip("torch")
     done = subprocess.run(

@@ -636,6 +636,8 @@ def s3_endpoint(request: pytest.FixtureRequest) -> Any:
     return request.getfixturevalue("moto")
 
 
+@pytest.mark.slow
+@pytest.mark.s3
 def test_views_and_stats_cache_over_s3(csv_case, s3_endpoint, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
     local, _ = csv_case
     url = f"s3://{new_bucket(s3_endpoint)}/birds.zarr"

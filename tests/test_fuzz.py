@@ -28,6 +28,8 @@ from birdzarr._errors import BadInputError, BirdzarrError
 from birdzarr.convert._csv import parse_csv
 from birdzarr.maintenance._verify import verify
 
+pytestmark = pytest.mark.slow
+
 _SCALE = int(os.environ.get("BIRDZARR_FUZZ_EXAMPLES", "0"))
 CASES_RUN: dict[str, int] = {}  # cases run per fuzz test, filled while that test runs
 OUTCOMES: dict[str, set[str]] = {}  # the outcomes seen per fuzz test ("store", "error", ...)

@@ -70,6 +70,8 @@ def test_tensorstore_reads_a_standard_store_locally(standard_store: birdzarr.Sto
     assert array.domain.labels == ("window",)
 
 
+@pytest.mark.slow
+@pytest.mark.s3
 def test_tensorstore_reads_a_standard_store_from_s3(
     standard_store: birdzarr.Store, moto: MotoEndpoint, monkeypatch: pytest.MonkeyPatch  # noqa: F811
 ) -> None:

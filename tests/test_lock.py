@@ -185,6 +185,8 @@ def test_stores_open_read_only(source: pathlib.Path, tmp_path: pathlib.Path) -> 
     assert not (dest / LOCK_NAME).exists()  # readers never lock
 
 
+@pytest.mark.slow
+@pytest.mark.s3
 def test_the_lock_on_s3_uses_a_conditional_write(source: pathlib.Path, moto: MotoEndpoint) -> None:  # noqa: F811
     """On S3 the lock is a PUT with If-None-Match: * (moto implements it like AWS)."""
     options = s3_options(moto.url)

@@ -10,9 +10,12 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 CHECK = pathlib.Path(__file__).with_name("no_torch_check.py")
 
 
+@pytest.mark.slow
 def test_everything_but_training_works_without_torch(tmp_path: pathlib.Path) -> None:
     done = subprocess.run([sys.executable, str(CHECK), "--block-torch"], capture_output=True, text=True,
                           cwd=tmp_path, timeout=300)

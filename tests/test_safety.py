@@ -458,6 +458,7 @@ def test_unreachable_endpoint_fails_fast(tmp_path: pathlib.Path, monkeypatch: py
     assert seconds < 5, seconds  # was 7-9 s of retries before the bounded defaults
 
 
+@pytest.mark.slow
 def test_broken_pipe_is_quiet(csv_source: pathlib.Path, tmp_path: pathlib.Path) -> None:
     store = tmp_path / "s.zarr"
     birdzarr.convert(csv_source, store, progress=False)

@@ -19,6 +19,8 @@ import torch
 import birdzarr
 from birdzarr.demo import _synthetic
 
+pytestmark = pytest.mark.slow
+
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train.py"
 BATCH = 256
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
