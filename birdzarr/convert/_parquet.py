@@ -132,6 +132,21 @@ def _values(array: pa.Array, dtype: type[np.generic]) -> np.ndarray:
     return np.frombuffer(array.buffers()[1], dtype=dtype, count=len(array), offset=array.offset * item)
 
 
+def int64_values(column: pa.Array | pa.ChunkedArray, fill: int = 0) -> np.ndarray:
+    """An integer column as int64 numpy, nulls as ``fill``. Without pandas: ``to_numpy`` and
+    ``pa.scalar`` (which ``fill_null`` and comparisons with a Python value use) import it."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    column = column.cast(pa.int64())
+    values = _values(column, np.int64)
+    return np.where(_null_mask(column), fill, values) if column.null_count else values
+
+
+def _null_mask(column: pa.Array) -> np.ndarray:
+    """True where ``column`` is null (without pandas)."""
+    return _values(column.is_null().cast(pa.int8()), np.int8).astype(bool)
+
+
 def _exact_windows(column: pa.Array) -> np.ndarray | None:
     """The batch as float32 (n, 20, 4) without copying, if every row is 80 finite values."""
     if column.null_count or column.values.null_count:
@@ -187,8 +202,7 @@ class _Group:
 
     def __init__(self, table: pa.Table) -> None:
         self.table = table.combine_chunks()
-        ids = self.table.column(DEVICE_COLUMN).cast(pa.int64()).fill_null(-1).combine_chunks()
-        ids_np = _values(ids, np.int64)
+        ids_np = int64_values(self.table.column(DEVICE_COLUMN), fill=-1)
         self.order = np.argsort(ids_np, kind="stable")  # stable: a device's rows stay in file order
         ordered = ids_np[self.order]
         self.ids, self.starts = np.unique(ordered, return_index=True)
@@ -467,10 +481,10 @@ class ParquetDeviceReader:
         self, ids: pa.Array, group: int, row_number: Callable[[int], int], source: str
     ) -> None:
         """A per-device file's ``device_id`` column must say the device its name says."""
-        wrong = pc.invert(pc.fill_null(pc.equal(ids, self.device_id), False))
-        if not pc.any(wrong).as_py():
+        wrong = np.flatnonzero(int64_values(ids, fill=-1) != self.device_id)
+        if not len(wrong):
             return
-        at = int(np.flatnonzero(np.asarray(wrong))[0])
+        at = int(wrong[0])
         other = ids[at].as_py()
         raise BadInputError(
             f"{source}, row group {group}, row {row_number(at)}: device_id is {other}, but the file's "
@@ -504,25 +518,23 @@ def _integers(
             f"{source}: column '{name}' holds values from {low} to {high}, outside {info.min}..{info.max} "
             f"(stored as {np.dtype(dtype)}); map them into that range"
         )
-    filled = pc.fill_null(column.cast(pa.int64()), fill)
-    return _values(filled, np.int64).astype(dtype)
+    return int64_values(column, fill).astype(dtype)
 
 
 def _timestamps(column: pa.Array, source: str) -> np.ndarray:
     """Unix seconds (floored) of an integer-seconds or timestamp column; nulls are unknown."""
     if pa.types.is_timestamp(column.type):
         per_second = {"s": 1, "ms": 1_000, "us": 1_000_000, "ns": 1_000_000_000}[column.type.unit]
-        raw = _values(pc.fill_null(column.cast(pa.int64()), 0), np.int64)
-        seconds = np.floor_divide(raw, per_second)
+        seconds = np.floor_divide(int64_values(column), per_second)
     else:
         try:
-            seconds = _values(pc.fill_null(column.cast(pa.int64()), 0), np.int64).copy()
+            seconds = int64_values(column)
         except pa.ArrowInvalid as exc:
             raise BadInputError(
                 f"{source}: column '{TIME_COLUMN}' does not fit int64 seconds ({exc})"
             ) from None
     if column.null_count:
-        seconds = np.where(np.asarray(column.is_null()), TIMESTAMP_UNKNOWN, seconds)
+        seconds = np.where(_null_mask(column), TIMESTAMP_UNKNOWN, seconds)
     return seconds.astype(np.int64, copy=False)
 
 

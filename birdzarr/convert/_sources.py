@@ -41,6 +41,7 @@ from birdzarr.convert._parquet import (
     HIVE_FOLDER,
     READ_BUFFER,
     ParquetDeviceReader,
+    int64_values,
     names_its_device,
     no_device_message,
 )
@@ -331,7 +332,7 @@ def _partition_devices(entry: _Entry) -> dict[int, int]:
                 if ids.null_count:
                     raise BadInputError(f"{file.display}, row group {group}: {ids.null_count:,} rows have no "
                                         f"{DEVICE_COLUMN}; every row of a partition file needs one.")
-                values = np.asarray(ids.combine_chunks().cast(pa.int64()))
+                values = int64_values(ids)
                 if len(values) and (values.min() < 0 or values.max() > MAX_DEVICE_ID):
                     bad = int(values[(values < 0) | (values > MAX_DEVICE_ID)][0])
                     raise BadInputError(f"{file.display}, row group {group}: {DEVICE_COLUMN} {bad} is not a "
