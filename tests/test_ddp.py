@@ -4,7 +4,8 @@ Each rank iterates one epoch through a forked multi-worker DataLoader, identifie
 window by matching its bytes against the store (not by trusting the loader's own bookkeeping),
 all_reduces after every batch (a rank with fewer batches would hang the other: the process group
 has a short timeout so a hang fails the test instead of stalling it) and writes what it saw. The
-test then checks: disjoint windows across ranks, equal batch counts, and the whole epoch covered.
+test then checks: disjoint windows across ranks, equal batch counts and sizes, and the whole
+epoch covered.
 """
 
 from __future__ import annotations
@@ -116,7 +117,9 @@ def test_torchrun_two_ranks_cover_each_epoch_exactly_once(
         assert all(m["world"] == WORLD for m in meta)
         # Equal batch counts (what keeps DDP's collectives in step), equal to len(ds).
         assert meta[0]["batches"] == meta[1]["batches"] == meta[0]["len"] == meta[1]["len"]
-        assert all(0 < s <= BATCH for m in meta for s in m["sizes"])
+        # Equal batch sizes too: all full but the last, whose sizes differ by at most one window
+        # (9,999 windows: 5,000 and 4,999 a rank, 7 batches of 700 and one of 100 or 99)
+        assert [m["sizes"] for m in meta] == [[BATCH] * 7 + [100], [BATCH] * 7 + [99]]
         # batch_indices() tells the truth about what was delivered, in order.
         for r in range(WORLD):
             np.testing.assert_array_equal(delivered[r], claimed[r])
@@ -124,10 +127,49 @@ def test_torchrun_two_ranks_cover_each_epoch_exactly_once(
         assert not np.intersect1d(delivered[0], delivered[1]).size
         assert all(len(np.unique(d)) == len(d) for d in delivered)
         np.testing.assert_array_equal(np.sort(np.concatenate(delivered)), np.arange(len(ddp_store)))
-        # ranks never share a chunk, so their shares differ by less than one chunk
-        assert abs(len(delivered[0]) - len(delivered[1])) < 512
+        assert [len(d) for d in delivered] == [5_000, 4_999]
         # Shuffled: no rank receives the store in order.
         assert not any((np.diff(d) == 1).all() for d in delivered)
         orders.append(delivered[0])
     # A new order every epoch.
     assert not np.array_equal(orders[0], orders[1])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_every_rank_gets_the_same_batches_of_the_same_size(
+    ddp_store: birdzarr.Store, world: int, drop_last: bool
+) -> None:
+    """Ranks simulated by world_size/rank, each read by a 2-worker loader: the same number of
+    batches, all full but the last (one window apart between ranks); every window once over
+    the ranks, or with drop_last exactly each rank's rest left out. (Ranks used to split at
+    chunk boundaries: shares a chunk apart, and the poorer rank's batches halved to even the
+    counts.)"""
+    from torch.utils.data import DataLoader
+
+    share = N_WINDOWS // world  # 4,999 or 3,333, plus one window for the first N_WINDOWS % world ranks
+    delivered, sizes = [], []
+    for rank in range(world):
+        ds = birdzarr.WindowDataset(ddp_store.url, batch_size=BATCH, seed=11, world_size=world, rank=rank,
+                                    drop_last=drop_last)
+        ds.set_epoch(1)
+        plan = ds.plan(num_workers=2)
+        order = ds.delivery_order(2)
+        got = list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork"))
+        assert len(got) == len(ds)
+        sizes.append(sorted((len(x) for x in got), reverse=True))
+        indices = [ds.batch_indices(b, plan) for b in order]
+        for x, idx in zip(got, indices, strict=True):
+            np.testing.assert_array_equal(x.numpy(), ddp_store.windows[idx])
+        delivered.append(np.concatenate(indices))
+    if drop_last:
+        assert sizes == [[BATCH] * (share // BATCH)] * world
+    else:
+        lasts = [share + (r < N_WINDOWS % world) - (len(sizes[0]) - 1) * BATCH for r in range(world)]
+        assert sizes == [[BATCH] * (len(sizes[0]) - 1) + [last] for last in lasts]
+    flat = np.concatenate(delivered)
+    assert len(np.unique(flat)) == len(flat)
+    if drop_last:
+        assert len(flat) == world * (share // BATCH) * BATCH
+    else:
+        np.testing.assert_array_equal(np.sort(flat), np.arange(N_WINDOWS))

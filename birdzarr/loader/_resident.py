@@ -12,8 +12,9 @@ bytes needed are checked against what the device (free GPU memory) or the proces
 limit, available RAM, /dev/shm) can give before anything is allocated.
 
 Each epoch, one permutation of all selected windows is drawn from ``(seed, epoch)`` with a torch
-generator on the holding device; rank ``r`` takes a contiguous slice of it (every window once over
-all ranks, equal batch counts); DataLoader workers (``resident="cpu"``) take every ``k``-th batch
+generator on the holding device; rank ``r`` takes a contiguous slice of it, split and cut into
+batches as streaming's plan does (``_sampling``: every window once over all ranks, the same
+number of batches of the same size); DataLoader workers (``resident="cpu"``) take every ``k``-th batch
 of their rank, so the order does not depend on ``num_workers``.
 """
 
@@ -32,6 +33,7 @@ from birdzarr._progress import progress_bar
 from birdzarr.format._codec import constant_rows
 from birdzarr.format._spec import DEVICE, GIMU, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH
 from birdzarr.loader._code_layout import ONCE_A_WINDOW, CodeLayout
+from birdzarr.loader._sampling import batch_sizes, rank_starts, rank_window_counts
 from birdzarr.loader._selection import Selection
 from birdzarr.loader._shared_dictionaries import share_dictionaries
 from birdzarr.store._chunks import ChunkReader
@@ -42,31 +44,6 @@ _VALUES = WINDOW_LENGTH * N_CHANNELS  # 80 float32 values a window
 # (0.18 vs 0.30 ms a batch of 8192 from 2.5 M windows, ``benchmarks/resident_decode.py``).
 _LDT_COLUMNS = 4
 _HEADROOM = 0.9  # use at most 90% of what is free: allocators and the batches need some room
-
-
-def rank_window_counts(
-    total: int, world_size: int, batch_size: int, drop_last: bool
-) -> tuple[np.ndarray, int]:
-    """Windows per rank and batches per rank: an even split (the first ranks one window more);
-    every rank has the same number of batches."""
-    per_rank = np.full(world_size, total // world_size, dtype=np.int64)
-    per_rank[: total % world_size] += 1
-    if drop_last:
-        n_batches = int(per_rank.min()) // batch_size
-        return np.full(world_size, n_batches * batch_size, dtype=np.int64), n_batches
-    if per_rank.min() == 0:
-        raise ValueError(f"{total} windows cannot be split over {world_size} ranks (a rank would get none)")
-    return per_rank, -(-int(per_rank.max()) // batch_size)
-
-
-def batch_sizes(n_windows: int, n_batches: int, batch_size: int) -> np.ndarray:
-    """A rank's batch sizes: full batches, then the rest; never an empty batch."""
-    sizes = np.full(n_batches, batch_size, dtype=np.int64)
-    if n_batches:
-        sizes[-1] = n_windows - (n_batches - 1) * batch_size
-        if sizes[-1] == 0:  # one window fewer than the ranks with a last batch
-            sizes[-2:] = (batch_size - 1, 1)
-    return sizes
 
 
 @dataclass(frozen=True)
@@ -256,9 +233,7 @@ class ResidentSelection:
             order = torch.randperm(n, generator=generator, device=self.device)
         else:
             order = torch.arange(n, device=self.device)
-        even = np.full(world_size, n // world_size, dtype=np.int64)
-        even[: n % world_size] += 1
-        start = int(even[:rank].sum())
+        start = int(rank_starts(n, world_size)[rank])
         mine = order[start : start + int(per_rank[rank])]
         sizes = batch_sizes(int(per_rank[rank]), n_batches, batch_size)
         return ResidentPlan(mine, np.concatenate(([0], np.cumsum(sizes))).astype(np.int64))

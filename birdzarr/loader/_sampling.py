@@ -1,27 +1,36 @@
 """Pure, seeded planning of an epoch: which windows form which batch, on which rank and worker.
 
 Everything here is a function of ``(counts, seed, epoch, world_size, batch_size, pool size,
-drop_last, shuffle)``; nothing reads data. ``counts[i]`` is the number of selected windows of
-chunk ``i`` (the read unit: a chunk is fetched and decoded as a whole). An epoch is built so that
-**every chunk is decoded exactly once** over all ranks and DataLoader workers, and batch
+drop_last, shuffle, num_workers)``; nothing reads data. ``counts[i]`` is the number of selected
+windows of chunk ``i`` (the read unit: a chunk is fetched and decoded as a whole). An epoch is
+built so that **every rank yields the same number of batches of the same size** and batch
 membership is **redrawn every epoch**:
 
 1. **Chunk order**: the chunks holding selected windows, permuted by ``(seed, epoch)`` (stored
-   order when not shuffling).
-2. **Ranks**: that order is cut into ``world_size`` contiguous runs holding about the same number
-   of windows (each chunk goes to the rank that holds its midpoint), so ranks never share a chunk.
-3. **Pools**: a rank's chunks are cut into pools of about ``pool_chunks`` chunks. Shuffled, the
-   selected windows of a pool are permuted uniformly (seeded by seed, epoch, rank and pool) and
-   cut into full batches plus at most one short batch per pool; so each batch is a uniform sample
-   of its pool, and a different one every epoch. Unshuffled, every batch is its own pool of
-   consecutive windows (the stored order).
-4. **Equal batch counts**: every rank must yield the same number of batches (DDP's collectives
-   stay in step). A rank with fewer splits its largest batches in two (``drop_last=False``,
-   every window delivered once) or, with ``drop_last``, ranks with more drop their last batches.
-5. **Workers**: DataLoader worker ``w`` of ``k`` takes pools ``w, w + k, ...`` whole (the pool's
-   chunks are decoded by that worker alone). DataLoader takes batches from its workers
-   round-robin, skipping finished ones; ``delivery_order`` is that interleaving. So which
-   windows form a batch does not depend on ``num_workers``; the order batches arrive in does.
+   order when not shuffling); their selected windows, one chunk after another, are the epoch's
+   window sequence.
+2. **Ranks**: rank ``r`` takes a contiguous run of that sequence: ``n // world_size`` windows,
+   one more for the first ``n % world_size`` ranks. Every rank then has
+   ``ceil(largest share / batch_size)`` batches: full ones and one shorter last batch; in the one
+   case where a share of one window less would be left a batch short (``n // world_size`` a
+   multiple of ``batch_size``), that rank's last two batches hold ``batch_size - 1`` and 1
+   windows. With ``drop_last`` every rank has ``(n // world_size) // batch_size`` full batches and
+   the rest of its share (fewer than ``batch_size + 1`` windows) is not delivered this epoch.
+   A chunk cut by a rank boundary is decoded by both ranks (at most ``world_size - 1`` a epoch).
+3. **Pools** (shuffled): a rank's chunks (whole chunks first, the pieces cut by rank boundaries
+   and the short ones last) are cut into pools at batch boundaries, so every batch but the last
+   is full. The number of pools is a multiple of the number of DataLoader workers (each worker
+   gets the same number of pools, and of batches give or take a chunk's), large enough that no
+   pool holds more than ``pool_chunks`` chunks, or else one batch a pool. A pool boundary
+   falls on a chunk boundary where one lies within half a chunk's batches of the even cut; else
+   that chunk is decoded by both pools. A pool's windows are permuted uniformly (seeded by seed,
+   epoch, rank and pool) and cut into batches; so each batch is a uniform sample of its pool, and
+   a different one every epoch. Unshuffled, every batch is its own pool of consecutive windows
+   (the stored order).
+4. **Workers**: DataLoader worker ``w`` of ``k`` takes pools ``w, w + k, ...`` whole. DataLoader
+   takes batches from its workers round-robin, skipping finished ones; ``delivery_order`` is that
+   interleaving. Which windows form a batch depends on ``num_workers`` (the pools are sized for
+   it); ``num_workers=0`` (reading in the training process) plans as one reader.
 """
 
 from __future__ import annotations
@@ -46,22 +55,39 @@ def chunk_order(counts: np.ndarray, *, seed: int, epoch: int, shuffle: bool) -> 
     return nonempty[_rng(seed, epoch).permutation(len(nonempty))]
 
 
-def split_ranks(order: np.ndarray, counts: np.ndarray, world_size: int) -> list[np.ndarray]:
-    """Cut the chunk order into ``world_size`` contiguous runs of about equal window counts."""
+def rank_window_counts(
+    total: int, world_size: int, batch_size: int, drop_last: bool
+) -> tuple[np.ndarray, int]:
+    """Windows per rank and batches per rank: an even split (the first ranks one window more);
+    every rank has the same number of batches. With ``drop_last`` each rank's count is cut to
+    its full batches."""
     if world_size < 1:
         raise ValueError("world_size must be positive")
-    sizes = counts[order]
-    total = int(sizes.sum())
-    midpoints = np.cumsum(sizes) - sizes / 2
-    owner = np.minimum((midpoints * world_size) // max(total, 1), world_size - 1).astype(np.int64)
-    runs = [order[owner == r] for r in range(world_size)]
-    if total and any(len(run) == 0 for run in runs):
-        raise ValueError(
-            f"the selection's {len(order)} chunk(s) ({total} windows) cannot be split over "
-            f"{world_size} ranks without leaving a rank empty (ranks never share a chunk); "
-            "select more windows or use fewer ranks"
-        )
-    return runs
+    per_rank = np.full(world_size, total // world_size, dtype=np.int64)
+    per_rank[: total % world_size] += 1
+    if drop_last:
+        n_batches = int(per_rank.min()) // batch_size
+        return np.full(world_size, n_batches * batch_size, dtype=np.int64), n_batches
+    if per_rank.min() == 0:
+        raise ValueError(f"{total} windows cannot be split over {world_size} ranks (a rank would get none)")
+    return per_rank, -(-int(per_rank.max()) // batch_size)
+
+
+def rank_starts(total: int, world_size: int) -> np.ndarray:
+    """Where each rank's run starts in the epoch's window sequence (the even split's offsets)."""
+    even = np.full(world_size, total // world_size, dtype=np.int64)
+    even[: total % world_size] += 1
+    return np.concatenate(([0], np.cumsum(even)[:-1])).astype(np.int64)
+
+
+def batch_sizes(n_windows: int, n_batches: int, batch_size: int) -> np.ndarray:
+    """A rank's batch sizes: full batches, then the rest; never an empty batch."""
+    sizes = np.full(n_batches, batch_size, dtype=np.int64)
+    if n_batches:
+        sizes[-1] = n_windows - (n_batches - 1) * batch_size
+        if sizes[-1] == 0:  # one window fewer than the ranks with a last batch
+            sizes[-2:] = (batch_size - 1, 1)
+    return sizes
 
 
 @dataclass(frozen=True)
@@ -69,63 +95,106 @@ class Pool:
     """Windows shuffled together: pieces of chunks and the sizes of the batches cut from them.
 
     Piece ``j`` is the selected windows ``[lo[j], hi[j])`` (ranks among the chunk's selected
-    windows) of chunk ``chunks[j]``. A shuffled pool holds whole chunks.
+    windows) of chunk ``chunks[j]``.
     """
 
     chunks: np.ndarray
     lo: np.ndarray
     hi: np.ndarray
-    sizes: np.ndarray  # batch sizes; their sum is the pool's windows, or less with drop_last
+    sizes: np.ndarray  # batch sizes; their sum is the pool's windows
 
     @property
     def n_windows(self) -> int:
         return int((self.hi - self.lo).sum())
 
 
-def _shuffled_pools(run: np.ndarray, counts: np.ndarray, pool_chunks: int, batch_size: int,
-                    drop_last: bool) -> list[Pool]:
-    n_pools = -(-len(run) // pool_chunks)
-    pools = []
-    for chunks in np.array_split(run, n_pools) if n_pools else []:
-        windows = int(counts[chunks].sum())
-        full, rest = divmod(windows, batch_size)
-        sizes = [batch_size] * full + ([rest] if rest and not drop_last else [])
-        pools.append(Pool(chunks, np.zeros(len(chunks), np.int64), counts[chunks].astype(np.int64),
-                          np.array(sizes, dtype=np.int64)))
-    return pools
+@dataclass(frozen=True)
+class _Pieces:
+    """A rank's windows as pieces of chunks, in the order they are cut into batches."""
+
+    chunks: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+
+    @property
+    def ends(self) -> np.ndarray:
+        """Cumulative windows at the end of each piece."""
+        return np.cumsum(self.hi - self.lo)
+
+    def cut(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The pieces holding windows ``[start, stop)`` of the run, clipped to them."""
+        ends = self.ends
+        begins = ends - (self.hi - self.lo)
+        first = int(np.searchsorted(ends, start, side="right"))
+        last = int(np.searchsorted(begins, stop, side="left"))
+        lo = self.lo[first:last] + np.maximum(start - begins[first:last], 0)
+        hi = self.hi[first:last] - np.maximum(ends[first:last] - stop, 0)
+        return self.chunks[first:last], lo, hi
 
 
-def _stream_sizes(windows: int, batch_size: int, drop_last: bool) -> list[int]:
-    full, rest = divmod(windows, batch_size)
-    return [batch_size] * full + ([rest] if rest and not drop_last else [])
+def _rank_pieces(order: np.ndarray, counts: np.ndarray, start: int, stop: int) -> _Pieces:
+    """The pieces of chunks (in ``order``) holding windows ``[start, stop)`` of the sequence."""
+    whole = _Pieces(order, np.zeros(len(order), np.int64), counts[order].astype(np.int64))
+    return _Pieces(*whole.cut(start, stop))
 
 
-def _sequential_pools(run: np.ndarray, counts: np.ndarray, sizes: list[int]) -> list[Pool]:
+def _pool_bounds(pieces: _Pieces, n_batches: int, batch_size: int, n_pools: int, workers: int) -> np.ndarray:
+    """Batch numbers where pools start (len n_pools + 1): each worker's batches spread evenly
+    over its pools, the workers' totals within one batch of each other; a boundary moves to a
+    chunk boundary (a batch boundary there) within half a chunk's batches, if one lies there."""
+    per_worker = np.full(workers, n_batches // workers, dtype=np.int64)
+    per_worker[: n_batches % workers] += 1
+    rounds = n_pools // workers
+    per_pool = np.empty(n_pools, dtype=np.int64)
+    for w in range(workers):
+        share = np.full(rounds, per_worker[w] // rounds, dtype=np.int64)
+        share[: per_worker[w] % rounds] += 1
+        per_pool[w::workers] = share
+    bounds = np.concatenate(([0], np.cumsum(per_pool))).astype(np.int64)
+    ends = pieces.ends
+    aligned = np.unique(ends[ends % batch_size == 0] // batch_size)  # chunk ends on a batch boundary
+    if len(aligned) == 0 or len(pieces.chunks) == 0:
+        return bounds
+    reach = max(1, int(np.median(pieces.hi - pieces.lo)) // batch_size // 2)
+    for j in range(1, n_pools):
+        at = int(np.searchsorted(aligned, bounds[j]))
+        near = [int(a) for a in aligned[max(0, at - 1) : at + 1] if abs(int(a) - bounds[j]) <= reach]
+        if near:
+            best = min(near, key=lambda a: abs(a - bounds[j]))
+            if bounds[j - 1] < best < bounds[j + 1]:
+                bounds[j] = best
+    return bounds
+
+
+def _shuffled_pools(pieces: _Pieces, sizes: np.ndarray, batch_size: int, pool_chunks: int,
+                    workers: int) -> list[Pool]:
+    """Cut a rank's pieces into pools at batch boundaries (see the module's step 3)."""
+    n_batches = len(sizes)
+    if n_batches == 0:
+        return []
+    offsets = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
+    n_pools = workers * -(-max(1, -(-len(pieces.chunks) // pool_chunks)) // workers)
+    while True:
+        if n_pools >= n_batches:  # one batch a pool
+            n_pools = n_batches
+            bounds = np.arange(n_batches + 1, dtype=np.int64)
+        else:  # a multiple of the workers
+            bounds = _pool_bounds(pieces, n_batches, batch_size, n_pools, workers)
+        pools = []
+        for j in range(n_pools):
+            chunks, lo, hi = pieces.cut(int(offsets[bounds[j]]), int(offsets[bounds[j + 1]]))
+            pools.append(Pool(chunks, lo, hi, sizes[bounds[j] : bounds[j + 1]].copy()))
+        most = max(len(p.chunks) for p in pools)
+        if n_pools == n_batches or most <= pool_chunks:
+            return pools
+        n_pools = workers * -(-max(n_pools + 1, n_pools * most // pool_chunks) // workers)
+
+
+def _sequential_pools(pieces: _Pieces, sizes: np.ndarray) -> list[Pool]:
     """One pool per batch: consecutive selected windows of the run's chunks, in stored order."""
-    bounds = np.concatenate(([0], np.cumsum(counts[run]))).astype(np.int64)
-    pools, at = [], 0
-    for size in sizes:
-        first = int(np.searchsorted(bounds, at, side="right")) - 1
-        last = int(np.searchsorted(bounds, at + size, side="left"))
-        chunks = run[first:last]
-        lo = np.maximum(at - bounds[first:last], 0)
-        hi = np.minimum(at + size - bounds[first:last], counts[chunks])
-        pools.append(Pool(chunks, lo, hi, np.array([size], dtype=np.int64)))
-        at += size
-    return pools
-
-
-def _split_largest(sizes: list[int], times: int) -> tuple[list[int], list[int]]:
-    """Split the largest batch (the first of equals) in two, ``times`` times; returns the new
-    sizes and, for each, the position of the batch it came from."""
-    sizes, origin = list(sizes), list(range(len(sizes)))
-    for _ in range(times):
-        i = int(np.argmax(sizes))
-        if sizes[i] < 2:
-            raise ValueError("too few windows for the number of batches every rank must yield")
-        sizes[i : i + 1] = [sizes[i] - sizes[i] // 2, sizes[i] // 2]
-        origin[i : i + 1] = [origin[i], origin[i]]
-    return sizes, origin
+    offsets = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
+    return [Pool(*pieces.cut(int(offsets[b]), int(offsets[b + 1])), sizes[b : b + 1].copy())
+            for b in range(len(sizes))]
 
 
 @dataclass(frozen=True)
@@ -143,15 +212,17 @@ class EpochPlan:
     shuffle: bool
     first_batch: np.ndarray  # number of the first batch of each pool; len(pools) + 1
     batch_pool: np.ndarray  # the pool of each batch
+    num_workers: int = 1  # the readers the pools were sized for
 
     @classmethod
-    def of(cls, pools: Sequence[Pool], *, seed: int, epoch: int, rank: int, shuffle: bool) -> EpochPlan:
+    def of(cls, pools: Sequence[Pool], *, seed: int, epoch: int, rank: int, shuffle: bool,
+           num_workers: int = 1) -> EpochPlan:
         """The plan of these pools, with its batch numbering."""
         per_pool = [len(p.sizes) for p in pools]
         first_batch = np.concatenate(([0], np.cumsum(per_pool))).astype(np.int64)
         batch_pool = np.repeat(np.arange(len(pools)), per_pool).astype(np.int64)
         first_batch.flags.writeable = batch_pool.flags.writeable = False
-        return cls(tuple(pools), seed, epoch, rank, shuffle, first_batch, batch_pool)
+        return cls(tuple(pools), seed, epoch, rank, shuffle, first_batch, batch_pool, num_workers)
 
     @property
     def n_batches(self) -> int:
@@ -189,15 +260,23 @@ class EpochPlan:
         piece = np.searchsorted(bounds, positions, side="right") - 1
         return piece, p.lo[piece] + positions - bounds[piece]
 
+    def worker_pools(self, worker: int, num_workers: int) -> range:
+        """The pools DataLoader worker ``worker`` of ``num_workers`` loads, in its order."""
+        return range(worker, len(self.pools), max(1, num_workers))
+
     def worker_batches(self, worker: int, num_workers: int) -> np.ndarray:
         """The batches DataLoader worker ``worker`` of ``num_workers`` produces, in its order."""
-        pools = range(worker, len(self.pools), max(1, num_workers))
-        spans = [np.arange(self.first_batch[p], self.first_batch[p + 1]) for p in pools]
+        spans = [np.arange(self.first_batch[p], self.first_batch[p + 1])
+                 for p in self.worker_pools(worker, num_workers)]
         return np.concatenate(spans).astype(np.int64) if spans else np.empty(0, np.int64)
 
     def delivery_order(self, num_workers: int) -> np.ndarray:
         """Batch numbers in the order a DataLoader with ``num_workers`` workers yields them."""
         return delivery_order([self.worker_batches(w, num_workers) for w in range(max(1, num_workers))])
+
+    def decodes(self) -> int:
+        """Chunk decodes this rank's epoch costs (a chunk cut by a pool boundary counts twice)."""
+        return int(sum(len(p.chunks) for p in self.pools))
 
 
 def delivery_order(per_worker: list[np.ndarray]) -> np.ndarray:
@@ -248,44 +327,29 @@ def plan_epoch(
     drop_last: bool,
     shuffle: bool,
     pool_chunks: int,
+    num_workers: int = 1,
 ) -> EpochPlan:
-    """The plan of one rank for one epoch; ``counts[i]`` is the number of selected windows of chunk i."""
+    """The plan of one rank for one epoch; ``counts[i]`` is the number of selected windows of
+    chunk i; ``num_workers`` the DataLoader workers the pools are sized for (0 or 1: one reader)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
     if batch_size < 1 or pool_chunks < 1:
         raise ValueError("batch_size and pool_chunks must be positive")
+    workers = max(1, int(num_workers))
     counts = np.asarray(counts, dtype=np.int64)
-    runs = split_ranks(chunk_order(counts, seed=seed, epoch=epoch, shuffle=shuffle), counts, world_size)
+    total = int(counts.sum())
+    per_rank, n_batches = rank_window_counts(total, world_size, batch_size, drop_last)
+    start = int(rank_starts(total, world_size)[rank])
+    order = chunk_order(counts, seed=seed, epoch=epoch, shuffle=shuffle)
+    pieces = _rank_pieces(order, counts, start, start + int(per_rank[rank]))
+    sizes = batch_sizes(int(per_rank[rank]), n_batches, batch_size)
     if shuffle:
-        per_rank = [_shuffled_pools(run, counts, pool_chunks, batch_size, drop_last) for run in runs]
-        n_batches = [sum(len(p.sizes) for p in pools) for pools in per_rank]
+        # whole chunks first: pool boundaries can then fall on chunk boundaries
+        lengths = pieces.hi - pieces.lo
+        ragged = lengths != (lengths.max() if len(lengths) else 0)
+        first = np.argsort(ragged, kind="stable")
+        pieces = _Pieces(pieces.chunks[first], pieces.lo[first], pieces.hi[first])
+        pools = _shuffled_pools(pieces, sizes, batch_size, pool_chunks, workers)
     else:
-        stream = [_stream_sizes(int(counts[run].sum()), batch_size, drop_last) for run in runs]
-        n_batches = [len(s) for s in stream]
-    target = min(n_batches) if drop_last else max(n_batches)
-    if shuffle:
-        pools = _equalize_pools(per_rank[rank], target, drop_last)
-    else:
-        mine = stream[rank]
-        sizes = mine[:target] if drop_last else _split_largest(mine, target - len(mine))[0]
-        pools = _sequential_pools(runs[rank], counts, sizes)
-    return EpochPlan.of(pools, seed=seed, epoch=epoch, rank=rank, shuffle=shuffle)
-
-
-def _equalize_pools(pools: list[Pool], target: int, drop_last: bool) -> list[Pool]:
-    """Trim (drop_last) or split batches so that the rank has exactly ``target`` batches."""
-    have = sum(len(p.sizes) for p in pools)
-    if have == target:
-        return pools
-    out = []
-    if drop_last:  # drop the last batches of the last pools
-        keep = target
-        for p in pools:
-            n = min(len(p.sizes), keep)
-            keep -= n
-            out.append(Pool(p.chunks, p.lo, p.hi, p.sizes[:n]))
-        return [p for p in out if len(p.sizes)]
-    pool_of = np.repeat(np.arange(len(pools)), [len(p.sizes) for p in pools])
-    sizes, origin = _split_largest([int(size) for p in pools for size in p.sizes], target - have)
-    owner_arr, flat_arr = pool_of[origin], np.array(sizes, dtype=np.int64)
-    return [Pool(p.chunks, p.lo, p.hi, flat_arr[owner_arr == i]) for i, p in enumerate(pools)]
+        pools = _sequential_pools(pieces, sizes)
+    return EpochPlan.of(pools, seed=seed, epoch=epoch, rank=rank, shuffle=shuffle, num_workers=workers)

@@ -1,8 +1,8 @@
 """Where a ``WindowDataset`` stands in its epochs, and the saved form of that (``state_dict``).
 
 ``ResumeState`` is the typed, immutable form of what ``WindowDataset.state_dict()`` returns and
-``load_state_dict()`` accepts (a plain dict of version 3: pools of whole chunks taken by workers,
-so the order batches arrive in depends on ``num_workers``). Two forms share the common keys:
+``load_state_dict()`` accepts (a plain dict of version 4: pools sized for and taken by the
+DataLoader's workers, so batches and their order depend on ``num_workers``). Two forms share the common keys:
 
 * the training process's: ``next_batch`` (batches delivered this epoch) and ``num_workers``;
 * a DataLoader worker's own (torchdata's ``StatefulDataLoader`` snapshots each worker):
@@ -29,7 +29,9 @@ from torch.utils.data import get_worker_info
 from birdzarr._checks import require_int
 from birdzarr.loader._sampling import resumed_worker
 
-STATE_VERSION = 3  # 3: pools of whole chunks taken by workers (order depends on num_workers)
+# 3: pools of whole chunks taken by workers; 4: equal batches on every rank, pools cut at batch
+# boundaries and sized for num_workers (membership and order depend on num_workers)
+STATE_VERSION = 4
 # what the batch order depends on: a state saved with other values cannot be resumed
 MUST_MATCH = ("seed", "world_size", "batch_size", "pool_chunks", "resident")
 
@@ -205,10 +207,13 @@ class Progress:
         if self.resume_at:
             saved = self.resume_workers or num_workers
             if saved != num_workers:
+                here = ("reads in the training process (num_workers=0)" if get_worker_info() is None
+                        else f"has num_workers={num_workers}")
+                then = f"num_workers={saved}" if saved > 1 else "num_workers=0 or 1"
                 raise ValueError(
-                    f"cannot resume: the resume point was counted with {saved} DataLoader "
-                    f"worker(s), this loader has {num_workers}; batches arrive in an order that "
-                    f"depends on num_workers. Resume with num_workers={saved if saved > 1 else 0}."
+                    f"cannot resume: the resume point was counted with {then}, this loader "
+                    f"{here}; which windows form a batch and the order batches arrive in depend "
+                    f"on num_workers. Resume with {then}."
                 )
             role, skip = resumed_worker(per_worker_counts(num_workers), self.resume_at, worker)
         return role, skip + self.skip_own
