@@ -297,3 +297,24 @@ def test_range_masks_and_counts_match_a_loop_over_every_range() -> None:
         assert np.array_equal(_ranges_mask(ranges, start, stop), truth[start:stop])
     assert np.array_equal(np.diff(_selected_below(ranges, bounds)),
                           [truth[a:b].sum() for a, b in zip(bounds[:-1], bounds[1:], strict=True)])
+
+
+@pytest.mark.parametrize("order", ["device", "shuffled"])
+def test_stats_of_a_selection_are_those_of_exactly_its_windows(
+    labelled: dict[str, birdzarr.Store], order: str
+) -> None:
+    store = labelled[order]
+    options = {"split": "train", "split_by": "window", "labelled_only": True, "val_fraction": 0.3}
+    ds = _dataset(store, **options)
+    stats = ds.stats()
+    values = store.windows[np.sort(_indices(ds))].reshape(-1, 4).astype(np.float64)
+    assert stats.n_windows == len(values) // 20 and stats.count == len(values)
+    assert np.allclose(stats.mean, values.mean(axis=0), rtol=0, atol=1e-12)
+    assert np.allclose(stats.std, values.std(axis=0), rtol=0, atol=1e-12)
+    assert np.array_equal(stats.min, values.min(axis=0)) and np.array_equal(stats.max, values.max(axis=0))
+    assert ds.stats() is stats  # computed once
+    whole = _dataset(store).stats()
+    assert not np.allclose(whole.mean, stats.mean, rtol=0, atol=1e-12)  # the validation windows left out
+    table = stats.to_dataframe()
+    assert list(table.index) == ["imu_x", "imu_y", "imu_z", "gps_speed"]
+    assert np.array_equal(table["std"].to_numpy(), stats.std)

@@ -28,12 +28,15 @@ import numpy as np
 from birdzarr._errors import DeviceNotFoundError
 from birdzarr.format._digest import fmix64, window_hashes
 from birdzarr.format._spec import (
+    CHANNELS,
     DEVICE,
     GIMU,
     LABEL,
     LABEL_UNLABELLED,
+    N_CHANNELS,
     TIMESTAMP,
     TIMESTAMP_UNKNOWN,
+    WINDOW_LENGTH,
     DeviceEntry,
 )
 from birdzarr.store._chunks import ChunkReader
@@ -252,6 +255,33 @@ class Selection:
                     totals[int(value)] = totals.get(int(value), 0) + int(n)
         return dict(sorted(totals.items()))
 
+    def channel_stats(self, reader: ChunkReader, *, threads: int = 4) -> SelectionStats:
+        """Per-channel count, mean, std (population), min and max of the selected windows, from
+        one pass over the ``gimu`` chunks holding them (one chunk per thread in memory; partial
+        results merged with Chan et al.'s pairwise update, in float64)."""
+        chunks = np.flatnonzero(self.counts() > 0).tolist()
+
+        def one(chunk: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+            windows = reader.read(GIMU, chunk)
+            mask = self.chunk_mask(reader, chunk)
+            values = (windows if mask is None else windows[mask]).reshape(-1, N_CHANNELS).astype(np.float64)
+            mean = values.mean(axis=0)
+            return (len(values), mean, ((values - mean) ** 2).sum(axis=0), values.min(axis=0),
+                    values.max(axis=0))
+
+        n, mean, m2 = 0, np.zeros(N_CHANNELS), np.zeros(N_CHANNELS)
+        low, high = np.full(N_CHANNELS, np.inf), np.full(N_CHANNELS, -np.inf)
+        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="birdzarr-stats") as pool:
+            for k, chunk_mean, chunk_m2, chunk_min, chunk_max in pool.map(one, chunks):
+                total = n + k
+                delta = chunk_mean - mean
+                mean = mean + delta * (k / total)
+                m2 = m2 + chunk_m2 + delta**2 * (n * k / total)
+                n = total
+                low, high = np.minimum(low, chunk_min), np.maximum(high, chunk_max)
+        windows = n // WINDOW_LENGTH
+        return SelectionStats(CHANNELS, windows, n, mean, np.sqrt(m2 / max(n, 1)), low, high)
+
     def digest(self) -> str | None:
         """A CRC-32 of the per-window bits (None when there are none), for resume states."""
         if self.bits is None:
@@ -259,6 +289,28 @@ class Selection:
         import zlib
 
         return f"{zlib.crc32(self.bits.tobytes()):08x}"
+
+
+@dataclass(frozen=True, eq=False)
+class SelectionStats:
+    """Per-channel statistics of the selected windows, in stored units (g for imu_x/y/z, m/s
+    divided by the store's ``gps_scale`` for gps_speed): what the model is fed. ``std`` is the
+    population standard deviation (``ddof=0``); ``count`` is values per channel (20 a window)."""
+
+    channels: tuple[str, ...]
+    n_windows: int
+    count: int
+    mean: np.ndarray
+    std: np.ndarray
+    min: np.ndarray
+    max: np.ndarray
+
+    def to_dataframe(self) -> Any:
+        """One row per channel: count, mean, std, min, max (a pandas DataFrame)."""
+        import pandas as pd
+
+        return pd.DataFrame({"count": self.count, "mean": self.mean, "std": self.std, "min": self.min,
+                             "max": self.max}, index=pd.Index(self.channels, name="channel"))
 
 
 def _ranges_mask(ranges: np.ndarray, start: int, stop: int) -> np.ndarray:
