@@ -48,7 +48,7 @@ from birdzarr.loader._pool import LoadedPool, PoolBuffers
 from birdzarr.loader._sampling import EpochPlan, plan_epoch
 from birdzarr.loader._selection import SPLIT_RULE, SelectionStats, make_selection
 from birdzarr.loader._sink import Batch, BatchLayout, Filler, SharedBatch, Sink, device_batch, make_sink
-from birdzarr.loader._state import OrderKey, Progress, ResumeState
+from birdzarr.loader._state import MAX_EPOCH, OrderKey, Progress, ResumeState
 from birdzarr.storage._location import StoreLike, resolve
 from birdzarr.store._chunks import ChunkReader
 from birdzarr.store._handle import Store, open_store
@@ -185,20 +185,17 @@ class WindowDataset(IterableDataset[Batch]):
         self._open(open_store(self.location))
         self._progress = Progress()
         self._per_process: _PerProcess | None = None
-        self._plan_memo: tuple[tuple[str, int], Any] | None = None  # the current epoch's plan
+        self._plan_memo: tuple[tuple[str, int, int], Any] | None = None  # the current epoch's plan
         self._label_counts: dict[int, int] | None = None
         self._stats: SelectionStats | None = None
         c = self.config
-        # Epochs of no batch would train on nothing, silently: refused where that holds in every
-        # epoch (a pool, or a rank's share, smaller than one batch); uneven pools may still leave
-        # some epoch a batch or two short (docs/training.md)
-        pool_windows = self.pool_chunks * self.chunk_windows if self.resident is None else self.n_selected
-        if c.drop_last and (c.batch_size > pool_windows or c.batch_size * c.world_size > self.n_selected):
+        # Epochs of no batch would train on nothing, silently: every rank's share is
+        # n_selected // world_size windows (or one more) whatever the pools
+        if c.drop_last and self.n_selected // c.world_size < c.batch_size:
             raise ValueError(
                 f"batch_size={c.batch_size:,} with drop_last=True gives no batch in any epoch: "
-                f"{self.n_selected:,} windows selected over {c.world_size} rank(s), in pools of at most "
-                f"{pool_windows:,} (shuffle_buffer rounded up to whole chunks). Lower batch_size, raise "
-                "shuffle_buffer, or leave drop_last off"
+                f"{self.n_selected:,} windows selected over {c.world_size} rank(s) leave each rank "
+                f"{self.n_selected // c.world_size:,}. Lower batch_size, or leave drop_last off"
             )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -320,8 +317,9 @@ class WindowDataset(IterableDataset[Batch]):
     def __len__(self) -> int:
         """Batches this rank yields this epoch, the same on every rank.
 
-        Streaming, it can differ by a batch or two between epochs when a subset or a batch size
-        that does not divide the chunk size leaves pools of uneven sizes (docs/training.md).
+        Every epoch has the same count: ``ceil((n_selected / world_size) / batch_size)`` (rounded
+        as docs/training.md#workers-order-and-batch-sizes says), or ``(n_selected // world_size)
+        // batch_size`` with ``drop_last``.
         """
         return self._n_batches(self.epoch)
 
@@ -433,20 +431,25 @@ class WindowDataset(IterableDataset[Batch]):
         self._progress.restore(saved)
 
     # -- planning ----------------------------------------------------------------------------------
-    def _memoised(self, kind: str, epoch: int, compute: Callable[[], _T]) -> _T:
+    def _memoised(self, kind: str, epoch: int, compute: Callable[[], _T], readers: int = 1) -> _T:
         """An epoch's plan of one kind, computed once (only the latest plan is kept)."""
-        key = (kind, epoch)
+        key = (kind, epoch, readers)
         if self._plan_memo is None or self._plan_memo[0] != key:
             self._plan_memo = (key, compute())
         return cast(_T, self._plan_memo[1])
 
-    def plan(self, epoch: int | None = None) -> EpochPlan:
-        """This rank's streaming plan of an epoch (default: the current one): pools and batches."""
+    def plan(self, epoch: int | None = None, num_workers: int = 0) -> EpochPlan:
+        """This rank's streaming plan of an epoch (default: the current one) for a DataLoader with
+        ``num_workers`` workers (0: read in this process): pools and batches. The pools are sized
+        for the workers, so which windows form a batch depends on ``num_workers``; how many
+        batches, and their sizes, do not."""
         c, epoch = self.config, self.epoch if epoch is None else epoch
+        readers = max(1, int(num_workers))
         return self._memoised("stream", epoch, lambda: plan_epoch(
             self.counts, seed=c.seed, epoch=epoch, world_size=c.world_size, rank=c.rank,
             batch_size=c.batch_size, drop_last=c.drop_last, shuffle=c.shuffle, pool_chunks=self.pool_chunks,
-        ))
+            num_workers=readers,
+        ), readers)
 
     def _resident_plan(self, epoch: int | None = None) -> ResidentPlan:
         """This rank's slice of an epoch's permutation (resident mode; default: the current epoch)."""
@@ -462,7 +465,7 @@ class WindowDataset(IterableDataset[Batch]):
         epoch (``0``: iterating the dataset itself). Resident mode's order ignores workers."""
         if self.resident is not None:
             return list(range(len(self)))
-        return self.plan().delivery_order(max(1, num_workers)).tolist()
+        return self.plan(num_workers=num_workers).delivery_order(max(1, num_workers)).tolist()
 
     def batch_indices(self, batch: int, plan: EpochPlan | None = None) -> np.ndarray:
         """Global window indices of batch number ``batch`` of this rank, in the order its rows
@@ -543,21 +546,40 @@ class WindowDataset(IterableDataset[Batch]):
     def _streamed(self) -> Iterator[Batch | SharedBatch]:
         """This reader's batches of the epoch: its pools, each loaded once, cut into batches.
         Which batches are this reader's is decided now, not when the first one is asked for."""
-        plan = self.plan()
+        info = get_worker_info()
+        workers = 0 if info is None else info.num_workers
+        plan = self.plan(num_workers=workers)
         batches = self._my_batches(
             plan.worker_batches, lambda k: [len(plan.worker_batches(w, k)) for w in range(k)]
         )
         local = self._local()
+        last = int(batches[-1]) if len(batches) else -1
 
         def produce() -> Iterator[Batch | SharedBatch]:
             for pool, in_pool in itertools.groupby(batches.tolist(), key=lambda b: int(plan.batch_pool[b])):
-                loaded = local.pool.load(plan.pools[pool])
+                loaded = local.pool.load(plan.pools[pool], (plan.epoch, workers, pool))
                 order = plan.pool_order(pool)
                 for batch in in_pool:
                     rows = loaded.rows[plan.batch_positions(batch, order)]
-                    yield local.sink(len(rows), _pool_filler(loaded, rows))
+                    out = local.sink(len(rows), _pool_filler(loaded, rows))
+                    if batch == last and info is not None:  # the pool buffer is idle from here on
+                        self._prefetch_next_epoch(local, plan.epoch, info.id, workers)
+                    yield out
 
         return produce()
+
+    def _prefetch_next_epoch(self, local: _PerProcess, epoch: int, worker: int, workers: int) -> None:
+        """A DataLoader worker whose batches are all gathered starts decoding its first pool of
+        the next epoch into its idle pool buffer (plans are pure functions of the epoch), so a
+        persistent worker starts the next epoch without decoding a whole pool first. The next
+        iteration takes it only if it asks for that pool of that epoch (``set_epoch`` or a resume
+        point may ask for another), else it is cancelled."""
+        if epoch >= MAX_EPOCH:
+            return
+        following = self.plan(epoch + 1, workers)
+        mine = following.worker_pools(worker, workers)
+        if len(mine):
+            local.pool.prefetch((epoch + 1, workers, mine[0]), following.pools[mine[0]])
 
     def _held(self) -> Iterator[Batch | SharedBatch]:
         """Resident mode: this reader's batches of the epoch's permutation (every k-th), gathered
