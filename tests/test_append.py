@@ -330,3 +330,32 @@ def test_info_and_the_store_report_each_append(
     assert fresh.appends == []
     assert main(["info", str(tmp_path / "fresh.zarr")]) == 0
     assert "append 1" not in capsys.readouterr().out
+
+
+def test_a_continued_burst_keeps_its_skipped_line(tmp_path: pathlib.Path) -> None:
+    """The recorded unfinished burst holds a skipped line's placeholder (NaN values): the window it
+    falls in is dropped after the append as in one conversion, and every other value is exact."""
+    def lines(when: str, rows: range, bad: int = -1) -> str:
+        return "".join(f"5,{when},{i},3,{'abc' if i == bad else f'{0.001 * i:.6f}'},0.500000,-0.250000,"
+                       f"{1.25 + 0.01 * i:.6f}\n" for i in rows)
+
+    a, b, c = "2020-05-01 10:00:00", "2020-05-01 10:10:00", "2020-05-01 10:20:00"
+    for name in ("all", "s1", "s2"):
+        (tmp_path / name).mkdir()
+    first = lines(a, range(20)) + lines(b, range(25), bad=22)  # burst b: 5 rows left, one skipped
+    second = lines(b, range(25, 40)) + lines(c, range(20))
+    for folder, part, text in (("s1", 0, first), ("s2", 1, second)):
+        (tmp_path / folder / f"5_{part}.csv").write_text(text)
+        (tmp_path / "all" / f"5_{part}.csv").write_text(text)
+    dest = tmp_path / "appended.zarr"
+    birdzarr.convert(tmp_path / "s1", dest, on_bad_rows="skip", progress=False)
+    assert json.loads((dest / "zarr.json").read_text())["attributes"]["birdzarr"]["csv_tails"]["devices"][
+        "5"]["bad_rows"] == [2]
+    store = append(dest, tmp_path / "s2", on_bad_rows="skip", progress=False)
+    whole = birdzarr.convert(tmp_path / "all", tmp_path / "whole.zarr", on_bad_rows="skip", progress=False)
+    assert len(store) == len(whole) == 3
+    assert np.array_equal(store.windows[:].view(np.uint32), whole.windows[:].view(np.uint32))
+    assert store.timestamps[:].tolist() == whole.timestamps[:].tolist()
+    assert store.report[5].dropped == whole.report[5].dropped == {"bad_rows": 1}
+    assert store.report[5].rows_read == whole.report[5].rows_read == 80
+    assert verify(dest, source=tmp_path / "all").ok
