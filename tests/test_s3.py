@@ -387,3 +387,230 @@ def test_overwrite_with_bad_input_keeps_the_old_store_on_s3(
     location.fs.invalidate_cache()
     assert not location.fs.glob(f"{bucket}/replace.zarr.birdzarr-new-*")
     assert not location.fs.exists(f"{bucket}/replace.zarr/.birdzarr.lock")
+
+
+# -- conversions into a bucket in worker processes (input of 64 MB and more) ------------------------
+def padded_csv_dir(directory: Path, *, min_bytes: int) -> int:
+    """Four devices of CSV exports whose value fields carry trailing zeros (``1.910000...0``: the
+    same values) so that the input is just over ``min_bytes`` with few windows; its size."""
+    from birdzarr.demo import _synthetic
+
+    _synthetic.make_csv_dir(directory, n_devices=4, bursts_per_device=40, seed=5)
+    files = sorted(directory.iterdir())
+    lines = [path.read_text().splitlines() for path in files]
+    size = sum(path.stat().st_size for path in files)
+    zeros = "0" * (-(-(min_bytes - size) // (4 * sum(map(len, lines)))) + 1)
+    for path, rows in zip(files, lines, strict=True):
+        fields = (row.split(",") for row in rows)
+        path.write_text("".join(",".join(f[:4] + [v + zeros for v in f[4:]]) + "\n" for f in fields))
+    return sum(path.stat().st_size for path in files)
+
+
+@pytest.fixture(scope="module")
+def csv_sources(tmp_path_factory: pytest.TempPathFactory, moto: MotoEndpoint, bucket: str  # noqa: F811
+                ) -> dict[str, tuple[Path, str]]:
+    """CSV sources under and just over the size at which a conversion starts worker processes,
+    each on local disk and in the bucket: ``{"under"|"over": (directory, s3 URL)}``."""
+    from birdzarr.convert._segments import PROCESS_MIN_BYTES
+    from birdzarr.demo import _synthetic
+
+    under, over = tmp_path_factory.mktemp("csv-under"), tmp_path_factory.mktemp("csv-over")
+    _synthetic.make_csv_dir(under, n_devices=4, bursts_per_device=40, seed=5)
+    assert padded_csv_dir(over, min_bytes=PROCESS_MIN_BYTES) >= PROCESS_MIN_BYTES
+    fs = resolve(f"s3://{bucket}", s3_options(moto.url)).fs
+    sources = {}
+    for name, directory in (("under", under), ("over", over)):
+        for file in sorted(directory.iterdir()):
+            fs.put_file(str(file), f"{bucket}/csv-{name}/{file.name}")
+        sources[name] = (directory, f"s3://{bucket}/csv-{name}")
+    return sources
+
+
+def _store_objects(store: birdzarr.Store) -> dict[str, bytes]:
+    """Every object of the store but its root zarr.json (which holds the run's times and URLs)."""
+    fs, root = store.location.fs, store.location.path.rstrip("/")
+    fs.invalidate_cache()
+    return {path[len(root) + 1:]: fs.cat_file(path) for path in fs.find(root)
+            if path[len(root) + 1:] != "zarr.json"}
+
+
+@pytest.mark.parametrize("size", ["under", "over"])
+@pytest.mark.parametrize("shuffle", [True, False], ids=["shuffle", "device-order"])
+def test_conversion_into_a_bucket_equals_a_local_one_on_both_sides_of_64_mb(
+    csv_sources: dict[str, tuple[Path, str]], moto: MotoEndpoint, bucket: str, tmp_path: Path,  # noqa: F811
+    size: str, shuffle: bool,
+) -> None:
+    """docs/cloud.md's command (``convert SRC s3://... --shuffle --seed 1``) on input under and
+    over 64 MB, where worker processes read the source and write the store: each process opens
+    the bucket itself (an s3fs client inherited through fork fails: "This class is not
+    fork-safe"). From a local and from an s3:// source, the store in the bucket is the local
+    conversion's, object for object."""
+    from birdzarr.convert._segments import PROCESS_MIN_BYTES
+
+    directory, source_url = csv_sources[size]
+    assert (sum(p.stat().st_size for p in directory.iterdir()) >= PROCESS_MIN_BYTES) == (size == "over")
+    layout = ["--shuffle", "--seed", "1"] if shuffle else []
+    local = birdzarr.convert(directory, tmp_path / "local.zarr", workers=2, progress=False,
+                             shuffle=shuffle, seed=1 if shuffle else None)
+    url = f"s3://{bucket}/{size}-{'shuffle' if shuffle else 'order'}"
+    done = subprocess.run([str(Path(sys.executable).parent / "birdzarr"), "convert", str(directory),
+                           f"{url}-cli.zarr", *layout, "--workers", "2", "--quiet"],
+                          env=s3_env(moto.url), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    options = s3_options(moto.url)
+    from_bucket = birdzarr.convert(source_url, f"{url}-api.zarr", workers=2, progress=False, shuffle=shuffle,
+                                   seed=1 if shuffle else None, storage_options=options,
+                                   source_storage_options=options)
+    expected = _store_objects(local)
+    for store in (birdzarr.open_store(f"{url}-cli.zarr", storage_options=options), from_bucket):
+        processes = store.meta["report"].get("worker_processes")
+        assert processes == (2 if shuffle and size == "over" else None)
+        assert store.meta["devices"] == local.meta["devices"] and len(store) == len(local) > 200
+        assert np.array_equal(bits(store.windows[:]), bits(local.windows[:]))
+        for name in ("labels", "timestamps", "window_devices"):
+            assert np.array_equal(getattr(store, name)[:], getattr(local, name)[:]), name
+        assert _store_objects(store) == expected
+
+
+def test_shuffle_over_64_mb_into_memory_keeps_every_chunk(csv_sources: dict[str, tuple[Path, str]],
+                                                          tmp_path: Path) -> None:
+    """memory:// is each process's own: a conversion into it stays in this process (worker
+    processes' chunks would be lost there, and the store commit without them)."""
+    directory = csv_sources["over"][0]
+    local = birdzarr.convert(directory, tmp_path / "local.zarr", workers=2, shuffle=True, seed=1,
+                             progress=False)
+    memory = birdzarr.convert(directory, "memory://birdzarr-test/over.zarr", workers=2, shuffle=True,
+                              seed=1, progress=False)
+    assert "worker_processes" not in memory.meta["report"]
+    assert np.array_equal(bits(memory.windows[:]), bits(local.windows[:]))
+    assert memory.meta["devices"] == local.meta["devices"]
+
+def test_failed_conversion_into_a_bucket_leaves_nothing_and_info_says_so(
+    csv_sources: dict[str, tuple[Path, str]], moto: MotoEndpoint, bucket: str, tmp_path: Path,  # noqa: F811
+) -> None:
+    """A conversion that fails (a bad line in the last file, read by a worker process) removes
+    everything it wrote, the five zarr.json objects included, so ``info`` finds no store rather
+    than an unfinished one to re-run."""
+    import shutil
+
+    directory = tmp_path / "bad"
+    shutil.copytree(csv_sources["over"][0], directory)
+    last = sorted(directory.iterdir())[-1]
+    with last.open("a") as handle:
+        handle.write("not,a,line\n")
+    env = s3_env(moto.url)
+    url = f"s3://{bucket}/failed.zarr"
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(Path(sys.executable).parent / "birdzarr"), *args], env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    failed = cli("convert", str(directory), url, "--shuffle", "--seed", "1", "--workers", "2", "--quiet")
+    assert failed.returncode == 2, failed.stderr
+    assert failed.stderr.count("\n") == 1 and f"{last.name}, line " in failed.stderr, failed.stderr
+    listed = moto.client().list_objects_v2(Bucket=bucket, Prefix="failed.zarr")
+    assert listed.get("KeyCount", 0) == 0, [o["Key"] for o in listed.get("Contents", [])]
+    info = cli("info", url)
+    assert info.returncode == 2 and info.stderr == f"birdzarr info: error: no store at {url}\n", info.stderr
+
+
+def test_missing_bucket_is_named_in_one_line(parquet_source: Any, moto: MotoEndpoint) -> None:  # noqa: F811
+    directory, _ = parquet_source
+    env = s3_env(moto.url)
+    url = "s3://no-such-bucket-birdzarr/x.zarr"
+    for args in (["convert", str(directory), url, "--quiet"], ["info", url]):
+        done = subprocess.run([str(Path(sys.executable).parent / "birdzarr"), *args], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stderr
+        assert done.stderr == (
+            f"birdzarr {args[0]}: error: {url}: the bucket 'no-such-bucket-birdzarr' does not exist (or "
+            "these credentials cannot see it). Check its name, or create the bucket first "
+            "(aws s3 mb s3://no-such-bucket-birdzarr).\n"
+        )
+
+
+class _ConnectionTrap:
+    """A listening socket that counts connections and closes each: set as HTTPS_PROXY, it
+    stands for every host outside the test (the public AWS endpoint), and fails fast."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+
+        self.connections = 0
+        self._socket = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                connection, _ = self._socket.accept()
+            except OSError:
+                return
+            self.connections += 1
+            connection.close()
+
+    def close(self) -> None:
+        self._socket.close()
+
+
+def test_obstore_sends_requests_only_to_the_endpoint_s3fs_uses(
+    s3_store: birdzarr.Store, proxy: Any, bucket: str, tmp_path: Path  # noqa: F811
+) -> None:
+    """``FSSPEC_S3_ENDPOINT_URL`` alone (no AWS_ENDPOINT_URL, no endpoint_url in storage_options)
+    names the endpoint: with BIRDZARR_S3_FETCHER=obstore every request, the chunks' included,
+    goes there and nowhere else."""
+    pytest.importorskip("obstore")
+    trap = _ConnectionTrap()
+    env = {k: v for k, v in s3_env(proxy.url).items()
+           if not k.startswith(("AWS_ENDPOINT_URL", "FSSPEC_")) and not k.lower().endswith("_proxy")}
+    env.update({"FSSPEC_S3_ENDPOINT_URL": proxy.url, "BIRDZARR_S3_FETCHER": "obstore",
+                "HTTPS_PROXY": trap.url, "https_proxy": trap.url})
+    script = (
+        "import sys, warnings, numpy as np, birdzarr\n"
+        "from birdzarr.storage._location import _uses_obstore\n"
+        "warnings.simplefilter('error')\n"
+        f"store = birdzarr.open_store('s3://{bucket}/small.zarr')\n"
+        "assert _uses_obstore(store.location)\n"
+        f"np.save(sys.argv[1], store.windows[: 3 * {CHUNK}])\n"
+    )
+    proxy.clear()
+    try:
+        done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "w.npy")], env=env,
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    finally:
+        trap.close()
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert np.array_equal(bits(np.load(tmp_path / "w.npy")), bits(s3_store.windows[: 3 * CHUNK]))
+    chunks = sorted(r.path.rsplit("small.zarr/", 1)[-1] for r in proxy.requests() if "/gimu/c/" in r.path)
+    assert chunks == [f"gimu/c/{i}/0/0" for i in range(3)] and trap.connections == 0
+
+
+def test_obstore_endpoint_is_the_s3fs_clients_or_obstore_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No endpoint named: AWS in the client's region, as s3fs. An AWS endpoint obstore would not
+    reach the same way (FIPS here), or credentials from a profile: s3fs keeps fetching, with a
+    FallbackWarning."""
+    pytest.importorskip("obstore")
+    from birdzarr._errors import FallbackWarning
+    from birdzarr.storage import _location as _storage
+
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_CONFIG_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/birdzarr-test-config")
+    monkeypatch.setenv(_storage.FETCHER_ENV, "obstore")
+    monkeypatch.setattr(_storage, "_obstore_pid", None)
+    monkeypatch.setattr(_storage, "_fallbacks_warned", set())
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "eu-west-1")
+    aws = resolve("s3://bucket/x.zarr", {"key": "k-region", "secret": "s-region"})
+    assert _storage._obstore_endpoint(aws) == ("https://s3.eu-west-1.amazonaws.com", "eu-west-1")
+    assert _storage._uses_obstore(aws)
+    monkeypatch.setenv("AWS_USE_FIPS_ENDPOINT", "true")
+    fips = resolve("s3://bucket/x.zarr", {"key": "k-fips", "secret": "s-fips"})
+    with pytest.warns(FallbackWarning, match=r"AWS endpoint https://s3-fips\.eu-west-1\.amazonaws\.com"):
+        assert not _storage._uses_obstore(fips)
+    # credentials from a profile: obstore would not find them (its requests would go unsigned)
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID", raising=False)
+    monkeypatch.setenv("AWS_PROFILE", "lab")
+    with pytest.warns(FallbackWarning, match="AWS_PROFILE is set, and obstore does not read ~/.aws profiles"):
+        assert not _storage._uses_obstore(resolve("s3://bucket/x.zarr"))

@@ -297,7 +297,7 @@ def _convert_here(
             def windows_done(windows: int) -> None:  # windows/s and MB/s on the bar, in either pass
                 count_on_bar(bar, windows)
 
-            groups = plan_spill_groups(devices, workers=workers)
+            groups = plan_spill_groups(devices, workers=workers, dest=dst)
             if groups is not None:  # in worker processes (convert/_shuffle_processes.py)
                 refuse_repeated_devices(src.display, devices)
                 shuffled = write_shuffled_in_processes(
@@ -310,7 +310,7 @@ def _convert_here(
                                           on_pass=second_pass, on_written=windows_done)
             extra["shuffle"] = {"buckets": shuffled["buckets"], "spill_bytes": shuffled["spill_bytes"]}
         elif (segments := plan_processes(kind, devices, curation=curation, on_bad_rows=on_bad_rows,
-                                         workers=workers, chunk_windows=chunk_windows)) is not None:
+                                         workers=workers, chunk_windows=chunk_windows, dest=dst)) is not None:
             refuse_repeated_devices(src.display, devices)
             extra.update(convert_in_processes(writer, segments, curation=curation, on_bad_rows=on_bad_rows,
                                               workers=workers, dest=dst, duplicates=duplicates, bar=bar))

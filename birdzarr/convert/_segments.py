@@ -85,12 +85,15 @@ def count_device(device: DeviceSource, curation: Curation, on_bad_rows: str) -> 
 
 
 def plan_processes(kind: str, devices: list[DeviceSource], *, curation: Curation, on_bad_rows: str,
-                   workers: int, chunk_windows: int) -> list[Segment] | None:
+                   workers: int, chunk_windows: int, dest: Location | None = None) -> list[Segment] | None:
     """The segments ``convert_in_processes`` converts this input in, or None where threads
     convert it: input other than Parquet whose footers give the window counts, input too small
     to pay for the processes, fewer segments than workers (a few large devices: threads decode
-    a device's row groups at once), or where ``fork`` cannot start processes in milliseconds."""
+    a device's row groups at once), where ``fork`` cannot start processes in milliseconds, or a
+    ``dest`` that worker processes cannot write to (``memory://``)."""
     if workers <= 1 or kind != "parquet" or on_bad_rows != "error":
+        return None
+    if dest is not None and not dest.shared_between_processes:
         return None
     if not fork_available():
         return None

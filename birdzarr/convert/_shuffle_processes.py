@@ -58,10 +58,12 @@ from birdzarr.format._spec import GIMU, N_CHANNELS, Curation
 from birdzarr.storage._location import Location
 
 
-def plan_spill_groups(devices: list[DeviceSource], *, workers: int) -> list[list[DeviceSource]] | None:
+def plan_spill_groups(devices: list[DeviceSource], *, workers: int,
+                      dest: Location | None = None) -> list[list[DeviceSource]] | None:
     """Consecutive devices in groups of about equal input bytes, or None where the shuffle runs
-    on threads (one worker, no ``fork``, input under 64 MB, fewer groups than workers)."""
-    if workers <= 1 or not fork_available():
+    on threads (one worker, no ``fork``, input under 64 MB, fewer groups than workers, or a
+    ``dest`` that worker processes cannot write to: ``memory://``)."""
+    if workers <= 1 or not fork_available() or (dest is not None and not dest.shared_between_processes):
         return None
     sizes = [sum(int(f.fs.size(f.path) or 0) for f in d.files) for d in devices]
     total = sum(sizes)
@@ -131,7 +133,9 @@ RUNS_PER_WORKER = 2
 
 @dataclass
 class _Pass2:
-    """What every pass-2 process needs, set here before they are forked (so inherited, not sent)."""
+    """What every pass-2 process needs, set here before they are forked (so inherited, not sent).
+    ``dest`` is this process's location: a worker opens its own (``_Opened``), never uses its
+    filesystem (an inherited s3fs fails after the fork: "This class is not fork-safe")."""
 
     loader: BucketLoader
     table: DictionaryTable
@@ -139,29 +143,41 @@ class _Pass2:
     dest: Location
 
 
+@dataclass
+class _Opened:
+    """A worker process's own destination (its own filesystem) and the store's arrays there."""
+
+    pid: int
+    dest: Location
+    arrays: dict[str, Any]
+
+
 _PASS2: _Pass2 | None = None
-_OPENED: dict[str, Any] = {}  # per worker process: the store's arrays, opened once
+_OPENED: _Opened | None = None  # per worker process: opened on its first task
 
 
-def _arrays() -> tuple[_Pass2, dict[str, Any]]:
-    """This worker process's pass-2 state and the store's arrays (opened once a process)."""
+def _arrays() -> tuple[_Pass2, Location, dict[str, Any]]:
+    """This worker process's pass-2 state, its own destination and the store's arrays (opened
+    once a process)."""
+    global _OPENED
     import zarr
 
     from birdzarr.storage._location import zarr_store
 
     state = _PASS2
     assert state is not None, "set before the pass-2 processes are forked"
-    if "arrays" not in _OPENED:
-        group = zarr.open_group(zarr_store(state.dest, read_only=False), mode="r+", zarr_format=3)
-        _OPENED["arrays"] = writable_arrays(group)  # sized before any worker started
-    return state, _OPENED["arrays"]
+    if _OPENED is None or _OPENED.pid != os.getpid():
+        dest = state.dest.reopened()
+        group = zarr.open_group(zarr_store(dest, read_only=False), mode="r+", zarr_format=3)
+        _OPENED = _Opened(os.getpid(), dest, writable_arrays(group))  # sized before any worker started
+    return state, _OPENED.dest, _OPENED.arrays
 
 
 def write_shared_chunk(start: int, stop: int, data: dict[str, np.ndarray]) -> None:
     """Encode and store one chunk that two runs of buckets share (in a worker process, so that
     this process only gathers windows: encoding is most of a chunk's cost)."""
-    state, arrays = _arrays()
-    sink = ChunkSink(state.dest, arrays, workers=1)
+    state, dest, arrays = _arrays()
+    sink = ChunkSink(dest, arrays, workers=1)
     sink.code_encoder = state.table.encode if state.coded else None
     sink.write(start, stop, data)
 
@@ -178,12 +194,12 @@ def plan_bucket_runs(buckets: int, *, workers: int) -> list[range]:
 def write_bucket_run(buckets: range) -> SegmentResult:
     """Pass 2 for a run of consecutive buckets (in a worker process), loaded one at a time: every
     chunk wholly inside the run written, the windows of its first and last chunk sent back."""
-    state, arrays = _arrays()
+    state, dest, arrays = _arrays()
     starts = state.loader.starts
     start = int(starts[buckets.start])
     stop = start + int(state.loader.spill.windows[buckets.start : buckets.stop].sum())
     first = whole_chunks(start, stop, int(arrays[GIMU].chunks[0]))[0]
-    slabs = SlabWriter(state.dest, arrays, start=first, slab_chunks=SLAB_CHUNKS, workers=1, in_flight=0)
+    slabs = SlabWriter(dest, arrays, start=first, slab_chunks=SLAB_CHUNKS, workers=1, in_flight=0)
     if state.coded:
         slabs.sink.code_encoder = state.table.encode
     router = ChunkRouter(start, stop, slabs)

@@ -18,13 +18,16 @@ fails into an error that names the store and the key.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import random
 import re
 import threading
 import time
+import urllib.parse
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, Union, cast
@@ -116,6 +119,12 @@ class Location:
         return self.protocol in _READ_ONLY_PROTOCOLS
 
     @property
+    def shared_between_processes(self) -> bool:
+        """Whether what another process writes here is seen by this one (not ``memory://``:
+        each process has a store of its own), so worker processes may write here."""
+        return self.protocol != "memory"
+
+    @property
     def display(self) -> str:
         """The URL safe to print: user/password parts and known secrets removed."""
         return redact(self.url)
@@ -126,6 +135,17 @@ class Location:
     def join(self, *parts: str) -> str:
         """A path inside this location, for ``self.fs``."""
         return "/".join([self.path.rstrip("/"), *parts])
+
+    def reopened(self) -> Location:
+        """This location with a filesystem of the calling process's own, made from its picklable
+        description (URL, ``storage_options``, retry policy).
+
+        A worker process forked from the one that resolved a location must use this instead of
+        the location's ``fs``: an inherited s3fs (any async fsspec filesystem) refuses to run
+        after a fork ("This class is not fork-safe"), and fsspec forgets its cached instances in
+        a forked child, so the filesystem made here is the child's own. A location sent to a
+        process pickled is safe as it is (fsspec pickles a filesystem as its arguments)."""
+        return resolve(self.url, self.storage_options, retry=self.retry)
 
     def child(self, name: str) -> Location:
         return Location(
@@ -275,6 +295,55 @@ def exists(location: Location) -> bool:
     return bool(location.fs.exists(location.path))
 
 
+_BUCKET_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
+
+
+def bucket_of(location: Location) -> str | None:
+    """The bucket (container) an object-store location lies in; None for other filesystems."""
+    if location.protocol not in _BUCKET_PROTOCOLS:
+        return None
+    return location.path.lstrip("/").split("/", 1)[0] or None
+
+
+def missing_bucket_error(location: Location) -> StoreNotFoundError | None:
+    """A one-line error naming the location's bucket if that bucket does not exist (or these
+    credentials cannot see it); None if it exists or the location has no bucket. One request:
+    for error paths only."""
+    bucket = bucket_of(location)
+    if bucket is None:
+        return None
+    try:
+        location.fs.invalidate_cache(bucket)
+        if location.fs.exists(bucket):
+            return None
+    except Exception:  # noqa: BLE001 - cannot tell: the caller's own error stands
+        return None
+    return no_bucket_error(location, bucket)
+
+
+def no_bucket_error(location: Location, bucket: str) -> StoreNotFoundError:
+    """The one-line error for a location whose bucket does not exist."""
+    create = f" (aws s3 mb s3://{bucket})" if location.protocol in ("s3", "s3a") else ""
+    return StoreNotFoundError(
+        f"{location.display}: the bucket '{bucket}' does not exist (or these credentials cannot "
+        f"see it). Check its name, or create the bucket first{create}."
+    )
+
+
+def forget_listings(location: Location) -> None:
+    """Drop the filesystem's cached listings of the location, its parents and everything below
+    it. s3fs caches a prefix's listing in its instance; objects written since through another
+    instance (zarr's, or a worker process's) are missing from it, so a listing made to delete
+    or check what a write left must not come from that cache."""
+    fs = location.fs
+    path = fs._strip_protocol(location.path).rstrip("/")
+    fs.invalidate_cache(path)
+    cache = getattr(fs, "dircache", None)
+    if cache is not None:
+        for key in [k for k in list(cache) if isinstance(k, str) and k.startswith(path + "/")]:
+            cache.pop(key, None)
+
+
 # -- reading with retries ------------------------------------------------------------------------
 # Errors that are answers, not accidents: retrying cannot change them.
 _FINAL_ERRORS: tuple[type[BaseException], ...] = (
@@ -319,24 +388,60 @@ def with_retries(call: Callable[[], T], policy: RetryPolicy) -> T:
 FETCHER_ENV = "BIRDZARR_S3_FETCHER"
 _obstore_pid: int | None = None  # the process that started obstore's runtime
 _obstore_stores: dict[tuple[str, str], Any] = {}
-_OBSTORE_OPTIONS = {"key": "access_key_id", "secret": "secret_access_key", "token": "session_token",
-                    "endpoint_url": "endpoint"}
-_OBSTORE_CLIENT_KWARGS = {"region_name": "region", "endpoint_url": "endpoint"}
+# Credentials map one to one; the endpoint and region are the s3fs client's own (_obstore_endpoint).
+_OBSTORE_OPTIONS = {"key": "access_key_id", "secret": "secret_access_key", "token": "session_token"}
+_OBSTORE_PASSED = frozenset({"endpoint_url", "max_concurrency"})  # read from the client, or moot
+_OBSTORE_CLIENT_KWARGS = frozenset({"region_name", "endpoint_url"})
+_obstore_endpoints: weakref.WeakKeyDictionary[Any, tuple[str, str] | str] = weakref.WeakKeyDictionary()
 
 
 def _obstore_config(options: dict[str, Any]) -> dict[str, str] | None:
-    """obstore's S3 settings for these s3fs options, or None if some option has no equivalent."""
+    """obstore's S3 credentials for these s3fs options, or None if some option has no equivalent."""
     config: dict[str, str] = {}
     for name, value in options.items():
         if name in _OBSTORE_OPTIONS:
             config[_OBSTORE_OPTIONS[name]] = str(value)
-        elif name == "client_kwargs" and set(value) <= set(_OBSTORE_CLIENT_KWARGS):
-            config.update({_OBSTORE_CLIENT_KWARGS[k]: str(v) for k, v in value.items()})
+        elif name == "client_kwargs" and isinstance(value, dict) and set(value) <= _OBSTORE_CLIENT_KWARGS:
+            continue  # the client built from them gives the endpoint and region
         elif name == "config_kwargs" and _is_default_config(value):
             continue  # birdzarr's own timeouts and retries: obstore has its own
-        elif name != "max_concurrency":
+        elif name not in _OBSTORE_PASSED:
             return None
     return config
+
+
+def _obstore_endpoint(location: Location) -> tuple[str, str] | str:
+    """``(endpoint, region)`` for obstore: those of the botocore client s3fs made for this
+    location, so chunk requests go exactly where s3fs sends metadata requests, whichever of
+    ``storage_options`` (``endpoint_url``, ``client_kwargs``), ``FSSPEC_S3_ENDPOINT_URL``,
+    ``AWS_ENDPOINT_URL(_S3)``, ``AWS_DEFAULT_REGION`` or ``~/.aws/config`` set them; or why
+    obstore cannot be told the same endpoint (birdzarr then keeps s3fs)."""
+    fs = location.fs
+    try:
+        return _obstore_endpoints[fs]
+    except (KeyError, TypeError):
+        pass
+    found: tuple[str, str] | str
+    try:
+        if getattr(fs, "cache_regions", False):
+            raise LookupError("s3fs resolves each bucket's region itself (cache_regions=True)")
+        client = fs.s3  # s3fs's botocore client (made once; no request is sent)
+        endpoint, region = str(client.meta.endpoint_url).rstrip("/"), str(client.meta.region_name)
+    except Exception as exc:  # noqa: BLE001 - cannot tell: keep s3fs
+        why = f"{type(exc).__name__}: {redact(str(exc))[:120]}"
+        found = f"the endpoint s3fs uses could not be determined ({why})"
+    else:
+        host = (urllib.parse.urlsplit(endpoint).hostname or "").lower()
+        if endpoint in ("https://s3.amazonaws.com", f"https://s3.{region}.amazonaws.com"):
+            found = (f"https://s3.{region}.amazonaws.com", region)  # AWS S3 in the client's region
+        elif host.endswith((".amazonaws.com", ".amazonaws.com.cn")):
+            found = (f"s3fs uses the AWS endpoint {endpoint} (FIPS, dual-stack, accelerated or another "
+                     "partition), which birdzarr does not hand to obstore")
+        else:
+            found = (endpoint, region)  # the endpoint the user named (MinIO, Ceph, a proxy, ...)
+    with contextlib.suppress(TypeError):
+        _obstore_endpoints[fs] = found
+    return found
 
 
 _fallbacks_warned: set[str] = set()
@@ -375,12 +480,35 @@ def _uses_obstore(location: Location) -> bool:
             "'spawn' or 'forkserver' start method)"
         )
     if _obstore_config(location.storage_options) is None:
-        unsupported = sorted(k for k, v in location.storage_options.items()
-                             if k not in _OBSTORE_OPTIONS and k not in ("client_kwargs", "max_concurrency")
-                             and not (k == "config_kwargs" and _is_default_config(v)))
+        unsupported = sorted(
+            k for k, v in location.storage_options.items()
+            if k not in _OBSTORE_OPTIONS and k not in _OBSTORE_PASSED and k != "client_kwargs"
+            and not (k == "config_kwargs" and _is_default_config(v)))
         return _obstore_fallback(
             f"storage_options {unsupported or ['client_kwargs']} have no obstore equivalent")
+    if (why := _profile_credentials(location.storage_options)) is not None:
+        return _obstore_fallback(why)
+    endpoint = _obstore_endpoint(location)
+    if isinstance(endpoint, str):
+        return _obstore_fallback(endpoint)
     return True
+
+
+def _profile_credentials(options: dict[str, Any]) -> str | None:
+    """Why s3fs's credentials may come from an ``~/.aws`` profile (which obstore does not read:
+    its requests would go unsigned or to the instance metadata service), or None where obstore
+    finds the same ones (``storage_options``, the ``AWS_ACCESS_KEY_ID`` variables, or the
+    web-identity, container and instance roles, which both read)."""
+    if "key" in options or os.environ.get("AWS_ACCESS_KEY_ID"):
+        return None  # botocore's chain looks at the environment before any file
+    if os.environ.get("AWS_PROFILE"):
+        return "AWS_PROFILE is set, and obstore does not read ~/.aws profiles"
+    for variable, default in (("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials"),
+                              ("AWS_CONFIG_FILE", "~/.aws/config")):
+        path = os.path.expanduser(os.environ.get(variable) or default)
+        if os.path.exists(path):
+            return f"the credentials may come from {path}, which obstore does not read"
+    return None
 
 
 def _obstore_fetch(location: Location, path: str) -> bytes:
@@ -389,13 +517,16 @@ def _obstore_fetch(location: Location, path: str) -> bytes:
     from obstore.store import S3Store
 
     bucket, _, key = path.partition("/")
-    config = _obstore_config(location.storage_options) or {}
+    endpoint = _obstore_endpoint(location)
+    assert not isinstance(endpoint, str), "_uses_obstore checked it"
+    # always the endpoint and region of s3fs's client: never where obstore's defaults or the
+    # AWS_* variables would point it; credentials not given here come from the AWS_* environment
+    config = {**(_obstore_config(location.storage_options) or {}),
+              "endpoint": endpoint[0], "region": endpoint[1]}
     token = (bucket, repr(sorted(config.items())))
     if token not in _obstore_stores:
-        endpoint = config.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL", "")
-        # credentials, region and endpoint not given here come from the AWS_* environment
         _obstore_stores[token] = S3Store(
-            bucket, config=cast(Any, config), client_options={"allow_http": endpoint.startswith("http://")}
+            bucket, config=cast(Any, config), client_options={"allow_http": endpoint[0].startswith("http://")}
         )
     _obstore_pid = os.getpid()
     return bytes(obstore.get(_obstore_stores[token], key).bytes())

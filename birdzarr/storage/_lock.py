@@ -28,7 +28,7 @@ import warnings
 from dataclasses import asdict, dataclass
 
 from birdzarr._errors import FallbackWarning, StoreExistsError, StoreLockedError
-from birdzarr.storage._location import Location, redact
+from birdzarr.storage._location import Location, bucket_of, forget_listings, no_bucket_error, redact
 
 LOCK_NAME = ".birdzarr.lock"
 
@@ -188,6 +188,12 @@ class StoreLock:
                 handle.write(self._payload())
         except FileExistsError:
             return False
+        except FileNotFoundError:
+            # an object store answers a write into a bucket that does not exist with 404
+            bucket = bucket_of(self.location)
+            if bucket is None:
+                raise
+            raise no_bucket_error(self.location, bucket) from None
         except (ValueError, NotImplementedError) as exc:
             # No exclusive create on this filesystem (fsspec rejects the mode): check, then
             # write. A race remains, so say so; any other error (TypeError included) is a real
@@ -270,6 +276,7 @@ def _mutex_is_stale(mutex: str) -> bool:
 def clear_except_lock(location: Location) -> None:
     """Delete everything in the store except the lock file (the writer holding it keeps it)."""
     fs = location.fs
+    forget_listings(location)  # objects written through other instances (zarr's, workers')
     if not fs.exists(location.path):
         return
     for entry in fs.ls(location.path, detail=False):
@@ -284,6 +291,7 @@ def release_and_tidy(lock: StoreLock, *, remove_root: bool) -> None:
     if not remove_root:
         return
     fs, path = lock.location.fs, lock.location.path
+    forget_listings(lock.location)
     with contextlib.suppress(FileNotFoundError, OSError):
         if fs.exists(path) and not fs.ls(path, detail=False):
             fs.rmdir(path)

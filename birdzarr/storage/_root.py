@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from birdzarr._errors import IncompleteStoreError, NotAStoreError, StoreAccessError, StoreNotFoundError
-from birdzarr.storage._location import Location
+from birdzarr.storage._location import Location, missing_bucket_error
 
 
 def read_root(location: Location) -> dict[str, Any]:
@@ -29,6 +29,9 @@ def read_root(location: Location) -> dict[str, Any]:
                 "Create a store with `birdzarr convert SOURCE DEST`; if it is an unfinished "
                 "`birdzarr copy`, run the same copy again (the root zarr.json is copied last)."
             ) from None
+        missing_bucket = missing_bucket_error(location)
+        if missing_bucket is not None:
+            raise missing_bucket from None
         raise StoreNotFoundError(f"no store at {location.display}") from None
     except PermissionError as exc:
         raise StoreAccessError(
