@@ -128,10 +128,12 @@ def test_many_small_devices_in_shuffled_order() -> None:
     assert encoded.new.sizes().max() <= 5 * 20
 
 
-def test_an_append_with_new_values_grows_the_dictionary_and_old_codes_stay_valid() -> None:
+@pytest.mark.parametrize("order", [_v2.SORTED, _v2.FIRST])
+def test_an_append_with_new_values_grows_the_dictionary_and_old_codes_stay_valid(order: str) -> None:
+    orders = (order,) * _v2.N_CODED
     old_windows = calibrated(300, seed=11)
     old_device = np.full(300, 533)
-    first = _v2.encode(old_windows, old_device)
+    first = _v2.encode(old_windows, old_device, orders=orders)
     # new windows of device 533 (other counts: new values) and of a new device 7
     new_windows = np.concatenate([calibrated(200, seed=12), calibrated(100, seed=13)])
     new_windows[:, :, :3] = np.concatenate([
@@ -139,9 +141,11 @@ def test_an_append_with_new_values_grows_the_dictionary_and_old_codes_stay_valid
         new_windows[200:, :, :3],
     ])
     new_device = np.repeat([533, 7], [200, 100])
-    second = _v2.encode(new_windows, new_device, previous=first.new)
+    new_windows[150, 4, 1] = old_windows[0, 0, 1]  # an old value among the new ones keeps its code
+    second = _v2.encode(new_windows, new_device, previous=first.new, orders=orders)
     store = first.new.extend(second.new)
     assert store.device.tolist() == [533, 533, 7]
+    assert second.codes[150, 4, 1] == first.codes[0, 0, 1]
     # the old windows still decode from the grown arrays (nothing of theirs changed)
     round_trip(old_windows, old_device, first, store)
     round_trip(new_windows, new_device, second, store)
