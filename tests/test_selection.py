@@ -318,3 +318,17 @@ def test_stats_of_a_selection_are_those_of_exactly_its_windows(
     table = stats.to_dataframe()
     assert list(table.index) == ["imu_x", "imu_y", "imu_z", "gps_speed"]
     assert np.array_equal(table["std"].to_numpy(), stats.std)
+
+
+def test_a_dataset_with_a_lambda_time_mask_pickles_for_spawned_workers(
+    labelled: dict[str, birdzarr.Store],
+) -> None:
+    """spawn/forkserver workers get the dataset pickled: the selection is already made, so a
+    time_mask that does not pickle (a lambda) is not needed there."""
+    import pickle
+
+    ds = _dataset(labelled["shuffled"], time_mask=lambda t: t % 7200 < 3600, seed=2)
+    copy = pickle.loads(pickle.dumps(ds))
+    assert np.array_equal(_indices(copy), _indices(ds))
+    assert copy.state_dict() == ds.state_dict()
+    assert all(torch.equal(a, b) for a, b in zip(copy, ds, strict=True))

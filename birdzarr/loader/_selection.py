@@ -132,6 +132,17 @@ def unix_seconds(name: str, value: Any) -> int | None:
 
 
 @dataclass(frozen=True)
+class _AppliedMask:
+    """Where an unpicklable ``time_mask`` was: its selection is already made and kept."""
+
+    name: str
+
+    def __call__(self, times: np.ndarray) -> np.ndarray:
+        raise RuntimeError(f"time_mask {self.name} did not pickle and was applied before; it cannot be "
+                           "applied again in this process")
+
+
+@dataclass(frozen=True)
 class WindowFilter:
     """Filters on single windows: labels and burst time (all must hold)."""
 
@@ -140,6 +151,23 @@ class WindowFilter:
     start: int | None = None  # unix seconds, inclusive
     stop: int | None = None  # unix seconds, exclusive
     time_mask: TimeMask | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled into a ``spawn``/``forkserver`` DataLoader worker: a ``time_mask`` that does
+        not pickle (a lambda) becomes a stand-in, since the selection it made is already kept."""
+        state = dict(self.__dict__)
+        if self.time_mask is not None:
+            import pickle
+
+            try:
+                pickle.dumps(self.time_mask)
+            except (pickle.PicklingError, AttributeError, TypeError):
+                state["time_mask"] = _AppliedMask(repr(self.time_mask))
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
 
     @property
     def active(self) -> bool:
