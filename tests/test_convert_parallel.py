@@ -76,6 +76,7 @@ def parquet_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return directory
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("codec", "split"), [("dict16", True), ("dict16", False), ("standard", True)])
 def test_parquet_store_is_byte_identical_for_any_worker_count(
     parquet_dir: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, codec: str,
@@ -98,6 +99,7 @@ def test_parquet_store_is_byte_identical_for_any_worker_count(
         assert_same_store(stores[0], other)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk_windows", [1024, 8192])
 def test_parquet_store_converted_in_worker_processes_is_byte_identical(
     parquet_dir: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, chunk_windows: int,
@@ -213,6 +215,7 @@ def csv_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return directory
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("processes", [False, True])
 def test_csv_store_is_byte_identical_for_any_worker_count(
     csv_dir: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, processes: bool
@@ -359,6 +362,7 @@ def test_shuffled_store_is_byte_identical_and_uses_device_dictionaries(
     assert header[1] == 1 and header[5] == len(in_chunk) >= 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("codec", ["gdict16", "dict16"])
 def test_shuffled_store_in_worker_processes_is_byte_identical(
     parquet_dir: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, codec: str
@@ -425,6 +429,7 @@ class _RecordingBar:
         self.postfix = text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [1, 2])
 def test_the_progress_bar_counts_every_window_once_in_each_shuffle_pass(
     parquet_dir: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, workers: int

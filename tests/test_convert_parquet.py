@@ -88,6 +88,7 @@ def _chunk_files(root: pathlib.Path) -> dict[str, bytes]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("codec", ["dict16", "standard"])
 def test_worker_count_does_not_change_the_store(
     parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]], tmp_path: pathlib.Path, codec: str

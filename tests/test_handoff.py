@@ -21,6 +21,7 @@ from birdzarr.loader import _handoff
 from birdzarr.loader._sink import SharedBatch
 
 pytestmark = [
+    pytest.mark.slow,  # DataLoader worker processes in every test
     pytest.mark.filterwarnings("ignore:.*stored in device order"),
     pytest.mark.skipif(not _handoff.AVAILABLE, reason="needs os.memfd_create (Linux)"),
 ]

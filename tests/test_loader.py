@@ -196,6 +196,7 @@ def test_resume_mid_epoch_equals_uninterrupted(small_store: birdzarr.Store) -> N
     assert len(list(resumed)) == len(resumed), "the next epoch starts from its first batch"
 
 
+@pytest.mark.slow
 def test_resume_with_workers_from_the_loop_count(small_store: birdzarr.Store) -> None:
     ds = _dataset(small_store, batch_size=1200, seed=1, shuffle_buffer=2048)
     expected = _expected(ds, 2)
@@ -222,6 +223,7 @@ def test_resume_with_workers_from_the_loop_count(small_store: birdzarr.Store) ->
     assert str(refused.value) == message
 
 
+@pytest.mark.slow
 def test_resume_in_process_from_an_in_process_or_one_worker_state(small_store: birdzarr.Store) -> None:
     """num_workers=0 and 1 read the same batches in the same order: either resumes the other (a
     state saved in-process was refused as 'this loader has 1 worker')."""
@@ -481,6 +483,7 @@ def _with_reader_counts(batch: object) -> tuple[object, tuple[int, int, int]]:
     return batch, (info.id, pool.prefetched, pool.discarded)
 
 
+@pytest.mark.slow
 def test_persistent_workers_start_each_epoch_on_a_prefetched_pool(small_store: birdzarr.Store) -> None:
     """A persistent worker that has gathered its last batch decodes its first pool of the next
     epoch meanwhile; the next epoch takes it (exactly the planned batches), a set_epoch or a

@@ -19,6 +19,7 @@ def _dataset(store: birdzarr.Store, **options: object) -> birdzarr.WindowDataset
     return birdzarr.WindowDataset(store, **options)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_a_newer_iteration_supersedes_an_unfinished_one(small_store: birdzarr.Store) -> None:
     ds = _dataset(small_store, batch_size=500, shuffle_buffer=4096)
     every = sorted(w.tobytes() for w in small_store.windows[:])

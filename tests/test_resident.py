@@ -41,6 +41,7 @@ def test_values_ldt_and_layout_equal_the_store(small_store: birdzarr.Store) -> N
     assert np.array_equal(np.sort(np.concatenate(seen)), np.arange(len(small_store)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("codes", [True, False])
 def test_rows_of_a_batch_come_in_random_order(small_store: birdzarr.Store, codes: bool) -> None:
     """A slice of a batch (a micro-batch) is a uniform sample too, on this device-ordered store:
@@ -87,6 +88,7 @@ def test_a_new_uniform_permutation_every_epoch_from_seed_and_epoch(small_store: 
     assert quality_ratio([devices[i] for i in _epoch(b)], ids, counts) < 1.3
 
 
+@pytest.mark.slow
 def test_workers_share_one_copy_and_keep_the_order(small_store: birdzarr.Store) -> None:
     ds = _resident(small_store, batch_size=900, seed=2)
     ds.set_epoch(1)
