@@ -62,6 +62,7 @@ from birdzarr.format._codec import ChunkCodec, blosc_decode_scratch, gimu_codecs
 from birdzarr.format._spec import Curation  # noqa: E402
 
 CHUNK = 8192
+VERIFY = {"on": True}  # every candidate's output is checked in the first round
 
 
 # -- data ------------------------------------------------------------------------------------
@@ -189,7 +190,7 @@ def v1_default(windows: np.ndarray, device: np.ndarray, permutation: np.ndarray 
     for blob in blobs:
         codec.decode(blob, (size, 20, 4), out=out)
     decode_cpu = time.thread_time() - started
-    for blob, chunk in zip(blobs, expect, strict=True):
+    for blob, chunk in zip(blobs, expect if VERIFY["on"] else [], strict=False):
         back = codec.decode(blob, (size, 20, 4))[: len(chunk)]
         assert np.array_equal(back.view(np.uint32), chunk.view(np.uint32))
     return Result(sum(map(len, blobs)), 0, encode_cpu, decode_cpu)
@@ -219,8 +220,9 @@ def standard(cname: str, clevel: int) -> Callable[..., Result]:
         for blob in blobs:
             codec.decode(blob, (CHUNK, 20, 4), out=out)
         decode_cpu = time.thread_time() - started
-        back = np.concatenate([codec.decode(b, (CHUNK, 20, 4)) for b in blobs])[: len(data)]
-        assert np.array_equal(back.view(np.uint32), data.view(np.uint32))
+        if VERIFY["on"]:
+            back = np.concatenate([codec.decode(b, (CHUNK, 20, 4)) for b in blobs])[: len(data)]
+            assert np.array_equal(back.view(np.uint32), data.view(np.uint32))
         return Result(sum(map(len, blobs)), 0, encode_cpu, decode_cpu)
 
     return run
@@ -271,12 +273,13 @@ def format2(orders: str, cname: str, clevel: int, gps_codes: bool = False, group
                 speed = np.frombuffer(decoder.decode(memoryview(gps_blobs[i])[:-4]), "<f4").reshape(CHUNK, 20)
             _v2.decode(cm.transpose(0, 2, 1), rows, speed, new.values, new.start, out=out)
         decode_cpu = time.thread_time() - started
-        data = windows if permutation is None else windows[permutation]
-        if gps_codes:
-            back = new.values[new.start[row][:, None, :] + codes]
-        else:
-            back = _v2.decode_reference(codes, row, gps, new.values, new.start)
-        assert np.array_equal(back.view(np.uint32), data.view(np.uint32))
+        if VERIFY["on"]:
+            data = windows if permutation is None else windows[permutation]
+            if gps_codes:
+                back = new.values[new.start[row][:, None, :] + codes]
+            else:
+                back = _v2.decode_reference(codes, row, gps, new.values, new.start)
+            assert np.array_equal(back.view(np.uint32), data.view(np.uint32))
         dict_bytes = sum(map(len, dictionary))
         stored = sum(map(len, code_blobs)) + sum(map(len, row_blobs)) + sum(map(len, gps_blobs)) + dict_bytes
         n = len(windows)
@@ -323,7 +326,8 @@ def main() -> int:
               f"Parquet file with device_id {one_file / 1e6:.1f} MB", flush=True)
         permutation = np.random.default_rng(7).permutation(len(windows))
         best: dict[tuple[str, str], Result] = {}
-        for _ in range(args.repeat):
+        for round_ in range(args.repeat):
+            VERIFY["on"] = round_ == 0
             for order in ("device", "shuffled"):
                 for candidate in chosen:
                     result = candidate.run(windows, device, None if order == "device" else permutation)

