@@ -219,20 +219,23 @@ def documented_decode() -> str:
     return textwrap.dedent("\n".join(lines))
 
 
-@pytest.fixture(scope="module")
-def v2_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray]:
-    """A small store of the format 2 arrays, shuffled, written by zarr-python from
-    ``array_metadata`` (3 chunks of 512 windows, the last one partial)."""
+@pytest.fixture(scope="module", params=["device", "shuffled"])
+def v2_store(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+             ) -> tuple[Path, np.ndarray]:
+    """A small store of the format 2 arrays in device order or shuffled (the codes coded in device
+    order, then permuted, as a converter would), written by zarr-python from ``array_metadata``
+    (3 chunks of 512 windows, the last one partial)."""
     import zarr
 
-    rng = np.random.default_rng(17)
     sizes = [600, 300, 400]
     windows = np.concatenate([calibrated(n, seed=50 + i) for i, n in enumerate(sizes)])
     windows[7, 3, 0] = NEG_ZERO
     device = np.repeat([533, 298, 7], sizes)
-    order = rng.permutation(len(windows))
-    windows, device = windows[order], device[order]
     encoded = _v2.encode(windows, device)
+    if request.param == "shuffled":
+        order = np.random.default_rng(17).permutation(len(windows))
+        windows = windows[order]
+        encoded = _v2.Encoded(encoded.codes[order], encoded.row[order], encoded.gps[order], encoded.new)
     path = tmp_path_factory.mktemp("v2") / "store.zarr"
     data = {_v2.CODES: encoded.codes, _v2.GPS: encoded.gps, _v2.ROW: encoded.row,
             _v2.VALUES: encoded.new.values, _v2.START: encoded.new.start, _v2.DEVICE: encoded.new.device}
