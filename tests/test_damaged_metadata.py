@@ -80,6 +80,7 @@ def _tree(root: pathlib.Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("damage", "expected"), [d[1:] for d in DAMAGES], ids=[d[0] for d in DAMAGES])
 def test_damaged_metadata_is_one_line_and_exit_2_in_every_command(
     store_copy: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str],

@@ -340,6 +340,7 @@ def test_plot_window_draws_the_window_in_physical_units(csv_case) -> None:  # ty
     assert store.plot_window(-1).get_suptitle().startswith(f"window {len(store) - 1:,}:")
 
 
+@pytest.mark.slow
 def test_plot_device_shows_means_by_label_and_spread(csv_case) -> None:  # type: ignore[no-untyped-def]
     store, truth = csv_case
     device = sorted(truth)[2]
@@ -376,6 +377,7 @@ def test_plot_device_shows_means_by_label_and_spread(csv_case) -> None:  # type:
     assert "label" in " ".join(text.get_text() for text in partial.legends[0].get_texts())  # others keep ids
 
 
+@pytest.mark.slow
 def test_plot_device_without_timestamps_uses_global_indices(parquet_case, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """No times: the x axis is the global window index, ascending, and says what order that is."""
     store, truth = parquet_case
@@ -599,6 +601,7 @@ def test_missing_extra_names_the_install_command(csv_case, monkeypatch, module, 
         call(csv_case[0])
 
 
+@pytest.mark.slow
 def test_cli_plot_and_info_devices(csv_case, tmp_path: pathlib.Path, capsys) -> None:  # type: ignore[no-untyped-def]
     store, truth = csv_case
     device = sorted(truth)[0]

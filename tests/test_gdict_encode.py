@@ -145,6 +145,7 @@ def test_shuffled_store_chunks_are_what_the_reference_encoder_writes(
         assert codec.encode(chunk, groups) == stored
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("codec", ["gdict16", "standard"])
 def test_a_shuffled_store_verifies_against_its_source_with_any_codec(
     parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]], tmp_path: pathlib.Path,

@@ -127,6 +127,7 @@ def test_xarray_warns_without_consolidated_false(small_store: birdzarr.Store) ->
         xr.open_zarr(small_store.location.path)
 
 
+@pytest.mark.slow
 def test_dict16_decodes_in_plain_zarr_through_the_entry_point(small_store: birdzarr.Store) -> None:
     """zarr finds birdzarr.dict16 through the `zarr.codecs` entry point, without `import birdzarr`."""
     code = (
@@ -169,6 +170,7 @@ def http_server(small_store: birdzarr.Store) -> Iterator[str]:
     server.wait(10)
 
 
+@pytest.mark.slow
 def test_static_http_server_is_read_only_and_exact(
     http_server: str, small_store: birdzarr.Store, parquet_source: Any
 ) -> None:

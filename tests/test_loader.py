@@ -88,6 +88,7 @@ def test_every_window_exactly_once_per_epoch(
         assert np.array_equal(np.sort(flat), np.arange(n))
 
 
+@pytest.mark.slow
 def test_batches_hold_the_stored_values(small_store: birdzarr.Store) -> None:
     ds = _dataset(small_store, batch_size=777, seed=5)
     plan = ds.plan()
@@ -177,6 +178,7 @@ def test_spawned_workers_after_the_main_process_has_read(small_store: birdzarr.S
     assert all(torch.equal(x, y) for x, y in zip(got, expected, strict=True))
 
 
+@pytest.mark.slow
 def test_resume_mid_epoch_equals_uninterrupted(small_store: birdzarr.Store) -> None:
     full = _dataset(small_store, batch_size=900, seed=9)
     full.set_epoch(4)
@@ -386,6 +388,7 @@ def test_local_chunk_cache_serves_the_second_epoch(small_store: birdzarr.Store, 
     assert all(torch.equal(x, y) for x, y in zip(epoch0, epoch0_again, strict=True))
 
 
+@pytest.mark.slow
 @settings(max_examples=80, deadline=None)
 @given(
     world_size=st.integers(1, 4),
@@ -553,6 +556,7 @@ def test_a_shuffled_store_gives_fresh_uniform_batches_every_epoch(shuffled_store
     assert repeated_batch_fraction(again[0], again[1]) > 0.9
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "selection",
     [{}, {"devices": [200, 228, 249]}, {"exclude_devices": [200]}, {"split": "train"}, {"split": "val"},

@@ -45,6 +45,7 @@ def _dead_pid() -> int:
     return child.pid
 
 
+@pytest.mark.slow
 def test_a_second_writer_is_refused_with_the_holders_name(
     source: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:

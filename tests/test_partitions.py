@@ -79,6 +79,7 @@ def layouts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]
     return {"partitions": partitions, "per_device": per_device}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [1, 2])
 def test_partition_files_give_the_per_device_store(
     layouts: dict[str, pathlib.Path], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, workers: int
@@ -96,6 +97,7 @@ def test_partition_files_give_the_per_device_store(
     assert_same_windows_store(tmp_path / "one.zarr", tmp_path / "parts.zarr")
 
 
+@pytest.mark.slow
 def test_partition_files_in_worker_processes(
     layouts: dict[str, pathlib.Path], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -22,6 +22,7 @@ def _epoch(ds: birdzarr.WindowDataset) -> list[np.ndarray]:
     return [ds.batch_indices(b) for b in range(len(ds))]
 
 
+@pytest.mark.slow
 def test_values_ldt_and_layout_equal_the_store(small_store: birdzarr.Store) -> None:
     ds = _resident(small_store, batch_size=777, seed=5, with_ldt=True, channel_first=True)
     assert ds.resident.x.dtype == torch.int16, "a dict16 store stays dictionary-coded in memory"
@@ -55,6 +56,7 @@ def test_rows_of_a_batch_come_in_random_order(small_store: birdzarr.Store, codes
     assert 0.45 < float(np.mean(rising)) < 0.55
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_every_window_once_over_ranks_with_equal_batch_counts(
@@ -99,6 +101,7 @@ def test_workers_share_one_copy_and_keep_the_order(small_store: birdzarr.Store) 
     assert all(torch.equal(x, y) for x, y in zip(got, in_process, strict=True))
 
 
+@pytest.mark.slow
 def test_resume_equals_uninterrupted(small_store: birdzarr.Store) -> None:
     full = _resident(small_store, batch_size=900, seed=9)
     full.set_epoch(2)

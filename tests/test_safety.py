@@ -506,6 +506,7 @@ def test_verify_names_each_arrays_own_first_difference(tmp_path: pathlib.Path) -
     assert any("in labels from the sources (first at the device's window 4)" in p for p in problems)
 
 
+@pytest.mark.slow
 def test_verify_source_of_a_shuffled_store_reads_each_chunk_once(
     parquet_source: Any, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

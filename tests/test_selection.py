@@ -84,6 +84,7 @@ def _sides(store: birdzarr.Store, **split: object) -> dict[tuple[int, int, bytes
     return out
 
 
+@pytest.mark.slow
 def test_splits_stay_put_when_a_season_is_appended_and_when_reconverted_shuffled(
     seasons: dict[str, pathlib.Path], tmp_path: pathlib.Path
 ) -> None:
@@ -164,6 +165,7 @@ def _middle(store: birdzarr.Store) -> tuple[int, int]:
     return int(times[len(times) // 4]), int(times[3 * len(times) // 4])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("resident", [False, "cpu"])
 @pytest.mark.parametrize("order", ["device", "shuffled"])
 def test_filters_deliver_exactly_the_matching_windows_once(

@@ -137,6 +137,7 @@ def test_cli_verify_exit_status_and_listing(
     assert main(["verify", str(store_copy / "nope")]) == 2
 
 
+@pytest.mark.slow
 def test_a_shuffled_store_checks_its_scattered_digests(
     tmp_path: pathlib.Path, parquet_source: tuple[pathlib.Path, dict]
 ) -> None:
@@ -165,6 +166,7 @@ def test_a_shuffled_store_checks_its_scattered_digests(
     assert "scattered digest" in verify(dest).format()
 
 
+@pytest.mark.slow
 def test_a_store_shuffled_by_an_earlier_version_checks_its_scattered_checksums(
     tmp_path: pathlib.Path, parquet_source: tuple[pathlib.Path, dict]
 ) -> None:
