@@ -334,3 +334,31 @@ def test_a_dataset_with_a_lambda_time_mask_pickles_for_spawned_workers(
     assert np.array_equal(_indices(copy), _indices(ds))
     assert copy.state_dict() == ds.state_dict()
     assert all(torch.equal(a, b) for a, b in zip(copy, ds, strict=True))
+
+
+def test_the_split_rule_is_the_one_docs_training_md_writes_out() -> None:
+    """docs/training.md#subsets-and-splits, in plain integers, for one device and one window."""
+    mask, golden = 2**64 - 1, 0x9E3779B97F4A7C15
+
+    def fmix(z: int) -> int:
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+
+    from birdzarr.format._digest import window_hashes
+
+    seed, device, fraction = 7, 263, 0.37
+    threshold = int(fraction * 2**64)
+    ids = list(range(200, 400))
+    device_key = fmix((0xD5E1CE5B117 + seed * golden) & mask)
+    expected = [fmix((i * golden + device_key) & mask) < threshold for i in ids]
+    assert device_in_val(np.array(ids), val_fraction=fraction, split_seed=seed).tolist() == expected
+    rng = np.random.default_rng(1)
+    windows = rng.normal(size=(64, 20, 4)).astype(np.float32)
+    times = rng.integers(0, 2**31, 64)
+    devices = np.full(64, device)
+    sides = window_in_val(devices, windows, times, val_fraction=fraction, split_seed=seed)
+    key = fmix((device * golden + fmix((0x3A1D0BB117 + seed * golden) & mask)) & mask)
+    w = window_hashes(windows, times).tolist()
+    assert sides.tolist() == [fmix(key ^ h) < threshold for h in w]
+    assert 0 < sides.sum() < 64
