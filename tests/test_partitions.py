@@ -269,3 +269,31 @@ def test_partition_files_across_sources(layouts: dict[str, pathlib.Path], tmp_pa
     birdzarr.convert(layouts["per_device"], tmp_path / "one.zarr", chunk_windows=256, progress=False)
     birdzarr.convert(seasons, tmp_path / "two.zarr", chunk_windows=256, progress=False)
     assert_same_windows_store(tmp_path / "one.zarr", tmp_path / "two.zarr")
+
+
+def test_a_bad_row_of_a_partition_file_is_its_own_devices(tmp_path: pathlib.Path) -> None:
+    source = tmp_path / "src"
+    source.mkdir()
+    windows = _synthetic.curated_windows(6, seed=6)
+    rows = [list(map(float, w.reshape(-1))) for w in windows]
+    rows[3] = rows[3][:79]  # device 2's second row: 79 values
+    table = pa.table({"device_id": pa.array([1, 2, 1, 2, 1, 2], pa.int64()),
+                      "gimu": pa.array(rows, pa.list_(pa.float32()))})
+    pq.write_table(table, source / "part-0.parquet")
+    with pytest.raises(BadInputError, match=r"part-0.parquet, row group 0, row 3: the window has 79 values"):
+        birdzarr.convert(source, tmp_path / "s.zarr", progress=False)
+    store = birdzarr.convert(source, tmp_path / "s.zarr", progress=False, on_bad_rows="skip")
+    assert np.array_equal(store.device_windows(1), windows[[0, 2, 4]])
+    assert np.array_equal(store.device_windows(2), windows[[1, 5]])
+    assert store.report[2].bad_lines == 1 and store.report[1].bad_lines == 0
+
+
+def test_a_hive_folder_file_saying_another_device_is_refused(tmp_path: pathlib.Path) -> None:
+    folder = tmp_path / "src" / "device_id=4"
+    folder.mkdir(parents=True)
+    windows = _synthetic.curated_windows(3, seed=7)
+    table = pa.table({"gimu": _gimu(windows), "device_id": pa.array([4, 4, 5], pa.int16())})
+    pq.write_table(table, folder / "data.parquet")
+    message = r"data.parquet, row group 0, row 2: device_id is 5, but the file's name \(or folder\) says device 4"
+    with pytest.raises(BadInputError, match=message):
+        birdzarr.convert(tmp_path / "src", tmp_path / "s.zarr", progress=False)

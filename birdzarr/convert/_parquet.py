@@ -316,8 +316,12 @@ class ParquetDeviceReader:
     on_bad_rows: str = "error"
 
     def row_groups(self) -> int | None:
-        """The file's number of row groups (a footer read), or None if it cannot tell: then
-        ``blocks`` of the whole file reports why, in the order the file comes in."""
+        """The file's number of row groups (a footer read), or None where the file is best read
+        as one task: it cannot tell (``blocks`` of the whole file then reports why, in the order
+        the file comes in), or a partition file (this device's rows sit in the few row groups
+        its statistics allow; a task per group would open the file once per group and device)."""
+        if names_its_device(self.path) is None:
+            return None
         try:
             local = self.path.is_local
             with pa.OSFile(self.path.path) if local else self.path.fs.open(self.path.path, "rb") as handle:
