@@ -362,3 +362,17 @@ def test_the_split_rule_is_the_one_docs_training_md_writes_out() -> None:
     w = window_hashes(windows, times).tolist()
     assert sides.tolist() == [fmix(key ^ h) < threshold for h in w]
     assert 0 < sides.sum() < 64
+
+
+@pytest.mark.parametrize("resident", [False, "cpu"])
+def test_ranks_share_a_filtered_selection_exactly_once(
+    labelled: dict[str, birdzarr.Store], resident: str | bool
+) -> None:
+    store = labelled["shuffled"]
+    labels, times = store.labels[:], store.timestamps[:]
+    lo, hi = _middle(store)
+    options = {"labels": [0, 2, 5, 7], "start": lo, "stop": hi, "resident": resident, "world_size": 2}
+    ranks = [_indices(_dataset(store, rank=rank, **options)) for rank in (0, 1)]
+    assert len(ranks[0]) and len(ranks[1])
+    expected = np.flatnonzero(np.isin(labels, [0, 2, 5, 7]) & (times >= lo) & (times < hi))
+    assert np.array_equal(np.sort(np.concatenate(ranks)), expected)
