@@ -194,7 +194,8 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
         result["open_s"] = time.perf_counter() - started
         workers = spec.get("workers", WORKERS)
         if ds.resident is None:
-            result["pool_chunks"] = float(np.mean([len(p.chunks) for p in ds.plan().pools]))
+            pools = ds.plan(num_workers=workers).pools
+            result["pool_chunks"] = float(np.mean([len(p.chunks) for p in pools]))
         loader = DataLoader(ds, batch_size=None, num_workers=workers, persistent_workers=workers > 0)
         ids_of = (lambda batch: batch[1][:, 1].numpy().copy()) if spec["ldt"] else None
         out = _iterate(loader, max_batches=None, quality_batches=q, ids_of=ids_of)
@@ -202,7 +203,8 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
         members = []
         for epoch in (0, 1):
             ds.set_epoch(epoch)
-            members.append([ds.batch_indices(b) for b in ds.delivery_order(workers)])
+            plan = ds.plan(num_workers=workers)  # the pools are sized for the workers
+            members.append([ds.batch_indices(b, plan) for b in ds.delivery_order(workers)])
         from birdzarr.loader._quality import pair_cooccurrence_ratio, repeated_batch_fraction
 
         result["repeated"] = repeated_batch_fraction(members[0], members[1])

@@ -553,27 +553,26 @@ class WindowDataset(IterableDataset[Batch]):
             plan.worker_batches, lambda k: [len(plan.worker_batches(w, k)) for w in range(k)]
         )
         local = self._local()
-        last = int(batches[-1]) if len(batches) else -1
+        last_pool = int(plan.batch_pool[batches[-1]]) if len(batches) else -1
 
         def produce() -> Iterator[Batch | SharedBatch]:
             for pool, in_pool in itertools.groupby(batches.tolist(), key=lambda b: int(plan.batch_pool[b])):
                 loaded = local.pool.load(plan.pools[pool], (plan.epoch, workers, pool))
+                if pool == last_pool and info is not None:  # the fetch threads are idle from here on
+                    self._prefetch_next_epoch(local, plan.epoch, info.id, workers)
                 order = plan.pool_order(pool)
                 for batch in in_pool:
                     rows = loaded.rows[plan.batch_positions(batch, order)]
-                    out = local.sink(len(rows), _pool_filler(loaded, rows))
-                    if batch == last and info is not None:  # the pool buffer is idle from here on
-                        self._prefetch_next_epoch(local, plan.epoch, info.id, workers)
-                    yield out
+                    yield local.sink(len(rows), _pool_filler(loaded, rows))
 
         return produce()
 
     def _prefetch_next_epoch(self, local: _PerProcess, epoch: int, worker: int, workers: int) -> None:
-        """A DataLoader worker whose batches are all gathered starts decoding its first pool of
-        the next epoch into its idle pool buffer (plans are pure functions of the epoch), so a
-        persistent worker starts the next epoch without decoding a whole pool first. The next
-        iteration takes it only if it asks for that pool of that epoch (``set_epoch`` or a resume
-        point may ask for another), else it is cancelled."""
+        """A DataLoader worker that starts serving its last pool of the epoch starts decoding its
+        first pool of the next epoch (a small one) into its second buffer, while it serves (plans
+        are pure functions of the epoch): a persistent worker then starts the next epoch without
+        decoding a pool first. The next iteration takes it only if it asks for that pool of that
+        epoch (``set_epoch`` or a resume point may ask for another), else it is cancelled."""
         if epoch >= MAX_EPOCH:
             return
         following = self.plan(epoch + 1, workers)

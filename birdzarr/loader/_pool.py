@@ -7,11 +7,12 @@ small thread pool: decoding releases the GIL, and remote fetches overlap), so a 
 vectorised gather from memory the reader already owns. Nothing is handed back to a free list and
 nothing grows with the store: memory is ``capacity x chunk_windows x (320 B + 16 B with ldt)``.
 
-A reader whose batches of an epoch are all gathered has an idle buffer: ``prefetch`` starts
-decoding its first pool of the next epoch there (plans are pure functions of the epoch), and
-``load`` takes it if the next iteration asks for that pool, else cancels it. The fetch threads
-are daemon threads: a DataLoader worker that exits (a non-persistent one, at the end of its
-epoch) does not wait for a prefetch nobody will use.
+A DataLoader worker that starts serving its last pool of an epoch has idle fetch threads:
+``prefetch`` starts decoding its first pool of the next epoch (plans are pure functions of the
+epoch; a worker's first pool is small, about half the others) into a second bank of
+buffers, and ``load`` takes it if the next iteration asks for that pool, else cancels it. The
+fetch threads are daemon threads: a DataLoader worker that exits (a non-persistent one, at the
+end of its epoch) does not wait for a prefetch nobody will use.
 """
 
 from __future__ import annotations
@@ -88,42 +89,77 @@ def _results(futures: list[Future[Any]]) -> list[Any]:
         raise
 
 
-class PoolBuffers:
-    """One reader's pool memory and its fetch threads (create after a DataLoader worker forks)."""
+class _Bank:
+    """One pool's worth of buffers: float32 windows, and label, device, time with ldt."""
 
-    def __init__(self, reader: ChunkReader, selection: Selection, *, with_ldt: bool, threads: int) -> None:
-        self.reader = reader
-        self.selection = selection
+    def __init__(self, with_ldt: bool) -> None:
         self.with_ldt = with_ldt
         self.capacity = 0
         self.gimu = np.empty((0, WINDOW_LENGTH, N_CHANNELS), np.float32)
         self.ldt: dict[str, np.ndarray] = {}
-        self._threads = _DaemonThreads(max(1, threads), "birdzarr-fetch")
-        self._pending: tuple[Hashable, Pool, list[Future[np.ndarray]]] | None = None
-        self.decoded = 0  # chunks decoded by this reader (tests count them)
-        self.prefetched = 0  # pools taken from a prefetch (tests count them)
-        self.discarded = 0  # prefetches not used
 
-    def close(self) -> None:
-        self._drop_pending()
-        self._threads.shutdown()
-
-    def _reserve(self, chunks: int) -> None:
+    def reserve(self, chunks: int, chunk_windows: int) -> None:
         if chunks <= self.capacity:
             return
-        rows = chunks * self.reader.chunk_windows
+        rows = chunks * chunk_windows
         self.gimu = np.empty((rows, WINDOW_LENGTH, N_CHANNELS), np.float32)
         if self.with_ldt:
             self.ldt = {name: np.empty(rows, dtype) for name, dtype in PER_WINDOW.items()}
         self.capacity = chunks
 
-    def prefetch(self, key: Hashable, pool: Pool) -> None:
-        """Start decoding ``pool`` into the (idle) buffers; ``load(pool, key)`` takes it."""
+
+class PoolBuffers:
+    """One reader's pool memory and its fetch threads (create after a DataLoader worker forks).
+
+    Two banks: pools load into bank 0; a prefetch (the next epoch's first pool, a small one)
+    goes to the bank not holding the pool being served, usually bank 1, and is served from
+    there. In the training process only bank 0 is ever allocated.
+    """
+
+    def __init__(self, reader: ChunkReader, selection: Selection, *, with_ldt: bool, threads: int) -> None:
+        self.reader = reader
+        self.selection = selection
+        self.with_ldt = with_ldt
+        self._banks = (_Bank(with_ldt), _Bank(with_ldt))
+        self._serving = 0  # the bank of the pool handed out last
+        self._threads = _DaemonThreads(max(1, threads), "birdzarr-fetch")
+        self._pending: tuple[Hashable, Pool, list[Future[np.ndarray]], int] | None = None
+        self.decoded = 0  # chunks decoded by this reader for pools it served (tests count them)
+        self.prefetched = 0  # pools taken from a prefetch (tests count them)
+        self.discarded = 0  # prefetches not used
+
+    # bank 0: where every pool that was not prefetched is loaded
+    @property
+    def capacity(self) -> int:
+        return self._banks[0].capacity
+
+    @property
+    def gimu(self) -> np.ndarray:
+        return self._banks[0].gimu
+
+    @property
+    def ldt(self) -> dict[str, np.ndarray]:
+        return self._banks[0].ldt
+
+    @property
+    def prefetch_capacity(self) -> int:
+        """Chunks the second bank holds (0 until a prefetch has used it)."""
+        return self._banks[1].capacity
+
+    def close(self) -> None:
         self._drop_pending()
-        self._reserve(len(pool.chunks))
-        futures = [self._threads.submit(self._load_chunk, slot, chunk)
-                   for slot, chunk in enumerate(pool.chunks.tolist())]
-        self._pending = (key, pool, futures)
+        self._threads.shutdown()
+
+    def _submit(self, bank: int, pool: Pool) -> list[Future[np.ndarray]]:
+        self._banks[bank].reserve(len(pool.chunks), self.reader.chunk_windows)
+        return [self._threads.submit(self._load_chunk, bank, slot, chunk)
+                for slot, chunk in enumerate(pool.chunks.tolist())]
+
+    def prefetch(self, key: Hashable, pool: Pool) -> None:
+        """Start decoding ``pool`` into the bank not being served; ``load(pool, key)`` takes it."""
+        self._drop_pending()
+        bank = 1 - self._serving
+        self._pending = (key, pool, self._submit(bank, pool), bank)
 
     def _drop_pending(self) -> None:
         """Cancel a prefetch nobody asked for (its running decodes finish first)."""
@@ -142,33 +178,33 @@ class PoolBuffers:
         if pending is not None and key is not None and pending[0] == key and _same(pending[1], pool):
             self._pending = None
             self.prefetched += 1
-            return self._loaded(pool, _results(pending[2]))
+            return self._loaded(pool, _results(pending[2]), pending[3])
         self._drop_pending()
-        self._reserve(len(pool.chunks))
-        futures = [self._threads.submit(self._load_chunk, slot, chunk)
-                   for slot, chunk in enumerate(pool.chunks.tolist())]
-        return self._loaded(pool, _results(futures))
+        return self._loaded(pool, _results(self._submit(0, pool)), 0)
 
-    def _loaded(self, pool: Pool, selected: list[np.ndarray]) -> LoadedPool:
+    def _loaded(self, pool: Pool, selected: list[np.ndarray], bank: int) -> LoadedPool:
         width = self.reader.chunk_windows
         rows = np.concatenate(
             [slot * width + chosen[lo:hi] for slot, (chosen, lo, hi)
              in enumerate(zip(selected, pool.lo.tolist(), pool.hi.tolist(), strict=True))]
         ) if selected else np.empty(0, np.int64)
         self.decoded += len(pool.chunks)
-        return LoadedPool(rows.astype(np.int64, copy=False), self.gimu, self.ldt if self.with_ldt else None)
+        self._serving = bank
+        held = self._banks[bank]
+        return LoadedPool(rows.astype(np.int64, copy=False), held.gimu, held.ldt if self.with_ldt else None)
 
-    def _load_chunk(self, slot: int, chunk: int) -> np.ndarray:
-        """Decode one chunk into ``slot``; return the rows (within the chunk) of selected windows."""
-        reader, width = self.reader, self.reader.chunk_windows
+    def _load_chunk(self, bank: int, slot: int, chunk: int) -> np.ndarray:
+        """Decode one chunk into ``slot`` of ``bank``; return the rows (within the chunk) of
+        selected windows."""
+        reader, width, held = self.reader, self.reader.chunk_windows, self._banks[bank]
         start, stop = reader.chunk_span(chunk)
-        reader.read(GIMU, chunk, out=self.gimu[slot * width : (slot + 1) * width])
+        reader.read(GIMU, chunk, out=held.gimu[slot * width : (slot + 1) * width])
         device_ids = None
         if self.with_ldt:
             for name in PER_WINDOW:
                 values = reader.read(name, chunk)
-                self.ldt[name][slot * width : slot * width + len(values)] = values
-            device_ids = self.ldt[DEVICE][slot * width : slot * width + stop - start]
+                held.ldt[name][slot * width : slot * width + len(values)] = values
+            device_ids = held.ldt[DEVICE][slot * width : slot * width + stop - start]
         mask = self.selection.read_mask(reader, chunk, device_ids)
         return np.arange(stop - start) if mask is None else np.flatnonzero(mask)
 

@@ -21,7 +21,9 @@ membership is **redrawn every epoch**:
    and the short ones last) are cut into pools at batch boundaries, so every batch but the last
    is full. The number of pools is a multiple of the number of DataLoader workers (each worker
    gets the same number of pools, and of batches give or take a chunk's), large enough that no
-   pool holds more than ``pool_chunks`` chunks, or else one batch a pool. A pool boundary
+   pool holds more than ``pool_chunks`` chunks, or else one batch a pool. A worker's first pool
+   holds about half as many batches as its other pools: it is decoded ahead, in a second buffer,
+   while the worker serves the previous epoch's last pool (``_pool``). A pool boundary
    falls on a chunk boundary where one lies within half a chunk's batches of the even cut; else
    that chunk is decoded by both pools. A pool's windows are permuted uniformly (seeded by seed,
    epoch, rank and pool) and cut into batches; so each batch is a uniform sample of its pool, and
@@ -41,6 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 _SEED_STREAM = 0xB1BD2A
+LEAD_SHARE = 2  # a worker's first pool of an epoch holds about 1/LEAD_SHARE of its other pools
 
 
 def _rng(*key: int) -> np.random.Generator:
@@ -139,17 +142,22 @@ def _rank_pieces(order: np.ndarray, counts: np.ndarray, start: int, stop: int) -
 
 
 def _pool_bounds(pieces: _Pieces, n_batches: int, batch_size: int, n_pools: int, workers: int) -> np.ndarray:
-    """Batch numbers where pools start (len n_pools + 1): each worker's batches spread evenly
-    over its pools, the workers' totals within one batch of each other; a boundary moves to a
+    """Batch numbers where pools start (len n_pools + 1): each worker's batches spread over its
+    pools (its first pool about half the others), the workers' totals within one batch
+    of each other; a boundary moves to a
     chunk boundary (a batch boundary there) within half a chunk's batches, if one lies there."""
     per_worker = np.full(workers, n_batches // workers, dtype=np.int64)
     per_worker[: n_batches % workers] += 1
     rounds = n_pools // workers
     per_pool = np.empty(n_pools, dtype=np.int64)
     for w in range(workers):
-        share = np.full(rounds, per_worker[w] // rounds, dtype=np.int64)
-        share[: per_worker[w] % rounds] += 1
-        per_pool[w::workers] = share
+        total = int(per_worker[w])
+        # a worker's first pool holds about half the others: it is the one the next
+        # epoch's prefetch decodes while the worker serves its last pool (in a second buffer)
+        lead = max(1, -(-total // (LEAD_SHARE * rounds))) if rounds > 1 else total
+        share = np.full(rounds - 1, (total - lead) // max(1, rounds - 1), dtype=np.int64)
+        share[: (total - lead) % max(1, rounds - 1)] += 1
+        per_pool[w::workers] = np.concatenate(([lead], share))
     bounds = np.concatenate(([0], np.cumsum(per_pool))).astype(np.int64)
     ends = pieces.ends
     aligned = np.unique(ends[ends % batch_size == 0] // batch_size)  # chunk ends on a batch boundary
