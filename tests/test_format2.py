@@ -278,6 +278,7 @@ def test_tensorstore_reads_the_store_and_the_documented_lines_decode_it(
         assert_exact(scope["windows"], windows[a:b])
 
 
+@pytest.mark.slow
 def test_zarr_without_birdzarr_reads_the_store_and_the_documented_lines_decode_it(
     v2_store: tuple[Path, np.ndarray], tmp_path: Path,
 ) -> None:

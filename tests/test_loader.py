@@ -378,6 +378,7 @@ def test_damaged_chunks_raise_during_training(parquet_source, tmp_path) -> None:
         list(_dataset(store, batch_size=4096))
 
 
+@pytest.mark.slow
 def test_local_chunk_cache_serves_the_second_epoch(small_store: birdzarr.Store, tmp_path) -> None:  # type: ignore[no-untyped-def]
     first = _dataset(small_store, seed=4, cache_dir=tmp_path / "cache", cache_max_bytes=2**30)
     epoch0 = [x.clone() for x in first]

@@ -367,6 +367,7 @@ def test_lock_fallback_is_loud_and_a_type_error_is_not_swallowed() -> None:
         StoreLock(broken, "two").acquire()
 
 
+@pytest.mark.slow
 def test_obstore_fallback_is_loud(monkeypatch: pytest.MonkeyPatch) -> None:
     from birdzarr.storage import _location as _storage
 
@@ -436,6 +437,7 @@ def test_cli_errors_are_one_line_with_exit_2(
     assert "Traceback" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_unreachable_endpoint_fails_fast(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     import socket
