@@ -37,7 +37,6 @@ from birdzarr.format._spec import (
     SHUFFLED_CHUNK_WINDOWS,
     WINDOW_RULE,
     Curation,
-    DeviceReport,
 )
 from birdzarr.storage._location import Location, StoreLike, require_writable, resolve
 
@@ -194,7 +193,10 @@ def convert(
                               buckets=buckets, shuffle_tmp=shuffle_tmp, duplicates=duplicates)
     duplicates.warn(dst.display)
     store = open_store(dst)
-    _warn_ignored_columns(store.meta.get("report", {}).get("ignored_columns") or {})
+    # from the devices' reports, which every path keeps (a Dask conversion's report has no
+    # ignored_columns of its own)
+    devices = store.meta.get("report", {}).get("devices", {}).values()
+    _warn_ignored_columns(_ignored_columns(d.get("problems") or [] for d in devices))
     return store
 
 
@@ -230,11 +232,12 @@ def _named_together(sources: list[Location]) -> Location:
     return dataclasses.replace(sources[0], url=", ".join(one.url for one in sources))
 
 
-def _ignored_columns(reports: Iterable[DeviceReport]) -> dict[str, list[str]]:
-    """{column: [file, ...]} of input columns that were not read (``_parquet.ignored_note``)."""
+def _ignored_columns(problems: Iterable[list[str]]) -> dict[str, list[str]]:
+    """{column: [file, ...]} of input columns that were not read, from the devices' report
+    notes (``_parquet.ignored_note``)."""
     found: dict[str, set[str]] = {}
-    for report in reports:
-        for column, files in ignored_from_notes(report.problems).items():
+    for notes in problems:
+        for column, files in ignored_from_notes(notes).items():
             found.setdefault(column, set()).update(files)
     return {column: sorted(files, key=natural_key) for column, files in sorted(found.items())}
 
@@ -330,7 +333,7 @@ def _convert_here(
         require_windows(src.display, writer)
         if duplicates is not None and duplicates.counts:
             extra["duplicate_windows"] = duplicates.report()
-        ignored = _ignored_columns(writer.reports.values())
+        ignored = _ignored_columns(r.problems for r in writer.reports.values())
         if ignored:
             extra["ignored_columns"] = ignored
         writer.commit({"source": src.display, "seconds": round(seconds, 3), **extra})
