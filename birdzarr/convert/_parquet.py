@@ -431,11 +431,15 @@ class ParquetDeviceReader:
         rows = decoded.rows_of(self.device_id)
         for start in range(0, len(rows), BATCH_ROWS):
             take = rows[start: start + BATCH_ROWS]
-            if int(take[-1]) - int(take[0]) + 1 == len(take):  # consecutive rows: a view, no copy
+            consecutive = int(take[-1]) - int(take[0]) + 1 == len(take)
+            if consecutive:  # a view, no copy
                 part = decoded.table.slice(int(take[0]), len(take))
             else:
                 part = decoded.table.take(pa.array(take))
-            yield self._batch(part, group, take, source)
+            block = self._batch(part, group, take, source)
+            if consecutive:  # its own copy: a view would keep the whole decoded group alive
+                block.windows = np.array(block.windows)
+            yield block
 
     def _batch(
         self, batch: pa.RecordBatch | pa.Table, group: int, rows: int | np.ndarray, source: str
@@ -539,7 +543,7 @@ def _timestamps(column: pa.Array, source: str) -> np.ndarray:
             ) from None
     if column.null_count:
         seconds = np.where(_null_mask(column), TIMESTAMP_UNKNOWN, seconds)
-    return seconds.astype(np.int64, copy=False)
+    return np.array(seconds, dtype=np.int64)  # a copy: not a view of the input's buffers
 
 
 def _empty_block(report: DeviceReport) -> WindowBlock:
