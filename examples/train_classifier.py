@@ -219,11 +219,18 @@ def _train(args: argparse.Namespace, rank: int, world: int, device: torch.device
     start_epoch, global_step, history = 0, 0, []
     if args.resume and os.path.exists(args.checkpoint):
         ckpt = torch.load(args.checkpoint, map_location=device, weights_only=False)
+        try:
+            if ckpt["num_classes"] != num_classes:
+                raise ValueError(f"it has {ckpt['num_classes']} classes, the store's labels make "
+                                 f"{num_classes}")
+            if ckpt["loader"] is not None:
+                train.load_state_dict(ckpt["loader"])  # next iteration of that epoch starts at its next batch
+        except ValueError as error:  # another store, split, batch size, world size, workers, ...
+            print(f"error: cannot resume from {args.checkpoint}: {error}", file=sys.stderr)
+            return 2
         bare.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         start_epoch, global_step, history = ckpt["epoch"], ckpt["global_step"], ckpt["history"]
-        if ckpt["loader"] is not None:
-            train.load_state_dict(ckpt["loader"])  # next iteration of that epoch starts at its next batch
         if rank == 0:
             at = ckpt["loader"]["next_batch"] if ckpt["loader"] else 0
             print(f"resumed from {args.checkpoint}: epoch {start_epoch}, batch {at}, step {global_step}",

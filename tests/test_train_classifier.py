@@ -203,3 +203,19 @@ def test_classifier_on_a_store_without_labels_exits_2_with_one_line(tmp_path: pa
     assert err.count("\n") == 1 and err.startswith("error: the selection holds no window of "), err
     assert "labelled_only=True" in err
     assert not (tmp_path / "c.pt").exists()
+
+
+@pytest.mark.slow
+def test_classifier_resume_with_another_batch_size_exits_2_and_keeps_the_checkpoint(
+    labelled_store: birdzarr.Store, tmp_path: pathlib.Path
+) -> None:
+    ckpt, log = tmp_path / "c.pt", tmp_path / "log.jsonl"
+    _train_here(_argv(labelled_store, ckpt, log, "--max-steps", "2", "--workers", "0"))
+    before = ckpt.read_bytes()
+    argv = _argv(labelled_store, ckpt, log, "--resume", "--workers", "0")
+    argv[argv.index("--batch-size") + 1] = str(BATCH // 2)
+    out, err = _train_here(argv, expect=2)
+    assert out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"error: cannot resume from {ckpt}: cannot resume: the state was saved with "), err
+    assert "batch_size" in err
+    assert ckpt.read_bytes() == before
