@@ -37,7 +37,6 @@ from birdzarr._errors import (
     TransferError,
 )
 from birdzarr.maintenance._copy import copy_store
-from birdzarr.storage._cache import attach_cache
 from birdzarr.storage._location import RetryPolicy, resolve
 
 pytestmark = [pytest.mark.slow, pytest.mark.s3]
@@ -281,8 +280,10 @@ def test_cli_convert_info_copy_with_standard_aws_environment(
 
 def test_local_cache_serves_the_second_epoch(s3_store: birdzarr.Store, bucket: str, moto: MotoEndpoint,  # noqa: F811
                                              tmp_path: Any) -> None:
-    store = birdzarr.open_store(f"s3://{bucket}/small.zarr", storage_options=s3_options(moto.url))
-    cache = attach_cache(store, tmp_path / "cache", max_bytes=10**9)
+    store = birdzarr.open_store(f"s3://{bucket}/small.zarr", storage_options=s3_options(moto.url),
+                                cache_dir=tmp_path / "cache", cache_max_bytes=10**9)
+    cache = store.cache
+    assert cache is not None
     first = store.windows[:]
     fetched = store.reader.requests
     assert fetched == store.reader.n_chunks and cache.hits == 0
@@ -294,9 +295,11 @@ def test_local_cache_serves_the_second_epoch(s3_store: birdzarr.Store, bucket: s
     # A cap of three of the largest chunks: the chunks admitted until the next one would not fit
     # are kept (three, or four when smaller ones came first: reads run concurrently), and the rest
     # are read from the bucket every time, with no eviction.
-    capped_store = birdzarr.open_store(f"s3://{bucket}/small.zarr", storage_options=s3_options(moto.url))
     chunk_bytes = sorted(store.location.fs.du(store.location.join("gimu"), total=False).values())[-1]
-    capped = attach_cache(capped_store, tmp_path / "capped", max_bytes=3 * chunk_bytes)
+    capped_store = birdzarr.open_store(f"s3://{bucket}/small.zarr", storage_options=s3_options(moto.url),
+                                       cache_dir=tmp_path / "capped", cache_max_bytes=3 * chunk_bytes)
+    capped = capped_store.cache
+    assert capped is not None
     for _ in range(2):
         assert np.array_equal(bits(capped_store.windows[:]), bits(first))
     kept = sum(len(files) for _, _, files in os.walk(os.path.join(capped.root, "gimu")))

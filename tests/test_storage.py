@@ -12,7 +12,7 @@ import pytest
 import birdzarr
 from birdzarr._errors import MissingChunkError, ReadOnlyLocationError
 from birdzarr.maintenance._copy import copy_store
-from birdzarr.storage._cache import attach_cache
+from birdzarr.storage._cache import cache_for
 from birdzarr.storage._location import (
     RetryPolicy,
     is_transient,
@@ -137,11 +137,13 @@ def test_http_locations_are_read_only() -> None:
 
 
 def test_cache_cap_and_commit_namespaces(small_store: birdzarr.Store, tmp_path: Path) -> None:
-    store = birdzarr.open_store(small_store.location.url)
-    n = store.reader.n_chunks
-    sizes = sorted(os.path.getsize(p) for p in Path(store.location.path, "gimu").rglob("0") if p.is_file())
+    gimu = Path(small_store.location.path, "gimu")
+    sizes = sorted(os.path.getsize(p) for p in gimu.rglob("0") if p.is_file())
     cap = sizes[-1] * 2  # room for two or three chunks
-    cache = attach_cache(store, tmp_path / "cache", max_bytes=cap)
+    store = birdzarr.open_store(small_store.location.url, cache_dir=tmp_path / "cache", cache_max_bytes=cap)
+    cache = store.cache
+    assert cache is not None
+    n = store.reader.n_chunks
     truth = small_store.windows[:]
     assert np.array_equal(bits(store.windows[:]), bits(truth))
     assert cache.full and 0 < cache.used_bytes <= cap and cache.hits == 0
@@ -150,6 +152,39 @@ def test_cache_cap_and_commit_namespaces(small_store: birdzarr.Store, tmp_path: 
     assert cache.hits == len(cached) and store.reader.requests == 2 * n - cache.hits
     # a new commit of the same URL gets a fresh namespace and the old one is removed
     store.meta = {**store.meta, "committed": {**store.meta["committed"], "generation": 2}}
-    newer = attach_cache(store, tmp_path / "cache", max_bytes=cap)
+    newer = cache_for(store, tmp_path / "cache", max_bytes=cap)
     assert newer.namespace != cache.namespace and not os.path.exists(cache.root)
     assert newer.used_bytes == 0
+
+
+def test_open_store_reads_through_a_local_chunk_cache(small_store: birdzarr.Store, tmp_path: Path) -> None:
+    """The chunk cache is an option of open_store (issue 34); attach_cache, which changed an
+    opened handle, still works for one release and warns."""
+    url = small_store.location.url
+    store = birdzarr.open_store(url, cache_dir=tmp_path / "cache")
+    cache = store.cache
+    assert cache is not None and cache.max_bytes == 50 * 2**30
+    n = store.reader.n_chunks
+    first = store.windows[:]
+    assert store.reader.requests == n and cache.hits == 0 and cache.used_bytes > 0
+    assert np.array_equal(bits(store.windows[:]), bits(first))
+    assert store.reader.requests == n and cache.hits == n
+    assert np.array_equal(bits(first), bits(small_store.windows[:]))
+    assert birdzarr.open_store(url).cache is None
+
+    plain = birdzarr.open_store(url)
+    with pytest.warns(DeprecationWarning, match=r"open_store\(url, cache_dir=directory"):
+        attached = birdzarr.attach_cache(plain, tmp_path / "cache", max_bytes=10**9)
+    assert plain.cache is attached and attached.namespace == cache.namespace
+
+    refused = "^cache_max_bytes must be an integer of 0 or more, got -1$"
+    with pytest.raises(birdzarr.ArgumentError, match=refused):
+        birdzarr.open_store(url, cache_dir=tmp_path / "other", cache_max_bytes=-1)
+    with pytest.raises(TypeError, match="^cache_max_bytes must be an integer, got 1.5$"):
+        birdzarr.open_store(url, cache_dir=tmp_path / "other", cache_max_bytes=1.5)  # type: ignore[arg-type]
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(birdzarr.ArgumentError, match="a_file is not a directory"):
+        birdzarr.open_store(url, cache_dir=tmp_path / "a_file")
+    with pytest.raises(birdzarr.ArgumentError, match="the chunk cache is a local directory"):
+        birdzarr.open_store(url, cache_dir="s3://bucket/cache")
+    assert not (tmp_path / "other").exists()

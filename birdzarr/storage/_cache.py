@@ -26,17 +26,41 @@ import json
 import os
 import shutil
 import uuid
+import warnings
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from birdzarr.storage._location import redact
+from birdzarr._checks import require_int
+from birdzarr._errors import ArgumentError
+from birdzarr.storage._location import Location, redact
 
-if TYPE_CHECKING:
-    from birdzarr.store._handle import Store
+DEFAULT_MAX_BYTES = 50 * 2**30  # open_store's and WindowDataset's cache_max_bytes
 
 _USAGE = "usage"
 _LOCK = "lock"
 _SOURCE = "SOURCE.json"
+
+
+class CommittedStore(Protocol):
+    """What the cache needs of a store: where it is and its root attributes (the commit record).
+
+    ``birdzarr.Store`` has both; the storage layer names no type of the layers above it.
+    """
+
+    @property
+    def location(self) -> Location: ...
+
+    @property
+    def meta(self) -> dict[str, Any]: ...
+
+
+class _CacheHolder(Protocol):
+    cache: Any  # the chunk reader's hook (birdzarr.store._chunks.ChunkReader.cache)
+
+
+class _ReadingStore(CommittedStore, Protocol):
+    @property
+    def reader(self) -> _CacheHolder: ...
 
 
 class ChunkCache:
@@ -45,8 +69,9 @@ class ChunkCache:
     def __init__(
         self, directory: str | os.PathLike[str], max_bytes: int, namespace: str, source: str
     ) -> None:
+        max_bytes = require_int("cache_max_bytes", max_bytes)
         if max_bytes < 0:
-            raise ValueError("max_bytes must be >= 0")
+            raise ArgumentError(f"cache_max_bytes must be an integer of 0 or more, got {max_bytes}")
         self.directory = os.path.abspath(os.fspath(directory))
         self.max_bytes = int(max_bytes)
         self.namespace = namespace
@@ -136,8 +161,9 @@ class ChunkCache:
         )
 
 
-def cache_for(store: Store, directory: str | os.PathLike[str], max_bytes: int) -> ChunkCache:
+def cache_for(store: CommittedStore, directory: str | os.PathLike[str], max_bytes: int) -> ChunkCache:
     """The cache for this store's current commit (see the module docstring for the layout)."""
+    directory = check_cache_dir(directory)
     committed = store.meta.get("committed") or {}
     identity = {"url": redact(store.location.url), "committed": committed}
     source = json.dumps(identity, sort_keys=True, default=str)
@@ -145,11 +171,35 @@ def cache_for(store: Store, directory: str | os.PathLike[str], max_bytes: int) -
     return ChunkCache(directory, max_bytes, namespace, source)
 
 
-def attach_cache(store: Store, directory: str | os.PathLike[str], max_bytes: int) -> ChunkCache:
-    """Make ``store``'s chunk reads go through a local cache; returns the cache (for its stats)."""
+def attach_cache(store: _ReadingStore, directory: str | os.PathLike[str], max_bytes: int) -> ChunkCache:
+    """Deprecated: open the store with the cache instead,
+    ``birdzarr.open_store(url, cache_dir=directory, cache_max_bytes=max_bytes)``, and read its
+    figures from ``store.cache``. Kept for one release; it warns with a ``DeprecationWarning``.
+
+    Makes ``store``'s chunk reads go through a local cache; returns the cache (for its stats).
+    """
+    warnings.warn(
+        "birdzarr.attach_cache(store, directory, max_bytes) is deprecated: open the store with the "
+        "cache, birdzarr.open_store(url, cache_dir=directory, cache_max_bytes=max_bytes), and read "
+        "its figures from store.cache",
+        DeprecationWarning, stacklevel=2,
+    )
     cache = cache_for(store, directory, max_bytes)
     store.reader.cache = cache
     return cache
+
+
+def check_cache_dir(directory: Any) -> str | os.PathLike[str]:
+    """``directory`` if it can be a cache directory (a local path, a directory if it exists)."""
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"cache_dir must be a path, got {directory!r}")
+    if "://" in os.fspath(directory):
+        raise ArgumentError(f"cache_dir {os.fspath(directory)}: the chunk cache is a local directory; "
+                            "give a path on local disk")
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ArgumentError(f"cache_dir {os.fspath(directory)} is not a directory: give a directory "
+                            "(it is made if missing)")
+    return directory
 
 
 def _disk_usage(directory: str) -> int:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from birdzarr._errors import DeviceNotFoundError, IncompleteStoreError, WindowIndexError
+from birdzarr._checks import require_int
+from birdzarr._errors import ArgumentError, DeviceNotFoundError, IncompleteStoreError, WindowIndexError
 from birdzarr.format._spec import (
     DEVICE,
     GIMU,
@@ -18,6 +20,7 @@ from birdzarr.format._spec import (
     DeviceReport,
     check_root_attrs,
 )
+from birdzarr.storage._cache import DEFAULT_MAX_BYTES, ChunkCache, cache_for, check_cache_dir
 from birdzarr.storage._location import Location, StoreLike, resolve, zarr_store
 from birdzarr.storage._root import read_root as _read_root
 from birdzarr.store._chunks import ChunkReader
@@ -102,6 +105,13 @@ class Store:
         raise DeviceNotFoundError(f"device {device_id} is not in {self.url} (it holds "
                                   f"{len(self.device_table)} devices: {known}{more}); "
                                   "`birdzarr info --devices` lists them")
+
+    @property
+    def cache(self) -> ChunkCache | None:
+        """The local chunk cache this handle reads through (``open_store(url, cache_dir=...)``),
+        with its figures (``hits``, ``misses``, ``used_bytes``, ``full``); None without one."""
+        cache: ChunkCache | None = self.reader.cache
+        return cache
 
     # -- zarr and tables -------------------------------------------------------------------------
     @cached_property
@@ -268,10 +278,27 @@ def _to_datetime(seconds: int) -> Any:
     return np.datetime64(seconds, "s")
 
 
-def open_store(store: StoreLike, *, storage_options: dict[str, Any] | None = None) -> Store:
+def open_store(
+    store: StoreLike, *, storage_options: dict[str, Any] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None, cache_max_bytes: int = DEFAULT_MAX_BYTES,
+) -> Store:
     """Open a committed store read-only (a path, ``file://``, ``s3://``, ``memory://``, ...;
-    an opened ``Store`` is opened again at its location, to see a later commit)."""
+    an opened ``Store`` is opened again at its location, to see a later commit).
+
+    ``cache_dir``: keep the chunks this handle reads in a local directory (made if missing), so
+    reading them again reads local disk instead of a bucket; at most ``cache_max_bytes`` (default
+    50 GiB), after which nothing more is admitted and nothing evicted. Entries are keyed by the
+    store's URL and commit (docs/cloud.md#local-chunk-cache-opt-in); ``store.cache`` gives its
+    hits and misses. The same cache as ``WindowDataset(url, cache_dir=...)``.
+    """
+    if cache_dir is not None:  # wrong options are refused before anything is read
+        check_cache_dir(cache_dir)
+        if require_int("cache_max_bytes", cache_max_bytes) < 0:
+            raise ArgumentError(f"cache_max_bytes must be an integer of 0 or more, got {cache_max_bytes}")
     location = resolve(store, storage_options)
     attrs = _read_root(location)
     meta = check_root_attrs(attrs, where=location.display)
-    return Store(location, meta)
+    opened = Store(location, meta)
+    if cache_dir is not None:
+        opened.reader.cache = cache_for(opened, cache_dir, cache_max_bytes)
+    return opened
