@@ -6,8 +6,9 @@
 Layouts: ``per_device`` (one ``{device}.parquet`` each), ``grouped`` (partition files of
 consecutive devices, each device's rows together) and ``mixed`` (the same files with the rows of
 their devices interleaved, each device's own rows in order). Each conversion runs in its own
-process (``birdzarr convert --quiet --workers W``); its CPU seconds (user + system) and peak RSS
-are that process's, read with ``resource.getrusage``. The stores are checked to hold the same
+process (``birdzarr convert --quiet --workers W``); its CPU seconds (user + system, from
+``resource.getrusage``) and peak RSS (``VmHWM`` of ``/proc/self/status``: Linux) are that
+process's. The stores are checked to hold the same
 chunks. On a shared machine compare CPU seconds, not wall time.
 """
 
@@ -31,8 +32,11 @@ from birdzarr.cli import main
 started = time.perf_counter()
 code = main(["convert", sys.argv[1], sys.argv[2], "--quiet", "--workers", sys.argv[3]])
 usage = resource.getrusage(resource.RUSAGE_SELF)
+# VmHWM: this process image's peak (ru_maxrss keeps the forking parent's peak across exec)
+with open("/proc/self/status") as status:
+    peak = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
 print(json.dumps({"code": code, "seconds": time.perf_counter() - started,
-                  "cpu": usage.ru_utime + usage.ru_stime, "rss_mb": usage.ru_maxrss / 1024}))
+                  "cpu": usage.ru_utime + usage.ru_stime, "rss_mb": peak / 1024}))
 """
 
 
