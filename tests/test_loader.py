@@ -628,3 +628,47 @@ def test_state_dict_format_round_trips_and_options_fail_at_once(small_store: bir
         ds.config.batch_size = 7  # type: ignore[misc]
     assert (ds.batch_size, ds.seed, ds.world_size) == (ds.config.batch_size, 3, 1)
     assert not ds.plan().batch_pool.flags.writeable and not ds.plan().first_batch.flags.writeable
+
+
+def _plan_members(counts: np.ndarray, epoch: int, world: int, workers: int) -> tuple[list[np.ndarray], list[int]]:
+    """Every batch of an epoch over all ranks as window ids (chunk x 32,768 + rank in the chunk),
+    from the plan alone, and the windows each (rank, worker) reader serves."""
+    from birdzarr.loader._sampling import plan_epoch
+
+    batches, work = [], []
+    for rank in range(world):
+        plan = plan_epoch(counts, seed=1, epoch=epoch, world_size=world, rank=rank, batch_size=8192,
+                          drop_last=False, shuffle=True, pool_chunks=16, num_workers=workers)
+        for batch in range(plan.n_batches):
+            pool = int(plan.batch_pool[batch])
+            piece, within = plan.locate(pool, plan.batch_positions(batch))
+            batches.append(plan.pools[pool].chunks[piece] * 32_768 + within)
+        work += [sum(plan.pools[p].n_windows for p in plan.worker_pools(w, workers)) for w in range(workers)]
+    return batches, work
+
+
+@pytest.mark.parametrize(
+    ("windows", "world", "workers", "most_cooccurrence", "most_share"),
+    # the default pool (16 chunks of a --shuffle store's 32,768 windows), batch 8192
+    [(100_000, 1, 2, 1.7, 1.15), (600_000, 1, 2, 1.1, 1.1), (600_000, 2, 2, 2.2, 1.1),
+     (2_500_000, 1, 2, 1.4, 1.1), (2_500_000, 2, 2, 1.8, 1.1), (2_500_000, 1, 15, 4.0, 1.25)],
+)
+def test_default_pools_are_balanced_and_mix_well_at_any_size(
+    windows: int, world: int, workers: int, most_cooccurrence: float, most_share: float
+) -> None:
+    """The figures docs/training.md#shuffle-quality states, from the plan alone: no repeated
+    batch, pair co-occurrence under the bound, and no reader serving more than its share by
+    more than the bound (a 0.6 M-window store's 18 chunks made pools of 16 and 2 chunks: one
+    worker did 89%). 15 workers share 77 chunks: pool boundaries kept on chunk boundaries
+    (every chunk decoded once) leave one worker 1.2x its share."""
+    from birdzarr.loader._quality import pair_cooccurrence_ratio, repeated_batch_fraction
+
+    counts = np.full(-(-windows // 32_768), 32_768, dtype=np.int64)
+    counts[-1] = windows - 32_768 * (len(counts) - 1)
+    (first, work), (second, _) = (_plan_members(counts, e, world, workers) for e in (0, 1))
+    assert repeated_batch_fraction(first, second) == 0.0
+    cooccurrence = pair_cooccurrence_ratio(first, second, len(counts) * 32_768)
+    assert cooccurrence <= most_cooccurrence
+    assert max(work) <= most_share * windows / (world * workers), work
+    print(f"{windows:,} windows, {world} rank(s) x {workers} workers: co-occurrence {cooccurrence:.2f}, "
+          f"largest share {max(work) * world * workers / windows:.2f}")

@@ -22,13 +22,13 @@ membership is **redrawn every epoch**:
    is full. The number of pools is a multiple of the number of DataLoader workers (each worker
    gets the same number of pools, and of batches give or take a chunk's), large enough that no
    pool holds more than ``pool_chunks`` chunks, or else one batch a pool. A worker's first pool
-   holds about half as many batches as its other pools: it is decoded ahead, in a second buffer,
-   while the worker serves the previous epoch's last pool (``_pool``). A pool boundary
-   falls on a chunk boundary where one lies within half a chunk's batches of the even cut; else
-   that chunk is decoded by both pools. A pool's windows are permuted uniformly (seeded by seed,
-   epoch, rank and pool) and cut into batches; so each batch is a uniform sample of its pool, and
-   a different one every epoch. Unshuffled, every batch is its own pool of consecutive windows
-   (the stored order).
+   holds about half as many batches as its other pools: it is decoded ahead, in a second
+   buffer, while the worker serves the previous epoch's last pool (``_pool``). A pool boundary
+   falls on a chunk boundary where one lies within half a chunk's batches (and, with several
+   workers, a tenth of a typical pool) of the even cut; else that chunk is decoded by both
+   pools. A pool's windows are permuted uniformly (seeded by seed, epoch, rank and pool) and cut
+   into batches; so each batch is a uniform sample of its pool, and a different one every
+   epoch. Unshuffled, every batch is its own pool of consecutive windows (the stored order).
 4. **Workers**: DataLoader worker ``w`` of ``k`` takes pools ``w, w + k, ...`` whole. DataLoader
    takes batches from its workers round-robin, skipping finished ones; ``delivery_order`` is that
    interleaving. Which windows form a batch depends on ``num_workers`` (the pools are sized for
@@ -145,7 +145,8 @@ def _pool_bounds(pieces: _Pieces, n_batches: int, batch_size: int, n_pools: int,
     """Batch numbers where pools start (len n_pools + 1): each worker's batches spread over its
     pools (its first pool about half the others), the workers' totals within one batch
     of each other; a boundary moves to a
-    chunk boundary (a batch boundary there) within half a chunk's batches, if one lies there."""
+    chunk boundary (a batch boundary there) within half a chunk's batches and a tenth of the
+    typical (median) pool, if one lies there."""
     per_worker = np.full(workers, n_batches // workers, dtype=np.int64)
     per_worker[: n_batches % workers] += 1
     rounds = n_pools // workers
@@ -163,8 +164,11 @@ def _pool_bounds(pieces: _Pieces, n_batches: int, batch_size: int, n_pools: int,
     aligned = np.unique(ends[ends % batch_size == 0] // batch_size)  # chunk ends on a batch boundary
     if len(aligned) == 0 or len(pieces.chunks) == 0:
         return bounds
-    reach = max(1, int(np.median(pieces.hi - pieces.lo)) // batch_size // 2)
-    for j in range(1, n_pools):
+    # at most half a chunk's batches, and (balance first) a tenth of a typical pool
+    reach = int(np.median(pieces.hi - pieces.lo)) // batch_size // 2
+    if workers > 1:
+        reach = min(reach, int(np.median(per_pool)) // 10)
+    for j in range(1, n_pools if reach > 0 else 1):
         at = int(np.searchsorted(aligned, bounds[j]))
         near = [int(a) for a in aligned[max(0, at - 1) : at + 1] if abs(int(a) - bounds[j]) <= reach]
         if near:
