@@ -247,7 +247,7 @@ def test_several_sources_refuse_a_device_twice(tmp_path: pathlib.Path) -> None:
         birdzarr.convert(seasons, tmp_path / "s.zarr", progress=False)
     (seasons[0] / "5_0.csv").write_text("5,2014-01-01 10:00:00,0,-1,0.1,0.2,0.3,1.0\n")
     (seasons[0] / "5.parquet").unlink()
-    with pytest.raises(BadInputError, match="the sources: hold both CSV and Parquet files"):
+    with pytest.raises(BadInputError, match="the sources hold both CSV and Parquet files"):
         birdzarr.convert(seasons, tmp_path / "s.zarr", progress=False)
     # the same CSV part in two sources
     (seasons[1] / "5.parquet").unlink()

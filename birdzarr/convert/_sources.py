@@ -168,9 +168,9 @@ def find_inputs(source: Location | Sequence[Location], *, skip_unknown_files: bo
         skipped += unknown
     kinds = {e.kind for e in entries}
     if len(kinds) > 1:
-        where = sources[0].display if len(sources) == 1 else "the sources"
+        where = f"{sources[0].display}: holds" if len(sources) == 1 else "the sources hold"
         raise BadInputError(
-            f"{where}: hold both CSV and Parquet files; convert one kind at a time "
+            f"{where} both CSV and Parquet files; convert one kind at a time "
             "(put them in separate directories)."
         )
     kind: Kind = "csv" if kinds == {"csv"} else "parquet"
