@@ -297,3 +297,19 @@ def test_a_hive_folder_file_saying_another_device_is_refused(tmp_path: pathlib.P
     message = r"data.parquet, row group 0, row 2: device_id is 5, but the .* says device 4"
     with pytest.raises(BadInputError, match=message):
         birdzarr.convert(tmp_path / "src", tmp_path / "s.zarr", progress=False)
+
+
+def test_partition_files_verify_and_append(layouts: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
+    whole = birdzarr.convert(layouts["partitions"], tmp_path / "whole.zarr", chunk_windows=256,
+                             progress=False)
+    assert birdzarr.verify(whole, source=layouts["partitions"]).ok
+    seasons = [tmp_path / "s1", tmp_path / "s2"]
+    for season in seasons:
+        season.mkdir()
+    for file in layouts["partitions"].iterdir():  # part-2 (a third of most devices) comes later
+        shutil.copy(file, seasons[file.stem == "part-2"] / file.name)
+    birdzarr.convert(seasons[0], tmp_path / "grown.zarr", chunk_windows=256, progress=False)
+    grown = birdzarr.append(tmp_path / "grown.zarr", seasons[1], progress=False)
+    assert len(grown) == len(whole)
+    for device in SIZES:
+        assert np.array_equal(grown.device_windows(device), whole.device_windows(device)), device
