@@ -406,6 +406,151 @@ def test_plot_window_names_the_label(csv_case) -> None:  # type: ignore[no-untyp
     assert store.plot_window(131, label_names={label: "flying"}).get_suptitle().endswith(f"flying ({label})")
 
 
+@pytest.fixture(scope="module")
+def months_case(tmp_path_factory: pytest.TempPathFactory) -> tuple[birdzarr.Store, birdzarr.Store]:
+    """One labelled device whose bursts span 2012-05-15 .. 2012-09-16, in device order and shuffled."""
+    root = tmp_path_factory.mktemp("explore_months")
+    (root / "csv").mkdir()
+    raw = _synthetic.raw_device(300, 300, seed=1, labelled=True)
+    raw.time[:] = raw.time[0] + (raw.time - raw.time[0]) * 20  # bursts days apart instead of minutes
+    _synthetic.write_csv(raw, root / "csv" / "300_0.csv")
+    ordered = birdzarr.convert(root / "csv", root / "ordered.zarr", chunk_windows=64, progress=False)
+    shuffled = birdzarr.convert(root / "csv", root / "shuffled.zarr", chunk_windows=64, shuffle=True, seed=3,
+                                progress=False)
+    return ordered, shuffled
+
+
+def _plotted_times(fig: Any) -> np.ndarray:
+    import matplotlib.dates as mdates
+
+    points = np.concatenate([c.get_offsets() for c in fig.axes[0].collections[1:]])
+    days = np.sort(np.asarray(points[:, 0], dtype=np.float64))
+    return np.array([np.datetime64(mdates.num2date(d).replace(tzinfo=None), "s") for d in days])
+
+
+def test_plot_device_samples_a_shuffled_store_in_time_order(months_case) -> None:  # type: ignore[no-untyped-def]
+    """Windows are spread over the device's burst times, not its stored order: a shuffled store
+    gives the same plot as the device-ordered one, first and last burst included, no false gap."""
+    ordered, shuffled = months_case
+    times = np.sort(ordered.timestamps[ordered.device_indices(300)]).astype("datetime64[s]")
+    positions = np.unique(np.linspace(0, len(times) - 1, 50).round().astype(np.int64))
+    for store in (ordered, shuffled):
+        fig = store.plot_device(300, max_windows=50)
+        plotted = _plotted_times(fig)
+        assert np.array_equal(plotted, times[positions])
+        assert plotted[0] == times[0] and plotted[-1] == times[-1]
+        assert f"{times[0]}".replace("T", " ") in fig.get_suptitle()
+
+
+def test_plot_device_date_ticks_over_months_name_every_month_and_the_year_once(months_case) -> None:  # type: ignore[no-untyped-def]
+    fig = months_case[1].plot_device(300, max_windows=100)
+    fig.canvas.draw()
+    axis = fig.axes[-1].xaxis
+    assert [tick.get_text() for tick in fig.axes[-1].get_xticklabels()] == [
+        "May 15", "Jun", "15", "Jul", "15", "Aug", "15", "Sep", "15"]
+    assert axis.get_major_formatter().get_offset() == "2012"  # not "2012-Sep", the last tick's month
+
+
+@pytest.mark.parametrize(("ticks", "labels", "offset"), [
+    (["2012-05-15", "2012-06-01", "2012-06-15"], ["May 15", "Jun", "15"], "2012"),
+    (["2012-05-15", "2012-05-16", "2012-05-17"], ["15", "16", "17"], "2012-May"),  # one month: as matplotlib
+    (["2012-05-15T12", "2012-05-16T00", "2012-05-16T12"], ["May-15 12:00", "May-16", "12:00"], "2012-May"),
+    (["2012-11-01", "2012-12-01", "2013-01-01", "2013-02-01"], ["Nov 2012", "Dec", "2013", "Feb"], ""),
+    (["2012-05-15T03", "2012-05-15T06"], ["03:00", "06:00"], "2012-May-15"),  # one day: as matplotlib
+])
+def test_time_axis_offset_names_only_what_every_tick_shares(ticks, labels, offset) -> None:  # type: ignore[no-untyped-def]
+    import matplotlib.dates as mdates
+
+    from birdzarr.explore._plots import time_formatter
+
+    formatter = time_formatter(mdates.AutoDateLocator())
+    values = [mdates.date2num(np.datetime64(t, "s")) for t in ticks]
+    assert formatter.format_ticks(values) == labels
+    assert formatter.get_offset() == offset
+
+
+def test_to_xarray_window_coordinate_is_the_global_index(csv_case) -> None:  # type: ignore[no-untyped-def]
+    store, truth = csv_case
+    ds = store.to_xarray()
+    assert ds.window.dtype == np.int64 and np.array_equal(ds.window.values, np.arange(len(store)))
+    device = sorted(truth)[2]
+    indices = store.device_indices(device)
+    one_bird = ds.isel(window=indices)
+    assert np.array_equal(one_bird.window.values, indices) and indices[0] > 0
+    assert np.array_equal(one_bird.device.values, np.full(len(indices), device))
+    day = str(truth[device].times[0].astype("datetime64[s]").astype("datetime64[D]"))
+    of_day = one_bird.sel(time=day)  # the time index and the window coordinate both survive
+    assert np.array_equal(of_day.window.values, indices[truth[device].times.astype("datetime64[s]")
+                                                        .astype("datetime64[D]") == np.datetime64(day)])
+    picked = ds.sel(window=[int(indices[3]), 5])
+    assert np.array_equal(picked.gimu.values, store.windows[np.array([indices[3], 5])])
+    assert ds.isel(window=slice(10, 13)).window.values.tolist() == [10, 11, 12]
+
+
+def test_window_table_has_a_row_per_window_with_channel_summaries(csv_case, months_case) -> None:  # type: ignore[no-untyped-def]
+    from birdzarr import explore
+
+    assert birdzarr.Store.window_table is explore.window_table
+    store, truth = csv_case
+    table = store.window_table()
+    columns = ["device", "time", "label"] + [f"{c}_{s}" for c in birdzarr.CHANNELS
+                                             for s in ("mean", "std", "min", "max")]
+    assert list(table.columns) == columns and table.index.name == "window"
+    assert np.array_equal(table.index, np.arange(len(store)))
+    assert np.array_equal(table.device, store.window_devices[:])
+    assert np.array_equal(table.label, store.labels[:])
+    assert table.time.dtype == np.dtype("datetime64[s]")
+    assert np.array_equal(table.time.values, store.timestamps[:].astype("datetime64[s]"))
+    values = store.windows[:].astype(np.float64)
+    for c, channel in enumerate(birdzarr.CHANNELS):
+        for what, expected in (("mean", values.mean(axis=1)), ("std", values.std(axis=1)),
+                               ("min", values.min(axis=1)), ("max", values.max(axis=1))):
+            assert table[f"{channel}_{what}"].dtype == np.float32
+            np.testing.assert_allclose(table[f"{channel}_{what}"], expected[:, c], rtol=1e-6, atol=1e-7)
+
+    shuffled = months_case[1]  # picked rows, in the order given, on a shuffled store
+    picked = shuffled.device_indices(300)[::-7]
+    rows = shuffled.window_table(picked)
+    assert np.array_equal(rows.index, picked)
+    np.testing.assert_allclose(rows.gps_speed_max, shuffled.windows[picked][:, :, 3].max(axis=1))
+    assert np.array_equal(rows.time.values, shuffled.timestamps[picked].astype("datetime64[s]"))
+    assert np.array_equal(store.window_table(slice(5, 9)).index, [5, 6, 7, 8])
+    mask = store.labels[:] == 2
+    assert np.array_equal(store.window_table(mask).index, np.flatnonzero(mask))
+    with pytest.raises(birdzarr.WindowIndexError, match="out of range"):
+        store.window_table([len(store)])
+
+
+def test_window_table_of_a_store_without_times(parquet_case) -> None:  # type: ignore[no-untyped-def]
+    store, _ = parquet_case
+    table = store.window_table(slice(0, 3000))
+    assert table.time.isna().all() and len(table) == 3000
+    imu_y = store.windows[:3000][:, :, 1].astype(np.float64)
+    np.testing.assert_allclose(table.imu_y_mean, imu_y.mean(axis=1), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_cli_plot_label_names(csv_case, tmp_path: pathlib.Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import matplotlib
+
+    store, _ = csv_case
+    label = int(store.labels[5])
+    out = tmp_path / "w.svg"
+    with matplotlib.rc_context({"svg.fonttype": "none"}):  # text kept as text, to be read back
+        assert main(["plot", store.location.path, "--window", "5", "--out", str(out),
+                     "--label-names", f"{label}=flying, 99 = resting"]) == 0
+    assert f"flying ({label})" in out.read_text()
+    capsys.readouterr()
+    for bad, why in (("3=flying,x", "'x' is not LABEL=NAME"), ("three=flying", "'three=flying' is not"),
+                     ("3=", "'3=' is not"), ("3=a,3=b", "label 3 is named twice")):
+        target = tmp_path / "bad.png"
+        assert main(["plot", store.location.path, "--device", "200", "--out", str(target),
+                     "--label-names", bad]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"birdzarr plot: error: --label-names {bad}: ")
+        assert why in err and not target.exists()
+
+
 # -- statistics ------------------------------------------------------------------------------------
 
 

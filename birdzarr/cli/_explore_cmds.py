@@ -16,14 +16,35 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
     default = f"window_{args.window}.png" if args.window is not None else f"device_{args.device}.png"
     out = _image_path(args.out or default)
+    label_names = _label_names(args.label_names)
     store = open_store(args.store)
     if args.window is not None:
-        figure = plot_window(store, args.window)
+        figure = plot_window(store, args.window, label_names=label_names)
     else:
-        figure = plot_device(store, args.device, max_windows=args.max_windows)
+        figure = plot_device(store, args.device, max_windows=args.max_windows, label_names=label_names)
     figure.savefig(out, dpi=args.dpi)
     print(out)
     return 0
+
+
+def _label_names(text: str | None) -> dict[int, str] | None:
+    """``--label-names 3=flying,5=resting`` as ``{3: "flying", 5: "resting"}``, checked before any work."""
+    if text is None:
+        return None
+    names: dict[int, str] = {}
+    for item in text.split(","):
+        label, equals, name = item.partition("=")
+        try:
+            number = int(label.strip())
+        except ValueError:
+            number = None
+        if not equals or number is None or not name.strip():
+            raise ArgumentError(f"--label-names {text}: {item.strip()!r} is not LABEL=NAME; give label ids "
+                                "and names as 3=flying,5=resting")
+        if number in names:
+            raise ArgumentError(f"--label-names {text}: label {number} is named twice")
+        names[number] = name.strip()
+    return names
 
 
 def _image_path(out: str) -> str:
@@ -76,6 +97,8 @@ def add_plot(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                                    "(default device_ID.png or window_N.png)")
     p.add_argument("--max-windows", type=positive_int, default=500,
                    help="with --device: windows spread over the device to show (default 500)")
+    p.add_argument("--label-names", metavar="ID=NAME,...",
+                   help="names of label ids for the legend or title, e.g. 3=flying,5=resting")
     p.add_argument("--dpi", type=dpi, default=110, help="resolution of the image: 10 to 1200 (default 110)")
     p.set_defaults(func=_cmd_plot)
 

@@ -22,21 +22,44 @@ from birdzarr.explore._protocol import ReadableStore
 from birdzarr.explore._stats import DEFAULT_BINS, StoreStats, save_stats, store_stats
 
 if TYPE_CHECKING:
+    import pandas as pd
     import xarray as xr
     from matplotlib.figure import Figure
 
-__all__ = ["ReadableStore", "StoreStats", "plot_device", "plot_window", "save_stats", "stats", "to_xarray"]
+__all__ = [
+    "ReadableStore", "StoreStats", "plot_device", "plot_window", "save_stats", "stats", "to_xarray",
+    "window_table",
+]
 
 
 def to_xarray(store: ReadableStore) -> xr.Dataset:
-    """A lazy ``xarray.Dataset``: ``gimu(window, sample, channel)`` with coordinates ``device``,
-    ``time`` (the burst start, datetime64, NaT when unknown), ``label`` and ``channel``.
+    """A lazy ``xarray.Dataset``: ``gimu(window, sample, channel)`` with coordinates ``window``
+    (the global window index, kept through ``isel``: ``ds.isel(window=store.device_indices(207))``
+    numbers its windows as the store does), ``device``, ``time`` (the burst start, datetime64,
+    NaT when unknown), ``label`` and ``channel``.
     Nothing is read until values are asked for; then only the chunks holding them.
     ``ds.sel(time=...)`` selects by burst time (a date string means its whole day or month;
     slices include both ends), reading the timestamps on the first selection."""
     from birdzarr.explore._xarray import to_xarray as build
 
     return build(store)
+
+
+def window_table(store: ReadableStore, windows: Any = None) -> pd.DataFrame:
+    """A pandas DataFrame with one row per window: ``device``, ``time`` (the burst start,
+    datetime64[s], NaT when unknown), ``label`` and, for each channel, the ``mean``, ``std``
+    (ddof=0), ``min`` and ``max`` of its 20 samples (columns ``imu_x_mean`` ... ``gps_speed_max``,
+    float32, in stored units like ``stats``: gps_speed times ``gps_scale`` is m/s).
+
+    ``windows`` picks the rows as ``store.windows[...]`` does: every window (the default), a
+    slice, global indices (``store.device_indices(207)``) or a mask of all windows. The index
+    is the global window index, named ``window`` (as in ``to_xarray``), in the order given.
+    Each chunk holding a picked window is read once, one chunk at a time; the table takes 88
+    bytes a row, index included.
+    """
+    from birdzarr.explore._table import window_table as build
+
+    return build(store, windows)
 
 
 def plot_window(store: ReadableStore, index: int, *, label_names: Mapping[int, str] | None = None) -> Figure:
@@ -52,7 +75,8 @@ def plot_device(
     label_names: Mapping[int, str] | None = None,
 ) -> Figure:
     """A matplotlib Figure of one device over time: each channel's per-window mean coloured by
-    label and its min..max, for at most ``max_windows`` windows spread over the device.
+    label and its min..max, for at most ``max_windows`` windows spread evenly over the device's
+    windows in time order (first and last burst included, on a shuffled store too).
 
     The x axis is the burst time, or the global window index when the source has no
     timestamps (a random order on a shuffled store; the axis label says so).
@@ -98,6 +122,7 @@ _METHODS: dict[str, Any] = {
     "plot_window": plot_window,
     "plot_device": plot_device,
     "stats": stats,
+    "window_table": window_table,
 }
 
 

@@ -138,15 +138,70 @@ def label_colours(labels: np.ndarray) -> dict[int, Any]:
     return colours
 
 
+def time_formatter(locator: Any) -> Any:
+    """matplotlib's ``ConciseDateFormatter`` whose offset names only what every tick shares.
+
+    Concise ticks label each tick at the level of the tick spacing (days: ``15``, with the
+    month's name on the 1st) and put the rest once beside the axis, taken from the *last* tick
+    (``2012-Sep``). For ticks that cross months that offset is wrong for all but the last
+    month, and the first month is never named when no tick falls on its 1st (May 15 reads
+    ``15``). Here the offset keeps only the fields every tick shares (``2012``; nothing when the
+    ticks cross a year) and the first tick whose label lacks the rest gets it (``May 15``,
+    ``May-15 12:00``, ``Nov 2012``).
+    """
+    import matplotlib.dates as mdates
+
+    class TimeFormatter(mdates.ConciseDateFormatter):  # type: ignore[misc]
+        shared_offset: str | None = None  # what get_offset gives instead of the default
+
+        def get_offset(self) -> str:
+            return super().get_offset() if self.shared_offset is None else self.shared_offset
+
+        def format_ticks(self, values: Any) -> list[str]:
+            labels: list[str] = super().format_ticks(values)
+            self.shared_offset = None
+            if len(values) < 2 or not self.show_offset:
+                return labels
+            ticks = [mdates.num2date(value, tz=self._tz) for value in values]
+            fields = np.array([t.timetuple()[:6] for t in ticks])
+            level = next((lv for lv in range(5, -1, -1) if len(np.unique(fields[:, lv])) > 1), 5)
+            if level not in (1, 2, 3, 4):
+                return labels  # years (no offset) or seconds (the offset names the minute)
+            same = [len(np.unique(fields[:, lv])) == 1 for lv in range(3)]  # year, month, day
+            # the fields the default offset names for this level: year, + month, + day
+            named = {1: 1, 2: 2, 3: 3, 4: 3}[level]
+            shared = next(k for k in range(named, -1, -1) if all(same[:k]))
+            if shared == named:
+                return labels  # the default offset is true of every tick
+            offset = ("", "%Y", "%Y-%b")[shared]
+            self.shared_offset = ticks[0].strftime(offset) if offset else ""
+            first = next(i for i, label in enumerate(labels) if label)
+            if not _names(labels[first], ticks[first], level):
+                tick, label = ticks[first], labels[first]
+                labels[first] = f"{label} {tick:%Y}" if level == 1 else f"{tick:%b-%d} {label}" \
+                    if level > 2 else f"{tick:%b} {label}"
+            return labels
+
+    return TimeFormatter(locator)
+
+
+def _names(label: str, tick: Any, level: int) -> bool:
+    """Whether a concise tick label already names the wider field (a year for month ticks, a
+    month for day ticks, a day for hour or minute ticks): the 1st of a month reads ``Jun``."""
+    wider = {1: f"{tick:%Y}", 2: f"{tick:%b}", 3: f"{tick:%b}", 4: f"{tick:%b}"}[level]
+    return wider in label
+
+
 def plot_device(
     store: Store, device_id: int, max_windows: int = 500, *, label_names: Mapping[int, str] | None = None
 ) -> Figure:
     """One bird over time: per-window mean of each channel coloured by label, min..max as a bar.
 
-    At most ``max_windows`` windows, spread evenly over the device, are read (by chunk, one read
-    per touched chunk). The x axis is the burst time (concise date ticks), or, when the source
-    had no timestamps, the global window index: stored order, which is the source's order in a
-    device-ordered store and a random order in a shuffled one (the axis label says which).
+    At most ``max_windows`` windows, spread evenly over the device's windows in time order, are
+    read (by chunk, one read per touched chunk). The x axis is the burst time (concise date
+    ticks, ``time_formatter``), or, when the source had no timestamps, the global window index:
+    stored order, which is the source's order in a device-ordered store and a random order in a
+    shuffled one (the axis label says which).
     ``label_names`` maps label ids to names for the legend (``{3: "flying"}``).
     """
     max_windows = require_int("max_windows", max_windows)
@@ -157,10 +212,18 @@ def plot_device(
     import matplotlib.dates as mdates
 
     all_indices = store.device_indices(device_id)  # ascending global index
+    # Spread over the device in time order: on a shuffled store (or sources whose parts are
+    # not in time order) global index order is not time order, and windows taken evenly in
+    # stored order leave random holes that look like gaps in the recording. The burst times of
+    # all the device's windows are read (8 bytes a window); without times, stored order.
+    all_times = store.timestamps[all_indices]
+    if len(all_times) and np.all(all_times != TIMESTAMP_UNKNOWN):
+        by_time = np.argsort(all_times, kind="stable")
+        all_indices, all_times = all_indices[by_time], all_times[by_time]
     positions = _spread(len(all_indices), max_windows)
     indices = all_indices[positions]
     windows = store.windows[indices]
-    times = store.timestamps[indices]
+    times = all_times[positions]
     labels = store.labels[indices]
 
     values = windows.astype(np.float64)
@@ -188,7 +251,7 @@ def plot_device(
         # name the day or month once instead of repeating full dates that collide.
         locator = mdates.AutoDateLocator()
         axes[-1].xaxis.set_major_locator(locator)
-        axes[-1].xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))
+        axes[-1].xaxis.set_major_formatter(time_formatter(locator))
         axes[-1].set_xlabel("burst time (UTC)")
     else:
         order = ("shuffled store: a random order, not time" if store.shuffled

@@ -50,6 +50,7 @@ _backends = require("xarray.backends", _FEATURE)
 _indexing = require("xarray.core.indexing", _FEATURE)
 
 TIME = "time"  # the burst-time coordinate of the view
+WINDOW = "window"  # the window dimension and its coordinate, the global window index
 
 
 class WindowArray(_backends.BackendArray):  # type: ignore[misc,name-defined]
@@ -238,6 +239,7 @@ class BurstTimeIndex(_xarray.Index):  # type: ignore[misc,name-defined]
 def to_xarray(store: Store) -> xr.Dataset:
     """The store as a lazy Dataset: ``gimu(window, sample, channel)`` with per-window coordinates."""
     xarray = require("xarray", _FEATURE)  # again: the module may be cached from an earlier call
+    import pandas as pd
     layouts = store.reader.layouts
 
     def lazy(name: str, dims: tuple[str, ...], dtype: np.dtype[Any], attrs: dict[str, Any]) -> Any:
@@ -254,6 +256,10 @@ def to_xarray(store: Store) -> xr.Dataset:
         TIME: lazy(TIMESTAMP, PER_WINDOW_DIMS, np.dtype("datetime64[s]"), time_attrs),
         LABEL: lazy(LABEL, PER_WINDOW_DIMS, layouts[LABEL].dtype, array_attributes(LABEL)),
         "channel": ("channel", list(CHANNELS)),
+        # the global window index: kept through isel (ds.isel(window=store.device_indices(207))
+        # keeps each window's number in the store) and sel(window=...) selects by it. A pandas
+        # RangeIndex holds no array: 25 M windows cost nothing until selected.
+        WINDOW: (WINDOW, pd.RangeIndex(len(store), name=WINDOW), {"long_name": "global window index"}),
     }
     committed = store.meta.get("committed", {})
     attrs = {
