@@ -1,0 +1,331 @@
+"""birdzarr's default streaming beside its closest peer, annbatch, on the same generated data.
+
+    python benchmarks/peer_annbatch.py                          # 2.5 M windows of 186 devices
+    python benchmarks/peer_annbatch.py --windows 600000 --rounds 1
+
+The data is the loader benchmark's (``benchmarks/loader.py``: 186 devices as skewed as the real
+set, calibrated values, one ``all.npy`` and a ``--shuffle`` birdzarr store, under --workdir).
+annbatch (Zarr v3; each epoch shuffles 512-row slices, preloads a pool of slices, permutes it and
+cuts batches, in the training process on threads) needs Python >= 3.12: this script makes its own
+virtual environment under ``benchmarks/out/annbatch-venv`` (with ``python3.12`` from PATH or
+pyenv), installs ``annbatch[zarrs]`` there, writes annbatch's shuffled collection from the same
+windows (an AnnData of ``X`` = the 80 values of each window, ``DatasetCollection.add_adatas``
+with its defaults), and skips the peer with one line when any of that fails.
+
+Cases, each in its own process, interleaved over --rounds (ratios come from one run):
+
+* the in-RAM numpy gather of a random permutation (the limit: no decoding, no DataLoader);
+* birdzarr ``WindowDataset`` defaults on the ``--shuffle`` store, 2 persistent DataLoader workers;
+* annbatch defaults (``chunk_size=512, preload_nchunks=32``) and its README's recommended
+  ``chunk_size=32, preload_nchunks=256``, in-process (its README advises against DataLoader
+  workers), zarrs decoding, numpy batches.
+
+Every case runs two epochs of batch 8192. Reported: time to the first batch of epoch 0 (from
+creating the iterator: it includes starting workers) and of epoch 1, windows/s after the first
+batch of each epoch (epoch 1 is the steady state), peak private RAM of the process tree (USS),
+and the three shuffle-quality figures (docs/training.md#shuffle-quality) of epochs 0 and 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _util import PeakSampler, dir_bytes, machine, table, tree_private, work_directory  # noqa: E402
+from loader import BATCH, REPO, SEED, prepare  # noqa: E402
+
+MB = 1e6
+VENV = os.path.join(REPO, "benchmarks", "out", "annbatch-venv")
+ANNBATCH = "annbatch[zarrs]==0.3.1"
+WORKERS = 2
+
+# Run by the annbatch environment's Python: write the collection, or read two epochs.
+PEER = textwrap.dedent(
+    """
+    import json, os, sys, time, resource
+    import numpy as np
+    import anndata as ad
+    import pandas as pd
+    import zarr
+    from annbatch import DatasetCollection, Loader
+
+    try:
+        import zarrs  # noqa: F401
+        zarr.config.set({"codec_pipeline.path": "zarrs.ZarrsCodecPipeline"})  # as its README says
+    except ImportError:
+        pass
+    command, workdir = sys.argv[1], sys.argv[2]
+    collection_path = os.path.join(workdir, "annbatch.zarr")
+    if command == "write":
+        started = time.perf_counter()
+        windows = np.load(os.path.join(workdir, "all.npy"), mmap_mode="r")
+        adata = ad.AnnData(X=np.ascontiguousarray(windows).reshape(len(windows), -1),
+                           obs=pd.DataFrame({"window": np.arange(len(windows))},
+                                            index=np.arange(len(windows)).astype(str)))
+        source = os.path.join(workdir, "annbatch-source.h5ad")
+        adata.write_h5ad(source)
+        del adata, windows
+        wrote_source = time.perf_counter() - started
+        started = time.perf_counter()
+        DatasetCollection(collection_path).add_adatas([source], rng=np.random.default_rng(0))
+        os.remove(source)
+        print(json.dumps({"source_s": wrote_source, "collection_s": time.perf_counter() - started,
+                          "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3}))
+        sys.exit(0)
+    chunk_size, preload, batch, seed = (int(a) for a in sys.argv[3:7])
+    collection = DatasetCollection(collection_path)
+    window_of = collection.obs(columns=["window"])["window"].to_numpy()  # collection row -> window
+    loader = Loader(batch_size=batch, chunk_size=chunk_size, preload_nchunks=preload, shuffle=True,
+                    return_index=True, rng=np.random.default_rng(seed))
+    loader.use_collection(collection, load_adata=lambda g: ad.AnnData(X=g["X"]))
+    epochs, members = [], []
+    for epoch in (0, 1):
+        started = time.perf_counter()
+        first = None
+        n = n_first = 0
+        kept = []
+        for out in loader:
+            x = out["X"]
+            n += len(x)
+            if first is None:
+                first, n_first = time.perf_counter(), len(x)
+            kept.append(window_of[out["index"]])
+        ended = time.perf_counter()
+        epochs.append({"first_batch_s": first - started, "windows_per_s": (n - n_first) / (ended - first),
+                       "windows": n})
+        members.append(kept)
+    path = os.path.join(workdir, f"members-annbatch-{chunk_size}-{preload}.npz")
+    np.savez(path, **{f"e{e}": np.concatenate(m) for e, m in enumerate(members)},
+             **{f"s{e}": np.array([len(b) for b in m]) for e, m in enumerate(members)})
+    print(json.dumps({"epochs": epochs, "members": path}))
+    """
+)
+
+
+# -- the peer's environment ------------------------------------------------------------------------
+def python312() -> str | None:
+    """A Python >= 3.12 to make annbatch's environment with: PATH first, then pyenv's versions."""
+    for name in ("python3.14", "python3.13", "python3.12"):
+        found = shutil.which(name)
+        if found:
+            return found
+    root = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
+    for pattern in ("3.14*", "3.13*", "3.12*"):
+        found = sorted(glob.glob(os.path.join(root, "versions", pattern, "bin", "python3")), reverse=True)
+        if found:
+            return found[0]
+    return None
+
+
+def peer_environment(log: Any) -> tuple[str | None, str]:
+    """(the annbatch environment's python, or None; why not, in one line)."""
+    python = os.path.join(VENV, "bin", "python")
+    check = [python, "-c", "import annbatch, zarrs; print(annbatch.__version__)"]
+    if os.path.exists(python) and subprocess.run(check, capture_output=True).returncode == 0:
+        return python, ""
+    base = python312()
+    if base is None:
+        return None, "no Python >= 3.12 found (PATH or pyenv) for annbatch"
+    log(f"making annbatch's environment in {VENV} with {base}")
+    steps = [[base, "-m", "venv", "--clear", VENV], [python, "-m", "pip", "install", "-q", ANNBATCH]]
+    for step in steps:
+        done = subprocess.run(step, capture_output=True, text=True)
+        if done.returncode:
+            last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+            return None, f"{' '.join(step[2:4])} failed: {last[:150]}"
+    if subprocess.run(check, capture_output=True).returncode:
+        return None, f"{ANNBATCH} installed but does not import"
+    return python, ""
+
+
+# -- cases -----------------------------------------------------------------------------------------
+def own_case(kind: str, workdir: str, store: str) -> dict[str, Any]:
+    """In this environment's child process: the gather limit, or birdzarr's default streaming."""
+    if kind == "gather":
+        import _loader_baselines as base
+
+        data = np.load(os.path.join(workdir, "all.npy"))  # fully into RAM
+        epochs, members = [], []
+        for epoch in (0, 1):
+            started = time.perf_counter()
+            first, n, n_first, kept = None, 0, 0, []
+            for x, indices in base.ideal_gather(data, BATCH, seed=SEED + epoch):
+                n += len(x)
+                if first is None:
+                    first, n_first = time.perf_counter(), len(x)
+                kept.append(indices)
+            ended = time.perf_counter()
+            epochs.append({"first_batch_s": first - started, "windows_per_s": (n - n_first) / (ended - first),
+                           "windows": n})
+            members.append(kept)
+        devices = None
+    else:
+        from torch.utils.data import DataLoader
+
+        import birdzarr
+
+        ds = birdzarr.WindowDataset(store, batch_size=BATCH, seed=SEED)
+        loader = DataLoader(ds, batch_size=None, num_workers=WORKERS, persistent_workers=True)
+        epochs = []
+        for epoch in (0, 1):
+            ds.set_epoch(epoch)
+            started = time.perf_counter()
+            first, n, n_first = None, 0, 0
+            for x in loader:
+                n += len(x)
+                if first is None:
+                    first, n_first = time.perf_counter(), len(x)
+            ended = time.perf_counter()
+            epochs.append({"first_batch_s": first - started, "windows_per_s": (n - n_first) / (ended - first),
+                           "windows": n})
+        members = []
+        for epoch in (0, 1):  # from the plan (pure), not timed
+            ds.set_epoch(epoch)
+            plan = ds.plan(num_workers=WORKERS)
+            members.append([ds.batch_indices(b, plan) for b in ds.delivery_order(WORKERS)])
+        devices = birdzarr.open_store(store).window_devices[:]
+    path = os.path.join(workdir, f"members-{kind}.npz")
+    extra = {} if devices is None else {"devices": devices}
+    np.savez(path, **{f"e{e}": np.concatenate(m) for e, m in enumerate(members)},
+             **{f"s{e}": np.array([len(b) for b in m]) for e, m in enumerate(members)}, **extra)
+    return {"epochs": epochs, "members": path}
+
+
+def measure(argv: list[str]) -> dict[str, Any]:
+    """Run one case in a child process; sample the private memory of its process tree from here."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    with PeakSampler(lambda: tree_private(proc.pid), 0.2) as sampler:
+        out, _ = proc.communicate()
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(argv[:4])} failed (exit {proc.returncode})")
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    result["peak_uss_mb"] = sampler.peak[0] / MB
+    return result
+
+
+def quality(members_path: str, devices_by_window: np.ndarray, proportions: tuple[np.ndarray, np.ndarray],
+            quality_batches: int) -> dict[str, float]:
+    from birdzarr.loader._quality import pair_cooccurrence_ratio, quality_ratio, repeated_batch_fraction
+
+    saved = np.load(members_path)
+    devices = saved["devices"] if "devices" in saved.files else devices_by_window
+    epochs = [np.split(saved[f"e{e}"], np.cumsum(saved[f"s{e}"])[:-1]) for e in (0, 1)]
+    ids, counts = proportions
+    return {
+        "device_mix": quality_ratio([devices[b] for b in epochs[1][:quality_batches]], ids, counts),
+        "repeated": repeated_batch_fraction(epochs[0], epochs[1]),
+        "cooccurrence": pair_cooccurrence_ratio(epochs[0], epochs[1], len(devices)),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--windows", type=int, default=2_500_000)
+    parser.add_argument("--devices", type=int, default=186)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
+    parser.add_argument("--workdir", default="/tmp/birdzarr-peer-bench")
+    parser.add_argument("--keep", action="store_true", help="keep the generated data (reused next time)")
+    parser.add_argument("--quality-batches", type=int, default=100)
+    parser.add_argument("--no-peer", action="store_true", help="skip annbatch")
+    parser.add_argument("--own-case", nargs=3, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.own_case:
+        print(json.dumps(own_case(*args.own_case)))
+        return 0
+    workdir = os.path.abspath(args.workdir)
+    if workdir == REPO or workdir.startswith(REPO + os.sep):
+        parser.error("--workdir must be outside the repository (generated data never goes there)")
+
+    def log(message: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+    with work_directory(workdir, prefix="", keep=args.keep):
+        meta = prepare(workdir, args.windows, args.devices, scale_check=False, log=log)
+        store = meta["stores"]["shuffled"]
+        devices_by_window = np.repeat(np.asarray(meta["device_ids"]), np.asarray(meta["sizes"]))
+        proportions = (np.asarray(meta["device_ids"]), np.asarray(meta["sizes"]))
+        me = [sys.executable, os.path.abspath(__file__), "--workdir", workdir, "--own-case"]
+        cases: list[tuple[str, list[str]]] = [
+            ("in-RAM numpy gather (the limit)", [*me, "gather", workdir, store]),
+            ("birdzarr defaults: streaming a --shuffle store, 2 persistent workers",
+             [*me, "birdzarr", workdir, store]),
+        ]
+        python, why = (None, "--no-peer") if args.no_peer else peer_environment(log)
+        if python is None:
+            print(f"annbatch: skipped ({why})")
+        else:
+            peer = os.path.join(workdir, "annbatch_peer.py")
+            with open(peer, "w") as handle:
+                handle.write(PEER)
+            if not os.path.exists(os.path.join(workdir, "annbatch.zarr")):
+                wrote = measure([python, peer, "write", workdir])
+                log(f"annbatch's collection written in {wrote['source_s'] + wrote['collection_s']:.0f} s "
+                    f"(h5ad source {wrote['source_s']:.0f} s, add_adatas {wrote['collection_s']:.0f} s), "
+                    f"peak RSS {wrote['maxrss_mb']:.0f} MB")
+            sizes = {"annbatch": dir_bytes(os.path.join(workdir, "annbatch.zarr")),
+                     "birdzarr": dir_bytes(store), "parquet": dir_bytes(meta["parquet"])}
+            log(f"store vs Parquet: birdzarr --shuffle {sizes['birdzarr'] / sizes['parquet']:.2f}x, annbatch "
+                f"{sizes['annbatch'] / sizes['parquet']:.2f}x")
+            peers = ((512, 32, "annbatch 0.3.1 defaults (512-row slices, 32 preloaded)"),
+                     (32, 256, "annbatch, README's recommended 32 / 256"))
+            for chunk_size, preload, label in peers:
+                cases.append((label, [python, peer, "read", workdir, str(chunk_size), str(preload),
+                                      str(BATCH), str(SEED)]))
+        runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in cases}
+        for round_number in range(args.rounds):  # interleaved: a noisy minute does not hit one case only
+            for label, argv in cases:
+                result = measure(argv)
+                if round_number == 0:
+                    result.update(quality(result["members"], devices_by_window, proportions,
+                                          args.quality_batches))
+                runs[label].append(result)
+                e0, e1 = result["epochs"]
+                log(f"{label}: epoch 0 {e0['windows_per_s'] / MB:.2f} M/s (first batch "
+                    f"{e0['first_batch_s']:.2f} s), epoch 1 {e1['windows_per_s'] / MB:.2f} M/s (first batch "
+                    f"{e1['first_batch_s']:.3f} s), "
+                    f"peak private {result['peak_uss_mb']:.0f} MB")
+        rows = []
+
+        def median(label: str, epoch: int, key: str) -> float:
+            return float(np.median([r["epochs"][epoch][key] for r in runs[label]]))
+
+        limit = median(cases[0][0], 1, "windows_per_s")
+        peer_label = cases[2][0] if len(cases) > 2 else None
+        for label, _ in cases:
+            first = runs[label][0]
+            steady = median(label, 1, "windows_per_s")
+            rows.append({
+                "loader": label,
+                "epoch 1 M windows/s": round(steady / MB, 2),
+                "% of gather": round(100 * steady / limit),
+                "x annbatch defaults": (round(steady / median(peer_label, 1, "windows_per_s"), 2)
+                                        if peer_label else "-"),
+                "epoch 0 M/s": round(median(label, 0, "windows_per_s") / MB, 2),
+                "first batch, epoch 0 (s)": round(median(label, 0, "first_batch_s"), 3),
+                "first batch, epoch 1 (s)": round(median(label, 1, "first_batch_s"), 3),
+                "device mix": round(first["device_mix"], 2),
+                "repeated": f"{100 * first['repeated']:.0f}%",
+                "co-occurrence": round(first["cooccurrence"], 2),
+                "peak private MB": round(float(np.median([r["peak_uss_mb"] for r in runs[label]]))),
+            })
+        print()
+        print(f"{args.windows:,} windows of {args.devices} devices, batch {BATCH}, {args.rounds} interleaved "
+              f"round(s), medians; {machine()}")
+        print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
