@@ -259,7 +259,7 @@ def test_to_xarray_selects_by_burst_time(csv_case) -> None:  # type: ignore[no-u
     in_part = np.zeros(len(times), bool)
     in_part[200:600] = True
     selected(part.sel(time=day), in_part & day_mask)
-    swapped = ds.drop_indexes("time").swap_dims(window="time")
+    swapped = ds.drop_indexes(["window", "time"]).swap_dims(window="time")
     assert swapped.gimu.dims == ("time", "sample", "channel")
     assert np.array_equal(swapped.time.values, times)
     # Arrays of one Dataset align without reading the timestamps again.
@@ -485,6 +485,40 @@ def test_to_xarray_window_coordinate_is_the_global_index(csv_case) -> None:  # t
     picked = ds.sel(window=[int(indices[3]), 5])
     assert np.array_equal(picked.gimu.values, store.windows[np.array([indices[3], 5])])
     assert ds.isel(window=slice(10, 13)).window.values.tolist() == [10, 11, 12]
+
+
+def test_to_dataframe_keeps_the_window_index_and_burst_time(csv_case, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """xarray leaves indexed coordinates out of a frame's columns and indexes its rows by the
+    dimensions' indexes: the window index carries the time, so the frame keeps it."""
+    store, _ = csv_case
+    ds = store.to_xarray()
+    picked = np.array([700, 3, 129])
+    frame = ds.isel(window=picked).to_dataframe()
+    assert frame.index.names == ["window", "time", "sample", "channel"]
+    assert list(frame.columns) == ["gimu", "device", "label"]
+    flat = frame.reset_index()
+    times = store.timestamps[picked].astype("datetime64[s]")
+    assert np.array_equal(flat.window.to_numpy(), np.repeat(picked, 80))
+    assert np.array_equal(flat.time.to_numpy().astype("datetime64[s]"), np.repeat(times, 80))
+    assert np.array_equal(flat.gimu.to_numpy(), store.windows[picked].reshape(-1))
+    per_window = ds[["device", "label"]].isel(window=slice(10, 14)).to_dataframe()
+    assert per_window.index.names == ["window", "time"] and list(per_window.columns) == ["device", "label"]
+    assert per_window.index.get_level_values("window").tolist() == [10, 11, 12, 13]
+    assert np.array_equal(per_window.index.get_level_values("time").to_numpy().astype("datetime64[s]"),
+                          store.timestamps[10:14].astype("datetime64[s]"))
+    # selecting by window label, then by time, and concatenating selections keep both
+    assert ds.sel(window=slice(3, 5)).window.values.tolist() == [3, 4, 5]
+    import xarray as xr
+
+    joined = xr.concat([ds.isel(window=[5, 6]), ds.isel(window=[100])], "window")
+    assert joined.window.values.tolist() == [5, 6, 100]
+    assert np.array_equal(joined.time.values, store.timestamps[np.array([5, 6, 100])].astype("datetime64[s]"))
+    with pytest.raises(birdzarr.WindowIndexError, match="^a window index is out of range: this selection "
+                       "of the store holds 10 windows$"):
+        ds.isel(window=slice(0, 10)).isel(window=[3, 10])
+    reads = ReadCounter(store, monkeypatch)
+    repr(store.to_xarray().isel(window=picked))  # building, selecting and showing read nothing
+    assert reads.calls == []
 
 
 def test_window_table_has_a_row_per_window_with_channel_summaries(csv_case, months_case) -> None:  # type: ignore[no-untyped-def]

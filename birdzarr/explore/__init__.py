@@ -39,7 +39,8 @@ def to_xarray(store: ReadableStore) -> xr.Dataset:
     NaT when unknown), ``label`` and ``channel``.
     Nothing is read until values are asked for; then only the chunks holding them.
     ``ds.sel(time=...)`` selects by burst time (a date string means its whole day or month;
-    slices include both ends), reading the timestamps on the first selection."""
+    slices include both ends), reading the timestamps on the first selection.
+    ``to_dataframe()`` indexes its rows by ``window`` and ``time`` (then ``sample``, ``channel``)."""
     from birdzarr.explore._xarray import to_xarray as build
 
     return build(store)

@@ -9,9 +9,10 @@ and nothing is read when the Dataset is built or displayed.
 
 The 20 samples of a window are the dimension ``sample`` whatever the store calls it on disk
 (stores written before the rename say ``time``), so ``time`` is only the burst-time coordinate.
-That coordinate carries a ``BurstTimeIndex``: ``ds.sel(time=...)`` works on it, although
-burst times are neither unique nor sorted (several windows share a burst; a device-ordered store
-starts over at each device), and the timestamps are read on the first selection, not before.
+It shares one index with the ``window`` coordinate (the global window index), ``WindowIndex``:
+``ds.sel(time=...)`` works on it, although burst times are neither unique nor sorted (several
+windows share a burst; a device-ordered store starts over at each device), the timestamps are
+read on the first selection, not before, and ``to_dataframe()`` keeps both.
 """
 
 from __future__ import annotations
@@ -48,9 +49,11 @@ _FEATURE = "store.to_xarray()"
 _xarray = require("xarray", _FEATURE)
 _backends = require("xarray.backends", _FEATURE)
 _indexing = require("xarray.core.indexing", _FEATURE)
+_indexes = require("xarray.core.indexes", _FEATURE)
 
 TIME = "time"  # the burst-time coordinate of the view
 WINDOW = "window"  # the window dimension and its coordinate, the global window index
+CHANNEL = "channel"
 
 
 class WindowArray(_backends.BackendArray):  # type: ignore[misc,name-defined]
@@ -130,37 +133,52 @@ def _positions(mask: np.ndarray) -> slice | np.ndarray:
     return hits
 
 
-class BurstTimeIndex(_xarray.Index):  # type: ignore[misc,name-defined]
-    """An xarray index on the per-window burst time, for ``ds.sel(time=...)``.
+class WindowIndex(_xarray.Index):  # type: ignore[misc,name-defined]
+    """The xarray index of the ``window`` dimension: the global window index and the burst time.
 
-    Burst times repeat (every window of a burst) and are not sorted along ``window``, so a
-    pandas index could only select exact times. This one compares the times directly:
+    One index over both per-window coordinates, so that both stay indexes and both reach
+    ``to_dataframe()``: xarray leaves every indexed coordinate out of a DataFrame's columns and
+    builds the rows' index from the dimensions' indexes, so this index gives the pandas index
+    ``(window, time)`` (xarray issue #10851: an index on a coordinate that is not a dimension
+    never reaches the frame). ``ds.to_dataframe()`` rows are then indexed by ``window``, ``time``,
+    ``sample`` and ``channel``; ``reset_index()`` makes them columns.
+
+    ``window`` selects as a pandas index (``ds.sel(window=[1000, 5])``, slices include both ends).
+    Burst times repeat (every window of a burst) and are not sorted along ``window``, so a pandas
+    index could only select exact times. ``time`` compares the times directly:
 
     - ``ds.sel(time="2012-05-15")``: every window of that day (strings mean their whole period);
     - ``ds.sel(time=slice("2012-05-15", "2012-05-16T12"))``: both ends included, any order of
       windows, unknown times (NaT) never selected;
     - ``ds.sel(time=np.datetime64(...))`` or a list of times: windows at exactly those times.
 
-    A selection always keeps the ``window`` dimension (a time matches any number of windows); a
-    label that matches no window raises ``KeyError``, an empty slice gives zero windows.
-    The times are read on the first ``sel`` (8 bytes a window; of the selected windows only
-    after an ``isel``), then kept. ``method=`` and ``tolerance=`` are not supported.
+    A time selection always keeps the ``window`` dimension (a time matches any number of
+    windows); a label that matches no window raises ``KeyError``, an empty slice gives zero
+    windows. The times are read on the first ``sel`` by time or ``to_dataframe`` (8 bytes a window;
+    of the selected windows only after an ``isel``), then kept. ``method=`` and ``tolerance=``
+    apply to ``window`` only.
     """
 
-    def __init__(self, variable: Any, name: Hashable) -> None:
-        self.variable = variable
+    def __init__(self, window: Any, variable: Any, name: Hashable = TIME, *, store_windows: int) -> None:
+        self.window = window  # xarray's PandasIndex of the global window indices
+        self.variable = variable  # the lazy burst-time variable
         self.name = name
+        self.store_windows = store_windows  # windows of the store (errors say whether a selection's)
         (self.dim,) = variable.dims
         self._times: np.ndarray | None = None
 
     @classmethod
-    def from_variables(cls, variables: Mapping[Any, Any], *, options: Mapping[str, Any]) -> BurstTimeIndex:
-        if len(variables) != 1:
-            raise ValueError("BurstTimeIndex indexes one coordinate")
-        ((name, variable),) = variables.items()
-        if variable.ndim != 1 or not np.issubdtype(variable.dtype, np.datetime64):
-            raise ValueError(f"BurstTimeIndex needs a 1-D datetime64 coordinate, not {name!r}")
-        return cls(variable, name)
+    def from_variables(cls, variables: Mapping[Any, Any], *, options: Mapping[str, Any]) -> WindowIndex:
+        import pandas as pd
+
+        if set(variables) != {WINDOW, TIME}:
+            raise ValueError(f"WindowIndex indexes the coordinates {WINDOW!r} and {TIME!r} together")
+        time = variables[TIME]
+        if time.ndim != 1 or not np.issubdtype(time.dtype, np.datetime64):
+            raise ValueError(f"WindowIndex needs a 1-D datetime64 coordinate {TIME!r}")
+        n = int(options.get("n_windows", time.shape[0]))
+        window = _indexes.PandasIndex(pd.RangeIndex(n, name=WINDOW), WINDOW, coord_dtype=np.dtype(np.int64))
+        return cls(window, time, store_windows=n)
 
     def times(self) -> np.ndarray:
         """The indexed times as datetime64, read once."""
@@ -169,26 +187,55 @@ class BurstTimeIndex(_xarray.Index):  # type: ignore[misc,name-defined]
         return self._times
 
     def create_variables(self, variables: Mapping[Any, Any] | None = None) -> dict[Hashable, Any]:
+        created: dict[Hashable, Any] = dict(self.window.create_variables(
+            {WINDOW: variables[WINDOW]} if variables is not None and WINDOW in variables else None))
         variable = self.variable
         if variables is not None and self.name in variables:
             variable = variable.copy(deep=False)
             variable.attrs = dict(variables[self.name].attrs)
-        return {self.name: variable}
+        created[self.name] = variable
+        return created
 
-    def isel(self, indexers: Mapping[Any, Any]) -> BurstTimeIndex | None:
+    def _subset(self, window: Any, key: Any) -> WindowIndex:
+        variable = self.variable[{self.dim: key}]
+        subset = type(self)(window, variable, self.name, store_windows=self.store_windows)
+        if self._times is not None:
+            subset._times = self._times[key]
+        return subset
+
+    def isel(self, indexers: Mapping[Any, Any]) -> WindowIndex | None:
         key = indexers[self.dim]
         if isinstance(key, _xarray.Variable):
             if key.dims != (self.dim,):
                 return None  # vectorised indexing onto new dimensions: the index is dropped
             key = key.data
+        self._refuse_out_of_range(key)
         if not isinstance(key, slice) and np.ndim(key) == 0:
-            return None  # one window: the coordinate becomes a scalar
-        subset = type(self)(self.variable[{self.dim: key}], self.name)
-        if self._times is not None:
-            subset._times = self._times[key]
-        return subset
+            return None  # one window: the coordinates become scalars
+        window = self.window.isel({self.dim: key})
+        if window is None:
+            return None
+        return self._subset(window, key)
+
+    def _refuse_out_of_range(self, key: Any) -> None:
+        """An index past either end is refused as the store's view refuses it (xarray calls the
+        index's isel before indexing the variables, where pandas would raise its own error)."""
+        if isinstance(key, slice):
+            return
+        given = np.asarray(key)
+        if given.dtype.kind not in "iu" or not given.size:
+            return
+        n = len(self.window.index)
+        if int(given.min()) < -n or int(given.max()) >= n:
+            holder = "the store holds" if n == self.store_windows else "this selection of the store holds"
+            raise WindowIndexError(f"a window index is out of range: {holder} {n} windows")
 
     def sel(self, labels: dict[Any, Any], method: Any = None, tolerance: Any = None) -> Any:
+        if WINDOW in labels and self.name in labels:
+            raise NotImplementedError(f"select by {WINDOW} and by {self.name} in two calls: "
+                                      f"ds.sel({WINDOW}=...).sel({self.name}=...)")
+        if WINDOW in labels:
+            return self.window.sel({WINDOW: labels[WINDOW]}, method=method, tolerance=tolerance)
         if method is not None or tolerance is not None:
             raise NotImplementedError(
                 "the burst-time index selects exact times, date strings and slices; method= and "
@@ -217,23 +264,32 @@ class BurstTimeIndex(_xarray.Index):  # type: ignore[misc,name-defined]
     def equals(self, other: Any, **kwargs: Any) -> bool:
         if other is self:
             return True  # the common case (arrays of one Dataset): decided without reading
-        if not isinstance(other, BurstTimeIndex) or other.dim != self.dim:
+        if not isinstance(other, WindowIndex) or other.dim != self.dim:
             return False
-        return bool(np.array_equal(self.times(), other.times(), equal_nan=True))
+        return bool(self.window.index.equals(other.window.index)
+                    and np.array_equal(self.times(), other.times(), equal_nan=True))
+
+    @classmethod
+    def concat(cls, indexes: Any, dim: Hashable, positions: Any = None) -> WindowIndex:
+        indexes = list(indexes)
+        window = _indexes.PandasIndex.concat([i.window for i in indexes], dim, positions)
+        variable = _xarray.Variable.concat([i.variable for i in indexes], dim, positions)
+        return cls(window, variable, indexes[0].name, store_windows=indexes[0].store_windows)
 
     def to_pandas_index(self) -> Any:
         import pandas as pd
 
-        return pd.DatetimeIndex(self.times(), name=self.name)
+        times = pd.DatetimeIndex(self.times(), name=self.name)
+        return pd.MultiIndex.from_arrays([self.window.index, times], names=[WINDOW, self.name])
 
-    def _copy(self, deep: bool = True, memo: dict[int, Any] | None = None) -> BurstTimeIndex:
-        copied = type(self)(self.variable, self.name)  # the data is read-only: share it
+    def _copy(self, deep: bool = True, memo: dict[int, Any] | None = None) -> WindowIndex:
+        copied = type(self)(self.window, self.variable, self.name, store_windows=self.store_windows)
         copied._times = self._times
         return copied
 
     def _repr_inline_(self, max_width: int) -> str:
         state = "read" if self._times is not None else "read on the first sel"
-        return f"BurstTimeIndex (burst start, not unique or sorted; {state})"
+        return f"WindowIndex (global index; burst start, not unique or sorted, {state})"
 
 
 def to_xarray(store: Store) -> xr.Dataset:
@@ -255,11 +311,12 @@ def to_xarray(store: Store) -> xr.Dataset:
         DEVICE: lazy(DEVICE, PER_WINDOW_DIMS, layouts[DEVICE].dtype, array_attributes(DEVICE)),
         TIME: lazy(TIMESTAMP, PER_WINDOW_DIMS, np.dtype("datetime64[s]"), time_attrs),
         LABEL: lazy(LABEL, PER_WINDOW_DIMS, layouts[LABEL].dtype, array_attributes(LABEL)),
-        "channel": ("channel", list(CHANNELS)),
+        CHANNEL: (CHANNEL, list(CHANNELS)),
         # the global window index: kept through isel (ds.isel(window=store.device_indices(207))
         # keeps each window's number in the store) and sel(window=...) selects by it. A pandas
         # RangeIndex holds no array: 25 M windows cost nothing until selected.
-        WINDOW: (WINDOW, pd.RangeIndex(len(store), name=WINDOW), {"long_name": "global window index"}),
+        WINDOW: xarray.Variable(WINDOW, pd.RangeIndex(len(store), name=WINDOW),
+                                {"long_name": "global window index"}),
     }
     committed = store.meta.get("committed", {})
     attrs = {
@@ -268,5 +325,6 @@ def to_xarray(store: Store) -> xr.Dataset:
         "generation": committed.get("generation"),
         "chunk_windows": store.chunk_windows,
     }
-    dataset = xarray.Dataset({GIMU: gimu}, coords=coords, attrs=attrs)
-    return dataset.set_xindex(TIME, BurstTimeIndex)
+    dataset = xarray.Dataset({GIMU: gimu}, coords=xarray.Coordinates(coords, indexes={}), attrs=attrs)
+    dataset = dataset.set_xindex(CHANNEL)
+    return dataset.set_xindex([WINDOW, TIME], WindowIndex, n_windows=len(store))
