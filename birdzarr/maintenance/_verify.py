@@ -171,7 +171,7 @@ def _check_chunks(store: Store, ranges: list[_RangeCheck], result: VerifyResult,
     from birdzarr._progress import progress_bar
 
     reader = store.reader
-    known = {e.device_id for e in store.device_table}
+    known = store._device_index[0]  # the table's ids, sorted
     # a shuffled store's devices are checked (and compared with the source) through digests
     # gathered in this one pass: each device's windows are scattered over every chunk
     digests = _Digests() if store.shuffled else None
@@ -192,7 +192,7 @@ def _check_chunks(store: Store, ranges: list[_RangeCheck], result: VerifyResult,
             bar.update(1)
             windows, devices = data.get(GIMU), data.get(DEVICE)
             if devices is not None:
-                unknown = np.setdiff1d(np.unique(devices), np.fromiter(known, dtype=np.int64))
+                unknown = _unknown_ids(devices, known)
                 if len(unknown):
                     result.problem(f"windows {chunk_start:,}..{chunk_stop - 1:,}: device ids "
                                    f"{unknown[:5].tolist()} are not in the device table")
@@ -236,6 +236,14 @@ def _check_chunks(store: Store, ranges: list[_RangeCheck], result: VerifyResult,
                            f"write time: the windows changed after they were written (chunks "
                            f"{check.start // chunk}..{(check.stop - 1) // chunk} of 'gimu')")
     return None
+
+
+def _unknown_ids(devices: np.ndarray, known: np.ndarray) -> np.ndarray:
+    """The distinct ids in ``devices`` that are not in ``known`` (sorted), ascending."""
+    ids = np.unique(devices).astype(np.int64)
+    at = np.minimum(np.searchsorted(known, ids), max(len(known) - 1, 0))
+    present = known[at] == ids if len(known) else np.zeros(len(ids), dtype=bool)
+    return ids[~present]
 
 
 def _hash_scattered(windows: np.ndarray | None, devices: np.ndarray | None, hashers: dict[int, Any]) -> None:
@@ -339,12 +347,14 @@ def _compare_with_source(
     curation = store_curation(store.meta)
     reports = store.report
     in_source = {d.device_id: d for d in devices}
+    entries = {e.device_id: e for e in store.device_table}
     for entry in store.device_table:
         if entry.device_id not in in_source:
             result.problem(f"device {entry.device_id} ({entry.n_windows:,} windows) has no source files in "
                            f"{src.display}")
+    stored = _ChunkMemo(store)  # devices share chunks: each is decoded once, not once a device
     for device in devices:
-        found = next((e for e in store.device_table if e.device_id == device.device_id), None)
+        found = entries.get(device.device_id)
         if found is None:
             result.problem(f"device {device.device_id} is in {src.display} but not in the store "
                            "(add it with `birdzarr append`)")
@@ -376,7 +386,7 @@ def _compare_with_source(
             if digests is not None:
                 _compare_by_digest(store, entry, derived, result, digests)
             else:
-                _compare_device(store, entry, derived(), result)
+                _compare_device(store, entry, derived(), result, stored)
         except MissingChunkError:
             result.problem(f"device {device.device_id}: cannot be compared, a chunk is missing or damaged")
         except BirdzarrError as exc:
@@ -384,18 +394,42 @@ def _compare_with_source(
         result.devices_compared += 1
 
 
-def _stored(store: Store, entry: DeviceEntry) -> Iterator[tuple[np.ndarray, ...]]:
+class _ChunkMemo:
+    """Windows ``[lo, hi)`` of a device-ordered store's arrays, keeping the last chunk decoded of
+    each: the devices are compared in the store's order, so the many small devices of a chunk
+    are read from one decoding of it."""
+
+    def __init__(self, store: Store) -> None:
+        self.reader = store.reader
+        self.held: dict[str, tuple[int, np.ndarray]] = {}
+
+    def _chunk(self, name: str, index: int) -> np.ndarray:
+        held = self.held.get(name)
+        if held is None or held[0] != index:
+            held = (index, self.reader.read(name, index))
+            self.held[name] = held
+        return held[1]
+
+    def read(self, name: str, lo: int, hi: int) -> np.ndarray:
+        width = self.reader.chunk_windows
+        first, last = lo // width, max(lo, hi - 1) // width
+        parts = [self._chunk(name, index)[max(lo - index * width, 0) : hi - index * width]
+                 for index in range(first, last + 1)]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _stored(store: Store, entry: DeviceEntry, memo: _ChunkMemo | None = None) -> _Rows:
     if store.shuffled:
         indices = store.device_indices(entry.device_id)
         for lo in range(0, len(indices), _PIECE):
             part = indices[lo : lo + _PIECE]
             yield store.windows[part], store.timestamps[part], store.labels[part]
         return
-    reader = store.reader
+    memo = memo or _ChunkMemo(store)
     for r in entry.ranges:
         for lo in range(r.start, r.stop, _PIECE):
             hi = min(lo + _PIECE, r.stop)
-            yield tuple(reader.read_range(name, lo, hi) for name in (GIMU, TIMESTAMP, LABEL))
+            yield tuple(memo.read(name, lo, hi) for name in (GIMU, TIMESTAMP, LABEL))
 
 
 def _pieces(parts: Iterator[tuple[np.ndarray, ...]]) -> Iterator[tuple[np.ndarray, ...]]:
@@ -507,14 +541,14 @@ def _compare_shuffled_device(store: Store, entry: DeviceEntry, derived: Iterator
 
 
 def _compare_device(store: Store, entry: DeviceEntry, derived: Iterator[tuple[np.ndarray, ...]],
-                    result: VerifyResult) -> None:
+                    result: VerifyResult, memo: _ChunkMemo | None = None) -> None:
     if store.shuffled:
         _compare_shuffled_device(store, entry, derived, result)
         return
     stored_n = derived_n = 0
     differing = {"windows": 0, "timestamps": 0, "labels": 0}
     first_difference: dict[str, int] = {}  # per array: its own first differing window
-    stored_pieces, derived_pieces = _pieces(_stored(store, entry)), _pieces(derived)
+    stored_pieces, derived_pieces = _pieces(_stored(store, entry, memo)), _pieces(derived)
     for mine, theirs in _zip_longest(stored_pieces, derived_pieces):
         stored_n += len(mine[0]) if mine else 0
         derived_n += len(theirs[0]) if theirs else 0

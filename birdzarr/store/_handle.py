@@ -97,14 +97,24 @@ class Store:
 
         refuse_float("device_id", device_id)
         wanted = int(device_id)
-        for entry in self.device_table:
-            if entry.device_id == wanted:
-                return entry
+        ids, order = self._device_index
+        at = int(np.searchsorted(ids, wanted)) if -2**63 <= wanted < 2**63 else len(ids)
+        if at < len(ids) and ids[at] == wanted:
+            return self.device_table[int(order[at])]
         known = ", ".join(str(e.device_id) for e in self.device_table[:20])
         more = ", ..." if len(self.device_table) > 20 else ""
         raise DeviceNotFoundError(f"device {device_id} is not in {self.url} (it holds "
                                   f"{len(self.device_table)} devices: {known}{more}); "
                                   "`birdzarr info --devices` lists them")
+
+    @cached_property
+    def _device_index(self) -> tuple[np.ndarray, np.ndarray]:
+        """The device ids sorted, and each one's position in ``device_table``: ``device`` finds
+        an entry by binary search (at 100K devices a scan cost ~2.5 ms a lookup)."""
+        ids = np.fromiter((e.device_id for e in self.device_table), dtype=np.int64,
+                          count=len(self.device_table))
+        order = np.argsort(ids, kind="stable")
+        return ids[order], order
 
     @property
     def cache(self) -> ChunkCache | None:
