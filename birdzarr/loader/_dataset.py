@@ -14,7 +14,8 @@ Memory per streaming reader (the main process, or each DataLoader worker) is set
 
     pool_chunks x chunk_windows x (320 B + 16 B with ldt)  +  (4 + 2) x batch_size x 344 B
 
-(the pool; the reused batch slots and scratch) plus DataLoader's own ``prefetch_factor x
+(the pool; the reused batch slots and scratch), about half a pool more in a DataLoader worker
+(its next epoch's first pool, decoded ahead), plus DataLoader's own ``prefetch_factor x
 num_workers`` batches in flight. It never depends on the number of windows in the store.
 """
 
@@ -84,16 +85,18 @@ class WindowDataset(IterableDataset[Batch]):
     Args:
         store: path or URL of a committed store (``s3://...`` works the same), or an opened
             ``birdzarr.Store``.
-        batch_size: windows per batch. Streaming, each pool's last batch may be shorter unless
-            ``drop_last``.
+        batch_size: windows per batch. Every batch holds ``batch_size`` windows but each rank's
+            last one (docs/training.md#workers-order-and-batch-sizes).
         shuffle: new batches every epoch (call ``set_epoch``). Streaming from a
             device-ordered store this is refused (batches would mix only the devices of a pool's
             chunks); convert with ``--shuffle``, or use ``resident=``.
         seed: the shuffle seed; which windows form a batch is a pure function of (seed, epoch,
-            world size, shuffle_buffer, batch_size, drop_last); streaming, the order batches
-            arrive in also depends on ``num_workers``.
-        drop_last: every batch has exactly ``batch_size`` windows; the rest of each pool is not
-            delivered this epoch (a different rest every epoch).
+            world size, shuffle_buffer, batch_size, drop_last) and, streaming, of the
+            DataLoader's ``num_workers`` (pools are sized for the workers), as is the order
+            batches arrive in.
+        drop_last: every batch has exactly ``batch_size`` windows; the rest of each rank's share
+            (under ``batch_size + 1`` windows) is not delivered this epoch (a different rest
+            every epoch when shuffling).
         channel_first: yield ``(B, 4, 20)`` instead of ``(B, 20, 4)``.
         with_ldt: yield ``(x, ldt)`` with ``ldt`` int64 ``(B, 3)`` = label, device id, unix seconds.
         devices / exclude_devices: keep only / drop these device ids.
