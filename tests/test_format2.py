@@ -204,6 +204,24 @@ def test_unique_matches_numpy() -> None:
     assert np.array_equal(np.argsort(first_rank), np.argsort(first_at))
 
 
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_slabs_of_devices_code_as_one_table_does(monkeypatch: pytest.MonkeyPatch, shuffled: bool) -> None:
+    sizes = np.random.default_rng(4).integers(1, 40, 200)
+    windows = np.concatenate([calibrated(int(n), seed=2000 + i) for i, n in enumerate(sizes)])
+    device = np.repeat(np.arange(200), sizes)
+    if shuffled:
+        order = np.random.default_rng(5).permutation(len(windows))
+        windows, device = windows[order], device[order]
+    for orders in ((_v2.SORTED,) * 3, (_v2.FIRST,) * 3):
+        monkeypatch.setattr(_v2, "_SLAB", 2**40)  # one slab
+        whole = _v2.encode(windows, device, orders=orders)
+        monkeypatch.setattr(_v2, "_SLAB", 1000)  # a slab every few devices
+        slabs = _v2.encode(windows, device, orders=orders)
+        assert np.array_equal(whole.codes, slabs.codes) and np.array_equal(whole.row, slabs.row)
+        assert np.array_equal(whole.new.values.view(np.uint32), slabs.new.values.view(np.uint32))
+        assert np.array_equal(whole.new.start, slabs.new.start)
+
+
 # -- interop: a store written with core codecs only, read without birdzarr ------------------------
 
 

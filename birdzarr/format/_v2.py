@@ -264,6 +264,39 @@ def _unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return found[by_key], by_key, rank[seen]
 
 
+_SLAB = 2**18  # values hashed at once, cut at a group boundary: a hash table that stays in the caches
+
+
+def _unique_grouped(keys: np.ndarray, group: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``_unique(keys)`` for keys whose high half is ``group``: slabs of whole groups are
+    factorised one by one (no key is in two slabs, so the slabs' sorted distinct keys follow one
+    another), which keeps each hash table small where a device's values are nearly all distinct
+    (many small devices: one table of millions of keys measured 5-10x slower)."""
+    n = len(keys)
+    order = None
+    if n and not bool((group[1:] >= group[:-1]).all()):  # windows not device after device
+        order = np.argsort(group, kind="stable")
+        keys, group = keys[order], group[order]
+    group_starts = np.flatnonzero(group[1:] != group[:-1]) + 1
+    at = np.searchsorted(group_starts, np.arange(_SLAB, n, _SLAB))
+    bounds = np.concatenate(([0], np.unique(group_starts[at[at < len(group_starts)]]), [n]))
+    distinct, first, inverse = [], [], np.empty(n, np.int64)
+    found = 0
+    for begin, end in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+        slab_distinct, slab_first, slab_inverse = _unique(keys[begin:end])
+        distinct.append(slab_distinct)
+        first.append(slab_first + begin)  # still orders a group's keys by first occurrence
+        inverse[begin:end] = slab_inverse.reshape(-1) + found
+        found += len(slab_distinct)
+    if order is not None:
+        back = np.empty(n, np.int64)
+        back[order] = inverse
+        inverse = back
+    if not distinct:
+        return np.empty(0, np.uint64), np.empty(0, np.int64), inverse
+    return np.concatenate(distinct), np.concatenate(first), inverse
+
+
 def _code_channel(values: np.ndarray, group: np.ndarray, n_groups: int, order: str
                   ) -> tuple[tuple[np.ndarray, np.ndarray] | None, np.ndarray]:
     """Dictionary-code one channel whose values belong to ``group`` (0..n_groups-1, one per value).
@@ -272,7 +305,7 @@ def _code_channel(values: np.ndarray, group: np.ndarray, n_groups: int, order: s
     group), or None when a group has more than MAX_ENTRIES distinct values; and each group's
     count of distinct values."""
     keys = (group.astype(np.uint64) << np.uint64(32)) | values.astype(np.uint64)
-    distinct, first_at, inverse = _unique(keys)
+    distinct, first_at, inverse = _unique_grouped(keys, group)
     owner = (distinct >> np.uint64(32)).astype(np.int64)
     counts = np.bincount(owner, minlength=n_groups)
     if counts.max(initial=0) > MAX_ENTRIES:
