@@ -1,6 +1,9 @@
 """Store format version 2, the window layout: uint16 codes + dictionaries, core Zarr v3 codecs only.
 
-(Design and measurements: see the end of this docstring.)
+Replaces version 1's custom codecs (``birdzarr.dict16``, ``birdzarr.gdict16``) for the windows:
+imu_x/y/z become uint16 codes into one dictionary row per device, held in ordinary arrays;
+gps_speed stays float32. Pure numpy and zarr.json documents, no I/O: the encode, the decode, the
+rules, and each array's metadata. Measurements: the end of this docstring.
 
 Arrays
 ------
@@ -45,7 +48,7 @@ The rules
   costs ~1 byte a window in a shuffled store, next to nothing in device order.
 - **gps_speed is not coded**: in real exports it is one continuous value per burst (6-8
   decimals), about one distinct value per 1-3 windows, so codes would not compress and the
-  dictionary would hold every speed (measured: +25 bytes a window, a quarter of the store); as
+  dictionary would hold every speed (measured: +27 bytes a window, 30% more store); as
   float32 with zstd and no shuffle, a burst's equal values cost 2.6 (device order) to 4.2
   (shuffled) bytes a window, and speeds that vary inside a window need no rule at all.
 - **Overflow**: an IMU device-channel with more than 65,535 distinct values (not 12-bit counts:
@@ -69,6 +72,42 @@ The rules
   store's device index, or the device id); a window's device is ``dict_device[row[w]]``, so a
   separate per-window device array is redundant (the writer's choice).
 
+
+Measurements (``python benchmarks/format2.py``)
+-----------------------------------------------
+2-core shared machine (load 6-13), 3 interleaved rounds, the fastest counts; compare ratios.
+Calibrated data: IMU (12-bit count - offset) / scale per device, gps_speed one value per burst of
+1-3 windows with 6-8 decimals. ``x`` = float32 bytes / stored bytes (every array of the layout,
+no device/timestamp/label); ``/pq`` = stored / per-device Parquet files; ``enc`` = float32 MB
+encoded per CPU second; ``dec`` = CPU ns a window, one thread decoding every chunk from bytes in
+memory (dictionaries already loaded), and its ratio to version 1's default in the same column.
+
+186 devices, 600,000 windows (one of 150,000), per-device Parquet 93.0 MB (2.07x float32):
+
+====================================  ================================  ================================
+candidate                             device order: x / pq / enc / dec  shuffled: x / pq / enc / dec
+====================================  ================================  ================================
+v1 default (dict16; gdict16 32768)    2.75 / 0.75 / 206 / 489 (1.00)    2.66 / 0.78 / 80 / 715 (1.00)
+standard: transpose + blosc lz4       1.44 / 1.44 / 535 / 428 (0.88)    1.41 / 1.46 / 441 / 313 (0.44)
+standard: transpose + blosc zstd 1    1.53 / 1.35 / 262 / 551 (1.13)    1.53 / 1.35 / 274 / 404 (0.56)
+issue's probe: gps_speed coded too    2.72 / 0.76 / 30 / 441 (0.90)     2.66 / 0.78 / 38 / 782 (1.09)
+**format 2** (codes lz4, gps zstd 3)  3.52 / 0.59 / 65 / 425 (0.87)     3.42 / 0.60 / 67 / 759 (1.06)
+format 2, chunks grouped by device    (the same)                        3.46 / 0.60 / 61 / 603 (0.84)
+format 2, entries first-seen order    3.40 / 0.61 / 81 / 432 (0.88)     3.30 / 0.63 / 57 / 776 (1.08)
+format 2, codes blosc zstd 1          3.57 / 0.58 / 61 / 542 (1.11)     3.47 / 0.60 / 52 / 907 (1.27)
+====================================  ================================  ================================
+
+Bytes a window of format 2, codes / gps_speed / row / dictionaries: 85.5 / 2.6 / 0.0 / 2.9 (device
+order), 85.6 / 4.1 / 1.0 / 2.9 (shuffled; 0.1 for the row when chunks are grouped by device).
+
+SMALL_TABLE
+
+Conclusions: format 2 stores 0.78x version 1's bytes in both orders (0.59-0.60x the Parquet
+source) with core codecs only; coding gps_speed (the probe) gives that back (its codes cost 27
+bytes a window). Decoding costs about what version 1's does (0.87x device order; 0.84x shuffled
+when a writer groups each chunk's windows by device, as version 1's ``--shuffle`` does, 1.06x
+when not): the per-value lookup dominates both, and format 2 only drops the per-chunk
+dictionaries. lz4 for the codes: zstd 1 saves 1.5% and decodes 1.2-1.3x slower.
 """
 
 from __future__ import annotations
