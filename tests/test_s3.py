@@ -530,6 +530,17 @@ def test_missing_bucket_is_named_in_one_line(parquet_source: Any, moto: MotoEndp
             "these credentials cannot see it). Check its name, or create the bucket first "
             "(aws s3 mb s3://no-such-bucket-birdzarr).\n"
         )
+    # A missing *source* bucket is named the same way (it read 'no such file or directory').
+    source = "s3://no-such-source-birdzarr/raw"
+    done = subprocess.run([str(Path(sys.executable).parent / "birdzarr"), "convert", source,
+                           str(directory.parent / "from_missing.zarr"), "--quiet"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == (
+        f"birdzarr convert: error: {source}: the bucket 'no-such-source-birdzarr' does not exist (or "
+        "these credentials cannot see it). Check its name, or create the bucket first "
+        "(aws s3 mb s3://no-such-source-birdzarr).\n"
+    )
 
 
 class _ConnectionTrap:

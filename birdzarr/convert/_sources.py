@@ -46,7 +46,7 @@ from birdzarr.convert._parquet import (
     no_device_message,
 )
 from birdzarr.format._spec import Curation
-from birdzarr.storage._location import Location
+from birdzarr.storage._location import Location, missing_bucket_error
 
 Kind = Literal["csv", "parquet"]
 _CSV_STEM = re.compile(r"^(\d{1,9})_(\d{1,9})$")
@@ -182,7 +182,8 @@ def _list_source(src: Location, order: int, *, skip_unknown_files: bool) -> tupl
     """The input files of one source, and the entries that are not (refused unless skipped)."""
     fs = src.fs
     if not fs.exists(src.path):
-        raise StoreNotFoundError(f"{src.display}: no such file or directory")
+        # A missing bucket is the usual cause on an object store: name it, not the path.
+        raise missing_bucket_error(src) or StoreNotFoundError(f"{src.display}: no such file or directory")
     if not fs.isdir(src.path):
         name = posixpath.basename(src.path)
         single = _kind_of(name)
