@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import shutil
 
 import numpy as np
 import pyarrow as pa
@@ -109,8 +110,6 @@ def test_comparing_with_the_source_decodes_each_chunk_once(many: dict) -> None:
 
 
 def test_verify_names_windows_of_a_device_missing_from_the_table(many: dict, tmp_path: pathlib.Path) -> None:
-    import shutil
-
     copy = tmp_path / "copy.zarr"
     shutil.copytree(many["store"], copy)
     root = json.loads((copy / "zarr.json").read_text())
@@ -137,3 +136,35 @@ def test_info_counts_every_device(many: dict, capsys: pytest.CaptureFixture[str]
     rows = json.loads(capsys.readouterr().out)
     assert [r["device_id"] for r in rows] == many["ids"].tolist()
     assert [r["n_windows"] for r in rows] == many["sizes"].tolist()
+
+
+@pytest.fixture(scope="module")
+def shuffled(many: dict, tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    store = tmp_path_factory.mktemp("shuffled") / "shuffled.zarr"
+    birdzarr.convert(str(many["source"]), str(store), shuffle=True, seed=1, chunk_windows=CHUNK,
+                     workers=1, progress=False)
+    return store
+
+
+def test_verify_checks_every_device_of_a_shuffled_store(many: dict, shuffled: pathlib.Path) -> None:
+    """Each device's digest, summed over every chunk it is scattered over, is checked; a device
+    whose windows lose their table entry is named with the chunks holding its windows."""
+    result = verify(shuffled)
+    assert result.ok, result.problems
+    assert (result.chunks_checked, result.checksums_checked) == (-(-many["total"] // CHUNK), N_DEVICES)
+    store = birdzarr.open_store(shuffled)
+    device = int(many["ids"][4321])
+    assert [e.device_id for e in store.device_table][4321] == device
+    holding = np.flatnonzero(store.window_devices[:] == device)
+    assert len(holding) == many["sizes"][4321]
+    root = json.loads((shuffled / "zarr.json").read_text())
+    root["attributes"]["birdzarr"]["devices"].pop(4321)
+    damaged = shuffled.parent / "damaged.zarr"
+    shutil.copytree(shuffled, damaged)
+    (damaged / "zarr.json").write_text(json.dumps(root))
+    where = sorted({int(i) // CHUNK for i in holding})
+    expected = [f"device table: its window counts add up to {many['total'] - len(holding):,}, but "
+                f"{many['total']:,} windows are committed"]
+    expected += [f"windows {c * CHUNK:,}..{min((c + 1) * CHUNK, many['total']) - 1:,}: device ids "
+                 f"[{device}] are not in the device table" for c in where]
+    assert verify(damaged).problems == expected

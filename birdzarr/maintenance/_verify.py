@@ -174,7 +174,7 @@ def _check_chunks(store: Store, ranges: list[_RangeCheck], result: VerifyResult,
     known = store._device_index[0]  # the table's ids, sorted
     # a shuffled store's devices are checked (and compared with the source) through digests
     # gathered in this one pass: each device's windows are scattered over every chunk
-    digests = _Digests() if store.shuffled else None
+    digests = _Digests(known) if store.shuffled else None
     # stores shuffled by earlier versions: a CRC-32C of each device's windows in index order
     scattered = {e.device_id: checksum_hasher() for e in store.device_table
                  if e.scattered_digest is None and e.scattered_checksum is not None}
@@ -218,7 +218,7 @@ def _check_chunks(store: Store, ranges: list[_RangeCheck], result: VerifyResult,
                 position += 1
             first = position
     if digests is not None:
-        _finish_scattered(store.device_table, scattered, digests, result)
+        _finish_scattered(store, scattered, digests, result)
         return digests
     for check in ranges:
         where = f"device {check.device_id}, windows [{check.start:,}, {check.stop:,})"
@@ -258,21 +258,25 @@ def _hash_scattered(windows: np.ndarray | None, devices: np.ndarray | None, hash
             hashers[device].update(grouped[start:stop])
 
 
-def _finish_scattered(table: list[DeviceEntry], hashers: dict[int, Any], digests: _Digests,
+def _finish_scattered(store: Store, hashers: dict[int, Any], digests: _Digests,
                       result: VerifyResult) -> None:
-    for entry in table:
+    table = store.device_table
+    # each table entry's position among the sorted ids, where the digests keep its figures
+    position = np.empty(len(table), dtype=np.int64)
+    position[store._device_index[1]] = np.arange(len(table))
+    counts, sums = digests.count_of[position].tolist(), digests.sum_of[position].tolist()
+    for entry, count, total in zip(table, counts, sums, strict=True):
         device = entry.device_id
         if digests.broken:
             result.problem(f"device {device}: checksum cannot be checked, a chunk is missing "
                            "or damaged (above)")
             continue
-        count = digests.counts.get(device, 0)
         if count != entry.n_windows:
             result.problem(f"device {device}: {count:,} windows carry its id, the device table says "
                            f"{entry.n_windows:,}")
         if entry.scattered_digest is not None:
             result.checksums_checked += 1
-            digest = digest_hex(digests.sums.get(device, 0))
+            digest = digest_hex(total)
             if digest != entry.scattered_digest:
                 result.problem(f"device {device}: scattered digest {digest} differs from the "
                                f"{entry.scattered_digest} recorded at write time: its windows, times or "
@@ -469,9 +473,10 @@ class _Digests:
     table records as ``scattered_digest``, gathered in verify's one pass over the chunks.
     Different multisets of rows have different sums with probability ~1 - 2**-64."""
 
-    def __init__(self) -> None:
-        self.counts: dict[int, int] = {}
-        self.sums: dict[int, int] = {}
+    def __init__(self, known: np.ndarray) -> None:
+        self.known = known  # the device table's ids, sorted; the figures below are in this order
+        self.count_of = np.zeros(len(known), dtype=np.int64)
+        self.sum_of = np.zeros(len(known), dtype=np.uint64)  # wraps modulo 2**64, as the digest
         self.broken = False  # a chunk could not be read: no device can be compared this way
         self.differing = 0  # devices found different so far
 
@@ -481,14 +486,24 @@ class _Digests:
             return
         ids = data[DEVICE]
         hashes = row_hashes(data[GIMU], data[TIMESTAMP], data[LABEL])
-        if not len(ids):
+        if not len(ids) or not len(self.known):
             return
         runs = device_runs(ids)
-        sums = np.add.reduceat(hashes[runs.order], runs.starts)
+        sums = np.add.reduceat(hashes[runs.order], runs.starts).astype(np.uint64)
         counts = runs.stops - runs.starts
-        for device, total, count in zip(runs.ids.tolist(), sums.tolist(), counts.tolist(), strict=True):
-            self.counts[device] = self.counts.get(device, 0) + count
-            self.sums[device] = (self.sums.get(device, 0) + total) % 2**64
+        # ids not in the table are reported by the pass over the chunks; only the table's count
+        at = np.minimum(np.searchsorted(self.known, runs.ids), len(self.known) - 1)
+        present = self.known[at] == runs.ids
+        at = at[present]  # distinct: one run a device
+        self.count_of[at] += counts[present]
+        self.sum_of[at] += sums[present]
+
+    def of(self, device: int) -> tuple[int, int]:
+        """(windows, digest sum) of one device of the table."""
+        at = int(np.searchsorted(self.known, device))
+        if at < len(self.known) and self.known[at] == device:
+            return int(self.count_of[at]), int(self.sum_of[at])
+        return 0, 0
 
 
 _EXACT_LIMIT = 3  # devices whose digests differ that are then compared window by window
@@ -508,7 +523,7 @@ def _compare_by_digest(store: Store, entry: DeviceEntry, derive: Callable[[], _R
         theirs.update(windows, times, labels)
         count += len(windows)
     device = entry.device_id
-    mine = (digests.counts.get(device, 0), digests.sums.get(device, 0))
+    mine = digests.of(device)
     other = (count, theirs.value)
     if mine == other:
         return

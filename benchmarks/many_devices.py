@@ -1,0 +1,148 @@
+"""Many small devices against few large ones: the same windows, the per-device costs.
+
+    python benchmarks/many_devices.py                                  # 186 vs 20,000 devices, 700 K windows
+    python benchmarks/many_devices.py --devices 186 100000 --windows 3500000
+    python benchmarks/many_devices.py --pythonpath /tmp/old            # another birdzarr (a before figure)
+
+The same ``--windows`` windows (``_synthetic.curated_windows``) are written as ``--files``
+Parquet partition files with a ``device_id`` column, once for each device count (devices of
+equal size, consecutive in the files), in ``--workdir``. Each step runs in its own process
+(``--pythonpath`` is put first on its ``PYTHONPATH``): ``convert`` (``birdzarr convert --workers
+1``, device order; ``convert_shuffle`` with ``--shuffle --seed 1``), ``open`` (``open_store``
+alone, after the imports), ``info``, ``verify``, ``verify_source`` (``verify --source``),
+``verify_shuffled`` (``verify`` of the shuffled store), ``device_all`` (``Store.device(id)`` for
+every device, after opening) and ``summary`` (``repr`` and the HTML summary of an opened store).
+Each reports its wall seconds, CPU seconds (``time.process_time``: threads included) and peak
+RSS (``VmHWM``: Linux). On a shared machine compare CPU seconds, not wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+STEP = r'''
+import json, sys, time
+step, store, shuffled, src = sys.argv[1:5]
+started, cpu = time.perf_counter(), time.process_time()
+out = {}
+if step in ("convert", "convert_shuffle"):
+    from birdzarr.cli import main
+    target, more = (store, []) if step == "convert" else (shuffled, ["--shuffle", "--seed", "1"])
+    out["code"] = main(["convert", src, target, "--quiet", "--workers", "1", *more])
+elif step == "open":
+    import birdzarr
+    started, cpu = time.perf_counter(), time.process_time()
+    birdzarr.open_store(store)
+elif step in ("info", "verify", "verify_source", "verify_shuffled"):
+    import contextlib, io
+    from birdzarr.cli import main
+    args = {"info": ["info", store], "verify": ["verify", store], "verify_shuffled": ["verify", shuffled],
+            "verify_source": ["verify", store, "--source", src]}[step]
+    with contextlib.redirect_stdout(io.StringIO()):
+        out["code"] = main(args)
+elif step == "device_all":
+    import birdzarr
+    opened = birdzarr.open_store(store)
+    ids = [e.device_id for e in opened.device_table]
+    started, cpu = time.perf_counter(), time.process_time()
+    assert sum(opened.device(i).n_windows for i in ids) == len(opened)
+elif step == "summary":
+    import birdzarr
+    opened = birdzarr.open_store(store)
+    started, cpu = time.perf_counter(), time.process_time()
+    out["chars"] = len(repr(opened)) + len(opened._repr_html_())
+with open("/proc/self/status") as status:
+    peak = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+out.update(seconds=round(time.perf_counter() - started, 3), cpu=round(time.process_time() - cpu, 3),
+           rss_mb=round(peak / 1024))
+print("RESULT" + json.dumps(out))
+'''
+STEPS = ["convert", "convert_shuffle", "open", "info", "verify", "verify_source", "verify_shuffled",
+         "device_all", "summary"]
+
+
+def _gimu(windows: np.ndarray) -> pa.Array:
+    flat = pa.array(windows.reshape(-1), type=pa.float32())
+    return pa.ListArray.from_arrays(pa.array(np.arange(0, len(flat) + 1, 80, dtype=np.int32)), flat)
+
+
+def make(root: pathlib.Path, devices: int, total: int, files: int) -> None:
+    """``files`` partition files of consecutive devices; a marker beside the directory (the
+    converter refuses files that are not inputs) says it is complete."""
+    from birdzarr.demo import _synthetic
+
+    done = root.parent / (root.name + ".complete")
+    if done.exists():
+        return
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    windows = _synthetic.curated_windows(total, seed=1)
+    owner = np.minimum(np.arange(total) // (total // devices), devices - 1) + 1
+    bounds = np.searchsorted(owner, np.linspace(1, devices + 1, files + 1).astype(int))
+    for number in range(files):
+        lo, hi = bounds[number], bounds[number + 1]
+        table = pa.table({"device_id": pa.array(owner[lo:hi], pa.int32()), "gimu": _gimu(windows[lo:hi])})
+        pq.write_table(table, root / f"part-{number}.parquet")
+    done.touch()
+
+
+def run(step: str, work: pathlib.Path, devices: int, pythonpath: str | None) -> dict:
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env.get("PYTHONPATH")]))
+    args = [str(work / f"{name}{devices}{suffix}")
+            for name, suffix in (("store", ".zarr"), ("shuffled", ".zarr"), ("src", ""))]
+    done = subprocess.run([sys.executable, "-c", STEP, step, *args], capture_output=True, text=True, env=env,
+                          cwd=work)
+    found = [line for line in done.stdout.splitlines() if line.startswith("RESULT")]
+    if not found:
+        raise SystemExit(f"{step} at {devices} devices failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    return json.loads(found[-1][len("RESULT"):])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--windows", type=int, default=700_000)
+    parser.add_argument("--devices", type=int, nargs="+", default=[186, 20_000])
+    parser.add_argument("--files", type=int, default=20)
+    parser.add_argument("--workdir", default="/tmp/birdzarr-many-devices")
+    parser.add_argument("--steps", nargs="+", default=STEPS, choices=STEPS)
+    parser.add_argument("--pythonpath", default=None, help="put this first on the steps' PYTHONPATH")
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args()
+    work = pathlib.Path(args.workdir)
+    results: dict[int, dict[str, dict]] = {}
+    for devices in args.devices:
+        make(work / f"src{devices}", devices, args.windows, args.files)
+        results[devices] = {}
+        for step in args.steps:
+            if step.startswith("convert"):
+                target = work / (f"store{devices}.zarr" if step == "convert" else f"shuffled{devices}.zarr")
+                shutil.rmtree(target, ignore_errors=True)
+            results[devices][step] = run(step, work, devices, args.pythonpath)
+            print(devices, step, results[devices][step], flush=True)
+    heads = " | ".join(f"{d:,} devices: s / CPU s / peak MB" for d in args.devices)
+    print(f"\n| step | {heads} |" + (" CPU ratio |" if len(args.devices) == 2 else ""))
+    print("|---" * (len(args.devices) + 1 + (len(args.devices) == 2)) + "|")
+    for step in args.steps:
+        cells = [results[d][step] for d in args.devices]
+        row = " | ".join(f"{c['seconds']} / {c['cpu']} / {c['rss_mb']}" for c in cells)
+        ratio = f" {cells[1]['cpu'] / max(cells[0]['cpu'], 1e-3):.1f}x |" if len(cells) == 2 else ""
+        print(f"| {step} | {row} |{ratio}")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
