@@ -489,38 +489,49 @@ def _with_reader_counts(batch: object) -> tuple[object, tuple[int, int, int]]:
 
 @pytest.mark.slow
 def test_persistent_workers_start_each_epoch_on_a_prefetched_pool(small_store: birdzarr.Store) -> None:
-    """A persistent worker that has gathered its last batch decodes its first pool of the next
-    epoch meanwhile; the next epoch takes it (exactly the planned batches), a set_epoch or a
-    resume point asking for something else drops it (still exactly the planned batches)."""
-    options = {"batch_size": 500, "seed": 6, "shuffle_buffer": 4096}  # 4 pools a worker
+    """A worker decodes its next pool while it serves the current one, and while it serves its
+    last pool, its first pool of the next epoch; a persistent worker's next epoch takes it
+    (exactly the planned batches); a set_epoch or a resume point asking for something else
+    drops it (still exactly the planned batches)."""
+    options = {"batch_size": 500, "seed": 6, "shuffle_buffer": 4096}  # 6 pools a worker
     reference = _dataset(small_store, **options)
     ds = _dataset(small_store, **options)
     loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True,
                         multiprocessing_context="fork", collate_fn=_with_reader_counts)
 
-    def epoch(number: int, skip: int = 0) -> dict[int, tuple[int, int]]:
+    def epoch(number: int, skip: int = 0) -> dict[int, list[tuple[int, int]]]:
+        """Each worker's (pools taken from a prefetch, prefetches dropped) at each of its batches."""
         reference.set_epoch(number)
         got = [(x.clone(), counts) for x, counts in loader]  # type: ignore[union-attr]
         expected = _expected(reference, 2)[skip:]
         assert len(got) == len(expected)
         assert all(torch.equal(x, y) for (x, _), y in zip(got, expected, strict=True)), number
-        return {worker: (prefetched, discarded) for _, (worker, prefetched, discarded) in got}
+        per_worker: dict[int, list[tuple[int, int]]] = {}
+        for _, (worker, prefetched, discarded) in got:
+            per_worker.setdefault(worker, []).append((prefetched, discarded))
+        return per_worker
 
     ds.set_epoch(0)
-    assert epoch(0) == {0: (0, 0), 1: (0, 0)}
-    for number in (1, 2):  # each worker's first pool came from its prefetch
+    before = epoch(0)
+    pools = len(ds.plan(num_workers=2).pools) // 2
+    assert pools == 6
+    # the first pool decoded on the spot, every later one taken from a prefetch
+    assert {w: (c[0], c[-1]) for w, c in before.items()} == {w: ((0, 0), (pools - 1, 0)) for w in (0, 1)}
+    for number in (1, 2):  # each worker's first pool came from its prefetch too
         ds.set_epoch(number)
-        assert epoch(number) == {0: (number, 0), 1: (number, 0)}
+        now = epoch(number)
+        assert all(now[w][0] == (before[w][-1][0] + 1, 0) for w in (0, 1)), (number, now)
+        before = now
     ds.set_epoch(2)  # epoch 2 again: the prefetch of epoch 3 is dropped
-    assert epoch(2) == {0: (2, 1), 1: (2, 1)}
+    now = epoch(2)
+    assert all(now[w][0] == (before[w][-1][0], 1) for w in (0, 1))
     ds.set_epoch(3)
-    assert epoch(3) == {0: (3, 1), 1: (3, 1)}
+    epoch(3)
     # a resume point in epoch 4, set while the workers hold its prefetched pools: exact, whichever
     # worker's list each restarted worker continues
     state = ds.state_dict(batches_seen=0)
     ds.load_state_dict({**state, "epoch": 4, "next_batch": 5})
-    counts = epoch(4, skip=5)
-    assert sum(prefetched + discarded for prefetched, discarded in counts.values()) == 3 + 1 + 3 + 1 + 2
+    epoch(4, skip=5)
     ds.set_epoch(5)
     assert len(epoch(5)) == 2
 
@@ -630,7 +641,9 @@ def test_state_dict_format_round_trips_and_options_fail_at_once(small_store: bir
     assert not ds.plan().batch_pool.flags.writeable and not ds.plan().first_batch.flags.writeable
 
 
-def _plan_members(counts: np.ndarray, epoch: int, world: int, workers: int) -> tuple[list[np.ndarray], list[int]]:
+def _plan_members(
+    counts: np.ndarray, epoch: int, world: int, workers: int
+) -> tuple[list[np.ndarray], list[int]]:
     """Every batch of an epoch over all ranks as window ids (chunk x 32,768 + rank in the chunk),
     from the plan alone, and the windows each (rank, worker) reader serves."""
     from birdzarr.loader._sampling import plan_epoch

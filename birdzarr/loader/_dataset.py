@@ -14,8 +14,8 @@ Memory per streaming reader (the main process, or each DataLoader worker) is set
 
     pool_chunks x chunk_windows x (320 B + 16 B with ldt)  +  (4 + 2) x batch_size x 344 B
 
-(the pool; the reused batch slots and scratch), about half a pool more in a DataLoader worker
-(its next epoch's first pool, decoded ahead), plus DataLoader's own ``prefetch_factor x
+(the pool; the reused batch slots and scratch), twice the pool in a DataLoader worker (its next
+pool is decoded while it serves one), plus DataLoader's own ``prefetch_factor x
 num_workers`` batches in flight. It never depends on the number of windows in the store.
 """
 
@@ -556,13 +556,18 @@ class WindowDataset(IterableDataset[Batch]):
             plan.worker_batches, lambda k: [len(plan.worker_batches(w, k)) for w in range(k)]
         )
         local = self._local()
-        last_pool = int(plan.batch_pool[batches[-1]]) if len(batches) else -1
+        pools = list(dict.fromkeys(int(plan.batch_pool[b]) for b in batches.tolist()))
+        following = dict(zip(pools, pools[1:], strict=False))
 
         def produce() -> Iterator[Batch | SharedBatch]:
             for pool, in_pool in itertools.groupby(batches.tolist(), key=lambda b: int(plan.batch_pool[b])):
                 loaded = local.pool.load(plan.pools[pool], (plan.epoch, workers, pool))
-                if pool == last_pool and info is not None:  # the fetch threads are idle from here on
-                    self._prefetch_next_epoch(local, plan.epoch, info.id, workers)
+                if info is not None:  # decode the next pool while this one is served
+                    if pool in following:
+                        ahead = following[pool]
+                        local.pool.prefetch((plan.epoch, workers, ahead), plan.pools[ahead])
+                    else:
+                        self._prefetch_next_epoch(local, plan.epoch, info.id, workers)
                 order = plan.pool_order(pool)
                 for batch in in_pool:
                     rows = loaded.rows[plan.batch_positions(batch, order)]
@@ -572,9 +577,9 @@ class WindowDataset(IterableDataset[Batch]):
 
     def _prefetch_next_epoch(self, local: _PerProcess, epoch: int, worker: int, workers: int) -> None:
         """A DataLoader worker that starts serving its last pool of the epoch starts decoding its
-        first pool of the next epoch (a small one) into its second buffer, while it serves (plans
-        are pure functions of the epoch): a persistent worker then starts the next epoch without
-        decoding a pool first. The next iteration takes it only if it asks for that pool of that
+        first pool of the next epoch into its other buffer, while it serves (plans are pure
+        functions of the epoch): a persistent worker then starts the next epoch without decoding
+        a pool first. The next iteration takes it only if it asks for that pool of that
         epoch (``set_epoch`` or a resume point may ask for another), else it is cancelled."""
         if epoch >= MAX_EPOCH:
             return

@@ -7,12 +7,12 @@ small thread pool: decoding releases the GIL, and remote fetches overlap), so a 
 vectorised gather from memory the reader already owns. Nothing is handed back to a free list and
 nothing grows with the store: memory is ``capacity x chunk_windows x (320 B + 16 B with ldt)``.
 
-A DataLoader worker that starts serving its last pool of an epoch has idle fetch threads:
-``prefetch`` starts decoding its first pool of the next epoch (plans are pure functions of the
-epoch; a worker's first pool is small, about half the others) into a second bank of
-buffers, and ``load`` takes it if the next iteration asks for that pool, else cancels it. The
-fetch threads are daemon threads: a DataLoader worker that exits (a non-persistent one, at the
-end of its epoch) does not wait for a prefetch nobody will use.
+A DataLoader worker's fetch threads are idle while it serves a pool: ``prefetch`` starts
+decoding its next pool (or, while it serves its last pool of an epoch, its first pool of the
+next epoch: plans are pure functions of the epoch) into the other of two banks of buffers, and
+``load`` takes it if the iteration asks for that pool, else cancels it. The fetch threads are
+daemon threads: a DataLoader worker that exits (a non-persistent one, at the end of its epoch)
+does not wait for a prefetch nobody will use.
 """
 
 from __future__ import annotations
@@ -111,9 +111,9 @@ class _Bank:
 class PoolBuffers:
     """One reader's pool memory and its fetch threads (create after a DataLoader worker forks).
 
-    Two banks: pools load into bank 0; a prefetch (the next epoch's first pool, a small one)
-    goes to the bank not holding the pool being served, usually bank 1, and is served from
-    there. In the training process only bank 0 is ever allocated.
+    Two banks: a pool loaded on the spot goes to bank 0; a prefetch goes to the bank not holding
+    the pool being served, and is served from there. In the training process (no prefetch) only
+    bank 0 is ever allocated.
     """
 
     def __init__(self, reader: ChunkReader, selection: Selection, *, with_ldt: bool, threads: int) -> None:

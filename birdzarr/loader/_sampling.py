@@ -22,8 +22,9 @@ membership is **redrawn every epoch**:
    is full. The number of pools is a multiple of the number of DataLoader workers (each worker
    gets the same number of pools, and of batches give or take a chunk's), large enough that no
    pool holds more than ``pool_chunks`` chunks, or else one batch a pool. A worker's first pool
-   holds about half as many batches as its other pools: it is decoded ahead, in a second
-   buffer, while the worker serves the previous epoch's last pool (``_pool``). A pool boundary
+   holds about half as many batches as its other pools (a quicker first batch); each pool is
+   decoded while the worker serves the one before, the first while it serves the previous
+   epoch's last pool (``_pool``). A pool boundary
    falls on a chunk boundary where one lies within half a chunk's batches (and, with several
    workers, a tenth of a typical pool) of the even cut; else that chunk is decoded by both
    pools. A pool's windows are permuted uniformly (seeded by seed, epoch, rank and pool) and cut
