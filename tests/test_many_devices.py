@@ -168,3 +168,21 @@ def test_verify_checks_every_device_of_a_shuffled_store(many: dict, shuffled: pa
     expected += [f"windows {c * CHUNK:,}..{min((c + 1) * CHUNK, many['total']) - 1:,}: device ids "
                  f"[{device}] are not in the device table" for c in where]
     assert verify(damaged).problems == expected
+
+
+def test_a_device_report_serialises_as_its_dataclass_fields() -> None:
+    """The report's JSON is written for every device at every commit: built directly, it is
+    still exactly ``dataclasses.asdict`` (same keys in the same order, copies of the containers)."""
+    import dataclasses
+
+    from birdzarr.format._spec import DeviceReport
+
+    report = DeviceReport(rows_read=10, windows_written=7, dropped={"gap": 2, "short": 1},
+                          mixed_label_windows=1, bad_lines=3, bad_files=1, problems=["a", "b"])
+    raw = report.to_json()
+    assert list(raw.items()) == list(dataclasses.asdict(report).items())
+    raw["dropped"]["gap"] = 99
+    raw["problems"].append("c")
+    assert (report.dropped, report.problems) == ({"gap": 2, "short": 1}, ["a", "b"])
+    assert DeviceReport.from_json(raw) != report
+    assert DeviceReport.from_json(report.to_json()) == report

@@ -6,7 +6,6 @@ its names. It has no I/O.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -198,7 +197,11 @@ class DeviceReport:
             self.drop(reason, count)
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        # dataclasses.asdict's dict, in field order, built directly: asdict's recursive copy
+        # cost ~40 us a device (4 s of a 100K-device conversion's commit)
+        return {"rows_read": self.rows_read, "windows_written": self.windows_written,
+                "dropped": dict(self.dropped), "mixed_label_windows": self.mixed_label_windows,
+                "bad_lines": self.bad_lines, "bad_files": self.bad_files, "problems": list(self.problems)}
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> DeviceReport:
