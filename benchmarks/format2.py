@@ -9,7 +9,7 @@ windows, 6-8 decimals, divided by gps_scale):
 
 - ``186``: 186 devices, ``--windows`` in all, skewed sizes (birdzarr.demo._synthetic.device_sizes)
   plus one device of ``--big`` windows whose gps_speed has more than 65,535 distinct values (as
-  the real 1.5 M-window device), so the overflow rule runs.
+  the real 1.5 M-window device): the probe, which codes gps_speed, splits it into rows.
 - ``small``: ``--small-devices`` devices of 10-50 windows (mean 30).
 
 Each in device order and shuffled (one seeded permutation, as ``convert --shuffle`` draws it; the
@@ -21,11 +21,15 @@ Candidates (blosc always with bit-shuffle unless named; every chunk gets a crc32
   8192-window chunks (device order), gdict16 + lz4 5 in 32768-window chunks grouped by device
   (shuffled). The reference every ratio compares with.
 - ``standard lz4`` / ``standard zstd1``: float32, transpose (2, 0, 1), blosc: v1's --codec standard.
-- ``codes S/F``: format 2, birdzarr/format/_v2.py: uint16 codes (transpose, blosc lz4 5 or zstd 1,
-  typesize 2) + uint32 row per window + dictionary arrays (blosc zstd 3). ``S``: entries sorted,
-  ``F``: in first-occurrence order, per channel (imu_x, imu_y, imu_z, gps_speed).
-- ``codes SSS + gps f32``: IMU codes, gps_speed as its own float32 array of one value a window (a
-  reference only: it relies on gps_speed being constant in every window, which some exports break).
+- ``format 2``: birdzarr/format/_v2.py as chosen: imu_x/y/z as uint16 codes (transpose, blosc
+  lz4 5 bit-shuffle, typesize 2), one dictionary row per device (entries sorted), gps_speed float32
+  (n, 20) (blosc zstd 3, no shuffle), a uint32 row per window, dictionary arrays (blosc zstd 3).
+- ``format 2, chunks grouped by device``: the same, each shuffled chunk's windows stored row after
+  row (as v1's --shuffle stores hold them device after device; still the same uniform sample).
+- ``codes FFF`` / ``codes SSS zstd1``: format 2 with entries in first-occurrence order, or the
+  codes compressed with blosc zstd 1.
+- ``probe``: the issue's probe: gps_speed coded like the IMU channels (4-channel codes, its
+  entries in the dictionary, the overflow rule splitting the big device into rows).
 
 Columns: ``MB`` stored (all arrays of the candidate, no device/timestamp/label arrays); ``x f32``
 float32 bytes / stored; ``/parquet`` stored / the per-device Parquet files (pyarrow defaults);
