@@ -6,10 +6,12 @@ from __future__ import annotations
 import datetime as dt
 import pathlib
 import shutil
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 import birdzarr
 from birdzarr.convert import append
@@ -376,3 +378,100 @@ def test_ranks_share_a_filtered_selection_exactly_once(
     assert len(ranks[0]) and len(ranks[1])
     expected = np.flatnonzero(np.isin(labels, [0, 2, 5, 7]) & (times >= lo) & (times < hi))
     assert np.array_equal(np.sort(np.concatenate(ranks)), expected)
+
+
+# -- labels reach the transform (transform_ldt=True) -------------------------------------------------
+
+
+def _label_aware(x: torch.Tensor, ldt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales each window by its label + 2 and maps labels 0-9 to 10 x label (-1 stays)."""
+    scale = (ldt[:, 0] + 2).to(x.dtype).view(-1, 1, 1)
+    mapped = ldt.clone()
+    mapped[:, 0] = torch.where(ldt[:, 0] >= 0, ldt[:, 0] * 10, ldt[:, 0])
+    return x * scale, mapped
+
+
+def _check_label_aware(store: birdzarr.Store, ds: birdzarr.WindowDataset, batches: Sequence[object],
+                       num_workers: int = 0) -> None:
+    labels, windows, devices = store.labels[:], store.windows[:], store.window_devices[:]
+    assert len(batches) == len(ds)
+    plan = None if ds.resident is not None else ds.plan(num_workers=num_workers)
+    for number, batch in zip(ds.delivery_order(num_workers), batches, strict=True):
+        assert isinstance(batch, tuple)
+        x, ldt = batch
+        idx = ds.batch_indices(number, plan)
+        expected_labels = np.where(labels[idx] >= 0, labels[idx] * 10, labels[idx])
+        assert np.array_equal(ldt[:, 0].numpy(), expected_labels)
+        assert np.array_equal(ldt[:, 1].numpy(), devices[idx])
+        assert np.array_equal(x.numpy(), windows[idx] * (labels[idx] + 2).astype(np.float32)[:, None, None])
+
+
+@pytest.mark.parametrize("resident", [False, "cpu"])
+def test_a_label_aware_transform_gets_and_returns_x_and_ldt(
+    labelled: dict[str, birdzarr.Store], resident: str | bool
+) -> None:
+    store = labelled["shuffled"]
+    ds = _dataset(store, resident=resident, with_ldt=True, transform=_label_aware, transform_ldt=True, seed=2)
+    _check_label_aware(store, ds, list(ds))
+    # the old signature keeps working with with_ldt: transform(x), ldt untouched
+    plain = _dataset(store, resident=resident, with_ldt=True, transform=lambda x: x * 3, seed=2)
+    x, ldt = next(iter(plain))
+    idx = plain.batch_indices(plain.delivery_order()[0])
+    assert np.array_equal(x.numpy(), store.windows[idx] * 3)
+    assert np.array_equal(ldt[:, 0].numpy(), store.labels[idx])
+
+
+def test_a_label_aware_transform_on_the_device_gather(labelled: dict[str, birdzarr.Store]) -> None:
+    """device_batch (what resident="cuda" yields) applies it too; run here on a CPU copy."""
+    from birdzarr.loader._sink import device_batch
+
+    store = labelled["shuffled"]
+    ds = _dataset(store, resident="cpu", with_ldt=True, seed=5)
+    plan = ds._resident_plan()
+    batches = [device_batch(ds.resident, plan, b, False, _label_aware, True) for b in range(len(ds))]
+    _check_label_aware(store, ds, batches)
+    with pytest.raises(TypeError, match=r"^transform \(transform_ldt=True\) must return a tuple "
+                                        r"\(x, ldt\) of two torch.Tensors, got Tensor$"):
+        device_batch(ds.resident, plan, 0, False, lambda x, ldt: x, True)
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_a_label_aware_transform_in_dataloader_workers(
+    labelled: dict[str, birdzarr.Store], reuse: bool
+) -> None:
+    """In a worker the batch is written into a reused shared-memory slot (reuse_batch_memory) or
+    new shared tensors; a transform changing ldt's dtype travels by torch's own transport."""
+    store = labelled["shuffled"]
+    ds = _dataset(store, with_ldt=True, transform=_label_aware, transform_ldt=True, seed=3,
+                  reuse_batch_memory=reuse)
+    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
+    _check_label_aware(store, ds, [(x.clone(), ldt.clone()) for x, ldt in loader], num_workers=2)
+    narrow = _dataset(store, with_ldt=True, transform=lambda x, ldt: (x, ldt[:, 0].to(torch.int32)),
+                      transform_ldt=True, seed=3, reuse_batch_memory=reuse)
+    got = [(x.clone(), labels.clone()) for x, labels in DataLoader(narrow, batch_size=None, num_workers=1,
+                                                                    multiprocessing_context="fork")]
+    plan = narrow.plan(num_workers=1)
+    for number, (x, labels) in zip(narrow.delivery_order(1), got, strict=True):
+        idx = narrow.batch_indices(number, plan)
+        assert labels.dtype == torch.int32 and np.array_equal(labels.numpy(), store.labels[idx])
+        assert np.array_equal(x.numpy(), store.windows[idx])
+
+
+@pytest.mark.parametrize("resident", [False, "cpu"])
+def test_a_label_aware_transform_that_returns_something_else_is_named(
+    labelled: dict[str, birdzarr.Store], resident: str | bool
+) -> None:
+    store = labelled["shuffled"]
+    for wrong, got in ((lambda x, ldt: x, "Tensor"),
+                       (lambda x, ldt: (x, ldt.numpy()), r"tuple of \(Tensor, ndarray\)"),
+                       (lambda x, ldt: [x, ldt], "list")):
+        ds = _dataset(store, resident=resident, with_ldt=True, transform=wrong, transform_ldt=True)
+        with pytest.raises(TypeError, match=r"^transform \(transform_ldt=True\) must return a tuple "
+                                            rf"\(x, ldt\) of two torch.Tensors, got {got}$"):
+            next(iter(ds))
+    with pytest.raises(ValueError, match=r"^transform_ldt=True calls transform\(x, ldt\): it needs a "
+                                         r"transform and with_ldt=True, got transform=<function .*>, "
+                                         r"with_ldt=False$"):
+        _dataset(store, transform=_label_aware, transform_ldt=True)
+    with pytest.raises(TypeError, match="^transform_ldt must be"):
+        _dataset(store, with_ldt=True, transform=_label_aware, transform_ldt=1)

@@ -22,6 +22,8 @@ from birdzarr._checks import require_bool, require_int
 from birdzarr.loader._selection import SPLIT_BY, SPLITS, TimeMask, WindowFilter, unix_seconds
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
+# with transform_ldt=True the transform is called as transform(x, ldt) and returns (x, ldt)
+LdtTransform = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 # windows per pool: 160 MiB of float32, 16 chunks of a shuffled store (32768 windows), 64 of 8192.
 # Pair co-occurrence grows with n_windows x chunk_windows / shuffle_buffer**2: this keeps it
 # under 4 at 25 M windows (docs/training.md#shuffle-quality)
@@ -142,7 +144,7 @@ class LoaderConfig:
     shuffle_buffer: int
     channel_first: bool
     with_ldt: bool
-    transform: Transform | None
+    transform: Transform | LdtTransform | None
     prefetch: int  # at least 1
     reuse_batch_memory: bool
     allow_device_order: bool
@@ -151,10 +153,11 @@ class LoaderConfig:
     subset: SubsetOptions
     resident: ResidentOptions | None  # None: streaming
     cache: CacheOptions | None
+    transform_ldt: bool = False  # the transform takes and returns (x, ldt)
 
     def __post_init__(self) -> None:
         for name in ("shuffle", "drop_last", "channel_first", "with_ldt", "reuse_batch_memory",
-                     "allow_device_order"):
+                     "allow_device_order", "transform_ldt"):
             require_bool(name, getattr(self, name))  # shuffle="no" would read as True
         for name in ("batch_size", "shuffle_buffer", "prefetch", "world_size", "rank", "seed"):
             # a float or a string would fail later, deep in the planning, with numpy's words
@@ -172,6 +175,9 @@ class LoaderConfig:
             raise ValueError(f"rank {self.rank} is outside 0..{self.world_size - 1}")
         if self.transform is not None and not callable(self.transform):
             raise TypeError(f"transform must be a callable or None, got {self.transform!r}")
+        if self.transform_ldt and (self.transform is None or not self.with_ldt):
+            raise ValueError("transform_ldt=True calls transform(x, ldt): it needs a transform and "
+                             f"with_ldt=True, got transform={self.transform!r}, with_ldt={self.with_ldt}")
 
     def pool_chunks(self, chunk_windows: int) -> int:
         """Chunks per pool: ``shuffle_buffer`` windows rounded up to whole chunks."""

@@ -39,6 +39,7 @@ from birdzarr.format._spec import DEVICE, LABEL, TIMESTAMP
 from birdzarr.loader._config import (
     DEFAULT_SHUFFLE_BUFFER,
     CacheOptions,
+    LdtTransform,
     LoaderConfig,
     ResidentOptions,
     SubsetOptions,
@@ -115,7 +116,11 @@ class WindowDataset(IterableDataset[Batch]):
             524,288 = 160 MiB of float32 per reader). Larger pools make batches less likely to meet
             again next epoch (docs/training.md#shuffle-quality).
         prefetch: chunks fetched and decoded at once per reader (raise it for object stores).
-        transform: optional callable applied to each batch tensor ``x`` in the reader.
+        transform: optional callable applied to each batch in the reader: ``transform(x) -> x``
+            (a tensor); with ``transform_ldt=True`` (needs ``with_ldt``) ``transform(x, ldt) ->
+            (x, ldt)``, a tuple of two tensors, for label mapping or label-aware augmentation
+            (docs/training.md#transforms). Another return type raises ``TypeError``.
+        transform_ldt: call ``transform`` with the labels as ``transform(x, ldt)``.
         resident: ``False`` (stream), ``"cpu"`` or a torch device (``"cuda"``): hold the
             selection in memory once and draw a full permutation every epoch
             (docs/training.md#resident-mode).
@@ -159,7 +164,8 @@ class WindowDataset(IterableDataset[Batch]):
         time_mask: Callable[[np.ndarray], np.ndarray] | None = None,
         shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER,
         prefetch: int = 4,
-        transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        transform: Transform | LdtTransform | None = None,
+        transform_ldt: bool = False,
         resident: bool | str | torch.device = False,
         resident_codes: bool = True,
         allow_device_order: bool = False,
@@ -176,7 +182,8 @@ class WindowDataset(IterableDataset[Batch]):
         self._config = LoaderConfig(
             batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
             shuffle_buffer=shuffle_buffer, channel_first=channel_first, with_ldt=with_ldt,
-            transform=transform, prefetch=prefetch, reuse_batch_memory=reuse_batch_memory,
+            transform=transform, transform_ldt=transform_ldt, prefetch=prefetch,
+            reuse_batch_memory=reuse_batch_memory,
             allow_device_order=allow_device_order, world_size=world_size, rank=rank,
             subset=SubsetOptions.of(devices, exclude_devices, split, split_by, val_fraction, split_seed,
                                     labelled_only=labelled_only, labels=labels, start=start, stop=stop,
@@ -296,8 +303,12 @@ class WindowDataset(IterableDataset[Batch]):
         return self.config.prefetch
 
     @property
-    def transform(self) -> Transform | None:
+    def transform(self) -> Transform | LdtTransform | None:
         return self.config.transform
+
+    @property
+    def transform_ldt(self) -> bool:
+        return self.config.transform_ldt
 
     @property
     def reuse_batch_memory(self) -> bool:
@@ -497,7 +508,8 @@ class WindowDataset(IterableDataset[Batch]):
             reader.cache = self._cache
             pool = PoolBuffers(reader, self.selection, with_ldt=c.with_ldt, threads=c.prefetch)
             sink = make_sink(BatchLayout(c.batch_size, c.channel_first, c.with_ldt), c.transform,
-                             in_worker=get_worker_info() is not None, reuse_slots=c.reuse_batch_memory)
+                             in_worker=get_worker_info() is not None, reuse_slots=c.reuse_batch_memory,
+                             transform_ldt=c.transform_ldt)
             self._per_process = _PerProcess(os.getpid(), reader, pool, sink)
         return self._per_process
 
@@ -599,7 +611,8 @@ class WindowDataset(IterableDataset[Batch]):
         ).tolist()
         if resident.device.type != "cpu":
             c = self.config
-            return (device_batch(resident, plan, batch, c.channel_first, c.transform) for batch in batches)
+            return (device_batch(resident, plan, batch, c.channel_first, c.transform, c.transform_ldt)
+                    for batch in batches)
         sink = self._local().sink
         return (sink(len(rows), resident.filler(rows)) for rows in (plan.rows(b).numpy() for b in batches))
 

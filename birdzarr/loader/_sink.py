@@ -22,14 +22,14 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.reduction import DupFd
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 
 from birdzarr.format._spec import N_CHANNELS, WINDOW_LENGTH
 from birdzarr.loader import _handoff
-from birdzarr.loader._config import Transform
+from birdzarr.loader._config import LdtTransform, Transform
 
 if TYPE_CHECKING:
     from birdzarr.loader._resident import ResidentPlan, ResidentSelection
@@ -101,10 +101,32 @@ class BatchLayout:
         return (size, N_CHANNELS, WINDOW_LENGTH) if self.channel_first else (size, WINDOW_LENGTH, N_CHANNELS)
 
 
+def apply_transform(transform: Transform | LdtTransform, transform_ldt: bool, x: torch.Tensor,
+                    ldt: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``transform(x)``, or with ``transform_ldt`` ``transform(x, ldt)``, checked: the result must
+    be a tensor, or a tuple ``(x, ldt)`` of two tensors (in a worker a batch travels as tensors;
+    in this process anything else would reach the training loop only there)."""
+    if not transform_ldt:
+        result = cast(Transform, transform)(x)
+        if not isinstance(result, torch.Tensor):
+            raise TypeError(f"transform must return a torch.Tensor, got {type(result).__name__}")
+        return result, ldt
+    assert ldt is not None
+    pair = cast(LdtTransform, transform)(x, ldt)
+    if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(t, torch.Tensor) for t in pair)):
+        got = (f"tuple of ({', '.join(type(t).__name__ for t in pair)})" if isinstance(pair, tuple)
+               else type(pair).__name__)
+        raise TypeError(f"transform (transform_ldt=True) must return a tuple (x, ldt) of two "
+                        f"torch.Tensors, got {got}")
+    return pair[0], pair[1]
+
+
 class _Sink:
-    def __init__(self, layout: BatchLayout, transform: Transform | None) -> None:
+    def __init__(self, layout: BatchLayout, transform: Transform | LdtTransform | None,
+                 transform_ldt: bool = False) -> None:
         self.layout = layout
         self.transform = transform
+        self.transform_ldt = transform_ldt
         self._channel_last: np.ndarray | None = None  # reused: a fresh temporary page-faults every batch
 
     def _fill(self, out: np.ndarray, ldt: np.ndarray | None, fill: Filler) -> None:
@@ -118,14 +140,10 @@ class _Sink:
         fill(x, ldt)
         out[:] = x.transpose(0, 2, 1)
 
-    def _transformed(self, x: torch.Tensor) -> torch.Tensor:
-        """The transform's result, which must be a tensor (in a worker it travels as one; in
-        this process anything else would reach the training loop only there)."""
+    def _transformed(self, x: torch.Tensor, ldt: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         assert self.transform is not None
-        result = self.transform(x)
-        if not isinstance(result, torch.Tensor):
-            raise TypeError(f"transform must return a torch.Tensor, got {type(result).__name__}")
-        return result
+        return apply_transform(self.transform, self.transform_ldt, x, ldt)
 
     def end_iteration(self) -> None:
         """An iteration is over (finished or abandoned)."""
@@ -134,8 +152,9 @@ class _Sink:
 class TensorSink(_Sink):
     """Each batch in new tensors (in shared memory when ``shared``: inside a DataLoader worker)."""
 
-    def __init__(self, layout: BatchLayout, transform: Transform | None, *, shared: bool) -> None:
-        super().__init__(layout, transform)
+    def __init__(self, layout: BatchLayout, transform: Transform | LdtTransform | None, *, shared: bool,
+                 transform_ldt: bool = False) -> None:
+        super().__init__(layout, transform, transform_ldt)
         self.shared = shared
 
     def __call__(self, size: int, fill: Filler) -> Batch:
@@ -143,15 +162,16 @@ class TensorSink(_Sink):
         ldt = new_batch((size, 3), torch.int64, self.shared) if self.layout.with_ldt else None
         self._fill(tensor.numpy(), None if ldt is None else ldt.numpy(), fill)
         if self.transform is not None:
-            tensor = self._transformed(tensor)
+            tensor, ldt = self._transformed(tensor, ldt)
         return tensor if ldt is None else (tensor, ldt)
 
 
 class SlotSink(_Sink):
     """A DataLoader worker's batches in its reused shared-memory slots (Linux)."""
 
-    def __init__(self, layout: BatchLayout, transform: Transform | None) -> None:
-        super().__init__(layout, transform)
+    def __init__(self, layout: BatchLayout, transform: Transform | LdtTransform | None,
+                 transform_ldt: bool = False) -> None:
+        super().__init__(layout, transform, transform_ldt)
         per_window = _X_BYTES + (_LDT_BYTES if layout.with_ldt else 0)
         self.slots = _handoff.SlotRing(layout.batch_size * per_window, keep=_FREE_SLOTS)
         self._ldt_offset = layout.batch_size * _X_BYTES
@@ -166,17 +186,18 @@ class SlotSink(_Sink):
             ldt = slot.data[at : at + size * _LDT_BYTES].view(np.int64).reshape(size, 3)
         self._fill(out, ldt, fill)
         if self.transform is not None:
-            x_slot = torch.from_numpy(out)
-            transformed = self._transformed(x_slot)
-            if transformed.shape != x_slot.shape or transformed.dtype != x_slot.dtype:
+            held = [torch.from_numpy(out)] + ([] if ldt is None else [torch.from_numpy(ldt)])
+            x, new_ldt = self._transformed(held[0], None if ldt is None else held[1])
+            results = [x] + ([] if new_ldt is None else [new_ldt])
+            if any(r.shape != h.shape or r.dtype != h.dtype for r, h in zip(results, held, strict=True)):
                 # another shape or dtype: torch's own transport (copies: the slot is reused)
-                ldt_copy = None if ldt is None else torch.from_numpy(ldt).clone()
-                transformed = transformed.clone()
-                return transformed if ldt_copy is None else (transformed, ldt_copy)
-            if transformed.data_ptr() != x_slot.data_ptr():
-                x_slot.copy_(transformed)
-            elif transformed.stride() != x_slot.stride():  # a rearranged view of the slot itself
-                x_slot.copy_(transformed.clone())
+                x, copied = x.clone(), None if new_ldt is None else new_ldt.clone()
+                return x if copied is None else (x, copied)
+            for result, slot_part in zip(results, held, strict=True):
+                if result.data_ptr() != slot_part.data_ptr():
+                    slot_part.copy_(result)
+                elif result.stride() != slot_part.stride():  # a rearranged view of the slot itself
+                    slot_part.copy_(result.clone())
         slot.lease()
         fields: list[tuple[str, tuple[int, ...], int]] = [("float32", shape, 0)]
         if self.layout.with_ldt:
@@ -191,18 +212,19 @@ Sink = TensorSink | SlotSink
 
 
 def make_sink(
-    layout: BatchLayout, transform: Transform | None, *, in_worker: bool, reuse_slots: bool
+    layout: BatchLayout, transform: Transform | LdtTransform | None, *, in_worker: bool, reuse_slots: bool,
+    transform_ldt: bool = False,
 ) -> Sink:
     """The sink of one process: reused slots in a worker where allowed and possible, else tensors."""
     if in_worker and reuse_slots and _handoff.AVAILABLE:
-        return SlotSink(layout, transform)
-    return TensorSink(layout, transform, shared=in_worker)
+        return SlotSink(layout, transform, transform_ldt)
+    return TensorSink(layout, transform, shared=in_worker, transform_ldt=transform_ldt)
 
 
 def device_batch(resident: ResidentSelection, plan: ResidentPlan, batch: int, channel_first: bool,
-                 transform: Transform | None) -> Batch:
+                 transform: Transform | LdtTransform | None, transform_ldt: bool = False) -> Batch:
     """One batch of a selection held on a GPU, gathered there by torch."""
     x, ldt = resident.gather(plan, batch, channel_first=channel_first)
     if transform is not None:
-        x = transform(x)
+        x, ldt = apply_transform(transform, transform_ldt, x, ldt)
     return x if ldt is None else (x, ldt)
