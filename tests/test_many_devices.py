@@ -186,3 +186,20 @@ def test_a_device_report_serialises_as_its_dataclass_fields() -> None:
     assert (report.dropped, report.problems) == ({"gap": 2, "short": 1}, ["a", "b"])
     assert DeviceReport.from_json(raw) != report
     assert DeviceReport.from_json(report.to_json()) == report
+
+
+def test_verify_counts_windows_carrying_another_devices_id(many: dict, tmp_path: pathlib.Path) -> None:
+    """Two neighbours' ids exchanged in the table: each range's windows carry the other's id."""
+    copy = tmp_path / "swapped.zarr"
+    shutil.copytree(many["store"], copy)
+    root = json.loads((copy / "zarr.json").read_text())
+    table = root["attributes"]["birdzarr"]["devices"]
+    table[100]["device_id"], table[101]["device_id"] = table[101]["device_id"], table[100]["device_id"]
+    (copy / "zarr.json").write_text(json.dumps(root))
+    ids, sizes, starts = many["ids"], many["sizes"], many["starts"]
+    assert verify(copy).problems == [
+        f"device {ids[101]}, windows [{starts[100]:,}, {starts[101]:,}): {sizes[100]:,} window(s) carry "
+        "another device id in the 'device' array",
+        f"device {ids[100]}, windows [{starts[101]:,}, {starts[102]:,}): {sizes[101]:,} window(s) carry "
+        "another device id in the 'device' array",
+    ]

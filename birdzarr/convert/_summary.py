@@ -42,6 +42,13 @@ class WindowChecksum:
         return f"{self._crc:08x}"
 
 
+def extend_checksum(crc: int, windows: np.ndarray) -> int:
+    """``crc`` (a ``WindowChecksum`` value, 0 to start) extended by ``windows``' little-endian
+    float32 bytes, without copying contiguous windows: what ``WindowChecksum.update`` does, as a
+    function of plain integers for callers that keep many checksums at once (``verify``)."""
+    return int(google_crc32c.extend(crc, np.ascontiguousarray(windows, dtype="<f4").view(np.uint8)))
+
+
 @dataclass(frozen=True)
 class DeviceRuns:
     """Positions grouped by device: ``order`` is a stable argsort of the device ids (each
