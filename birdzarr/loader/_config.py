@@ -19,6 +19,8 @@ from typing import Any
 import torch
 
 from birdzarr._checks import require_bool, require_int
+from birdzarr._errors import ArgumentError
+from birdzarr.loader._balanced import check_epoch_windows, check_label_weights
 from birdzarr.loader._selection import SPLIT_BY, SPLITS, TimeMask, WindowFilter, unix_seconds
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
@@ -119,6 +121,34 @@ class ResidentOptions:
 
 
 @dataclass(frozen=True)
+class BalanceOptions:
+    """Class-balanced sampling: each label's share of an epoch, drawn with or without replacement."""
+
+    weights: str | tuple[tuple[int, float], ...]  # "balanced", or sorted (label, weight) pairs
+    replacement: bool = True
+    epoch_windows: int | None = None  # windows of an epoch over all ranks (None: the default)
+
+    @classmethod
+    def of(cls, label_weights: Any, replacement: bool | None, epoch_windows: int | None
+           ) -> BalanceOptions | None:
+        """``None`` without ``label_weights`` (``replacement`` and ``epoch_windows`` are then refused)."""
+        if label_weights is None:
+            for name, value in (("replacement", replacement), ("epoch_windows", epoch_windows)):
+                if value is not None:
+                    raise ValueError(f"{name}= applies to class-balanced sampling: give label_weights= "
+                                     f"too (got {name}={value!r} without it)")
+            return None
+        return cls(check_label_weights(label_weights),
+                   True if replacement is None else require_bool("replacement", replacement),
+                   check_epoch_windows(epoch_windows))
+
+    def record(self) -> dict[str, Any]:
+        """What a resume state records of it."""
+        weights = self.weights if isinstance(self.weights, str) else [list(pair) for pair in self.weights]
+        return {"label_weights": weights, "replacement": self.replacement}
+
+
+@dataclass(frozen=True)
 class CacheOptions:
     """The opt-in local disk cache of a remote store's chunks."""
 
@@ -154,6 +184,7 @@ class LoaderConfig:
     resident: ResidentOptions | None  # None: streaming
     cache: CacheOptions | None
     transform_ldt: bool = False  # the transform takes and returns (x, ldt)
+    balance: BalanceOptions | None = None  # class-balanced sampling (resident only)
 
     def __post_init__(self) -> None:
         for name in ("shuffle", "drop_last", "channel_first", "with_ldt", "reuse_batch_memory",
@@ -178,6 +209,14 @@ class LoaderConfig:
         if self.transform_ldt and (self.transform is None or not self.with_ldt):
             raise ValueError("transform_ldt=True calls transform(x, ldt): it needs a transform and "
                              f"with_ldt=True, got transform={self.transform!r}, with_ldt={self.with_ldt}")
+        if self.balance is not None:
+            if self.resident is None:
+                raise ArgumentError(
+                    "label_weights (class-balanced sampling) needs the selection held in memory: pass "
+                    "resident='cpu' (or 'cuda'); streamed batches are cut from pools of whole chunks and "
+                    "cannot be drawn by label")
+            if not self.shuffle:
+                raise ValueError("label_weights draws every epoch's windows at random: it needs shuffle=True")
 
     def pool_chunks(self, chunk_windows: int) -> int:
         """Chunks per pool: ``shuffle_buffer`` windows rounded up to whole chunks."""

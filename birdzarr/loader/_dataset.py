@@ -25,7 +25,7 @@ import itertools
 import math
 import numbers
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -36,8 +36,10 @@ from torch.utils.data import IterableDataset, get_worker_info
 from birdzarr._checks import require_int
 from birdzarr._errors import SamplingError
 from birdzarr.format._spec import DEVICE, LABEL, TIMESTAMP
+from birdzarr.loader._balanced import LabelRows, resolve_shares
 from birdzarr.loader._config import (
     DEFAULT_SHUFFLE_BUFFER,
+    BalanceOptions,
     CacheOptions,
     LdtTransform,
     LoaderConfig,
@@ -121,6 +123,18 @@ class WindowDataset(IterableDataset[Batch]):
             (x, ldt)``, a tuple of two tensors, for label mapping or label-aware augmentation
             (docs/training.md#transforms). Another return type raises ``TypeError``.
         transform_ldt: call ``transform`` with the labels as ``transform(x, ldt)``.
+        label_weights: class-balanced sampling (resident mode only): ``"balanced"`` (every label
+            of the selection an equal share; it must hold no unlabelled window) or a dict
+            ``{label: weight}`` (shares of each epoch in proportion; a label left out is never
+            drawn). Each epoch's windows are drawn by label from ``(seed, epoch)`` and spread so
+            that every batch holds each label's share give or take two windows
+            (docs/training.md#class-balanced-sampling).
+        replacement: with ``label_weights``: ``True`` (default) draws a label's windows in
+            rounds of fresh permutations, so windows of a rare label repeat within an epoch
+            (evenly: no window twice before all once); ``False`` draws no window twice in an
+            epoch, which caps the epoch at ``min(windows of label / its share)``.
+        epoch_windows: with ``label_weights``: windows of an epoch over all ranks (default: the
+            selection's size with replacement, the cap without).
         resident: ``False`` (stream), ``"cpu"`` or a torch device (``"cuda"``): hold the
             selection in memory once and draw a full permutation every epoch
             (docs/training.md#resident-mode).
@@ -166,6 +180,9 @@ class WindowDataset(IterableDataset[Batch]):
         prefetch: int = 4,
         transform: Transform | LdtTransform | None = None,
         transform_ldt: bool = False,
+        label_weights: str | Mapping[int, float] | None = None,
+        replacement: bool | None = None,
+        epoch_windows: int | None = None,
         resident: bool | str | torch.device = False,
         resident_codes: bool = True,
         allow_device_order: bool = False,
@@ -190,6 +207,7 @@ class WindowDataset(IterableDataset[Batch]):
                                     time_mask=time_mask),
             resident=ResidentOptions.of(resident, resident_codes, progress),
             cache=None if cache_dir is None else CacheOptions(cache_dir, cache_max_bytes),
+            balance=BalanceOptions.of(label_weights, replacement, epoch_windows),
         )
         self.location = resolve(store, storage_options)
         self._open(open_store(self.location))
@@ -200,12 +218,14 @@ class WindowDataset(IterableDataset[Batch]):
         self._stats: SelectionStats | None = None
         c = self.config
         # Epochs of no batch would train on nothing, silently: every rank's share is
-        # n_selected // world_size windows (or one more) whatever the pools
-        if c.drop_last and self.n_selected // c.world_size < c.batch_size:
+        # n // world_size windows (or one more) whatever the pools
+        n = self.n_selected if self._balanced is None else self._balanced[1]
+        what = "selected" if self._balanced is None else "an epoch (label_weights)"
+        if c.drop_last and n // c.world_size < c.batch_size:
             raise ValueError(
                 f"batch_size={c.batch_size:,} with drop_last=True gives no batch in any epoch: "
-                f"{self.n_selected:,} windows selected over {c.world_size} rank(s) leave each rank "
-                f"{self.n_selected // c.world_size:,}. Lower batch_size, or leave drop_last off"
+                f"{n:,} windows {what} over {c.world_size} rank(s) leave each rank "
+                f"{n // c.world_size:,}. Lower batch_size, or leave drop_last off"
             )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -253,13 +273,17 @@ class WindowDataset(IterableDataset[Batch]):
 
             self._cache = cache_for(opened, config.cache.directory, config.cache.max_bytes)
         self.resident: ResidentSelection | None = None
+        self._balanced: tuple[LabelRows, int] | None = None  # label_weights: rows by label, epoch size
         if config.resident is not None:
             from birdzarr.loader._resident import ResidentSelection
 
             self.resident = ResidentSelection.load(
                 opened, self.selection, device=config.resident.device, with_ldt=config.with_ldt,
                 prefetch=config.prefetch, progress=config.resident.progress, codes=config.resident.codes,
+                labels=config.balance is not None,
             )
+            if config.balance is not None:
+                self._balanced = _balance(self.resident, config.balance)
         elif config.shuffle and not opened.shuffled and not config.allow_device_order:
             refusal = _device_order_refusal(
                 opened.url, self.selection, len(opened.device_table), self.counts, self.pool_chunks,
@@ -352,7 +376,8 @@ class WindowDataset(IterableDataset[Batch]):
     def label_counts(self) -> dict[int, int]:
         """Windows per label of the selection (``-1``: unlabelled), ascending labels: exactly the
         windows one epoch delivers over all ranks and workers (less those ``drop_last`` leaves
-        out). Reads the ``label`` array of the chunks holding selected windows (once; cached)."""
+        out); with ``label_weights`` an epoch draws by the weights instead (``label_shares()``).
+        Reads the ``label`` array of the chunks holding selected windows (once; cached)."""
         if self._label_counts is None:
             self._label_counts = self.selection.label_counts(self._reader(), threads=self.config.prefetch)
         return dict(self._label_counts)
@@ -419,6 +444,8 @@ class WindowDataset(IterableDataset[Batch]):
                             ("time_mask", None if f.time_mask is None else self.selection.digest())):
             if value is not None:
                 selection[name] = value
+        if c.balance is not None and self._balanced is not None:
+            selection.update(c.balance.record(), epoch_windows=self._balanced[1])
         return OrderKey(c.seed, c.world_size, c.rank, c.batch_size, self.pool_chunks, resident, selection)
 
     def state_dict(self, batches_seen: int | None = None) -> dict[str, Any]:
@@ -469,10 +496,27 @@ class WindowDataset(IterableDataset[Batch]):
         """This rank's slice of an epoch's permutation (resident mode; default: the current epoch)."""
         c, resident, epoch = self.config, self.resident, self.epoch if epoch is None else epoch
         assert resident is not None
-        return self._memoised("resident", epoch, lambda: resident.plan(
-            seed=c.seed, epoch=epoch, world_size=c.world_size, rank=c.rank,
-            batch_size=c.batch_size, drop_last=c.drop_last, shuffle=c.shuffle,
-        ))
+        balanced, balance = self._balanced, c.balance
+
+        def compute() -> ResidentPlan:
+            rows = None
+            if balanced is not None and balance is not None:
+                rows = balanced[0].epoch(balanced[1], seed=c.seed, epoch=epoch,
+                                         replacement=balance.replacement)
+            return resident.plan(seed=c.seed, epoch=epoch, world_size=c.world_size, rank=c.rank,
+                                 batch_size=c.batch_size, drop_last=c.drop_last, shuffle=c.shuffle,
+                                 epoch_rows=rows)
+
+        return self._memoised("resident", epoch, compute)
+
+    def label_shares(self) -> dict[int, tuple[float, int]] | None:
+        """With ``label_weights``: each drawn label's share of an epoch and its windows in one
+        epoch over all ranks (the same every epoch); ``None`` without."""
+        if self._balanced is None:
+            return None
+        rows, total = self._balanced
+        return {int(label): (float(share), int(n)) for label, share, n in
+                zip(rows.labels, rows.shares, rows.totals(total), strict=True)}
 
     def delivery_order(self, num_workers: int = 0) -> list[int]:
         """Batch numbers in the order a DataLoader with ``num_workers`` workers yields them this
@@ -662,3 +706,24 @@ def _device_order_refusal(
         "resident='cpu' or 'cuda', or pass allow_device_order=True to stream it anyway "
         "(docs/training.md#shuffle-quality)."
     )
+
+
+def _balance(resident: ResidentSelection, options: BalanceOptions) -> tuple[LabelRows, int]:
+    """The resident rows grouped by drawn label, and the epoch's size (checked)."""
+    assert resident.labels is not None
+    values, counts = np.unique(resident.labels, return_counts=True)
+    shares = resolve_shares(options.weights, dict(zip(values.tolist(), counts.tolist(), strict=True)))
+    rows = LabelRows.of(resident.labels, shares)
+    cap = rows.max_without_replacement()
+    if options.replacement:
+        return rows, len(resident) if options.epoch_windows is None else options.epoch_windows
+    if options.epoch_windows is not None and options.epoch_windows > cap:
+        rarest = int(np.argmin(rows.sizes / rows.shares))
+        raise ValueError(
+            f"epoch_windows={options.epoch_windows:,} with replacement=False is more than the selection "
+            f"gives: label {int(rows.labels[rarest])} has {int(rows.sizes[rarest]):,} windows for a share of "
+            f"{rows.shares[rarest]:.4g}, so an epoch drawing no window twice holds at most {cap:,}. "
+            "Lower epoch_windows, or draw with replacement=True")
+    if cap < 1:
+        raise ValueError("label_weights with replacement=False: no epoch can draw every label its share")
+    return rows, cap if options.epoch_windows is None else options.epoch_windows

@@ -109,6 +109,7 @@ class ResidentSelection:
         self.chunk_bounds = chunk_bounds  # int64: first resident row of each chunk; len chunks + 1
         self.ldt = ldt  # int32 (n, 4): label, device, timestamp low and high halves
         self.global_index = global_index  # the store's window index of each resident row
+        self.labels: np.ndarray | None = None  # int32 label of each resident row (class-balanced sampling)
         self.layout = layout  # where a window's codes lie in its row (None: float32)
         # each of a window's 80 values' column in its row of codes (None: the row is the window)
         self._expand_host = None if layout is None else layout.expand()
@@ -125,7 +126,10 @@ class ResidentSelection:
     # -- loading -------------------------------------------------------------------------------
     @classmethod
     def load(cls, opened: Any, selection: Selection, *, device: str | torch.device | bool, with_ldt: bool,
-             prefetch: int, progress: bool = True, codes: bool = True) -> ResidentSelection:
+             prefetch: int, progress: bool = True, codes: bool = True, labels: bool = False
+             ) -> ResidentSelection:
+        """Read the selection into memory; ``labels`` also keeps each window's label on the host
+        (int32, 4 B a window) for class-balanced sampling."""
         target = torch.device("cpu" if device is True else device)
         reader: ChunkReader = opened.reader
         chunks = [c for c in range(reader.n_chunks)]
@@ -136,11 +140,13 @@ class ResidentSelection:
         coded = codes and reader.layouts[GIMU].chain == "dict16"
         layout = CodeLayout(ONCE_A_WINDOW) if coded else None
         while True:
-            per_window = (4 * _VALUES if layout is None else 2 * layout.width) + (16 if with_ldt else 0)
+            per_window = ((4 * _VALUES if layout is None else 2 * layout.width) + (16 if with_ldt else 0)
+                          + (4 if labels else 0))
             dictionaries = 0 if layout is None else len(keep) * 4 * 4096 * 4
             cls._check_budget(target, n * per_window + dictionaries, n, opened.url, layout is not None)
             try:
-                return cls._load(target, reader, keep, n, layout, with_ldt, prefetch, progress, opened.url)
+                return cls._load(target, reader, keep, n, layout, with_ldt, prefetch, progress, opened.url,
+                                 labels)
             except _NotCodable:  # a raw-mode chunk: too many distinct values for 16-bit codes
                 layout = None
             except _NotOnceAWindow:  # some window's gps_speed varies: all 80 codes a window
@@ -163,8 +169,8 @@ class ResidentSelection:
 
     @classmethod
     def _load(cls, device: torch.device, reader: ChunkReader, keep: list[tuple[int, np.ndarray]], n: int,
-              layout: CodeLayout | None, with_ldt: bool, prefetch: int, progress: bool, url: str
-              ) -> ResidentSelection:
+              layout: CodeLayout | None, with_ldt: bool, prefetch: int, progress: bool, url: str,
+              with_labels: bool = False) -> ResidentSelection:
         shared = device.type == "cpu"  # host copies live in shared memory: DataLoader workers share them
         starts = np.concatenate(([0], np.cumsum([len(rows) for _, rows in keep]))).astype(np.int64)
         shape = (n, WINDOW_LENGTH, N_CHANNELS) if layout is None else (n, layout.width)
@@ -172,6 +178,7 @@ class ResidentSelection:
         x_np = host_x.numpy()
         ldt = _host_empty((n, _LDT_COLUMNS), torch.int32, shared) if with_ldt else None
         ldt_np = None if ldt is None else ldt.numpy()
+        labels_np = np.empty(n, np.int32) if with_labels else None
         dictionaries: list[list[np.ndarray]] = [[] for _ in keep]
         width = reader.chunk_windows
 
@@ -199,6 +206,8 @@ class ResidentSelection:
                 ldt_np[at, 0] = reader.read(LABEL, chunk)[local]
                 ldt_np[at, 1] = reader.read(DEVICE, chunk)[local]
                 ldt_np[at, 2:] = timestamp_halves(reader.read(TIMESTAMP, chunk)[local])
+            if labels_np is not None:
+                labels_np[at] = ldt_np[at, 0] if ldt_np is not None else reader.read(LABEL, chunk)[local]
             return len(rows)
 
         bar = progress_bar(progress, total=n, desc=f"loading {url}", unit=" windows")
@@ -218,16 +227,21 @@ class ResidentSelection:
         if device.type != "cpu":
             host_x = host_x.to(device)
             ldt = None if ldt is None else ldt.to(device)
-        return cls(device, host_x, table, row_offsets, bounds, ldt, global_index.astype(np.int64), layout)
+        held = cls(device, host_x, table, row_offsets, bounds, ldt, global_index.astype(np.int64), layout)
+        held.labels = labels_np
+        return held
 
     # -- epochs --------------------------------------------------------------------------------
     def plan(self, *, seed: int, epoch: int, world_size: int, rank: int, batch_size: int,
-             drop_last: bool, shuffle: bool) -> ResidentPlan:
+             drop_last: bool, shuffle: bool, epoch_rows: np.ndarray | None = None) -> ResidentPlan:
         """This rank's slice of the epoch's permutation (a pure function of seed, epoch, world
-        size and the holding device's kind)."""
-        n = len(self)
+        size and the holding device's kind), or of ``epoch_rows``, an epoch drawn by label
+        (``_balanced``), cut into ranks and batches the same way."""
+        n = len(self) if epoch_rows is None else len(epoch_rows)
         per_rank, n_batches = rank_window_counts(n, world_size, batch_size, drop_last)
-        if shuffle:
+        if epoch_rows is not None:
+            order = torch.from_numpy(epoch_rows).to(self.device)
+        elif shuffle:
             generator = torch.Generator(device=self.device)
             generator.manual_seed((int(seed) * 1_000_003 + int(epoch)) & 0x7FFFFFFFFFFFFFFF)
             order = torch.randperm(n, generator=generator, device=self.device)
