@@ -10,8 +10,9 @@ datasets hold the store as float32 in memory (``resident="cpu", resident_codes=F
 fastest gather, where the epoch's planning weighs most): the plain shuffle and
 ``label_weights="balanced"`` (with replacement; epochs of the same size). Each round reads one
 new epoch of each, interleaved (batch 8192, in the main process, the epoch's plan included);
-medians are reported, and the label mix of every full batch of the balanced epochs: the largest
-distance of a label's count from its requested share, in windows and as a part of the batch.
+medians are reported (and, apart, the time to plan an epoch), and the label mix of every full
+batch of the balanced epochs: the largest distance of a label's count from its requested share,
+in windows and as a part of the batch.
 """
 
 from __future__ import annotations
@@ -78,9 +79,13 @@ def main() -> None:
         for ds in datasets.values():
             epoch(ds, 0)  # warm-up: page faults of the held copy
         speeds: dict[str, list[float]] = {name: [] for name in datasets}
+        plans: dict[str, list[float]] = {name: [] for name in datasets}
         worst = 0.0
         for number in range(1, args.rounds + 1):
             for name, ds in datasets.items():
+                started = time.perf_counter()
+                ds._resident_plan(10_000 + number)  # planning alone, of an epoch not read
+                plans[name].append(time.perf_counter() - started)
                 speed, batches = epoch(ds, number)
                 speeds[name].append(speed)
                 if name != "plain shuffle":
@@ -90,13 +95,13 @@ def main() -> None:
         counts = np.bincount(birdzarr.open_store(store).labels[:], minlength=len(SHARES))
         print(f"{args.windows:,} windows (labels {counts.tolist()}), resident='cpu' float32, batch {BATCH}, "
               f"0 workers, medians of {args.rounds} epoch(s) each, interleaved")
-        print("| sampling | M windows/s | vs plain shuffle |")
-        print("|---|---:|---:|")
+        print("| sampling | M windows/s | vs plain shuffle | planning an epoch, s |")
+        print("|---|---:|---:|---:|")
         for name, runs in speeds.items():
-            speed = statistics.median(runs)
-            print(f"| {name} | {speed / 1e6:.2f} | {speed / base:.2f} |")
+            speed, plan = statistics.median(runs), statistics.median(plans[name])
+            print(f"| {name} | {speed / 1e6:.2f} | {speed / base:.2f} | {plan:.3f} |")
         print(f"balanced batches: every label {BATCH / len(SHARES):,.0f} windows a full batch asked; the "
-              f"largest distance seen {worst:.0f} windows ({worst / BATCH:.3%} of the batch)")
+              f"largest distance seen {worst:.0f} window(s) ({worst / BATCH:.3%} of the batch)")
 
 
 if __name__ == "__main__":

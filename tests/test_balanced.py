@@ -219,3 +219,26 @@ def test_apportion_and_label_rows() -> None:
     assert sorted(drawn[i] for i in (0, 2, 5)) == [1, 1, 2]  # rounds: none twice before all once
     # alternating labels: any two consecutive rows hold one of each
     assert all(np.isin(epoch[i : i + 2], [1, 4]).sum() == 1 for i in range(7))
+
+
+def test_any_weighting_keeps_every_batch_within_three_windows_of_its_shares() -> None:
+    """20 seeded random weightings of 2-11 labels (some rare), batches of 256, 1000 and 8192."""
+    rng = np.random.default_rng(0)
+    worst = 0.0
+    for trial in range(20):
+        k = int(rng.integers(2, 12))
+        shares = rng.dirichlet(np.full(k, 0.5)) + 1e-3
+        shares /= shares.sum()
+        labels = rng.choice(k, 50_000, p=shares).astype(np.int32)
+        present = np.unique(labels).tolist()
+        weights = {c: float(shares[c]) for c in present}
+        rows = LabelRows.of(labels, weights)
+        asked = np.zeros(k)
+        asked[rows.labels] = rows.totals(50_000) / 50_000
+        for epoch in range(3):
+            drawn = labels[rows.epoch(50_000, seed=trial, epoch=epoch, replacement=True)]
+            for size in (256, 1000, 8192):
+                mix = np.array([np.bincount(drawn[i : i + size], minlength=k)
+                                for i in range(0, len(drawn) - size + 1, size)])
+                worst = max(worst, float(np.abs(mix - asked * size).max()))
+    assert 2 < worst < 3

@@ -15,8 +15,10 @@ the weights, the epoch's size, seed, epoch, replacement); nothing reads data.
 3. **Where**: label ``c``'s ``k``-th window gets the key ``(k + u_c) / T_c`` (``u_c`` uniform in
    [0, 1), drawn each epoch); the epoch's sequence is all windows in key order. Each label's
    windows are spread evenly over the sequence, so any ``m`` consecutive windows (a batch, or a
-   slice of one) hold ``m x T_c / total`` windows of label ``c`` give or take two. The keys of a
-   label are already in order, so the merge is one stable sort of ``K`` sorted runs.
+   slice of one) hold about ``m x T_c / total`` windows of label ``c``: within 1 of it for two
+   or three equal shares, within 3 over 20 random weightings of 2-11 labels and batches of
+   256-8192 (``tests/test_balanced.py``). The keys of a label are already in order, so the merge
+   is one stable sort of ``K`` sorted runs.
 
 Ranks take contiguous runs of the sequence and cut them into batches exactly as the plain
 resident permutation is (``_resident``), so batch counts, sizes, workers and resume are the same.
@@ -37,6 +39,7 @@ from birdzarr._checks import require_int, require_number
 _STREAM = 0xBA1A7CED  # the balanced epochs' own random stream
 _GRID = 2**40  # keys are integers: floor(position in [0, 1) x _GRID) x labels + label (never a tie)
 BALANCED = "balanced"
+_LOOPED_ROUNDS = 64
 
 
 def check_label_weights(label_weights: Any) -> str | tuple[tuple[int, float], ...]:
@@ -139,7 +142,10 @@ class LabelRows:
                 continue
             if replacement:
                 rounds = -(-n // len(rows))
-                drawn = rng.permuted(np.tile(rows, (rounds, 1)), axis=1).reshape(-1)[:n]
+                if rounds <= _LOOPED_ROUNDS:  # one permutation a round: 4x faster than permuted()
+                    drawn = np.concatenate([rng.permutation(rows) for _ in range(rounds)])[:n]
+                else:  # a label of few windows drawn many times: every round at once
+                    drawn = rng.permuted(np.tile(rows, (rounds, 1)), axis=1).reshape(-1)[:n]
             else:
                 drawn = rng.permutation(rows)[:n]
             streams.append(drawn)

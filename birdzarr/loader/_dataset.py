@@ -127,7 +127,7 @@ class WindowDataset(IterableDataset[Batch]):
             of the selection an equal share; it must hold no unlabelled window) or a dict
             ``{label: weight}`` (shares of each epoch in proportion; a label left out is never
             drawn). Each epoch's windows are drawn by label from ``(seed, epoch)`` and spread so
-            that every batch holds each label's share give or take two windows
+            that every batch holds each label's share within a few windows
             (docs/training.md#class-balanced-sampling).
         replacement: with ``label_weights``: ``True`` (default) draws a label's windows in
             rounds of fresh permutations, so windows of a rare label repeat within an epoch
