@@ -278,3 +278,22 @@ def test_a_shuffled_csv_store_verifies_against_its_source_and_finds_a_changed_wi
             "(compared as sets: the store is shuffled)") in found.problems
     assert main(["verify", str(dest), "--source", str(source), "--quiet"]) == 1
     assert "FAILED" in capsys.readouterr().out
+
+
+def test_verify_takes_the_several_sources_convert_and_append_took(tmp_path: pathlib.Path) -> None:
+    """A store converted from season 1 and appended season 2 verifies against both sources at
+    once (``--source s1 s2``, Python ``source=[s1, s2]``), as ``convert s1 s2`` reads them; one
+    season alone is reported as missing windows, not as OK."""
+    raw = tmp_path / "raw"
+    _synthetic.make_csv_dir(raw, n_devices=3, bursts_per_device=40, parts=3)
+    s1, s2 = tmp_path / "s1", tmp_path / "s2"
+    s1.mkdir()
+    s2.mkdir()
+    for f in sorted(raw.iterdir()):
+        (s2 if f.stem.endswith("_2") else s1).joinpath(f.name).write_bytes(f.read_bytes())
+    dest = tmp_path / "a.zarr"
+    assert main(["convert", str(s1), str(dest), "--quiet"]) == 0
+    assert main(["append", str(dest), str(s2), "--quiet"]) == 0
+    assert main(["verify", str(dest), "--source", str(s1), str(s2), "--quiet"]) == 0
+    assert birdzarr.verify(dest, source=[s1, s2]).ok
+    assert not birdzarr.verify(dest, source=s1).ok

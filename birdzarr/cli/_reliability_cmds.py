@@ -28,7 +28,8 @@ def _cmd_append(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from birdzarr.maintenance._verify import verify
 
-    result = verify(args.store, source=args.source, progress=not args.quiet and not args.json)
+    source = args.source[0] if args.source and len(args.source) == 1 else args.source
+    result = verify(args.store, source=source, progress=not args.quiet and not args.json)
     print(json.dumps(result.to_json(), indent=2) if args.json else result.format())
     return 0 if result.ok else 1
 
@@ -57,8 +58,9 @@ def add_append(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 def add_verify(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("verify", help="recompute checksums, find missing chunks, compare with sources")
     p.add_argument("store")
-    p.add_argument("--source", default=None,
-                   help="also derive the windows again from these sources and compare")
+    p.add_argument("--source", default=None, nargs="+", metavar="SOURCE",
+                   help="also derive the windows again from these sources (one or several, as given "
+                        "to convert and append) and compare")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_verify)

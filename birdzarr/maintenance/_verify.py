@@ -23,7 +23,7 @@ removes them.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -109,17 +109,21 @@ class _RangeCheck:
 def verify(
     store: StoreLike,
     *,
-    source: StoreLike | None = None,
+    source: StoreLike | Sequence[StoreLike] | None = None,
     storage_options: dict[str, Any] | None = None,
     source_storage_options: dict[str, Any] | None = None,
     progress: bool = False,
 ) -> VerifyResult:
-    """Check a committed store (and, with ``source``, compare it with its sources)."""
+    """Check a committed store (and, with ``source``, compare it with its sources: one source or
+    several, read as one directory holding all their files, as ``convert`` reads them)."""
     progress = require_bool("progress", progress)
     opened = open_store(store, storage_options=storage_options)
     # A source that cannot be read is a wrong argument, not damage in the store: refused (with
     # the converter's own error) before the pass over the chunks, never listed as a difference.
-    sources = None if source is None else _read_source(opened, resolve(source, source_storage_options))
+    sources = None
+    if source is not None:
+        given: list[StoreLike] = list(source) if isinstance(source, list | tuple) else [source]  # type: ignore[list-item]
+        sources = _read_source(opened, [resolve(one, source_storage_options) for one in given])
     committed = opened.meta.get("committed") or {}
     generation = int(committed.get("generation", 0))
     result = VerifyResult(url=opened.url, n_windows=len(opened), generation=generation)
@@ -331,7 +335,7 @@ def _batches(store: Store, entry: DeviceEntry) -> list[list[str]]:
     return [batch for batch in batches if batch]
 
 
-def _read_source(store: Store, src: Location) -> tuple[Location, list[DeviceSource]]:
+def _read_source(store: Store, given: list[Location]) -> tuple[Location, list[DeviceSource]]:
     """The source's devices and files, or the error ``convert`` gives for this source (a missing
     path, a file or directory holding no input files, unknown entries), or BadInputError for
     input of the other kind than the store was converted from."""
@@ -342,7 +346,8 @@ def _read_source(store: Store, src: Location) -> tuple[Location, list[DeviceSour
     report = store.meta.get("report", {})
     recorded = {*(store.meta.get("skipped_files") or []),
                 *(name for a in report.get("appends", []) for name in a.get("skipped_unknown_files", []))}
-    found = find_inputs(src, skip_unknown_files=bool(recorded))
+    src = given[0]  # the messages name the first source; find_inputs names the one at fault
+    found = find_inputs(given if len(given) > 1 else src, skip_unknown_files=bool(recorded))
     unexpected = [name for name in found.skipped if name not in recorded]
     if unexpected:
         one = len(unexpected) == 1
