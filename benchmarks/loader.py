@@ -38,6 +38,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from typing import Any
 
 import numpy as np
@@ -108,7 +109,10 @@ def prepare(workdir: str, n_windows: int, n_devices: int, *, scale_check: bool, 
             continue
         dest = os.path.join(workdir, f"{name}.zarr")
         started = time.perf_counter()
-        birdzarr.convert(paths[source], dest, overwrite=True, progress=False, **options)
+        with warnings.catch_warnings():
+            if source == "parquet2x":  # every window twice, on purpose: the duplicate warning is expected
+                warnings.simplefilter("ignore", birdzarr.DuplicateWindowsWarning)
+            birdzarr.convert(paths[source], dest, overwrite=True, progress=False, **options)
         stores[name] = dest
         log(f"converted {name} store in {time.perf_counter() - started:.0f} s")
     if not has_shuffle:
