@@ -100,7 +100,7 @@ def test_comparing_with_the_source_decodes_each_chunk_once(many: dict) -> None:
     """5,000 devices in ~12 chunks: the stored side of the comparison reads each chunk of the
     three compared arrays once (it read a chunk of each array once a device: 15,000 reads)."""
     store = birdzarr.open_store(many["store"])
-    source, devices = _verify._read_source(store, resolve(str(many["source"])))
+    source, devices = _verify._read_source(store, [resolve(str(many["source"]))])
     result = VerifyResult(url=store.url, n_windows=len(store), generation=0)
     before = store.reader.requests
     _verify._compare_with_source(store, source, devices, result)
