@@ -10,7 +10,9 @@ The store's labelled windows (label != -1) are split by device (``split="train"`
 figures are those of birds the model never saw. The model is a 1-D CNN over the (4, 20) window
 (channels first); its input is normalised with the mean and std of the training side only
 (``WindowDataset.stats()``). The loss is cross-entropy weighted by ``WindowDataset.class_weights()``
-(every label weighs as much, however rare; ``--no-class-weights`` turns it off).
+(every label weighs as much, however rare; ``--no-class-weights`` turns it off). With
+``--balanced`` (needs ``--resident``) the training batches are class-balanced instead
+(``label_weights="balanced"``: every label an equal share of every batch) and the loss is unweighted.
 
 After every epoch the validation side is scored: overall accuracy, per-class accuracy (recall:
 the share of a label's windows predicted as that label), their mean (balanced accuracy) and the
@@ -99,7 +101,11 @@ def make_datasets(args: argparse.Namespace, device: torch.device
     )
     if args.resident is not None:
         common["resident"] = device if args.resident == "cuda" else "cpu"
-    train_options = {} if args.shuffle_buffer is None else {"shuffle_buffer": args.shuffle_buffer}
+    train_options: dict[str, Any] = {}
+    if args.shuffle_buffer is not None:
+        train_options["shuffle_buffer"] = args.shuffle_buffer
+    if args.balanced:
+        train_options["label_weights"] = "balanced"
     train = birdzarr.WindowDataset(args.store, split="train", shuffle=True, seed=args.seed,
                                    **train_options, **common)
     val = birdzarr.WindowDataset(args.store, split="val", shuffle=False, **common)
@@ -169,6 +175,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--split-seed", type=int, default=0, help="seed of the device split")
     p.add_argument("--class-weights", action=argparse.BooleanOptionalAction, default=True,
                    help="weight the loss by WindowDataset.class_weights() (default: on)")
+    p.add_argument("--balanced", action="store_true",
+                   help="class-balanced training batches (WindowDataset label_weights='balanced', every "
+                        "label an equal share of each batch); needs --resident cpu|cuda. The loss is then "
+                        "unweighted (the batches already equalise the classes; --class-weights is ignored)")
     p.add_argument("--checkpoint", default="classifier.pt", help="checkpoint file (rank 0 writes it)")
     p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
@@ -187,6 +197,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.balanced and args.resident is None:
+        print("error: --balanced draws batches by label from memory: add --resident cpu (or cuda)",
+              file=sys.stderr)
+        return 2
     rank, world, device = setup_distributed()
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     try:
@@ -205,7 +219,9 @@ def _train(args: argparse.Namespace, rank: int, world: int, device: torch.device
            train: birdzarr.WindowDataset, val: birdzarr.WindowDataset) -> int:
     train_counts, val_counts = train.label_counts(), val.label_counts()
     num_classes = max([*train_counts, *val_counts]) + 1
-    weights = train.class_weights(num_classes).to(device) if args.class_weights else None
+    # balanced batches already give every label an equal share: no weighting on top
+    use_weights = args.class_weights and not args.balanced
+    weights = train.class_weights(num_classes).to(device) if use_weights else None
     stats = train.stats()  # normalisation constants of the training side only
     model: nn.Module = WindowClassifier(num_classes, torch.as_tensor(stats.mean), torch.as_tensor(stats.std))
     model = model.to(device)
@@ -262,6 +278,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, device: torch.device
             first_batch = train.state_dict(batches_seen=0)["next_batch"]
             started, consumed, loss_sum, windows = time.perf_counter(), 0, 0.0, 0
             train_devices: set[int] = set()
+            train_labels = torch.zeros(num_classes, dtype=torch.int64, device=device)
             for x, ldt in train_loader:
                 x, ldt = x.to(device, non_blocking=True), ldt.to(device, non_blocking=True)
                 loss = nn.functional.cross_entropy(model(x), ldt[:, 0], weight=weights, ignore_index=-1)
@@ -276,6 +293,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, device: torch.device
                 loss_sum += loss_value
                 if log is not None:
                     train_devices.update(ldt[:, 1].unique().tolist())
+                    train_labels += torch.bincount(ldt[:, 0].clamp_min(0), minlength=num_classes)
                     record = {"epoch": epoch, "batch": first_batch + consumed - 1, "step": global_step,
                               "loss": loss_value, "x_sum": float(x.double().sum()),
                               "label_sum": int(ldt[:, 0].sum())}
@@ -305,7 +323,8 @@ def _train(args: argparse.Namespace, rank: int, world: int, device: torch.device
                 print(report(epoch, confusion, result), flush=True)
             if log is not None:
                 record = {"epoch": epoch, "validation": result, "confusion": confusion.tolist(),
-                          "train_devices": sorted(train_devices), "val_devices": sorted(val_devices)}
+                          "train_devices": sorted(train_devices), "val_devices": sorted(val_devices),
+                          "train_labels": train_labels.tolist()}
                 log.write(json.dumps(record) + "\n")
                 log.flush()
     finally:  # also on the early stop above

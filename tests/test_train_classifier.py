@@ -219,3 +219,32 @@ def test_classifier_resume_with_another_batch_size_exits_2_and_keeps_the_checkpo
     assert err.startswith(f"error: cannot resume from {ckpt}: cannot resume: the state was saved with "), err
     assert "batch_size" in err
     assert ckpt.read_bytes() == before
+
+
+@pytest.mark.slow
+def test_classifier_balanced_draws_every_label_equally_and_learns(
+    labelled_store: birdzarr.Store, tmp_path: pathlib.Path
+) -> None:
+    log = tmp_path / "log.jsonl"
+    out, _ = _train_here(_argv(labelled_store, tmp_path / "c.pt", log, "--balanced", "--resident", "cpu",
+                               "--workers", "0"))
+    train_counts = _sides(labelled_store)[0].label_counts()
+    assert train_counts[2] < train_counts[0] / 5  # the rare label, drawn as often as the others
+    assert "class weights" not in out  # the loss is unweighted: the batches are balanced already
+    _, epochs = _records(log)
+    assert len(epochs) == 2
+    for record in epochs:
+        drawn = record["train_labels"]
+        assert sum(drawn) == sum(train_counts.values())  # an epoch is the selection's size
+        assert max(drawn) - min(drawn) <= 1, drawn
+    assert epochs[-1]["validation"]["balanced_accuracy"] > 0.8
+
+
+def test_classifier_balanced_without_resident_exits_2_with_one_line(
+    labelled_store: birdzarr.Store, tmp_path: pathlib.Path
+) -> None:
+    out, err = _train_here(_argv(labelled_store, tmp_path / "c.pt", tmp_path / "log.jsonl", "--balanced"),
+                           expect=2)
+    assert out == ""
+    assert err == "error: --balanced draws batches by label from memory: add --resident cpu (or cuda)\n"
+    assert not (tmp_path / "c.pt").exists()
