@@ -125,3 +125,35 @@ def test_options_of_the_wrong_kind(small_store: birdzarr.Store) -> None:
     ds = _dataset(small_store, transform=lambda x: x.numpy())
     with pytest.raises(TypeError, match="^transform must return a torch.Tensor, got ndarray$"):
         next(iter(ds))
+
+
+def _call(store: birdzarr.Store, call: str) -> object:
+    """One public loader call, written as text so that the parameter ids name it."""
+    return eval(call, {"birdzarr": birdzarr, "store": store, "_dataset": _dataset})
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    ("_dataset(store, batch_size=0)", "batch_size must be positive, got 0"),
+    ("_dataset(store, split='test')", "split must be one of ('train', 'val') or None, got 'test'"),
+    ("_dataset(store, split='val', val_fraction=1.5)", "val_fraction must be between 0 and 1, got 1.5"),
+    ("_dataset(store, world_size=2, rank=2)", "rank 2 is outside 0..1"),
+    ("_dataset(store, start='2013-01-01', stop='2012-01-01')",
+     "start must be before stop, got start='2013-01-01' and stop='2012-01-01'"),
+    ("_dataset(store, start='soon')",
+     "start='soon' is not an ISO 8601 time (e.g. '2012-06-01' or '2012-06-01T12:00:00')"),
+    ("_dataset(store, resident='nowhere')", "resident must be False, 'cpu' or a torch device, got 'nowhere'"),
+    ("_dataset(store, label_weights={0: -1.0}, resident='cpu')",
+     "label_weights[0] must be 0 or more, got -1.0"),
+    ("_dataset(store, seed=-1)", "seed must be an integer of 0 or more, got -1"),
+    ("_dataset(store).set_epoch(-1)", "epoch must be from 0 to 2,147,483,647, got -1"),
+    ("_dataset(store).state_dict(batches_seen=-1)",
+     "batches_seen must be an integer from 0 to the batches left in this epoch (30), got -1"),
+])
+def test_out_of_range_options_raise_argument_error(
+    small_store: birdzarr.Store, call: str, message: str,
+) -> None:
+    assert "ArgumentError" in birdzarr.__all__
+    with pytest.raises(birdzarr.ArgumentError) as refused:
+        _call(small_store, call)
+    assert str(refused.value) == message
+    assert isinstance(refused.value, ValueError)  # callers catching ValueError keep working

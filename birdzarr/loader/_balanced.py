@@ -35,6 +35,18 @@ from typing import Any
 import numpy as np
 
 from birdzarr._checks import require_int, require_number
+from birdzarr._errors import ArgumentError
+
+
+def require_count(name: str, value: Any, *, minimum: int) -> int:
+    """``require_int`` for a loader option: a value below ``minimum`` is an ``ArgumentError``
+    (same message), a value of the wrong type still a ``TypeError``."""
+    try:
+        return require_int(name, value, minimum=minimum)
+    except TypeError:
+        raise
+    except ValueError as exc:
+        raise ArgumentError(str(exc)) from None
 
 _STREAM = 0xBA1A7CED  # the balanced epochs' own random stream
 _GRID = 2**40  # keys are integers: floor(position in [0, 1) x _GRID) x labels + label (never a tie)
@@ -46,8 +58,8 @@ def check_label_weights(label_weights: Any) -> str | tuple[tuple[int, float], ..
     """``"balanced"``, or a mapping of label -> weight as sorted ``(label, weight)`` pairs."""
     if isinstance(label_weights, str):
         if label_weights != BALANCED:
-            raise ValueError(f"label_weights must be 'balanced' or a dict of label -> weight, "
-                             f"got {label_weights!r}")
+            raise ArgumentError(f"label_weights must be 'balanced' or a dict of label -> weight, "
+                                f"got {label_weights!r}")
         return BALANCED
     if not isinstance(label_weights, Mapping):
         raise TypeError("label_weights must be 'balanced' or a dict of label -> weight (e.g. {0: 1, 3: 2}), "
@@ -55,12 +67,18 @@ def check_label_weights(label_weights: Any) -> str | tuple[tuple[int, float], ..
     pairs = []
     for label, weight in label_weights.items():
         label_id = require_int("a label of label_weights", label)
-        share = require_number(f"label_weights[{label_id}]", weight)
+        try:
+            share = require_number(f"label_weights[{label_id}]", weight)
+        except TypeError:
+            raise
+        except ValueError as exc:  # not finite
+            raise ArgumentError(str(exc)) from None
         if share < 0:
-            raise ValueError(f"label_weights[{label_id}] must be 0 or more, got {weight!r}")
+            raise ArgumentError(f"label_weights[{label_id}] must be 0 or more, got {weight!r}")
         pairs.append((label_id, share))
     if not any(share > 0 for _, share in pairs):
-        raise ValueError(f"label_weights must give some label a weight above 0, got {dict(label_weights)!r}")
+        raise ArgumentError(
+            f"label_weights must give some label a weight above 0, got {dict(label_weights)!r}")
     return tuple(sorted(pairs))
 
 
@@ -70,7 +88,7 @@ def resolve_shares(spec: str | tuple[tuple[int, float], ...], counts: Mapping[in
     present = {label: n for label, n in counts.items() if n > 0}
     if isinstance(spec, str):  # "balanced"
         if -1 in present:
-            raise ValueError(
+            raise ArgumentError(
                 f"label_weights='balanced' balances labels, but the selection holds {present[-1]:,} "
                 "unlabelled windows (label -1): add labelled_only=True, or give -1 a weight in a dict")
         weights = {label: 1.0 for label in present}
@@ -78,7 +96,7 @@ def resolve_shares(spec: str | tuple[tuple[int, float], ...], counts: Mapping[in
         weights = {label: w for label, w in spec if w > 0}
         missing = sorted(set(weights) - set(present))
         if missing:
-            raise ValueError(
+            raise ArgumentError(
                 f"label_weights gives label(s) {missing} a weight, but the selection holds no window of "
                 f"them (its windows per label: {dict(sorted(present.items()))})")
     total = math.fsum(weights.values())
@@ -159,5 +177,5 @@ def check_epoch_windows(epoch_windows: Any) -> int | None:
     if epoch_windows is None:
         return None
     if isinstance(epoch_windows, numbers.Integral) and not isinstance(epoch_windows, bool):
-        return require_int("epoch_windows", epoch_windows, minimum=1)
+        return require_count("epoch_windows", epoch_windows, minimum=1)
     raise TypeError(f"epoch_windows must be an integer or None, got {epoch_windows!r}")

@@ -20,7 +20,7 @@ import torch
 
 from birdzarr._checks import require_bool, require_int
 from birdzarr._errors import ArgumentError
-from birdzarr.loader._balanced import check_epoch_windows, check_label_weights
+from birdzarr.loader._balanced import check_epoch_windows, check_label_weights, require_count
 from birdzarr.loader._selection import SPLIT_BY, SPLITS, TimeMask, WindowFilter, unix_seconds
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
@@ -70,14 +70,14 @@ class SubsetOptions:
            labels: Iterable[int] | None = None, start: Any = None, stop: Any = None,
            time_mask: TimeMask | None = None) -> SubsetOptions:
         """The options as given (device and label iterables are read once, here)."""
-        require_int("split_seed", split_seed, minimum=0)
+        require_count("split_seed", split_seed, minimum=0)
         require_bool("labelled_only", labelled_only)
         if time_mask is not None and not callable(time_mask):
             raise TypeError(f"time_mask must be a callable (burst times in unix seconds -> a boolean "
                             f"array) or None, got {time_mask!r}")
         first, end = unix_seconds("start", start), unix_seconds("stop", stop)
         if first is not None and end is not None and first >= end:
-            raise ValueError(f"start must be before stop, got start={start!r} and stop={stop!r}")
+            raise ArgumentError(f"start must be before stop, got start={start!r} and stop={stop!r}")
         filters = WindowFilter(bool(labelled_only), _labels(labels), first, end, time_mask)
         return cls(_ids(devices), _ids(exclude_devices), split, split_by, float(val_fraction),
                    int(split_seed), filters)
@@ -86,11 +86,11 @@ class SubsetOptions:
         if self.split is None:  # split_by and val_fraction only matter with a split
             return
         if self.split not in SPLITS:
-            raise ValueError(f"split must be one of {SPLITS} or None, got {self.split!r}")
+            raise ArgumentError(f"split must be one of {SPLITS} or None, got {self.split!r}")
         if self.split_by not in SPLIT_BY:
-            raise ValueError(f"split_by must be one of {SPLIT_BY}, got {self.split_by!r}")
+            raise ArgumentError(f"split_by must be one of {SPLIT_BY}, got {self.split_by!r}")
         if not 0.0 < self.val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be between 0 and 1, got {self.val_fraction}")
+            raise ArgumentError(f"val_fraction must be between 0 and 1, got {self.val_fraction}")
 
 
 @dataclass(frozen=True)
@@ -111,11 +111,11 @@ class ResidentOptions:
         try:
             device = torch.device("cpu" if resident is True else resident)
         except (RuntimeError, TypeError) as exc:
-            raise ValueError(f"resident must be False, 'cpu' or a torch device, got {resident!r}") from exc
+            raise ArgumentError(f"resident must be False, 'cpu' or a torch device, got {resident!r}") from exc
         if device.type == "cuda" and not torch.cuda.is_available():
             # else a bare AssertionError from torch once the selection is loaded
-            raise ValueError(f"resident={resident!r}: this PyTorch sees no CUDA device (torch "
-                             f"{torch.__version__}, CUDA build: {torch.version.cuda is not None}); "
+            raise ArgumentError(f"resident={resident!r}: this PyTorch sees no CUDA device (torch "
+                                f"{torch.__version__}, CUDA build: {torch.version.cuda is not None}); "
                              "use resident='cpu', or install the CUDA build of PyTorch (README)")
         return cls(device, bool(codes), bool(progress))
 
@@ -135,8 +135,8 @@ class BalanceOptions:
         if label_weights is None:
             for name, value in (("replacement", replacement), ("epoch_windows", epoch_windows)):
                 if value is not None:
-                    raise ValueError(f"{name}= applies to class-balanced sampling: give label_weights= "
-                                     f"too (got {name}={value!r} without it)")
+                    raise ArgumentError(f"{name}= applies to class-balanced sampling: give label_weights= "
+                                        f"too (got {name}={value!r} without it)")
             return None
         return cls(check_label_weights(label_weights),
                    True if replacement is None else require_bool("replacement", replacement),
@@ -160,7 +160,7 @@ class CacheOptions:
             raise NotADirectoryError(errno.ENOTDIR, "cache_dir is not a directory: give a directory (it is "
                                      "made if missing)", os.fspath(self.directory))
         if not isinstance(self.max_bytes, int) or self.max_bytes < 0:
-            raise ValueError(f"cache_max_bytes must be an integer of 0 or more, got {self.max_bytes!r}")
+            raise ArgumentError(f"cache_max_bytes must be an integer of 0 or more, got {self.max_bytes!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,21 +194,21 @@ class LoaderConfig:
             # a float or a string would fail later, deep in the planning, with numpy's words
             require_int(name, getattr(self, name))
         if self.batch_size < 1:
-            raise ValueError(f"batch_size must be positive, got {self.batch_size}")
+            raise ArgumentError(f"batch_size must be positive, got {self.batch_size}")
         if self.shuffle_buffer < 1:
-            raise ValueError(f"shuffle_buffer must be positive, got {self.shuffle_buffer}")
+            raise ArgumentError(f"shuffle_buffer must be positive, got {self.shuffle_buffer}")
         if self.prefetch < 1:
-            raise ValueError(f"prefetch must be positive, got {self.prefetch}")
-        require_int("seed", self.seed, minimum=0)  # numpy's seeds are non-negative
+            raise ArgumentError(f"prefetch must be positive, got {self.prefetch}")
+        require_count("seed", self.seed, minimum=0)  # numpy's seeds are non-negative
         if self.world_size < 1:
-            raise ValueError(f"world_size must be positive, got {self.world_size}")
+            raise ArgumentError(f"world_size must be positive, got {self.world_size}")
         if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is outside 0..{self.world_size - 1}")
+            raise ArgumentError(f"rank {self.rank} is outside 0..{self.world_size - 1}")
         if self.transform is not None and not callable(self.transform):
             raise TypeError(f"transform must be a callable or None, got {self.transform!r}")
         if self.transform_ldt and (self.transform is None or not self.with_ldt):
-            raise ValueError("transform_ldt=True calls transform(x, ldt): it needs a transform and "
-                             f"with_ldt=True, got transform={self.transform!r}, with_ldt={self.with_ldt}")
+            raise ArgumentError("transform_ldt=True calls transform(x, ldt): it needs a transform and "
+                                f"with_ldt=True, got transform={self.transform!r}, with_ldt={self.with_ldt}")
         if self.balance is not None:
             if self.resident is None:
                 raise ArgumentError(
@@ -216,7 +216,8 @@ class LoaderConfig:
                     "resident='cpu' (or 'cuda'); streamed batches are cut from pools of whole chunks and "
                     "cannot be drawn by label")
             if not self.shuffle:
-                raise ValueError("label_weights draws every epoch's windows at random: it needs shuffle=True")
+                raise ArgumentError(
+                    "label_weights draws every epoch's windows at random: it needs shuffle=True")
 
     def pool_chunks(self, chunk_windows: int) -> int:
         """Chunks per pool: ``shuffle_buffer`` windows rounded up to whole chunks."""

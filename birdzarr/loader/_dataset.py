@@ -33,10 +33,9 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from birdzarr._checks import require_int
-from birdzarr._errors import SamplingError
+from birdzarr._errors import ArgumentError, SamplingError
 from birdzarr.format._spec import DEVICE, LABEL, TIMESTAMP
-from birdzarr.loader._balanced import LabelRows, resolve_shares
+from birdzarr.loader._balanced import LabelRows, require_count, resolve_shares
 from birdzarr.loader._config import (
     DEFAULT_SHUFFLE_BUFFER,
     BalanceOptions,
@@ -222,7 +221,7 @@ class WindowDataset(IterableDataset[Batch]):
         n = self.n_selected if self._balanced is None else self._balanced[1]
         what = "selected" if self._balanced is None else "an epoch (label_weights)"
         if c.drop_last and n // c.world_size < c.batch_size:
-            raise ValueError(
+            raise ArgumentError(
                 f"batch_size={c.batch_size:,} with drop_last=True gives no batch in any epoch: "
                 f"{n:,} windows {what} over {c.world_size} rank(s) leave each rank "
                 f"{n // c.world_size:,}. Lower batch_size, or leave drop_last off"
@@ -258,7 +257,7 @@ class WindowDataset(IterableDataset[Batch]):
             filters = "".join(f", {name}={value!r}" for name, value in (
                 ("labelled_only", f.labelled_only or None), ("labels", f.labels), ("start", f.start),
                 ("stop", f.stop), ("time_mask", f.time_mask)) if value is not None)
-            raise ValueError(
+            raise ArgumentError(
                 f"the selection holds no window of {opened.url}: devices={_few(subset.devices)}, "
                 f"exclude_devices={_few(subset.exclude_devices)}, split={subset.split!r}{filters}; "
                 "choose devices the store holds (`birdzarr info --devices`) and filters that keep "
@@ -407,9 +406,10 @@ class WindowDataset(IterableDataset[Batch]):
         counts = {label: n for label, n in self.label_counts().items() if label >= 0}
         if not counts:
             raise ValueError("class_weights: the selection holds no labelled window (every label is -1)")
-        size = max(counts) + 1 if num_classes is None else require_int("num_classes", num_classes, minimum=1)
+        size = (max(counts) + 1 if num_classes is None
+                else require_count("num_classes", num_classes, minimum=1))
         if max(counts) >= size:
-            raise ValueError(f"num_classes={size} is too small: the selection holds label {max(counts)}")
+            raise ArgumentError(f"num_classes={size} is too small: the selection holds label {max(counts)}")
         weights = torch.zeros(size, dtype=torch.float32)
         total = sum(counts.values())
         for label, n in counts.items():
@@ -456,8 +456,8 @@ class WindowDataset(IterableDataset[Batch]):
             left = len(self) - self._progress.resume_at
             whole = isinstance(batches_seen, numbers.Integral) and not isinstance(batches_seen, bool)
             if not whole or not 0 <= batches_seen <= left:
-                raise ValueError(f"batches_seen must be an integer from 0 to the batches left in this "
-                                 f"epoch ({left}), got {batches_seen!r}")
+                raise ArgumentError(f"batches_seen must be an integer from 0 to the batches left in this "
+                                    f"epoch ({left}), got {batches_seen!r}")
         return self._progress.snapshot(self._order_key(), batches_seen).to_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -719,11 +719,11 @@ def _balance(resident: ResidentSelection, options: BalanceOptions) -> tuple[Labe
         return rows, len(resident) if options.epoch_windows is None else options.epoch_windows
     if options.epoch_windows is not None and options.epoch_windows > cap:
         rarest = int(np.argmin(rows.sizes / rows.shares))
-        raise ValueError(
+        raise ArgumentError(
             f"epoch_windows={options.epoch_windows:,} with replacement=False is more than the selection "
             f"gives: label {int(rows.labels[rarest])} has {int(rows.sizes[rarest]):,} windows for a share of "
             f"{rows.shares[rarest]:.4g}, so an epoch drawing no window twice holds at most {cap:,}. "
             "Lower epoch_windows, or draw with replacement=True")
     if cap < 1:
-        raise ValueError("label_weights with replacement=False: no epoch can draw every label its share")
+        raise ArgumentError("label_weights with replacement=False: no epoch can draw every label its share")
     return rows, cap if options.epoch_windows is None else options.epoch_windows

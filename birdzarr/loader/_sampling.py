@@ -43,6 +43,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from birdzarr._errors import ArgumentError
+
 _SEED_STREAM = 0xB1BD2A
 LEAD_SHARE = 2  # a worker's first pool of an epoch holds about 1/LEAD_SHARE of its other pools
 
@@ -66,14 +68,15 @@ def rank_window_counts(
     every rank has the same number of batches. With ``drop_last`` each rank's count is cut to
     its full batches."""
     if world_size < 1:
-        raise ValueError("world_size must be positive")
+        raise ArgumentError("world_size must be positive")
     per_rank = np.full(world_size, total // world_size, dtype=np.int64)
     per_rank[: total % world_size] += 1
     if drop_last:
         n_batches = int(per_rank.min()) // batch_size
         return np.full(world_size, n_batches * batch_size, dtype=np.int64), n_batches
     if per_rank.min() == 0:
-        raise ValueError(f"{total} windows cannot be split over {world_size} ranks (a rank would get none)")
+        raise ArgumentError(
+            f"{total} windows cannot be split over {world_size} ranks (a rank would get none)")
     return per_rank, -(-int(per_rank.max()) // batch_size)
 
 
@@ -345,9 +348,9 @@ def plan_epoch(
     """The plan of one rank for one epoch; ``counts[i]`` is the number of selected windows of
     chunk i; ``num_workers`` the DataLoader workers the pools are sized for (0 or 1: one reader)."""
     if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
+        raise ArgumentError(f"rank {rank} is outside 0..{world_size - 1}")
     if batch_size < 1 or pool_chunks < 1:
-        raise ValueError("batch_size and pool_chunks must be positive")
+        raise ArgumentError("batch_size and pool_chunks must be positive")
     workers = max(1, int(num_workers))
     counts = np.asarray(counts, dtype=np.int64)
     total = int(counts.sum())

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from birdzarr._errors import DeviceNotFoundError
+from birdzarr._errors import ArgumentError, DeviceNotFoundError
 from birdzarr.format._digest import fmix64, window_hashes
 from birdzarr.format._spec import (
     CHANNELS,
@@ -59,7 +59,7 @@ def _seed_key(split_seed: int, salt: int) -> np.uint64:
 
 def _threshold(val_fraction: float) -> np.uint64:
     if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be between 0 and 1, got {val_fraction}")
+        raise ArgumentError(f"val_fraction must be between 0 and 1, got {val_fraction}")
     return np.uint64(min(int(val_fraction * 2.0**64), 2**64 - 1))
 
 
@@ -111,7 +111,7 @@ def unix_seconds(name: str, value: Any) -> int | None:
         return int(value)
     if isinstance(value, (float, np.floating)):
         if not np.isfinite(value):
-            raise ValueError(f"{name} must be a finite time, got {value!r}")
+            raise ArgumentError(f"{name} must be a finite time, got {value!r}")
         return int(np.floor(value))
     if isinstance(value, dt.datetime):  # pandas.Timestamp is one
         if value.tzinfo is None:
@@ -123,10 +123,10 @@ def unix_seconds(name: str, value: Any) -> int | None:
         try:
             stamp = np.datetime64(value.rstrip("Zz") if isinstance(value, str) else value)
         except ValueError:
-            raise ValueError(f"{name}={value!r} is not an ISO 8601 time (e.g. '2012-06-01' or "
-                             "'2012-06-01T12:00:00')") from None
+            raise ArgumentError(f"{name}={value!r} is not an ISO 8601 time (e.g. '2012-06-01' or "
+                                "'2012-06-01T12:00:00')") from None
         if np.isnat(stamp):
-            raise ValueError(f"{name} must be a time, got {value!r}")
+            raise ArgumentError(f"{name} must be a time, got {value!r}")
         return int(stamp.astype("datetime64[s]").astype(np.int64))
     raise TypeError(f"{name} must be a datetime, an ISO 8601 string or unix seconds, got {value!r}")
 
@@ -203,7 +203,7 @@ class WindowFilter:
             assert times is not None
             chosen = np.asarray(self.time_mask(times.astype(np.int64, copy=False)))
             if chosen.dtype != np.bool_ or chosen.shape != times.shape:
-                raise ValueError(
+                raise ArgumentError(
                     f"time_mask must return a boolean array of the shape it was given ({times.shape}), "
                     f"got {chosen.dtype} {chosen.shape}"
                 )
@@ -468,16 +468,16 @@ def make_selection(
     window_split = None
     if split is not None:
         if split not in SPLITS:
-            raise ValueError(f"split must be one of {SPLITS} or None, got {split!r}")
+            raise ArgumentError(f"split must be one of {SPLITS} or None, got {split!r}")
         if split_by not in SPLIT_BY:
-            raise ValueError(f"split_by must be one of {SPLIT_BY}, got {split_by!r}")
+            raise ArgumentError(f"split_by must be one of {SPLIT_BY}, got {split_by!r}")
         _threshold(val_fraction)
         if split_by == "device":
             candidates = known if chosen is None else chosen
             train, val = split_devices(candidates, val_fraction=val_fraction, split_seed=split_seed)
             chosen = val if split == "val" else train
             if candidates and not chosen:
-                raise ValueError(
+                raise ArgumentError(
                     f"split={split!r} holds no device: split_seed={split_seed} with val_fraction="
                     f"{val_fraction} puts {'none' if split == 'val' else 'all'} of the {len(candidates)} "
                     "device(s) in 'val' (each device is in 'val' with probability val_fraction, from a "

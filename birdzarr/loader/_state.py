@@ -27,6 +27,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from birdzarr._checks import require_int
+from birdzarr._errors import ArgumentError
 from birdzarr.loader._sampling import resumed_worker
 
 # 3: pools of whole chunks taken by workers; 4: equal batches on every rank, pools cut at batch
@@ -146,7 +147,7 @@ def check_epoch(epoch: object) -> int:
     shared control tensor, and a float would be truncated into another epoch's order)."""
     value = require_int("epoch", epoch)
     if not 0 <= value <= MAX_EPOCH:
-        raise ValueError(f"epoch must be from 0 to {MAX_EPOCH:,}, got {value}")
+        raise ArgumentError(f"epoch must be from 0 to {MAX_EPOCH:,}, got {value}")
     return value
 
 
