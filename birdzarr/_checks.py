@@ -2,8 +2,9 @@
 
 The command line's argparse types already refuse wrong input; these guard the Python API, where
 a truthy string such as ``overwrite="no"`` would otherwise act as True and replace a store. They
-raise plain ``TypeError``/``ValueError`` (a wrong call, as in zarr-python and numpy), naming the
-argument and what it must be, before anything is read or written.
+raise ``TypeError`` for a wrong type (a wrong call, as in zarr-python and numpy) and
+``ArgumentError`` (a ``ValueError``) for a value out of range, naming the argument and what it
+must be, before anything is read or written.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import math
 from typing import Any
 
 import numpy as np
+
+from birdzarr._errors import ArgumentError
 
 
 def require_bool(name: str, value: Any) -> bool:
@@ -27,7 +30,7 @@ def require_int(name: str, value: Any, *, minimum: int | None = None) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an integer, got {value!r}")
     if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be an integer of {minimum} or more, got {value}")
+        raise ArgumentError(f"{name} must be an integer of {minimum} or more, got {value}")
     return int(value)
 
 
@@ -37,7 +40,7 @@ def require_number(name: str, value: Any) -> float:
         raise TypeError(f"{name} must be a number, got {value!r}")
     number = float(value)
     if not math.isfinite(number):
-        raise ValueError(f"{name} must be a finite number, got {number}")
+        raise ArgumentError(f"{name} must be a finite number, got {number}")
     return number
 
 

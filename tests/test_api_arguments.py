@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import birdzarr
+from birdzarr import ArgumentError
 from birdzarr.storage._location import resolve
 from birdzarr.storage._lock import LOCK_NAME, StoreLock
 
@@ -130,17 +131,17 @@ def test_xarray_negative_window_indices_index_as_numpy_does(small_store: birdzar
 # -- 3. curation parameters ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("fields", "error", "message"), [
-    ({"gps_scale": 0}, ValueError,
+    ({"gps_scale": 0}, ArgumentError,
      "Curation gps_scale must be above 0 (gps_speed is divided by it), got 0.0"),
-    ({"gps_scale": -1.5}, ValueError,
+    ({"gps_scale": -1.5}, ArgumentError,
      "Curation gps_scale must be above 0 (gps_speed is divided by it), got -1.5"),
-    ({"gps_scale": float("nan")}, ValueError, "Curation gps_scale must be a finite number, got nan"),
-    ({"clip_min": float("nan")}, ValueError, "Curation clip_min must be a finite number, got nan"),
-    ({"clip_max": float("inf")}, ValueError, "Curation clip_max must be a finite number, got inf"),
-    ({"clip_min": 2, "clip_max": -2}, ValueError,
+    ({"gps_scale": float("nan")}, ArgumentError, "Curation gps_scale must be a finite number, got nan"),
+    ({"clip_min": float("nan")}, ArgumentError, "Curation clip_min must be a finite number, got nan"),
+    ({"clip_max": float("inf")}, ArgumentError, "Curation clip_max must be a finite number, got inf"),
+    ({"clip_min": 2, "clip_max": -2}, ArgumentError,
      "Curation clip_min must be below clip_max (imu_x/y/z are clipped to [clip_min, clip_max]), "
      "got 2.0 and -2.0"),
-    ({"speed_limit": 0}, ValueError, "Curation speed_limit must be above 0 m/s (windows with a gps_speed "
+    ({"speed_limit": 0}, ArgumentError, "Curation speed_limit must be above 0 m/s (windows with a gps_speed "
                                      "at or above it are dropped), got 0.0"),
     ({"speed_limit": "30"}, TypeError, "Curation speed_limit must be a number, got '30'"),
     ({"clip_max": True}, TypeError, "Curation clip_max must be a number, got True"),
@@ -258,8 +259,8 @@ def test_device_lookups_refuse_a_float_device_id(small_store: birdzarr.Store) ->
 
 
 @pytest.mark.parametrize(("options", "error", "message"), [
-    ({"bins": -1}, ValueError, "bins must be an integer of 1 or more, got -1"),
-    ({"bins": 0}, ValueError, "bins must be an integer of 1 or more, got 0"),
+    ({"bins": -1}, ArgumentError, "bins must be an integer of 1 or more, got -1"),
+    ({"bins": 0}, ArgumentError, "bins must be an integer of 1 or more, got 0"),
     ({"bins": "8"}, TypeError, "bins must be an integer, got '8'"),
     ({"bins": 8.0}, TypeError, "bins must be an integer, got 8.0"),
     ({"persist": "no"}, TypeError, "persist must be True or False, got 'no'"),

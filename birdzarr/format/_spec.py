@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from birdzarr._checks import require_number
-from birdzarr._errors import FormatVersionError, NotAStoreError
+from birdzarr._errors import ArgumentError, FormatVersionError, NotAStoreError
 
 FORMAT_VERSION = 1
 ATTRS_KEY = "birdzarr"
@@ -81,14 +81,14 @@ class Curation:
             # stored as float: a numpy float32 would not serialise into the store's attributes
             object.__setattr__(self, name, require_number(f"Curation {name}", getattr(self, name)))
         if self.speed_limit <= 0:
-            raise ValueError(f"Curation speed_limit must be above 0 m/s (windows with a gps_speed at or "
-                             f"above it are dropped), got {self.speed_limit}")
+            raise ArgumentError(f"Curation speed_limit must be above 0 m/s (windows with a gps_speed at or "
+                                f"above it are dropped), got {self.speed_limit}")
         if self.gps_scale <= 0:
-            raise ValueError(f"Curation gps_scale must be above 0 (gps_speed is divided by it), "
-                             f"got {self.gps_scale}")
+            raise ArgumentError(f"Curation gps_scale must be above 0 (gps_speed is divided by it), "
+                                f"got {self.gps_scale}")
         if self.clip_min >= self.clip_max:
-            raise ValueError(f"Curation clip_min must be below clip_max (imu_x/y/z are clipped to "
-                             f"[clip_min, clip_max]), got {self.clip_min} and {self.clip_max}")
+            raise ArgumentError(f"Curation clip_min must be below clip_max (imu_x/y/z are clipped to "
+                                f"[clip_min, clip_max]), got {self.clip_min} and {self.clip_max}")
 
     def to_json(self, *, applied_by: str) -> dict[str, Any]:
         return {

@@ -37,17 +37,6 @@ import numpy as np
 from birdzarr._checks import require_int, require_number
 from birdzarr._errors import ArgumentError
 
-
-def require_count(name: str, value: Any, *, minimum: int) -> int:
-    """``require_int`` for a loader option: a value below ``minimum`` is an ``ArgumentError``
-    (same message), a value of the wrong type still a ``TypeError``."""
-    try:
-        return require_int(name, value, minimum=minimum)
-    except TypeError:
-        raise
-    except ValueError as exc:
-        raise ArgumentError(str(exc)) from None
-
 _STREAM = 0xBA1A7CED  # the balanced epochs' own random stream
 _GRID = 2**40  # keys are integers: floor(position in [0, 1) x _GRID) x labels + label (never a tie)
 BALANCED = "balanced"
@@ -177,5 +166,5 @@ def check_epoch_windows(epoch_windows: Any) -> int | None:
     if epoch_windows is None:
         return None
     if isinstance(epoch_windows, numbers.Integral) and not isinstance(epoch_windows, bool):
-        return require_count("epoch_windows", epoch_windows, minimum=1)
+        return require_int("epoch_windows", epoch_windows, minimum=1)
     raise TypeError(f"epoch_windows must be an integer or None, got {epoch_windows!r}")

@@ -20,7 +20,7 @@ import torch
 
 from birdzarr._checks import require_bool, require_int
 from birdzarr._errors import ArgumentError
-from birdzarr.loader._balanced import check_epoch_windows, check_label_weights, require_count
+from birdzarr.loader._balanced import check_epoch_windows, check_label_weights
 from birdzarr.loader._selection import SPLIT_BY, SPLITS, TimeMask, WindowFilter, unix_seconds
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
@@ -70,7 +70,7 @@ class SubsetOptions:
            labels: Iterable[int] | None = None, start: Any = None, stop: Any = None,
            time_mask: TimeMask | None = None) -> SubsetOptions:
         """The options as given (device and label iterables are read once, here)."""
-        require_count("split_seed", split_seed, minimum=0)
+        require_int("split_seed", split_seed, minimum=0)
         require_bool("labelled_only", labelled_only)
         if time_mask is not None and not callable(time_mask):
             raise TypeError(f"time_mask must be a callable (burst times in unix seconds -> a boolean "
@@ -199,7 +199,7 @@ class LoaderConfig:
             raise ArgumentError(f"shuffle_buffer must be positive, got {self.shuffle_buffer}")
         if self.prefetch < 1:
             raise ArgumentError(f"prefetch must be positive, got {self.prefetch}")
-        require_count("seed", self.seed, minimum=0)  # numpy's seeds are non-negative
+        require_int("seed", self.seed, minimum=0)  # numpy's seeds are non-negative
         if self.world_size < 1:
             raise ArgumentError(f"world_size must be positive, got {self.world_size}")
         if not 0 <= self.rank < self.world_size:

@@ -33,9 +33,10 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from birdzarr._checks import require_int
 from birdzarr._errors import ArgumentError, SamplingError
 from birdzarr.format._spec import DEVICE, LABEL, TIMESTAMP
-from birdzarr.loader._balanced import LabelRows, require_count, resolve_shares
+from birdzarr.loader._balanced import LabelRows, resolve_shares
 from birdzarr.loader._config import (
     DEFAULT_SHUFFLE_BUFFER,
     BalanceOptions,
@@ -407,7 +408,7 @@ class WindowDataset(IterableDataset[Batch]):
         if not counts:
             raise ValueError("class_weights: the selection holds no labelled window (every label is -1)")
         size = (max(counts) + 1 if num_classes is None
-                else require_count("num_classes", num_classes, minimum=1))
+                else require_int("num_classes", num_classes, minimum=1))
         if max(counts) >= size:
             raise ArgumentError(f"num_classes={size} is too small: the selection holds label {max(counts)}")
         weights = torch.zeros(size, dtype=torch.float32)
