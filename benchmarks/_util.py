@@ -16,6 +16,22 @@ from typing import Any
 
 import psutil
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def outside_repository(parser: Any, workdir: str) -> str:
+    """``workdir`` made absolute; a parser error if it lies in the repository (generated data,
+    gigabytes, must never land in a clone)."""
+    workdir = os.path.abspath(workdir)
+    if workdir == REPO or workdir.startswith(REPO + os.sep):
+        parser.error("--workdir must be outside the repository (generated data never goes there)")
+    return workdir
+
+
+def log(message: str) -> None:
+    """A timestamped progress line on stdout, flushed (benchmarks run for minutes)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
 
 @contextlib.contextmanager
 def work_directory(given: str | None, *, prefix: str, keep: bool = False) -> Iterator[str]:

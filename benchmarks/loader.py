@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _util import PeakSampler, machine, table, tree_private, work_directory  # noqa: E402
+from _util import PeakSampler, log, machine, outside_repository, table, tree_private, work_directory  # noqa: E402
 
 BATCH = 8192
 WORKERS = 2
@@ -408,12 +408,7 @@ def main() -> int:
         print(json.dumps(run_case(json.loads(args.run_case))))
         return 0
 
-    workdir = os.path.abspath(args.workdir)
-    if workdir == REPO or workdir.startswith(REPO + os.sep):
-        parser.error("--workdir must be outside the repository (generated data never goes there)")
-
-    def log(message: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+    workdir = outside_repository(parser, args.workdir)
 
     started = time.perf_counter()
     with work_directory(workdir, prefix="", keep=args.keep):

@@ -42,7 +42,16 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _util import PeakSampler, dir_bytes, machine, table, tree_private, work_directory  # noqa: E402
+from _util import (  # noqa: E402
+    PeakSampler,
+    dir_bytes,
+    log,
+    machine,
+    outside_repository,
+    table,
+    tree_private,
+    work_directory,
+)
 from loader import BATCH, REPO, SEED, prepare  # noqa: E402
 
 MB = 1e6
@@ -244,12 +253,7 @@ def main() -> int:
     if args.own_case:
         print(json.dumps(own_case(*args.own_case)))
         return 0
-    workdir = os.path.abspath(args.workdir)
-    if workdir == REPO or workdir.startswith(REPO + os.sep):
-        parser.error("--workdir must be outside the repository (generated data never goes there)")
-
-    def log(message: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+    workdir = outside_repository(parser, args.workdir)
 
     with work_directory(workdir, prefix="", keep=args.keep):
         meta = prepare(workdir, args.windows, args.devices, scale_check=False, log=log)
