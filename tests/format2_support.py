@@ -1,0 +1,51 @@
+"""Test-only: turn a committed local version-1 store into a version-2 store holding the same windows.
+
+Until the converter writes format 2 (``convert(..., format_version=2)``), tests make version-2
+stores with ``to_format2``: it decodes ``gimu`` with zarr-python, encodes the windows with
+``birdzarr.format._v2.encode`` (the device ids of the ``device`` array as the dictionary rows'
+keys), writes the six arrays of format 2 from ``_v2.array_metadata`` documents with zarr-python,
+deletes ``gimu`` and sets ``format_version`` 2 in the root attributes (nothing else changes).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from birdzarr.format import _v2
+from birdzarr.format._spec import ATTRS_KEY, DEVICE, GIMU
+
+
+def to_format2(path: str | Path) -> None:
+    """Rewrite the committed local version-1 store at ``path`` in place as a version-2 store."""
+    import zarr
+
+    path = Path(path)
+    root_file = path / "zarr.json"
+    root = json.loads(root_file.read_text())
+    meta = root["attributes"][ATTRS_KEY]
+    if meta.get("format_version") != 1:
+        raise ValueError(f"{path} is not a version-1 store (format_version {meta.get('format_version')!r})")
+    gimu = zarr.open_array(str(path / GIMU), mode="r", zarr_format=3)
+    windows = np.ascontiguousarray(np.asarray(gimu[:], dtype=np.float32))
+    device = np.asarray(zarr.open_array(str(path / DEVICE), mode="r", zarr_format=3)[:], dtype=np.int64)
+    if len(device) != len(windows):
+        raise ValueError(f"{path}: gimu holds {len(windows)} windows, device {len(device)}")
+    chunk_windows = int(gimu.chunks[0])
+    encoded = _v2.encode(windows, device)
+    data = {_v2.CODES: encoded.codes, _v2.GPS: encoded.gps, _v2.ROW: encoded.row,
+            _v2.VALUES: encoded.new.values, _v2.START: encoded.new.start, _v2.DEVICE: encoded.new.device}
+    documents = _v2.array_metadata(len(windows), len(encoded.new.values), encoded.new.n_rows,
+                                   chunk_windows=chunk_windows)
+    for name, document in documents.items():
+        (path / name).mkdir()
+        (path / name / "zarr.json").write_text(json.dumps(document))
+        array = zarr.open_array(str(path / name), mode="r+", zarr_format=3)
+        if data[name].size:
+            array[...] = data[name]
+    shutil.rmtree(path / GIMU)
+    meta["format_version"] = 2
+    root_file.write_text(json.dumps(root, indent=2))
