@@ -1,0 +1,104 @@
+"""RowCoder (birdzarr/format/_rows.py): dictionary rows built block by block, as writers code format 2.
+Exact round trips, the same rows whatever the blocks, the overflow and append rules at the exact window."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from birdzarr.format import _v2
+from birdzarr.format._rows import RowCoder
+from tests.test_format2 import assert_exact, calibrated
+
+
+def decode_all(codes: np.ndarray, rows: np.ndarray, windows: np.ndarray, dictionaries: _v2.Dictionaries
+               ) -> np.ndarray:
+    _v2.check(codes, rows, dictionaries.start, len(dictionaries.values))
+    return _v2.decode_reference(codes, rows, windows[:, :, 3], dictionaries.values, dictionaries.start)
+
+
+def code_in_blocks(coder: RowCoder, device_windows: list[tuple[int, np.ndarray]], cuts: list[int]
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    codes, rows = [], []
+    for device, windows in device_windows:
+        bounds = [0, *[c for c in cuts if 0 < c < len(windows)], len(windows)]
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            c, r = coder.code(device, windows[a:b])
+            codes.append(c)
+            rows.append(r)
+        coder.close_device(device)
+    return np.concatenate(codes), np.concatenate(rows)
+
+
+def test_rows_round_trip_and_do_not_depend_on_the_blocks() -> None:
+    parts = [(533, calibrated(900, seed=1)), (7, calibrated(40, seed=2)), (298, calibrated(1500, seed=3))]
+    windows = np.concatenate([w for _, w in parts])
+    one = RowCoder()
+    codes1, rows1 = code_in_blocks(one, parts, [])
+    cut = RowCoder()
+    codes2, rows2 = code_in_blocks(cut, parts, [1, 17, 400, 401, 1000])
+    assert np.array_equal(codes1, codes2) and np.array_equal(rows1, rows2)
+    d1, d2 = one.new_rows(), cut.new_rows()
+    assert np.array_equal(d1.values.view(np.uint32), d2.values.view(np.uint32))
+    assert np.array_equal(d1.start, d2.start) and d1.device.tolist() == [533, 7, 298]
+    assert_exact(decode_all(codes1, rows1, windows, d1), windows)
+    # entries in first-seen order: the first window's first value is code 0 of its row
+    assert codes1[0, 0].tolist() == [0, 0, 0]
+
+
+def test_a_row_that_would_pass_65535_entries_closes_at_the_exact_window() -> None:
+    rng = np.random.default_rng(0)
+    windows = calibrated(5000, seed=4)
+    # imu_y holds 20 new distinct values in every window: 65,535 // 20 = 3,276 windows fit a row
+    windows[:, :, 1] = rng.permutation(5000 * 20).reshape(5000, 20).astype(np.float32) / 7.0
+    for cuts in ([], [3000, 3276, 3277], [100, 4000]):
+        coder = RowCoder()
+        codes, rows = code_in_blocks(coder, [(11, windows)], cuts)
+        assert rows[:3276].tolist() == [0] * 3276 and rows[3276:].tolist() == [1] * (5000 - 3276)
+        d = coder.new_rows()
+        assert d.device.tolist() == [11, 11] and d.sizes()[0, 1] == 65520
+        assert_exact(decode_all(codes, rows, windows, d), windows)
+
+
+def test_an_append_reuses_the_stored_row_or_adds_one_and_leaves_old_codes_alone() -> None:
+    first = calibrated(600, seed=5)
+    coder = RowCoder()
+    old_codes, old_rows = coder.code(3, first)
+    stored = coder.new_rows()
+    # the same values again: the stored row serves, nothing is added
+    again = RowCoder.appending_to(stored)
+    codes, rows = again.code(3, first[::-1].copy())
+    assert rows.tolist() == [0] * 600 and again.new_rows().n_rows == 0
+    # new values: a new row = the stored entries + the new ones; a new device: a row of its own
+    grows = RowCoder.appending_to(stored)
+    more = calibrated(300, seed=6)
+    codes, rows = grows.code(3, more)
+    other_codes, other_rows = grows.code(9, first[:10])
+    added = grows.new_rows()
+    assert rows.tolist() == [1] * 300 and other_rows.tolist() == [2] * 10
+    assert added.device.tolist() == [3, 9] and added.start[0, 0] == len(stored.values)
+    total = stored.extend(added)
+    row1 = [total.entries(1, c) for c in range(3)]
+    for c in range(3):  # the new row starts with the stored row's entries, in their order
+        old = stored.entries(0, c)
+        assert np.array_equal(row1[c][: len(old)].view(np.uint32), old.view(np.uint32))
+    both = np.concatenate([first, more, first[:10]])
+    all_codes = np.concatenate([old_codes, codes, other_codes])
+    all_rows = np.concatenate([old_rows, rows, other_rows])
+    assert_exact(decode_all(all_codes, all_rows, both, total), both)
+
+
+def test_seeded_rows_and_mixed_blocks_code_each_device_against_its_row() -> None:
+    a, b = calibrated(200, seed=7), calibrated(300, seed=8)
+    coder = RowCoder()
+    for device, w in ((1, a), (2, b)):
+        coder.seed(device, [np.unique(w[:, :, c].view(np.uint32)) for c in range(3)])
+    mixed = np.concatenate([a, b])
+    devices = np.repeat([1, 2], [200, 300])
+    order = np.random.default_rng(1).permutation(500)
+    codes, rows = coder.code_mixed(devices[order], mixed[order])
+    d = coder.new_rows()
+    assert d.device.tolist() == [1, 2] and rows.tolist() == (devices[order] - 1).tolist()
+    # seeded entries are complete: no row grew
+    distinct = [[len(np.unique(w[:, :, c].view(np.uint32))) for c in range(3)] for w in (a, b)]
+    assert d.sizes().tolist() == distinct
+    assert_exact(decode_all(codes, rows, mixed[order], d), mixed[order])
