@@ -32,6 +32,7 @@ from birdzarr.convert._writer import StoreWriter
 from birdzarr.format._codec import compressor_of
 from birdzarr.format._spec import (
     DEFAULT_CHUNK_WINDOWS,
+    FORMAT_VERSION,
     MAX_CHUNK_WINDOWS,
     MIXED_LABEL_POLICY,
     SHUFFLED_CHUNK_WINDOWS,
@@ -67,6 +68,7 @@ def convert(
     shuffle_tmp: str | None = None,
     client: Any = None,
     skip_unknown_files: bool = False,
+    format_version: int = FORMAT_VERSION,
 ) -> Store:
     """Convert a directory (or file, or fsspec URL) of CSV exports or Parquet files into a store.
 
@@ -103,7 +105,9 @@ def convert(
     all usable cores, as CPU affinity and the cgroup quota allow; 1: all in the calling thread;
     at most 4 per usable core, with a warning); it never changes the stored bytes. ``client`` (a
     ``distributed.Client``) runs the reading, curation and chunk writing on a Dask cluster
-    instead, with a byte-identical result (docs/scaling.md).
+    instead, with a byte-identical result (docs/scaling.md). ``format_version`` 2 writes the
+    windows as uint16 codes into per-device dictionary rows with core Zarr v3 codecs only
+    (docs/format.md); ``codec`` and ``compressor`` apply to format 1.
     """
     from birdzarr.store._handle import open_store
 
@@ -137,6 +141,11 @@ def convert(
         raise error(errno.ENOENT if missing else errno.ENOTDIR,
                     f"{'no such' if missing else 'not a'} directory, where the shuffle's temporary files "
                     "were to go (--shuffle-tmp, Python: shuffle_tmp=; default $TMPDIR)", shuffle_tmp)
+    if format_version not in (1, 2):
+        raise ArgumentError(f"format_version must be 1 or 2, got {format_version!r}")
+    if format_version == 2 and (codec is not None or compressor is not None):
+        raise ArgumentError("codec and compressor (--codec, --compressor) choose format 1's window codec; "
+                            "format 2 has one layout: leave them out")
     if codec is None:
         codec = "gdict16" if shuffle else "dict16"
     curation = curation or Curation()
@@ -156,7 +165,7 @@ def convert(
     layout: dict[str, Any] = {
         "codec": codec, "compressor": compressor_of(compressor),
         "chunk_windows": chunk_windows, "shuffled": False,
-    }
+    } if format_version == 1 else {"chunk_windows": chunk_windows, "shuffled": False}
     static: dict[str, Any] = {
         "source_kind": kind,
         "window_rule": WINDOW_RULE if kind == "csv" else "one Parquet row is one window",
@@ -185,12 +194,13 @@ def convert(
                 convert_on_cluster(client, src, target, devices, kind=kind, curation=curation,
                                    on_bad_rows=on_bad_rows, codec=codec, chunk_windows=chunk_windows,
                                    overwrite=overwrite, static=static, workers=workers, progress=progress,
-                                   duplicates=duplicates)
+                                   duplicates=duplicates, format_version=format_version)
             else:
                 _convert_here(src, target, kind, devices, codec=codec, chunk_windows=chunk_windows,
                               overwrite=overwrite, static=static, workers=workers, progress=progress,
                               curation=curation, on_bad_rows=on_bad_rows, shuffle=shuffle, seed=seed,
-                              buckets=buckets, shuffle_tmp=shuffle_tmp, duplicates=duplicates)
+                              buckets=buckets, shuffle_tmp=shuffle_tmp, duplicates=duplicates,
+                              format_version=format_version)
     duplicates.warn(dst.display)
     store = open_store(dst)
     # from the devices' reports, which every path keeps (a Dask conversion's report has no
@@ -272,14 +282,14 @@ def _convert_here(
     src: Location, dst: Location, kind: str, devices: list[DeviceSource], *, codec: str,
     chunk_windows: int, overwrite: bool, static: dict[str, Any], workers: int, progress: bool,
     curation: Curation, on_bad_rows: str, shuffle: bool, seed: int | None, buckets: int,
-    shuffle_tmp: str | None, duplicates: DuplicateCounter | None = None,
+    shuffle_tmp: str | None, duplicates: DuplicateCounter | None = None, format_version: int = FORMAT_VERSION,
 ) -> None:
     """The conversion in this process (``convert`` without a Dask client)."""
     started, cpu = time.perf_counter(), cpu_seconds()
     config = {"threading.max_workers": workers}
     with arrow_pool(), zarr.config.set(config), StoreWriter(
         dst, codec=codec, chunk_windows=chunk_windows, overwrite=overwrite, static_attrs=static,
-        workers=workers,
+        workers=workers, format_version=format_version,
     ) as writer, progress_bar(progress, desc=f"convert {kind}", unit=" windows") as bar:
         inputs = _device_inputs(src.display, devices, curation, on_bad_rows, bar, workers)
         if duplicates is not None:  # counts windows repeated within a device (convert/_duplicates.py)

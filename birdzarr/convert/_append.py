@@ -38,7 +38,9 @@ from birdzarr.convert._memory import arrow_pool
 from birdzarr.convert._slabs import writable_arrays
 from birdzarr.convert._sources import DeviceSource, file_name, find_inputs
 from birdzarr.convert._writer import CSV_TAILS, Writer, _now, csv_tails_record
+from birdzarr.format import _v2
 from birdzarr.format._digest import window_hashes
+from birdzarr.format._rows import RowCoder
 from birdzarr.format._spec import (
     GIMU,
     TIMESTAMP,
@@ -86,6 +88,8 @@ class AppendWriter(Writer):
         self.stored_tails: dict[int, dict[str, Any] | None] = {}
         self.unknown_tails: set[int] = set()
         self.continued: dict[int, int] = {}  # device -> rows of a committed burst continued
+        self.window_arrays: tuple[str, ...] = ()  # the store's per-window arrays
+        self.committed_rows: tuple[int, int] | None = None  # format 2: (rows, entries) committed
 
     def _open(self) -> tuple[dict[str, Any], int]:
         from birdzarr.storage._root import read_root as _read_root
@@ -105,13 +109,19 @@ class AppendWriter(Writer):
         self.meta = meta
         self.previous_windows = int(committed["n_windows"])
         group = zarr.open_group(zarr_store(self.location, read_only=False), mode="r+", zarr_format=3)
-        self.cleaned = discard_uncommitted(self.location, group, self.previous_windows)
+        arrays = writable_arrays(group)
+        self.window_arrays = tuple(arrays)
+        self.cleaned = discard_uncommitted(self.location, group, self.previous_windows, self.window_arrays)
+        if _v2.CODES in arrays:  # format 2: new windows reuse or extend the committed rows
+            self.committed_rows = committed_dictionary(committed, group)
+            self.cleaned += cut_dictionary(group, self.committed_rows)
+            self.coder = RowCoder.appending_to(read_dictionary(group, self.committed_rows))
         self.group = group  # from here on, a failure cuts the arrays back again (_abandon)
         self.devices = {e.device_id: e for e in (DeviceEntry.from_json(d) for d in meta.get("devices", []))}
         report = meta.get("report", {}).get("devices", {})
         self.reports = {int(k): DeviceReport.from_json(v) for k, v in report.items()}
         self._read_tails(meta)
-        return writable_arrays(group), self.previous_windows
+        return arrays, self.previous_windows
 
     def _read_tails(self, meta: dict[str, Any]) -> None:
         if meta.get("source_kind") != "csv":
@@ -147,7 +157,9 @@ class AppendWriter(Writer):
         if self.group is not None:
             # the append's own error is the one to report; `birdzarr repair` can finish this
             with contextlib.suppress(Exception):
-                discard_uncommitted(self.location, self.group, self.previous_windows)
+                discard_uncommitted(self.location, self.group, self.previous_windows, self.window_arrays)
+                if self.committed_rows is not None:
+                    cut_dictionary(self.group, self.committed_rows)
 
     def write_device(self, device_id: int, blocks: Iterable[WindowBlock], sources: list[str],
                      continued: int = 0) -> DeviceReport:
@@ -212,6 +224,34 @@ class AppendWriter(Writer):
         meta["devices"] = [self.devices[d].to_json() for d in sorted(self.devices)]
         meta["report"] = report
         return meta
+
+
+def committed_dictionary(committed: dict[str, Any], group: Any) -> tuple[int, int]:
+    """Format 2: the dictionary rows and entries the commit counts (the arrays' lengths where
+    the commit does not say: none longer can exist, every writer records them)."""
+    recorded = committed.get("dictionary") or {}
+    rows = recorded.get("rows", group[_v2.DEVICE].shape[0])
+    values = recorded.get("values", group[_v2.VALUES].shape[0])
+    return int(rows), int(values)
+
+
+def cut_dictionary(group: Any, committed: tuple[int, int]) -> list[str]:
+    """Format 2: cut the dictionary arrays back to the committed rows and entries (rows an
+    interrupted append added); what was done, for the report."""
+    rows, values = committed
+    actions = []
+    for name, length in ((_v2.VALUES, values), (_v2.START, rows), (_v2.DEVICE, rows)):
+        array = group[name]
+        if array.shape[0] != length:
+            actions.append(f"resized '{name}' from {array.shape[0]:,} to the committed {length:,}")
+            array.resize((length, *array.shape[1:]))
+    return actions
+
+
+def read_dictionary(group: Any, committed: tuple[int, int]) -> _v2.Dictionaries:
+    """Format 2: the committed dictionary arrays."""
+    rows, values = committed
+    return _v2.Dictionaries(group[_v2.VALUES][:values], group[_v2.START][:rows], group[_v2.DEVICE][:rows])
 
 
 def _version() -> str:

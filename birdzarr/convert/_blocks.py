@@ -27,6 +27,9 @@ class WindowBlock:
     # shuffle's writer encodes gdict16 chunks without a sort (birdzarr/convert/_gdict_encode.py);
     # a block with codes is written from them alone, its ``windows`` may be a placeholder
     codes: np.ndarray | None = None
+    # format 2: the windows' codes (uint16 (n, 20, 3)) and dictionary rows (int64 (n,)) from the
+    # writer's RowCoder (birdzarr/format/_rows.py); gps_speed stays in ``windows``
+    coded: tuple[np.ndarray, np.ndarray] | None = None
     _hashes: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
     def __len__(self) -> int:
@@ -50,8 +53,10 @@ class WindowBlock:
         window = slice(start, stop)
         devices = None if self.devices is None else self.devices[window]
         codes = None if self.codes is None else self.codes[window]
+        coded = None if self.coded is None else (self.coded[0][window], self.coded[1][window])
         return WindowBlock(
-            self.windows[window], self.timestamps[window], self.labels[window], self.report, devices, codes
+            self.windows[window], self.timestamps[window], self.labels[window], self.report, devices, codes,
+            coded,
         )
 
     def tail(self, start: int) -> WindowBlock:

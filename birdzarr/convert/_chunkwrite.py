@@ -113,6 +113,8 @@ class ChunkSink:
             assert self.code_encoder is not None and groups is not None
             self._store(array, index, shape, codec.pack(self.code_encoder(codes, groups, shape[0])))
             return
+        if codec.kind in ("standard", "plain"):  # rows gathered elsewhere (int64 rows): the array's type
+            values = values.astype(array.dtype, copy=False)
         if values.shape[0] < shape[0]:
             # The last chunk is stored full size, padded with the fill value, as zarr does.
             padded = np.full(shape, array.fill_value, dtype=array.dtype)

@@ -41,7 +41,7 @@ from birdzarr.convert._segments import (
 )
 from birdzarr.convert._sources import DeviceSource, refuse_repeated_devices
 from birdzarr.convert._writer import StoreWriter
-from birdzarr.format._spec import Curation
+from birdzarr.format._spec import FORMAT_VERSION, Curation
 from birdzarr.storage._location import Location
 
 
@@ -61,6 +61,7 @@ def convert_on_cluster(
     workers: int | None,
     progress: bool,
     duplicates: DuplicateCounter | None = None,
+    format_version: int = FORMAT_VERSION,
 ) -> None:
     """Convert ``devices`` into ``dst`` using the cluster behind ``client``; commits at the end."""
     try:
@@ -70,8 +71,8 @@ def convert_on_cluster(
 
     refuse_repeated_devices(src.display, devices)
     started = time.perf_counter()
-    with StoreWriter(dst, codec=codec, chunk_windows=chunk_windows, overwrite=overwrite,
-                     static_attrs=static, workers=workers) as writer, progress_bar(
+    with StoreWriter(dst, codec=codec, chunk_windows=chunk_windows, overwrite=overwrite, static_attrs=static,
+                     workers=workers, format_version=format_version) as writer, progress_bar(
         progress, desc=f"convert {kind} on dask", unit=" windows"
     ) as bar:
         counts = client.gather(client.map(count_device, devices, curation=curation,

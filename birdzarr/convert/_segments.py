@@ -49,6 +49,8 @@ from birdzarr.convert._slabs import SlabWriter, writable_arrays
 from birdzarr.convert._sources import DeviceSource
 from birdzarr.convert._summary import DeviceSummary, Summarizer
 from birdzarr.convert._writer import StoreWriter
+from birdzarr.format import _v2
+from birdzarr.format._rows import RowCoder
 from birdzarr.format._spec import DEVICE, GIMU, LABEL, TIMESTAMP, Curation
 from birdzarr.storage._location import Location, resolve
 
@@ -149,7 +151,7 @@ class SharedChunkPart:
 
     chunk: int
     start: int
-    data: dict[str, np.ndarray]  # the four arrays' rows (gimu, device, timestamp, label)
+    data: dict[str, np.ndarray]  # the per-window arrays' rows (gimu or format 2's, device, timestamp, label)
 
     def __len__(self) -> int:
         return len(self.data[DEVICE])
@@ -160,6 +162,9 @@ class SegmentResult:
     summaries: list[DeviceSummary]
     repeated: dict[int, int]  # device id -> windows that repeat another of its windows
     shared: list[SharedChunkPart] = field(default_factory=list)
+    # format 2: the dictionary rows the segment opened, numbered from 0 (and its gimu_row chunks
+    # so written): the collector shifts them after the rows of the segments before it
+    rows: _v2.Dictionaries | None = None
 
 
 # -- in a worker process -------------------------------------------------------------------------
@@ -202,6 +207,8 @@ class ChunkRouter:
         self.parts: dict[int, list[tuple[int, int, WindowBlock]]] = {}  # chunk -> (start, device, rows)
 
     def add(self, device_id: int, block: WindowBlock, position: int) -> None:
+        if self.slabs.format2:  # coded here, before routing: a shared chunk's windows too
+            block = self.slabs.code(device_id, block)
         end, at = position + len(block), position
         while at < end:
             if self.whole[0] <= at < self.whole[1]:
@@ -218,6 +225,17 @@ class ChunkRouter:
         out = []
         for chunk, pieces in sorted(self.parts.items()):
             blocks = [block for _, _, block in pieces]
+            if blocks[0].coded is not None:  # format 2
+                out.append(SharedChunkPart(chunk, pieces[0][0], {
+                    _v2.CODES: np.concatenate([b.coded[0] for b in blocks if b.coded is not None]),
+                    _v2.GPS: np.concatenate([b.windows[:, :, 3] for b in blocks]),
+                    _v2.ROW: np.concatenate([b.coded[1] for b in blocks if b.coded is not None]),
+                    DEVICE: np.concatenate([np.full(len(b), d, dtype=np.int32) if b.devices is None
+                                            else b.devices for _, d, b in pieces]),
+                    TIMESTAMP: np.concatenate([b.timestamps for b in blocks]),
+                    LABEL: np.concatenate([b.labels for b in blocks]),
+                }))
+                continue
             coded = blocks[0].codes is not None
             data = {
                 # a shuffle's bucket: the chunk is encoded from the codes alone (no float copy)
@@ -244,8 +262,10 @@ def convert_segment(segment: Segment, dest_url: str, dest_options: dict[str, Any
     location = resolve(dest_url, dest_options)
     group = zarr.open_group(zarr_store(location, read_only=False), mode="r+", zarr_format=3)
     arrays = writable_arrays(group)  # sized by the writer before any worker started
-    first = whole_chunks(segment.start, segment.stop, int(arrays[GIMU].chunks[0]))[0]
-    slabs = SlabWriter(location, arrays, start=first, slab_chunks=SLAB_CHUNKS, workers=1, in_flight=0)
+    first = whole_chunks(segment.start, segment.stop, int(arrays[DEVICE].chunks[0]))[0]
+    coder = RowCoder() if _v2.CODES in arrays else None
+    slabs = SlabWriter(location, arrays, start=first, slab_chunks=SLAB_CHUNKS, workers=1, in_flight=0,
+                       coder=coder)
     router = ChunkRouter(segment.start, segment.stop, slabs)
     result = SegmentResult([], {})
     try:
@@ -271,12 +291,15 @@ def convert_segment(segment: Segment, dest_url: str, dest_options: dict[str, Any
                     "Convert again."
                 )
             result.summaries.append(finished)
+            if coder is not None:
+                coder.close_device(device.device_id)
             if repeated := keys.repeated():
                 result.repeated[device.device_id] = repeated
         slabs.drain()
     finally:
         slabs.close()
     result.shared = router.shared()
+    result.rows = None if coder is None else coder.new_rows()
     return result
 
 
@@ -297,6 +320,10 @@ class SegmentCollector:
         self.chunk_windows = writer.slabs.chunk_windows
         self.summaries: dict[int, DeviceSummary] = {}
         self.waiting: dict[int, list[SharedChunkPart]] = {}
+        # format 2: each segment's rows (by its first window), and the shared chunks' parts (with
+        # the segment they came from), written once every segment's row numbers are known
+        self.rows: dict[int, _v2.Dictionaries] = {}
+        self.held: list[tuple[Segment, SharedChunkPart]] = []
         writer.reserve(self.total)
         if bar is not None:
             bar.reset(total=self.total)
@@ -304,7 +331,11 @@ class SegmentCollector:
     def add(self, segment: Segment, result: SegmentResult) -> None:
         for summary in result.summaries:
             self.summaries[summary.entry.device_id] = summary
-        for part in result.shared:
+        # format 2 rows numbered in the segment are shifted at the end (a shuffle's are global already)
+        if result.rows is not None:
+            self.rows[segment.start] = result.rows
+            self.held.extend((segment, part) for part in result.shared)
+        for part in result.shared if result.rows is None else ():
             self._share(part)
         if self.duplicates is not None:
             for device_id, repeated in result.repeated.items():
@@ -314,10 +345,37 @@ class SegmentCollector:
 
     def finish(self) -> None:
         """Record every device (after every segment's result was added)."""
+        if self.rows:
+            self._number_rows()
         assert not self.waiting, "every shared chunk was written"
         for segment in self.segments:
             for device, _, _ in segment.devices:
                 self.writer.record(self.summaries[device.device_id])
+
+    def _number_rows(self) -> None:
+        """Format 2: every segment numbered its rows from 0; shift them after the rows of the
+        segments before it (the numbers one process writing in store order gives), in its
+        gimu_row chunks and its shared windows, then write the shared chunks and hand the rows
+        to the writer. The gimu_row chunks are read and written again: 4 bytes a window."""
+        shift: dict[int, tuple[int, int]] = {}  # segment start -> (row shift, entry shift)
+        rows, values = 0, 0
+        for segment in sorted(self.segments, key=lambda s: s.start):
+            opened = self.rows[segment.start]
+            shift[segment.start] = (rows, values)
+            self.writer.add_rows(_v2.Dictionaries(opened.values, opened.start + values, opened.device))
+            rows, values = rows + opened.n_rows, values + len(opened.values)
+        row_array = self.writer.slabs.arrays[_v2.ROW]
+        step = self.chunk_windows * SLAB_CHUNKS
+        for segment in self.segments:
+            by = shift[segment.start][0]
+            first, last = whole_chunks(segment.start, segment.stop, self.chunk_windows)
+            for start in range(first, last, step) if by else ():
+                stop = min(start + step, last)
+                row_array[start:stop] = row_array[start:stop] + np.uint32(by)
+        for segment, part in self.held:
+            part.data[_v2.ROW] = part.data[_v2.ROW] + shift[segment.start][0]
+            self._share(part)
+        self.held.clear()
 
     def _share(self, part: SharedChunkPart) -> None:
         parts = self.waiting.setdefault(part.chunk, [])

@@ -41,6 +41,8 @@ from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._gdict_encode import BlockValues, DeviceCoder, DictionaryTable, block_values
 from birdzarr.convert._summary import DeviceSummary, Summarizer
 from birdzarr.convert._writer import StoreWriter
+from birdzarr.format import _v2
+from birdzarr.format._rows import RowCoder
 from birdzarr.format._spec import (
     GIMU,
     N_CHANNELS,
@@ -191,8 +193,10 @@ def write_shuffled(
             on_pass("write", sum(s.entry.n_windows for s in summaries.values()))
         table = DictionaryTable({d: [np.sort(k) for k in known] for d, known in dictionaries.items()},
                                 N_CHANNELS)
+        if writer.coder is not None:
+            seed_rows(writer.coder, dictionaries)
         sink = writer.slabs.sink
-        gimu_codec = sink.codecs[GIMU]
+        gimu_codec = sink.codecs.get(GIMU)
         coded = gimu_codec is not None and gimu_codec.kind == "gdict16"
         if coded:
             sink.code_encoder = table.encode  # gdict16 from the codes, without a sort
@@ -219,6 +223,21 @@ def write_shuffled(
             if executor is not None:
                 executor.shutdown(wait=True, cancel_futures=True)
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def seed_rows(coder: RowCoder, dictionaries: dict[int, list[np.ndarray]]) -> list[int]:
+    """Format 2: open every device's row with its values from pass 1, sorted by bit pattern
+    (the row then holds every value its windows use and never grows), in ascending device id.
+    Returns the devices left out: a channel with more than 65,535 distinct values, whose rows
+    open as pass 2 codes them (the overflow rule)."""
+    left_out = []
+    for device in sorted(dictionaries):
+        entries = [np.sort(dictionaries[device][c]) for c in range(_v2.N_CODED)]
+        if max(len(e) for e in entries) > _v2.MAX_ENTRIES:
+            left_out.append(device)
+            continue
+        coder.seed(device, entries)
+    return left_out
 
 
 class _DeviceSpill:

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from birdzarr._errors import BadInputError
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._chunkwrite import ChunkSink
 from birdzarr.convert._duplicates import DeviceKeys, DuplicateCounter
@@ -49,12 +50,21 @@ from birdzarr.convert._segments import (
     forked_pool,
     whole_chunks,
 )
-from birdzarr.convert._shuffle import PASS1_BUFFER_WINDOWS, BucketLoader, SpillBuckets, Spiller, SpillFiles
+from birdzarr.convert._shuffle import (
+    PASS1_BUFFER_WINDOWS,
+    BucketLoader,
+    SpillBuckets,
+    Spiller,
+    SpillFiles,
+    seed_rows,
+)
 from birdzarr.convert._slabs import SlabWriter, writable_arrays
 from birdzarr.convert._sources import DeviceSource
 from birdzarr.convert._summary import DeviceSummary
 from birdzarr.convert._writer import StoreWriter
-from birdzarr.format._spec import GIMU, N_CHANNELS, Curation
+from birdzarr.format import _v2
+from birdzarr.format._rows import RowCoder
+from birdzarr.format._spec import DEVICE, GIMU, N_CHANNELS, Curation
 from birdzarr.storage._location import Location
 
 
@@ -141,6 +151,7 @@ class _Pass2:
     table: DictionaryTable
     coded: bool
     dest: Location
+    coder: RowCoder | None = None  # format 2: every device's row, seeded (each process codes with its copy)
 
 
 @dataclass
@@ -198,8 +209,9 @@ def write_bucket_run(buckets: range) -> SegmentResult:
     starts = state.loader.starts
     start = int(starts[buckets.start])
     stop = start + int(state.loader.spill.windows[buckets.start : buckets.stop].sum())
-    first = whole_chunks(start, stop, int(arrays[GIMU].chunks[0]))[0]
-    slabs = SlabWriter(dest, arrays, start=first, slab_chunks=SLAB_CHUNKS, workers=1, in_flight=0)
+    first = whole_chunks(start, stop, int(arrays[DEVICE].chunks[0]))[0]
+    slabs = SlabWriter(dest, arrays, start=first, slab_chunks=SLAB_CHUNKS, workers=1, in_flight=0,
+                       coder=state.coder)
     if state.coded:
         slabs.sink.code_encoder = state.table.encode
     router = ChunkRouter(start, stop, slabs)
@@ -256,14 +268,20 @@ def write_shuffled_in_processes(
             on_pass("write", int(windows.sum()))
         table = DictionaryTable({d: [np.sort(k) for k in known] for d, known in dictionaries.items()},
                                 N_CHANNELS)
-        gimu_codec = writer.slabs.sink.codecs[GIMU]
+        if writer.coder is not None and (left_out := seed_rows(writer.coder, dictionaries)):
+            # a row opened in one pass-2 process would take a number another process also gives
+            raise BadInputError(
+                f"device {left_out[0]} has more than {_v2.MAX_ENTRIES:,} distinct values in an IMU channel "
+                "(not 12-bit counts): a shuffled format 2 store codes it on one process only. Convert "
+                "with workers=1 (--workers 1), or without shuffle.")
+        gimu_codec = writer.slabs.sink.codecs.get(GIMU)
         coded = gimu_codec is not None and gimu_codec.kind == "gdict16"
         loader = BucketLoader(files, table, dictionaries, seed=seed, coded=coded,
                          chunk_windows=writer.slabs.chunk_windows)
         runs = plan_bucket_runs(buckets, workers=workers)
         ends = np.concatenate((loader.starts, [windows.sum()]))
         segments = [Segment(int(ends[run.start]), int(ends[run.stop]), []) for run in runs]
-        _PASS2 = _Pass2(loader, table, coded, dest)
+        _PASS2 = _Pass2(loader, table, coded, dest, writer.coder)
         with forked_pool(max(1, min(workers, len(runs)))) as pool:
             chunks: list[Future[None]] = []
             collector = SegmentCollector(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -19,10 +20,14 @@ import numpy as np
 
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._chunkwrite import CODES, ChunkSink
+from birdzarr.format import _v2
+from birdzarr.format._rows import RowCoder
 from birdzarr.format._spec import DEVICE, GIMU, LABEL, TIMESTAMP
 from birdzarr.storage._location import Location
 
-ARRAYS = (GIMU, DEVICE, TIMESTAMP, LABEL)  # the order in which arrays are grown and written
+ARRAYS = (GIMU, DEVICE, TIMESTAMP, LABEL)  # format 1's arrays, in the order they are grown and written
+# format 2's per-window arrays (its dictionary arrays are written at the commit: _writer.py)
+ARRAYS_V2 = (_v2.CODES, _v2.GPS, _v2.ROW, DEVICE, TIMESTAMP, LABEL)
 # Windows of a slab by default: 8 chunks of 8,192 windows, 2 of a shuffled store's 32,768. A
 # slab is encoded only once it is full, so larger slabs leave the encoders idle longer at the
 # start and end of a conversion (a --shuffle conversion with 8-chunk slabs took 1.1x as long).
@@ -33,8 +38,9 @@ EVERY_CHUNK: Any = {"write_empty_chunks": True}
 
 
 def writable_arrays(group: Any) -> dict[str, Any]:
-    """The four arrays of an existing store (an append's, a Dask task's), opened to write."""
-    return {name: group[name].with_config(EVERY_CHUNK) for name in ARRAYS}
+    """The per-window arrays of an existing store (an append's, a Dask task's), opened to write."""
+    names = ARRAYS_V2 if _v2.CODES in group else ARRAYS
+    return {name: group[name].with_config(EVERY_CHUNK) for name in names}
 
 
 class SlabWriter:
@@ -44,13 +50,20 @@ class SlabWriter:
     ``in_flight``: slabs written on background threads while the caller reads on (their
     memory is the bound); 0 writes each slab in the calling thread before ``add`` returns.
     ``workers``: the threads encoding one slab's chunks (``ChunkSink``).
+    ``coder``: format 2 (the arrays are ``ARRAYS_V2``): codes every block that comes without codes,
+    in the order blocks are added (store order).
     """
 
     def __init__(self, location: Location, arrays: dict[str, Any], *, start: int,
-                 slab_chunks: int | None = None, workers: int, in_flight: int) -> None:
+                 slab_chunks: int | None = None, workers: int, in_flight: int,
+                 coder: RowCoder | None = None) -> None:
         self.arrays = arrays
+        self.format2 = _v2.CODES in arrays
+        if self.format2 and coder is None:
+            raise ValueError("a format 2 SlabWriter needs a RowCoder")
+        self.coder = coder
         self.sink = ChunkSink(location, arrays, workers=workers)
-        self.chunk_windows = int(arrays[GIMU].chunks[0])
+        self.chunk_windows = int(arrays[DEVICE].chunks[0])
         if slab_chunks is None:
             slab_chunks = SLAB_WINDOWS // self.chunk_windows
         self.slab_windows = self.chunk_windows * max(slab_chunks, 1)
@@ -74,6 +87,8 @@ class SlabWriter:
         write every slab that is full."""
         if not len(block):
             return
+        if self.format2 and block.coded is None:
+            block = self.code(device_id, block)
         if self._coded is None:
             self._coded = block.codes is not None
         elif self._coded != (block.codes is not None):  # a slab's chunks are all codes or all floats
@@ -82,6 +97,16 @@ class SlabWriter:
         self._buffered += len(block)
         while self._buffered >= self._slab_room():
             self._flush(self._slab_room())
+
+    def code(self, device_id: int, block: WindowBlock) -> WindowBlock:
+        """``block`` with its format 2 codes and rows (``WindowBlock.coded``), from this writer's
+        coder: blocks must be coded in store order."""
+        assert self.coder is not None
+        if block.devices is None:
+            coded = self.coder.code(device_id, block.windows)
+        else:
+            coded = self.coder.code_mixed(block.devices, block.windows)
+        return dataclasses.replace(block, coded=coded)
 
     def reserve(self, n: int) -> None:
         """Windows ``[end, end + n)`` are written by others (Dask tasks): grow the arrays to hold
@@ -136,7 +161,12 @@ class SlabWriter:
         while at < n:
             device_id, block = self._buffer[0]
             take = min(n - at, len(block))
-            if block.codes is None:
+            if block.coded is not None:  # format 2
+                codes, rows = block.coded
+                buffers[_v2.CODES][at : at + take] = codes[:take]
+                buffers[_v2.GPS][at : at + take] = block.windows[:take, :, 3]
+                buffers[_v2.ROW][at : at + take] = rows[:take]
+            elif block.codes is None:
                 buffers[GIMU][at : at + take] = block.windows[:take]
             else:  # written from its codes (ChunkSink.code_encoder): a copy of the floats would go unread
                 if CODES not in buffers:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 from collections.abc import Iterable
 from typing import Any, Self
 
@@ -26,7 +27,9 @@ from birdzarr.convert._cpus import resolve_workers
 from birdzarr.convert._csv import tail_to_json
 from birdzarr.convert._slabs import EVERY_CHUNK, SlabWriter
 from birdzarr.convert._summary import DeviceSummary, Summarizer
+from birdzarr.format import _v2
 from birdzarr.format._codec import gimu_codecs, per_window_codecs
+from birdzarr.format._rows import RowCoder
 from birdzarr.format._spec import (
     ATTRS_KEY,
     CHANNELS,
@@ -50,6 +53,13 @@ from birdzarr.storage._lock import LOCK_NAME, StoreLock, clear_except_lock, rele
 _PER_WINDOW_DTYPES = {DEVICE: np.int32, TIMESTAMP: np.int64, LABEL: np.int32}
 _FILL = {DEVICE: -1, TIMESTAMP: TIMESTAMP_UNKNOWN, LABEL: LABEL_UNLABELLED}
 SLABS_IN_FLIGHT = 2  # slabs encoded on background threads while the next one fills (docs/conversion.md)
+
+
+def _array(group: zarr.Group, name: str) -> zarr.Array:
+    node = group[name]
+    if not isinstance(node, zarr.Array):
+        raise NotAStoreError(f"'{name}' in the store is a group, not an array")
+    return node
 
 
 def _now() -> str:
@@ -84,13 +94,17 @@ class Writer:
         self.started_at = _now()
         self.group: zarr.Group | None = None  # set by _open as soon as it is open
         self._slabs: SlabWriter | None = None
+        # format 2: codes the windows this process writes; its rows, and those coded elsewhere
+        # (worker processes, Dask tasks: ``add_rows``), are stored at the commit
+        self.coder: RowCoder | None = None
+        self._rows_from_elsewhere: list[_v2.Dictionaries] = []
         self._committed = False
         self._created = False  # this writer created the store: a failed write removes its root too
 
     # -- hooks -----------------------------------------------------------------------------------
     def _open(self) -> tuple[dict[str, Any], int]:
-        """Open the destination (setting ``self.group``); its four arrays and the first window
-        to write."""
+        """Open the destination (setting ``self.group``, and ``self.coder`` for format 2); its
+        per-window arrays and the first window to write."""
         raise NotImplementedError
 
     def _committed_attrs(self, extra_report: dict[str, Any] | None) -> dict[str, Any]:
@@ -109,7 +123,7 @@ class Writer:
             # workers=1: slabs are written in the calling thread too, one at a time
             in_flight = 0 if self.workers == 1 else SLABS_IN_FLIGHT
             self._slabs = SlabWriter(self.location, arrays, start=start, workers=self.workers,
-                                     in_flight=in_flight)
+                                     in_flight=in_flight, coder=self.coder)
         except BaseException:
             self._abandon()
             release_and_tidy(self.lock, remove_root=True)
@@ -148,13 +162,42 @@ class Writer:
         for block in blocks:
             summary.add(block)
             self.slabs.add(device_id, block)
+        if self.coder is not None:
+            self.coder.close_device(device_id)
         return summary.finish()
+
+    def add_rows(self, rows: _v2.Dictionaries) -> None:
+        """Format 2: dictionary rows coded elsewhere (a worker process, a Dask task), numbered
+        after every row added before them; stored at the commit."""
+        self._rows_from_elsewhere.append(rows)
+
+    def _store_dictionaries(self) -> None:
+        """Format 2: append the conversion's dictionary rows to the dictionary arrays (before the
+        commit; an append's ``_abandon`` cuts them back)."""
+        if self.coder is None:
+            return
+        assert self.group is not None
+        rows = self.coder.new_rows()
+        for part in self._rows_from_elsewhere:
+            rows = rows.extend(part)
+        arrays = {name: _array(self.group, name) for name in (_v2.VALUES, _v2.START, _v2.DEVICE)}
+        for name, new in ((_v2.VALUES, rows.values), (_v2.START, rows.start), (_v2.DEVICE, rows.device)):
+            array = arrays[name]
+            old = array.shape[0]
+            if len(new):
+                array.resize((old + len(new), *array.shape[1:]))
+                array[old:] = new
 
     # -- commit ----------------------------------------------------------------------------------
     def commit(self, extra_report: dict[str, Any] | None = None) -> dict[str, Any]:
         """Make everything written visible: the one write that turns the group into a store."""
         self.slabs.drain()
+        self._store_dictionaries()
         attrs = self._committed_attrs(extra_report)
+        if self.coder is not None:  # what an interrupted append is cut back to (_append.py)
+            assert self.group is not None
+            attrs["committed"]["dictionary"] = {"rows": int(_array(self.group, _v2.DEVICE).shape[0]),
+                                                "values": int(_array(self.group, _v2.VALUES).shape[0])}
         assert self.group is not None
         self.group.attrs.put({ATTRS_KEY: attrs})
         self._committed = True
@@ -174,8 +217,10 @@ class StoreWriter(Writer):
         static_attrs: dict[str, Any] | None = None,
         lock_command: str | None = None,
         workers: int | None = None,
+        format_version: int = FORMAT_VERSION,
     ) -> None:
         super().__init__(location, lock_command=lock_command, workers=workers)
+        self.format_version = format_version
         self.codec = codec
         self.chunk_windows = chunk_windows
         self.overwrite = overwrite
@@ -188,13 +233,10 @@ class StoreWriter(Writer):
         group = self.group = zarr.open_group(store, mode="a", zarr_format=3)
         self._created = True
         group.attrs.put({ATTRS_KEY: self._attrs(committed=None)})
-        compressor = self.static_attrs.get("layout", {}).get("compressor", {})
-        arrays = {GIMU: group.create_array(
-            GIMU, shape=(0, WINDOW_LENGTH, N_CHANNELS), dtype="float32",
-            chunks=(self.chunk_windows, WINDOW_LENGTH, N_CHANNELS), fill_value=0.0,
-            dimension_names=GIMU_DIMS, attributes=array_attributes(GIMU),
-            overwrite=True, config=EVERY_CHUNK, **gimu_codecs(self.codec, **compressor),
-        )}
+        if self.format_version == 2:
+            arrays = self._create_format2_arrays(group)
+        else:
+            arrays = self._create_format1_window_array(group)
         for name, dtype in _PER_WINDOW_DTYPES.items():
             arrays[name] = group.create_array(
                 name, shape=(0,), dtype=dtype, chunks=(self.chunk_windows,), fill_value=_FILL[name],
@@ -202,6 +244,25 @@ class StoreWriter(Writer):
                 config=EVERY_CHUNK, **per_window_codecs(),
             )
         return arrays, 0
+
+    def _create_format2_arrays(self, group: zarr.Group) -> dict[str, Any]:
+        """Format 2's window and dictionary arrays, empty, from their zarr.json documents
+        (birdzarr/format/_v2.py): core codecs only. Returns the per-window ones."""
+        self.coder = RowCoder()
+        for name, meta in _v2.array_metadata(0, 0, 0, chunk_windows=self.chunk_windows).items():
+            if self.location.is_local:  # object stores have no directories
+                os.makedirs(self.location.join(name), exist_ok=True)
+            self.location.fs.pipe_file(self.location.join(name, "zarr.json"), json.dumps(meta).encode())
+        return {name: _array(group, name).with_config(EVERY_CHUNK) for name in (_v2.CODES, _v2.GPS, _v2.ROW)}
+
+    def _create_format1_window_array(self, group: zarr.Group) -> dict[str, Any]:
+        compressor = self.static_attrs.get("layout", {}).get("compressor", {})
+        return {GIMU: group.create_array(
+            GIMU, shape=(0, WINDOW_LENGTH, N_CHANNELS), dtype="float32",
+            chunks=(self.chunk_windows, WINDOW_LENGTH, N_CHANNELS), fill_value=0.0,
+            dimension_names=GIMU_DIMS, attributes=array_attributes(GIMU),
+            overwrite=True, config=EVERY_CHUNK, **gimu_codecs(self.codec, **compressor),
+        )}
 
     def _abandon(self) -> None:
         """A failed conversion leaves nothing behind."""
@@ -278,7 +339,7 @@ class StoreWriter(Writer):
 
     def _attrs(self, *, committed: dict[str, Any] | None) -> dict[str, Any]:
         return {
-            "format_version": FORMAT_VERSION,
+            "format_version": self.format_version,
             "window_length": WINDOW_LENGTH,
             "channels": list(CHANNELS),
             **self.static_attrs,

@@ -1,0 +1,169 @@
+"""Converting to format 2 (``format_version=2``): every path writes the same bytes (one process, threads,
+worker processes, the shuffle on threads and in processes), the windows decode with the documented
+lines to exactly what format 1 stores, appends follow the append rule, and a failed append leaves the
+committed dictionary as it was."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import numpy as np
+import pytest
+import zarr
+
+import birdzarr
+from birdzarr._errors import BadInputError
+from birdzarr.convert import _segments, _shuffle_processes
+from birdzarr.demo import _synthetic
+from birdzarr.format import _v2
+
+CORE = {"bytes", "transpose", "blosc", "zstd", "gzip", "crc32c", "sharding_indexed"}
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    directory = tmp_path_factory.mktemp("pq")
+    _synthetic.make_parquet_dir(directory, n_devices=6, total_windows=9_000, seed=3)
+    return directory
+
+
+def documented_decode(path: pathlib.Path) -> np.ndarray:
+    """The windows as docs/format.md decodes them: zarr-python and numpy only."""
+    z = zarr.open_group(str(path), mode="r")
+    codes, row, gps = z[_v2.CODES][:], z[_v2.ROW][:], z[_v2.GPS][:]
+    start, values = z[_v2.START][:], z[_v2.VALUES][:]
+    windows = np.empty((len(row), 20, 4), np.float32)
+    windows[:, :, :3] = values[start[row][:, None, :] + codes]
+    windows[:, :, 3] = gps
+    return windows
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def chunk_files(path: pathlib.Path) -> dict[str, bytes]:
+    """Every file of the store but the root zarr.json (whose report holds times)."""
+    return {str(p.relative_to(path)): p.read_bytes() for p in path.rglob("*")
+            if p.is_file() and p.relative_to(path) != pathlib.Path("zarr.json")}
+
+
+def test_every_device_order_path_writes_the_same_bytes_and_the_windows_of_format_1(
+    source: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    options = {"chunk_windows": 700, "progress": False}  # chunks shared by segments and devices
+    v1 = birdzarr.convert(source, tmp_path / "v1", **options).windows[:]
+    birdzarr.convert(source, tmp_path / "one", workers=1, format_version=2, **options)
+    birdzarr.convert(source, tmp_path / "threads", workers=2, format_version=2, **options)
+    monkeypatch.setattr(_segments, "PROCESS_MIN_BYTES", 0)
+    processes = birdzarr.convert(source, tmp_path / "processes", workers=2, format_version=2, **options)
+    assert processes.meta["report"]["worker_processes"] == 2
+    assert processes.format_version == 2
+    expected = chunk_files(tmp_path / "one")
+    assert chunk_files(tmp_path / "threads") == expected
+    assert chunk_files(tmp_path / "processes") == expected
+    assert same_bits(documented_decode(tmp_path / "processes"), v1)
+    assert same_bits(processes.windows[:], v1)
+    root = tmp_path / "one"
+    # one row per device (calibrated 12-bit data), in store order; every codec a core one
+    rows = zarr.open_group(str(root), mode="r")[_v2.DEVICE][:]
+    assert rows.tolist() == [e.device_id for e in processes.device_table]
+    names = sorted(p.parent.name for p in root.glob("*/zarr.json"))
+    assert names == sorted([*_v2.ARRAYS, "device", "timestamp", "label"])
+    for meta_path in root.glob("*/zarr.json"):
+        assert {c["name"] for c in json.loads(meta_path.read_text())["codecs"]} <= CORE, meta_path
+    committed = processes.meta["committed"]["dictionary"]
+    assert committed == {"rows": len(rows), "values": int(zarr.open_group(str(root))[_v2.VALUES].shape[0])}
+
+
+def test_every_shuffle_path_writes_the_same_bytes_and_the_windows_of_format_1(
+    source: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    options = {"chunk_windows": 1000, "progress": False, "shuffle": True, "seed": 8}
+    v1 = birdzarr.convert(source, tmp_path / "v1", **options).windows[:]
+    birdzarr.convert(source, tmp_path / "one", workers=1, format_version=2, **options)
+    birdzarr.convert(source, tmp_path / "threads", workers=2, format_version=2, **options)
+    monkeypatch.setattr(_shuffle_processes, "PROCESS_MIN_BYTES", 0)
+    processes = birdzarr.convert(source, tmp_path / "processes", workers=2, format_version=2, **options)
+    assert processes.meta["report"]["worker_processes"] == 2
+    expected = chunk_files(tmp_path / "one")
+    assert chunk_files(tmp_path / "threads") == expected
+    assert chunk_files(tmp_path / "processes") == expected
+    assert same_bits(documented_decode(tmp_path / "one"), v1)
+    # a shuffled store's rows hold each device's values sorted by bit pattern: one row per device
+    z = zarr.open_group(str(tmp_path / "one"), mode="r")
+    d = _v2.Dictionaries(z[_v2.VALUES][:], z[_v2.START][:], z[_v2.DEVICE][:])
+    assert d.device.tolist() == sorted(e.device_id for e in processes.device_table)
+    for r in range(d.n_rows):
+        bits = d.entries(r, 0).view(np.uint32)
+        assert (np.diff(bits.astype(np.int64)) > 0).all()
+
+
+def test_a_device_past_65535_values_a_channel_splits_into_rows_on_every_path(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = tmp_path / "src"
+    source.mkdir()
+    rng = np.random.default_rng(5)
+    wide = _synthetic.curated_windows(4000, seed=1)
+    wide[:, :, 2] = rng.uniform(-1, 1, (4000, 20)).astype(np.float32)  # 80,000 distinct imu_z values
+    _synthetic.write_parquet(wide, str(source / "3.parquet"))
+    _synthetic.write_parquet(_synthetic.curated_windows(500, seed=2), str(source / "4.parquet"))
+    for name, options in {"order": {}, "shuffle": {"shuffle": True, "seed": 1}}.items():
+        v1 = birdzarr.convert(source, tmp_path / f"{name}1", progress=False, **options).windows[:]  # type: ignore[arg-type]
+        birdzarr.convert(source, tmp_path / name, progress=False, workers=1, format_version=2,
+                         **options)  # type: ignore[arg-type]
+        z = zarr.open_group(str(tmp_path / name), mode="r")
+        assert z[_v2.DEVICE][:].tolist().count(3) == 2  # device 3 needed two rows
+        assert same_bits(documented_decode(tmp_path / name), v1)
+    # the shuffle in worker processes cannot number rows opened in several processes: refused
+    monkeypatch.setattr(_shuffle_processes, "PROCESS_MIN_BYTES", 0)
+    with pytest.raises(BadInputError, match=r"^device 3 has more than 65,535 distinct values in an IMU "
+                                            r"channel .* Convert with workers=1"):
+        birdzarr.convert(source, tmp_path / "p", progress=False, workers=2, format_version=2, shuffle=True,
+                         seed=1)
+    assert not (tmp_path / "p").exists() or not os.listdir(tmp_path / "p")
+
+
+def test_an_append_keeps_the_committed_rows_and_a_failed_one_leaves_them(tmp_path: pathlib.Path) -> None:
+    raws = _synthetic.make_csv_dir(tmp_path / "all", n_devices=3, bursts_per_device=20, parts=2, seed=4)
+    assert raws
+    for name in ("base", "more"):
+        (tmp_path / name).mkdir()
+    for path in sorted((tmp_path / "all").iterdir()):
+        part = int(path.stem.split("_")[1])
+        (tmp_path / ("base" if part == 0 else "more") / path.name).write_bytes(path.read_bytes())
+    options = {"chunk_windows": 100, "progress": False}
+    dest = tmp_path / "s.zarr"
+    birdzarr.convert(tmp_path / "base", dest, format_version=2, **options)
+    before = documented_decode(dest)
+    z = zarr.open_group(str(dest), mode="r")
+    old_values, old_rows = z[_v2.VALUES][:], z[_v2.DEVICE][:]
+    # a bad file among the new parts: the append fails, the store stays as committed
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for path in (tmp_path / "more").iterdir():
+        bad.joinpath(path.name).write_bytes(path.read_bytes())
+    last = sorted(bad.iterdir())[-1]
+    last.write_text(last.read_text() + "not,a,row\n")
+    with pytest.raises(birdzarr.BirdzarrError):
+        birdzarr.append(dest, bad, progress=False)
+    assert same_bits(documented_decode(dest), before)
+    z = zarr.open_group(str(dest), mode="r")
+    assert z[_v2.VALUES].shape == old_values.shape and z[_v2.DEVICE].shape == old_rows.shape
+    # the good append: the windows format 1 stores after the same append, old rows and codes untouched
+    store = birdzarr.append(dest, tmp_path / "more", progress=False)
+    birdzarr.convert(tmp_path / "base", tmp_path / "v1", **options)
+    expected = birdzarr.append(tmp_path / "v1", tmp_path / "more", progress=False).windows[:]
+    assert same_bits(documented_decode(dest), expected) and same_bits(store.windows[:], expected)
+    assert len(expected) > len(before)
+    z = zarr.open_group(str(dest), mode="r")
+    values, rows = z[_v2.VALUES][:], z[_v2.DEVICE][:]
+    assert same_bits(values[: len(old_values)], old_values)
+    assert rows[: len(old_rows)].tolist() == old_rows.tolist()
+    assert store.meta["committed"]["dictionary"] == {"rows": len(rows), "values": len(values)}
+    # every appended window of a device codes against a row of that device
+    devices = z["device"][:]
+    assert (rows[z[_v2.ROW][:]] == devices).all()
