@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
 
 from birdzarr.format import _v2
 from birdzarr.format._spec import ATTRS_KEY, DEVICE, GIMU
@@ -49,3 +51,31 @@ def to_format2(path: str | Path) -> None:
     shutil.rmtree(path / GIMU)
     meta["format_version"] = 2
     root_file.write_text(json.dumps(root, indent=2))
+
+
+# -- fixtures (import them into a test module to use them) --------------------------------------
+
+
+@pytest.fixture(scope="session")
+def v2_pair(small_store: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    """The session's small store (device order, 1024-window chunks) and its ``to_format2`` copy."""
+    import birdzarr
+
+    dest = tmp_path_factory.mktemp("format2") / "small2.zarr"
+    shutil.copytree(small_store.location.path, dest)
+    to_format2(dest)
+    return small_store, birdzarr.open_store(dest)
+
+
+@pytest.fixture(scope="session")
+def v2_shuffled_pair(parquet_source: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    """The parquet_source converted with --shuffle (1024-window chunks) and its ``to_format2`` copy."""
+    import birdzarr
+
+    directory, _ = parquet_source
+    root = tmp_path_factory.mktemp("format2_shuffled")
+    v1 = birdzarr.convert(directory, root / "shuffled.zarr", shuffle=True, seed=4, chunk_windows=1024,
+                          progress=False)
+    shutil.copytree(root / "shuffled.zarr", root / "shuffled2.zarr")
+    to_format2(root / "shuffled2.zarr")
+    return v1, birdzarr.open_store(root / "shuffled2.zarr")

@@ -288,7 +288,7 @@ def test_a_format_version_that_is_not_an_integer_says_what_it_may_be(
         birdzarr.open_store(copy)
     assert str(refused.value) == (
         f"{copy} has birdzarr format version '1', a str where every version so far is an integer (this "
-        "birdzarr supports 1): a newer birdzarr wrote it (upgrade: pip install -U birdzarr), or its "
+        "birdzarr supports versions 1 and 2): a newer birdzarr wrote it (upgrade: pip install -U birdzarr), or its "
         "zarr.json is damaged (restore it from a copy of the store).")
 
 

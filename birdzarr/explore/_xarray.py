@@ -1,9 +1,12 @@
 """A lazy ``xarray.Dataset`` over a store, read through the store's own chunk reader.
 
 Why not ``xr.open_zarr``: zarr-python returns fill values for a missing chunk (the store's reader
-raises), it would see windows past the committed count during an append, and it needs the
-``birdzarr.dict16`` codec registered. Reading through ``birdzarr.store._chunks.ChunkReader``
-keeps all three guarantees and counts every request, on local disks and S3 alike.
+raises), it would see windows past the committed count during an append, and it shows a store's
+arrays as stored: a format-1 store's ``gimu`` needs the ``birdzarr.dict16`` codec registered, and a
+format-2 store holds uint16 codes and dictionaries, not windows. Reading through
+``birdzarr.store._chunks.ChunkReader`` keeps these guarantees (``gimu`` is the decoded float32
+windows on every format version, with the same coordinates and attributes) and counts every
+request, on local disks and S3 alike.
 Each variable is wrapped in xarray's lazy indexing: selecting windows reads only their chunks,
 and nothing is read when the Dataset is built or displayed.
 
@@ -303,7 +306,7 @@ def to_xarray(store: Store) -> xr.Dataset:
         return xarray.Variable(dims, data, attrs=attrs)
 
     gimu_attrs = {**array_attributes(GIMU), "gps_scale": gps_scale(store)}
-    gimu = lazy(GIMU, GIMU_DIMS, layouts[GIMU].dtype, gimu_attrs)
+    gimu = lazy(GIMU, GIMU_DIMS, store.reader.dtype(GIMU), gimu_attrs)  # float32, decoded, on every version
     # Decoded to datetime64[s], the timestamps carry their unit in the dtype: a "units" attribute
     # beside it would make xarray refuse to write the Dataset (to_zarr, to_netcdf).
     time_attrs = {"long_name": "burst start (UTC)", "note": "NaT where the source has no timestamps"}

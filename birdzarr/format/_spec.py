@@ -13,6 +13,8 @@ from birdzarr._checks import require_number
 from birdzarr._errors import ArgumentError, FormatVersionError, NotAStoreError
 
 FORMAT_VERSION = 1
+# the versions this birdzarr reads (FORMAT_VERSION is the one it writes by default)
+SUPPORTED_VERSIONS = (1, 2)
 ATTRS_KEY = "birdzarr"
 
 WINDOW_LENGTH = 20
@@ -242,13 +244,20 @@ def check_root_attrs(attrs: dict[str, Any], *, where: str) -> dict[str, Any]:
     if not isinstance(version, int) or isinstance(version, bool):  # "1" would read as version 1
         raise FormatVersionError(
             f"{where} has birdzarr format version {version!r}, a {type(version).__name__} where every "
-            f"version so far is an integer (this birdzarr supports {FORMAT_VERSION}): a newer birdzarr "
+            f"version so far is an integer (this birdzarr supports {_supported()}): a newer birdzarr "
             "wrote it (upgrade: pip install -U birdzarr), or its zarr.json is damaged (restore it "
             "from a copy of the store)."
         )
-    if version > FORMAT_VERSION or version < 1:
+    if version not in SUPPORTED_VERSIONS:
         raise FormatVersionError(
             f"{where} has birdzarr format version {version!r}; this birdzarr "
-            f"supports version {FORMAT_VERSION}. Upgrade birdzarr (pip install -U birdzarr)."
+            f"supports {_supported()}. Upgrade birdzarr (pip install -U birdzarr)."
         )
     return meta
+
+
+def _supported() -> str:
+    """``version 1`` / ``versions 1 and 2``: the readable versions, for messages."""
+    if len(SUPPORTED_VERSIONS) == 1:
+        return f"version {SUPPORTED_VERSIONS[0]}"
+    return f"versions {', '.join(map(str, SUPPORTED_VERSIONS[:-1]))} and {SUPPORTED_VERSIONS[-1]}"

@@ -9,7 +9,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from birdzarr._checks import require_int
-from birdzarr._errors import ArgumentError, DeviceNotFoundError, IncompleteStoreError, WindowIndexError
+from birdzarr._errors import (
+    ArgumentError,
+    DeviceNotFoundError,
+    FormatVersionError,
+    IncompleteStoreError,
+    WindowIndexError,
+)
 from birdzarr.format._spec import (
     DEVICE,
     GIMU,
@@ -50,7 +56,7 @@ class Store:
             )
         self.n_windows = int(committed["n_windows"])
         self.device_table = [DeviceEntry.from_json(d) for d in attrs.get("devices", [])]
-        self.reader = ChunkReader.open(location, self.n_windows)
+        self.reader = ChunkReader.open(location, self.n_windows, int(attrs["format_version"]))
 
     # -- basic facts -----------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -132,8 +138,18 @@ class Store:
 
     @property
     def gimu(self) -> zarr.Array:
-        """The ``gimu`` zarr array. Its shape may exceed ``len(store)`` during an append:
-        windows at or past ``len(store)`` are not committed."""
+        """The ``gimu`` zarr array of a format-1 store. Its shape may exceed ``len(store)`` during
+        an append: windows at or past ``len(store)`` are not committed.
+
+        A format-2 store has no ``gimu`` array (its windows are ``gimu_codes`` + dictionaries,
+        docs/format.md): this raises FormatVersionError naming ``store.windows``, which gives
+        float32 windows on every version; ``store.group`` holds the stored arrays."""
+        if self.format_version >= 2:
+            raise FormatVersionError(
+                f"{self.url} is a format-{self.format_version} store: it has no 'gimu' array (its windows "
+                "are stored as dictionary codes). Read float32 windows with store.windows[a:b]; "
+                "store.group['gimu_codes'] and the dict_* arrays are the stored arrays."
+            )
         return self.group[GIMU]  # type: ignore[return-value]
 
     @property
@@ -269,8 +285,7 @@ def gather(reader: ChunkReader, name: str, indices: np.ndarray) -> np.ndarray:
     """Windows at arbitrary global indices, reading each touched chunk once."""
     chunk_of = indices // reader.chunk_windows
     order = np.argsort(chunk_of, kind="stable")
-    shape = (len(indices), 20, 4) if name == GIMU else (len(indices),)
-    out = np.empty(shape, dtype=reader.layouts[name].dtype)
+    out = np.empty((len(indices), *reader.item_shape(name)), dtype=reader.dtype(name))
     sorted_chunks = chunk_of[order]
     bounds = np.flatnonzero(np.diff(sorted_chunks)) + 1
     for group in np.split(order, bounds):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from birdzarr.format import _v2
 from birdzarr.format._spec import GIMU
 from birdzarr.store._handle import Store
 
@@ -21,10 +22,17 @@ def stored_bytes(store: Store, name: str = GIMU) -> int:
     return int(sum(size for path, size in sizes.items() if not path.endswith("zarr.json")))
 
 
+def window_arrays(store: Store) -> tuple[str, ...]:
+    """The arrays that hold the windows' values: ``gimu`` (format 1); the codes, gps_speed,
+    rows and dictionaries (format 2)."""
+    return _v2.ARRAYS if store.format_version >= 2 else (GIMU,)
+
+
 def summary(store: Store) -> dict[str, Any]:
     meta = store.meta
     raw = len(store) * _WINDOW_BYTES
-    stored = stored_bytes(store)
+    arrays = {name: stored_bytes(store, name) for name in window_arrays(store)}
+    stored = sum(arrays.values())
     report = meta.get("report", {})
     appends = report.get("appends") or []
     dropped: dict[str, int] = {}
@@ -45,6 +53,7 @@ def summary(store: Store) -> dict[str, Any]:
         "bytes_raw": raw,
         "bytes_stored": stored,
         "ratio": round(raw / stored, 3) if stored else None,
+        "bytes_arrays": arrays,  # the stored bytes of each array counted in bytes_stored
         "layout": meta.get("layout"),
         "source_kind": meta.get("source_kind"),
         "curation": meta.get("curation"),
@@ -81,6 +90,12 @@ def _size(n: float) -> str:
     return f"{n:.1f} TB"
 
 
+def _codec_name(info: dict[str, Any]) -> str:
+    if info["format_version"] >= 2:
+        return "uint16 codes + dictionaries (core Zarr v3 codecs)"
+    return str((info["layout"] or {}).get("codec"))
+
+
 def format_summary(info: dict[str, Any]) -> str:
     layout = info["layout"] or {}
     curation = info["curation"] or {}
@@ -92,10 +107,13 @@ def format_summary(info: dict[str, Any]) -> str:
         f"windows      {info['windows']:,} from {info['devices']} devices (source: {info['source_kind']})",
         f"bytes        {_size(info['bytes_raw'])} raw float32, {_size(info['bytes_stored'])} stored "
         f"(ratio {info['ratio']}x)",
-        f"chunking     {layout.get('chunk_windows')} windows a chunk, codec {layout.get('codec')}, "
+        f"chunking     {layout.get('chunk_windows')} windows a chunk, codec {_codec_name(info)}, "
         f"shuffled {layout.get('shuffled')}"
         + (f" (seed {layout.get('shuffle_seed')})" if layout.get("shuffled") else ""),
     ]
+    if info["format_version"] >= 2:
+        lines.append("arrays       " + ", ".join(
+            f"{name} {_size(size)}" for name, size in (info.get("bytes_arrays") or {}).items()))
     if curation.get("applied_by") == "birdzarr":
         lines.append(
             f"curation     speed < {curation['speed_limit']} m/s per window, imu clipped to "

@@ -1,0 +1,286 @@
+"""Reading a format-2 store (uint16 codes + dictionaries, birdzarr/format/_v2.py): every window bit
+for bit what the version-1 store it was made from gives, through every read path; damaged, missing
+and out-of-dictionary chunks refused with the named error, never misread."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import birdzarr
+from birdzarr._errors import CorruptChunkError, FormatVersionError, MissingChunkError
+from birdzarr.format import _v2
+from birdzarr.format._spec import GIMU
+from birdzarr.store._chunks import ChunkReader
+from birdzarr.store._summary import format_summary, summary
+
+pytest_plugins = ["format2_support"]  # its fixtures: v2_pair, v2_shuffled_pair
+
+Pair = tuple[birdzarr.Store, birdzarr.Store]
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).view(np.uint8)
+
+
+def assert_exact(got: np.ndarray, expected: np.ndarray) -> None:
+    assert got.dtype == np.float32 and got.shape == expected.shape
+    assert np.array_equal(bits(got), bits(expected))
+
+
+@pytest.fixture(params=["device order", "shuffled"])
+def pair(request: pytest.FixtureRequest) -> Pair:
+    name = "v2_pair" if request.param == "device order" else "v2_shuffled_pair"
+    got: Pair = request.getfixturevalue(name)
+    return got
+
+
+def writable_copy(store: birdzarr.Store, dest: Path) -> Path:
+    shutil.copytree(store.location.path, dest)
+    return dest
+
+
+def test_every_read_path_gives_the_version_1_windows_bit_for_bit(pair: Pair) -> None:
+    v1, v2 = pair
+    assert (v2.format_version, v2.reader.format_version, v1.reader.format_version) == (2, 2, 1)
+    assert "gimu" not in v2.reader.layouts and set(_v2.ARRAYS) <= set(v2.reader.layouts)
+    assert len(v2) == len(v1) == 30_000 and v2.chunk_windows == 1024 and v2.reader.n_chunks == 30
+    assert_exact(v2.windows[:], v1.windows[:])
+    rng = np.random.default_rng(5)
+    picked = rng.integers(-len(v1), len(v1), 3000)  # unsorted, repeated and negative indices
+    assert_exact(v2.windows[picked], v1.windows[picked])
+    assert_exact(v2.windows[5:1500], v1.windows[5:1500])  # partial chunks at both ends
+    assert_exact(v2.windows[29_000:], v1.windows[29_000:])  # the last chunk is partial (304 windows)
+    assert_exact(v2.windows[7:9000:7], v1.windows[7:9000:7])
+    assert_exact(v2.windows[-1], v1.windows[-1])
+    assert np.array_equal(v2.windows[100, :, 2], v1.windows[100, :, 2])
+    assert_exact(v2.array_view(GIMU)[:50], v1.windows[:50])
+    out = np.full((1024, 20, 4), np.nan, np.float32)
+    for chunk in range(v2.reader.n_chunks):
+        expected = v1.reader.read(GIMU, chunk)
+        assert_exact(v2.reader.read(GIMU, chunk), expected)
+        into = v2.reader.read(GIMU, chunk, out=out)
+        assert np.shares_memory(into, out)  # decoded straight into the caller's buffer
+        assert_exact(into, expected)
+    device = int(v1.devices["device_id"].iloc[5])
+    assert_exact(v2.device_windows(device), v1.device_windows(device))
+    for view in ("window_devices", "labels", "timestamps"):
+        assert np.array_equal(getattr(v2, view)[:], getattr(v1, view)[:])
+
+
+def test_read_coded_and_the_dictionaries_decode_with_the_documented_lines(pair: Pair) -> None:
+    v1, v2 = pair
+    reader = v2.reader
+    dictionaries = reader.dictionaries()
+    assert reader.dictionaries() is dictionaries  # read once, kept
+    assert sorted(dictionaries.device.tolist()) == sorted(v1.devices["device_id"].tolist())
+    for chunk in (0, 17, reader.n_chunks - 1):
+        codes, row, gps = reader.read_coded(chunk)
+        n = len(v1.reader.read(GIMU, chunk))
+        assert (codes.dtype, codes.shape, row.dtype, row.shape, gps.dtype, gps.shape) == (
+            np.uint16, (n, 20, 3), np.uint32, (n,), np.float32, (n, 20))
+        assert codes.flags.c_contiguous and row.flags.c_contiguous and gps.flags.c_contiguous
+        decoded = _v2.decode_reference(codes, row, gps, dictionaries.values, dictionaries.start)
+        assert_exact(decoded, v1.reader.read(GIMU, chunk))
+        # each window's row is a row of its own device
+        assert np.array_equal(dictionaries.device[row], v2.reader.read("device", chunk))
+        # the stored arrays read as stored through read() too
+        assert np.array_equal(reader.read(_v2.CODES, chunk), codes)
+        assert np.array_equal(reader.read(_v2.ROW, chunk), row)
+        assert np.array_equal(bits(reader.read(_v2.GPS, chunk)), bits(gps))
+    assert v2.reader.read_codes(0) is None  # version 1's dict16 codes: none here
+    with pytest.raises(ValueError, match="is a format-1 store: it has no dictionary codes"):
+        v1.reader.read_coded(0)
+
+
+def test_the_dictionaries_are_read_once_by_threads_reading_together(v2_pair: Pair) -> None:
+    v1, v2 = v2_pair
+    reader = ChunkReader(v2.location, v2.reader.layouts, len(v2))  # a fresh reader, nothing read yet
+    results: dict[int, np.ndarray] = {}
+
+    def read(chunk: int) -> None:
+        results[chunk] = reader.read(GIMU, chunk)
+
+    threads = [threading.Thread(target=read, args=(chunk,)) for chunk in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for chunk in range(8):
+        assert_exact(results[chunk], v1.reader.read(GIMU, chunk))
+    # 3 objects a chunk (codes, gps_speed, rows), and one chunk of each dictionary array, once
+    assert reader.requests == 8 * 3 + 3
+
+
+def test_a_reader_pickles_with_its_dictionaries(v2_pair: Pair) -> None:
+    v1, v2 = v2_pair
+    v2.reader.dictionaries()
+    copied = pickle.loads(pickle.dumps(v2.reader))
+    assert copied.dictionaries() is not v2.reader.dictionaries()
+    assert_exact(copied.read(GIMU, 3), v1.reader.read(GIMU, 3))
+
+
+def test_the_chunk_cache_serves_a_version_2_store(v2_pair: Pair, tmp_path: Path) -> None:
+    v1, v2 = v2_pair
+    cached = birdzarr.open_store(v2.location.path, cache_dir=tmp_path / "cache")
+    assert_exact(cached.windows[:], v1.windows[:])
+    first = (cached.cache.hits, cached.cache.misses)  # type: ignore[union-attr]
+    assert first == (0, 30 * 3 + 3)
+    again = birdzarr.open_store(v2.location.path, cache_dir=tmp_path / "cache")
+    assert_exact(again.windows[:], v1.windows[:])
+    assert (again.cache.hits, again.cache.misses) == (30 * 3 + 3, 0)  # type: ignore[union-attr]
+    assert again.reader.requests == 0
+
+
+def test_the_gimu_zarr_array_is_refused_naming_store_windows(v2_pair: Pair) -> None:
+    _, v2 = v2_pair
+    with pytest.raises(FormatVersionError) as refused:
+        _ = v2.gimu
+    assert str(refused.value) == (
+        f"{v2.url} is a format-2 store: it has no 'gimu' array (its windows are stored as dictionary "
+        "codes). Read float32 windows with store.windows[a:b]; store.group['gimu_codes'] and the dict_* "
+        "arrays are the stored arrays.")
+    assert v2.group["gimu_codes"].dtype == np.uint16  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("array", "key"), [
+    ("gimu_codes", "c/3/0/0"), ("gps_speed", "c/3/0"), ("gimu_row", "c/3"), ("dict_values", "c/0"),
+    ("dict_start", "c/0/0"), ("dict_device", "c/0"),
+])
+def test_a_missing_chunk_raises_naming_its_array_and_key(v2_pair: Pair, tmp_path: Path, array: str,
+                                                        key: str) -> None:
+    path = writable_copy(v2_pair[1], tmp_path / "s.zarr")
+    (path / array / key).unlink()
+    store = birdzarr.open_store(path)
+    with pytest.raises(MissingChunkError) as missing:
+        store.windows[3000:3100]
+    assert type(missing.value) is MissingChunkError
+    assert str(missing.value) == (
+        f"{store.url}: committed chunk '{array}/{key}' is missing. The store is damaged; run "
+        "`birdzarr verify` on it and re-convert or restore the missing files.")
+
+
+@pytest.mark.parametrize(("array", "key"), [
+    ("gimu_codes", "c/2/0/0"), ("gps_speed", "c/2/0"), ("gimu_row", "c/2"), ("dict_values", "c/0"),
+])
+def test_a_damaged_chunk_raises_naming_its_array_and_key(v2_pair: Pair, tmp_path: Path, array: str,
+                                                        key: str) -> None:
+    path = writable_copy(v2_pair[1], tmp_path / "s.zarr")
+    data = bytearray((path / array / key).read_bytes())
+    data[len(data) // 2] ^= 0x10
+    (path / array / key).write_bytes(bytes(data))
+    store = birdzarr.open_store(path)
+    with pytest.raises(CorruptChunkError) as damaged:
+        store.windows[2048:2100]
+    assert str(damaged.value) == (
+        f"{store.url}: chunk '{array}/{key}' cannot be decoded (crc32c checksum mismatch: the chunk's "
+        "bytes were changed or truncated). The store is damaged; run `birdzarr verify`.")
+
+
+def _store_rows(path: Path) -> tuple[Any, np.ndarray, np.ndarray]:
+    import zarr
+
+    codes = zarr.open_array(str(path / _v2.CODES), mode="r+", zarr_format=3)
+    row: np.ndarray = np.asarray(zarr.open_array(str(path / _v2.ROW), mode="r", zarr_format=3)[:])
+    start: np.ndarray = np.asarray(zarr.open_array(str(path / _v2.START), mode="r", zarr_format=3)[:])
+    values = zarr.open_array(str(path / _v2.VALUES), mode="r", zarr_format=3)
+    return codes, row, _v2.entry_counts(start, values.shape[0])
+
+
+@pytest.mark.parametrize("window", [5000, 3327 + 4])  # a chunk of one device; one of two (a boundary)
+def test_a_code_past_its_dictionary_is_refused_not_misread(v2_pair: Pair, tmp_path: Path,
+                                                          window: int) -> None:
+    """A chunk with a valid checksum (written by zarr-python) whose code is past the end of its
+    dictionary would read a value of the next dictionary: it is refused."""
+    path = writable_copy(v2_pair[1], tmp_path / "s.zarr")
+    codes, row, sizes = _store_rows(path)
+    chunk = window // 1024
+    rows_in_chunk = len(np.unique(row[chunk * 1024 : (chunk + 1) * 1024]))
+    assert rows_in_chunk == (1 if window == 5000 else 2)
+    codes[window, 7, 1] = sizes[row[window], 1]  # one past the last entry
+    store = birdzarr.open_store(path)
+    assert_exact(store.windows[: chunk * 1024], v2_pair[0].windows[: chunk * 1024])  # the rest reads
+    with pytest.raises(CorruptChunkError) as refused:
+        store.windows[window]
+    assert str(refused.value) == (
+        f"{store.url}: chunk 'gimu_codes/c/{chunk}/0/0' cannot be decoded (a gimu code is past the end "
+        "of its dictionary). The store is damaged; run `birdzarr verify`.")
+    with pytest.raises(CorruptChunkError):
+        store.reader.read_coded(chunk)
+
+
+def test_a_row_past_the_dictionary_is_refused(v2_pair: Pair, tmp_path: Path) -> None:
+    import zarr
+
+    path = writable_copy(v2_pair[1], tmp_path / "s.zarr")
+    rows = zarr.open_array(str(path / _v2.ROW), mode="r+", zarr_format=3)
+    rows[4100] = 12  # the store has rows 0..11
+    store = birdzarr.open_store(path)
+    with pytest.raises(CorruptChunkError) as refused:
+        store.windows[4096:4200]
+    assert str(refused.value) == (
+        f"{store.url}: chunk 'gimu_codes/c/4/0/0' cannot be decoded (gimu_row refers to row 12; the "
+        "dictionary has 12 rows). The store is damaged; run `birdzarr verify`.")
+
+
+def test_dictionary_arrays_that_disagree_are_refused(v2_pair: Pair, tmp_path: Path) -> None:
+    import zarr
+
+    path = writable_copy(v2_pair[1], tmp_path / "s.zarr")
+    start: Any = zarr.open_array(str(path / _v2.START), mode="r+", zarr_format=3)
+    n_values = zarr.open_array(str(path / _v2.VALUES), mode="r", zarr_format=3).shape[0]
+    start[3, 1] = start[3, 2] + 1  # row 3's channel 1 now starts after its channel 2
+    store = birdzarr.open_store(path)
+    with pytest.raises(CorruptChunkError) as refused:
+        store.windows[0]
+    assert str(refused.value) == (
+        f"{store.url}: the dictionary arrays do not agree ('dict_start' is not ascending within the "
+        f"{n_values} entries of 'dict_values'). The store is damaged; run `birdzarr verify`.")
+
+
+def test_info_shows_format_2_and_the_stored_arrays(v2_pair: Pair, capsys: pytest.CaptureFixture[str]
+                                                   ) -> None:
+    from birdzarr.cli import main
+
+    v1, v2 = v2_pair
+    info = summary(v2)
+    assert info["format_version"] == 2 and info["windows"] == 30_000
+    arrays = info["bytes_arrays"]
+    assert list(arrays) == list(_v2.ARRAYS) and all(size > 0 for size in arrays.values())
+    assert info["bytes_stored"] == sum(arrays.values()) < summary(v1)["bytes_stored"]
+    assert summary(v1)["bytes_arrays"] == {"gimu": summary(v1)["bytes_stored"]}
+    text = format_summary(info)
+    assert "format       birdzarr v2 (Zarr v3)" in text
+    assert "codec uint16 codes + dictionaries (core Zarr v3 codecs), shuffled False" in text
+    assert "\narrays       gimu_codes " in text and ", dict_device " in text
+    assert "\narrays" not in format_summary(summary(v1))
+    assert main(["info", v2.url]) == 0
+    assert "birdzarr v2" in capsys.readouterr().out
+    assert main(["info", v2.url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["bytes_arrays"] == arrays
+
+
+def test_the_xarray_view_is_the_version_1_view(pair: Pair) -> None:
+    pytest.importorskip("xarray")
+    v1, v2 = pair
+    a, b = v1.to_xarray(), v2.to_xarray()  # type: ignore[attr-defined]
+    assert b["gimu"].dtype == np.float32 and b["gimu"].dims == a["gimu"].dims
+    assert b["gimu"].attrs == a["gimu"].attrs
+    assert_exact(b["gimu"].values, a["gimu"].values)
+    assert_exact(b["gimu"].isel(window=[3, 29_999, 7]).values, a["gimu"].isel(window=[3, 29_999, 7]).values)
+    for name in ("device", "label", "time", "window", "channel"):
+        got, expected = np.asarray(b[name].values), np.asarray(a[name].values)
+        if got.dtype.kind == "M":  # NaT (unknown times, a Parquet source) compared by value
+            got, expected = got.view(np.int64), expected.view(np.int64)
+        assert got.dtype == expected.dtype and np.array_equal(got, expected), name
+        assert b[name].attrs == a[name].attrs, name
+    assert {k: v for k, v in b.attrs.items() if k not in ("store", "birdzarr_format_version")} == {
+        k: v for k, v in a.attrs.items() if k not in ("store", "birdzarr_format_version")}
+    assert (a.attrs["birdzarr_format_version"], b.attrs["birdzarr_format_version"]) == (1, 2)
