@@ -167,3 +167,19 @@ def test_an_append_keeps_the_committed_rows_and_a_failed_one_leaves_them(tmp_pat
     # every appended window of a device codes against a row of that device
     devices = z["device"][:]
     assert (rows[z[_v2.ROW][:]] == devices).all()
+
+
+def test_the_command_line_writes_format_2_and_refuses_a_format_1_codec_with_it(
+    source: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from birdzarr.cli import main
+
+    dest = tmp_path / "s.zarr"
+    refused = ["convert", str(source), str(dest), "--quiet", "--format-version", "2", "--codec", "dict16"]
+    assert main(refused) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["birdzarr convert: error: codec and compressor (--codec, --compressor) choose format 1's "
+                   "window codec; format 2 has one layout: leave them out"]
+    assert not dest.exists()
+    assert main(["convert", str(source), str(dest), "--quiet", "--format-version", "2"]) == 0
+    assert birdzarr.open_store(dest).format_version == 2 and (dest / _v2.CODES / "zarr.json").exists()

@@ -60,14 +60,16 @@ def assert_identical(local: pathlib.Path, remote: pathlib.Path) -> None:
     assert "dask" in attrs_b["report"] and "dask" not in attrs_a["report"]
 
 
-@pytest.mark.parametrize("chunk_windows", [1024, 4096])
-def test_parquet_on_cluster_equals_local(cluster_client, tmp_path: pathlib.Path, chunk_windows: int) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(("chunk_windows", "format_version"), [(1024, 1), (4096, 1), (1024, 2), (4096, 2)])
+def test_parquet_on_cluster_equals_local(cluster_client, tmp_path: pathlib.Path, chunk_windows: int,  # type: ignore[no-untyped-def]
+                                         format_version: int) -> None:
     src = tmp_path / "src"
     _synthetic.make_parquet_dir(src, n_devices=9, total_windows=20_000, seed=4)
     _synthetic.write_parquet(np.empty((0, 20, 4), np.float32), src / "9000.parquet")  # an empty device
-    local = birdzarr.convert(src, tmp_path / "local.zarr", chunk_windows=chunk_windows, progress=False)
-    remote = birdzarr.convert(src, tmp_path / "dask.zarr", chunk_windows=chunk_windows, progress=False,
-                              client=cluster_client)
+    options = {"chunk_windows": chunk_windows, "progress": False, "format_version": format_version}
+    local = birdzarr.convert(src, tmp_path / "local.zarr", **options)  # type: ignore[arg-type]
+    remote = birdzarr.convert(src, tmp_path / "dask.zarr", client=cluster_client, **options)  # type: ignore[arg-type]
+    assert remote.format_version == format_version
     assert len(remote) == len(local) == 20_000
     assert_identical(tmp_path / "local.zarr", tmp_path / "dask.zarr")
     np.testing.assert_array_equal(remote.windows[:], local.windows[:])
