@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -25,7 +27,10 @@ from s3_support import (  # noqa: F401  (moto is a fixture)
 
 import birdzarr
 from birdzarr._errors import ReadOnlyLocationError
+from birdzarr.format import _v2
 from birdzarr.maintenance._copy import copy_store
+
+pytest_plugins = ["format2_support"]  # its fixtures: v2_pair, v2_shuffled_pair
 
 ARRAYS = ("gimu", "device", "timestamp", "label")
 
@@ -189,3 +194,105 @@ def test_static_http_server_is_read_only_and_exact(
     assert not (Path(small_store.location.path).parent / "new.zarr").exists()
     with pytest.raises(ReadOnlyLocationError):
         copy_store(small_store.location, f"{http_server}/copy.zarr", progress=False)
+
+
+# -- format 2: every array in core Zarr v3 codecs, read without birdzarr ---------------------------
+
+
+def _documented_decode() -> str:
+    """The decoding lines of birdzarr/format/_v2.py's docstring, as a reader copies them."""
+    doc = _v2.__doc__ or ""
+    block = doc[doc.index("faster)::\n\n") + len("faster)::\n\n") :]
+    lines = []
+    for line in block.splitlines():
+        if not line.startswith("    "):
+            break
+        lines.append(line)
+    return textwrap.dedent("\n".join(lines))
+
+
+_READ_WITH = {
+    "tensorstore": [
+        "import tensorstore as ts",
+        "def read(name):",
+        "    spec = {'driver': 'zarr3', 'kvstore': {'driver': 'file', 'path': root + '/' + name + '/'}}",
+        "    return ts.open(spec, read=True).result().read().result()",
+    ],
+    "zarr": [
+        "import zarr",
+        "def read(name):",
+        "    return zarr.open_array(root + '/' + name, mode='r', zarr_format=3)[:]",
+    ],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reader", ["tensorstore", "zarr"])
+@pytest.mark.parametrize("order", ["device order", "shuffled"])
+def test_a_format_2_store_is_read_without_birdzarr_and_decoded_with_the_documented_lines(
+    request: pytest.FixtureRequest, tmp_path: Path, reader: str, order: str,
+) -> None:
+    """TensorStore and plain zarr-python, in a process where birdzarr cannot be imported, read
+    every array of a format-2 store (core codecs only) and the documented numpy lines decode
+    birdzarr's float32 windows from them, bit for bit."""
+    if reader == "tensorstore":
+        pytest.importorskip("tensorstore")
+    v1, v2 = request.getfixturevalue("v2_pair" if order == "device order" else "v2_shuffled_pair")
+    root = Path(v2.location.path)
+    for name in _v2.ARRAYS:
+        codecs = json.loads((root / name / "zarr.json").read_text())["codecs"]
+        assert {codec["name"] for codec in codecs} <= _v2.CORE_CODECS, name
+    assert not (root / "gimu").exists()
+    a, b = 1000, len(v2) - 5
+    out = tmp_path / "out.npz"
+    script = "\n".join([
+        "import sys",
+        "sys.modules['birdzarr'] = None  # any import of birdzarr fails",
+        "try:",
+        "    import birdzarr",
+        "except ImportError:",
+        "    pass",
+        "else:",
+        "    raise SystemExit('birdzarr was importable')",
+        "import numpy as np",
+        f"root = {str(root)!r}",
+        *_READ_WITH[reader],
+        f"z = {{name: read(name) for name in {(*_v2.ARRAYS, 'device', 'label')!r}}}",
+        f"a, b = {a}, {b}",
+        _documented_decode(),
+        f"np.savez({str(out)!r}, windows=windows, device=z['device'][a:b], label=z['label'][a:b])",
+        "print(sorted(m for m in sys.modules if m.startswith('birdzarr')))",
+    ])
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['birdzarr']"  # only the blocked entry: nothing of birdzarr loaded
+    got = np.load(out)
+    expected = v2.windows[a:b]
+    assert got["windows"].dtype == np.float32 and np.array_equal(bits(got["windows"]), bits(expected))
+    assert np.array_equal(bits(expected), bits(v1.windows[a:b]))  # and the version-1 store's windows
+    assert np.array_equal(got["device"], v2.window_devices[a:b])
+    assert np.array_equal(got["label"], v2.labels[a:b])
+
+
+@pytest.mark.slow
+def test_xarray_opens_a_format_2_store_without_birdzarr(request: pytest.FixtureRequest) -> None:
+    """xarray.open_zarr, with birdzarr not importable, opens every array of a format-2 store
+    (a version-1 store's gimu needs birdzarr's codec) and gives the stored codes."""
+    pytest.importorskip("xarray")
+    _, v2 = request.getfixturevalue("v2_shuffled_pair")
+    script = "\n".join([
+        "import sys",
+        "sys.modules['birdzarr'] = None  # any import of birdzarr fails",
+        "import numpy as np, xarray",
+        f"ds = xarray.open_zarr({v2.location.path!r}, zarr_format=3, consolidated=False)",
+        "print(sorted(ds.data_vars), dict(ds['gimu_codes'].sizes), ds['gimu_codes'].dtype)",
+        "sys.stdout.flush()",
+        "sys.stdout.buffer.write(np.ascontiguousarray(ds['gimu_codes'][:100].values).tobytes())",
+    ])
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()
+    first, _, rest = done.stdout.partition(b"\n")
+    assert first.decode() == (
+        "['device', 'dict_device', 'dict_start', 'dict_values', 'gimu_codes', 'gimu_row', 'gps_speed', "
+        "'label', 'timestamp'] {'window': 30000, 'sample': 20, 'channel': 3} uint16")
+    assert rest == np.ascontiguousarray(v2.group["gimu_codes"][:100]).tobytes()  # type: ignore[index]
