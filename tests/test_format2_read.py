@@ -284,3 +284,13 @@ def test_the_xarray_view_is_the_version_1_view(pair: Pair) -> None:
     assert {k: v for k, v in b.attrs.items() if k not in ("store", "birdzarr_format_version")} == {
         k: v for k, v in a.attrs.items() if k not in ("store", "birdzarr_format_version")}
     assert (a.attrs["birdzarr_format_version"], b.attrs["birdzarr_format_version"]) == (1, 2)
+
+
+def test_statistics_are_the_version_1_statistics(v2_pair: Pair) -> None:
+    import dataclasses
+
+    v1, v2 = v2_pair
+    a, b = v1.stats(), v2.stats()  # type: ignore[attr-defined]
+    for field in dataclasses.fields(a):
+        got, expected = np.asarray(getattr(b, field.name)), np.asarray(getattr(a, field.name))
+        assert np.array_equal(got, expected), field.name
