@@ -25,6 +25,7 @@ keeps only its entries (``close_device``) until the writer stores them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -39,6 +40,19 @@ class _Row:
     device: int
     entries: list[np.ndarray]  # uint32 bit patterns per channel, in code order
     frozen: bool = False  # stored already (an append's previous rows): never grows
+    _lookups: list[Any] = field(default_factory=list)  # per channel: a pandas Index of the entries
+
+    def lookup(self, channel: int) -> Any:
+        """A hash index of the channel's entries (``get_indexer``: a value's code, -1 if absent):
+        8x faster here than sorting the block's values (``np.unique``) for 1.3 M values."""
+        if not self._lookups:
+            import pandas as pd
+
+            self._lookups = [pd.Index(e) for e in self.entries]
+        return self._lookups[channel]
+
+    def grow(self, added: list[np.ndarray]) -> list[np.ndarray]:
+        return [np.concatenate([e, a]) for e, a in zip(self.entries, added, strict=True)]
 
 
 @dataclass
@@ -134,6 +148,34 @@ class RowCoder:
     def _code_into(self, row: _Row, bits: np.ndarray, codes: np.ndarray, rows: np.ndarray) -> int:
         """Code as many leading windows of ``bits`` as ``row`` (grown, or replaced by its grown copy
         if frozen) can hold; returns how many (at least 1 unless the row is full)."""
+        import pandas as pd
+
+        n = len(bits)
+        found, added = [], []
+        for c in range(N_CODED):
+            values = bits[:, :, c].reshape(-1)
+            position = row.lookup(c).get_indexer(values)
+            missing = position < 0
+            new = pd.unique(values[missing]) if missing.any() else np.empty(0, np.uint32)
+            if len(row.entries[c]) + len(new) > MAX_ENTRIES:
+                return self._code_prefix(row, bits, codes, rows)
+            if len(new):
+                position[missing] = len(row.entries[c]) + pd.Index(new).get_indexer(values[missing])
+            found.append(position)
+            added.append(np.asarray(new, np.uint32))
+        if any(len(a) for a in added):
+            if row.frozen:  # the append rule: a new row, the stored one untouched
+                row = self._start_row(row.device, row.grow(added))
+            else:
+                row.entries, row._lookups = row.grow(added), []
+        for c, position in enumerate(found):
+            codes[:n, :, c] = position.reshape(n, WINDOW_LENGTH)
+        rows[:n] = row.number
+        return n
+
+    def _code_prefix(self, row: _Row, bits: np.ndarray, codes: np.ndarray, rows: np.ndarray) -> int:
+        """The overflow rule: code the longest leading run of windows ``row`` can still hold
+        (found by bisection; the rule is rare: values that are not 12-bit counts)."""
         n = len(bits)
         extended = _extend_row(bits, row.entries, _ORDERS)
         if extended is None:  # some channel would overflow: the longest prefix that fits
@@ -149,13 +191,4 @@ class RowCoder:
                     raise AssertionError("one window overflows an empty row")
                 return 0
             return self._code_into(row, bits[:fits], codes[:fits], rows[:fits])
-        window_codes, added = extended
-        if any(len(a) for a in added):
-            grown = [np.concatenate([e, a]) for e, a in zip(row.entries, added, strict=True)]
-            if row.frozen:  # the append rule: a new row, the stored one untouched
-                row = self._start_row(row.device, grown)
-            else:
-                row.entries = grown
-        codes[:n] = window_codes
-        rows[:n] = row.number
-        return n
+        raise AssertionError("the bisection and the look-up disagree on a row's room")  # pragma: no cover
