@@ -37,7 +37,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _cmd_repair(args: argparse.Namespace) -> int:
     from birdzarr.maintenance._repair import repair
 
-    print(repair(args.store, break_lock=args.break_lock).format())
+    source = args.source[0] if args.source and len(args.source) == 1 else args.source
+    print(repair(args.store, break_lock=args.break_lock, source=source).format())
     return 0
 
 
@@ -67,8 +68,12 @@ def add_verify(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def add_repair(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("repair", help="remove what an interrupted convert or append left behind")
+    p = sub.add_parser("repair", help="remove what an interrupted convert or append left behind; with "
+                                      "--source, rebuild damaged chunks of a format-2 store")
     p.add_argument("store")
+    p.add_argument("--source", default=None, nargs="+", metavar="SOURCE",
+                   help="rebuild the damaged per-window chunks (gimu_codes, gps_speed, gimu_row) of a "
+                        "format-2 store from these sources (the files it was converted from)")
     p.add_argument("--break-lock", action="store_true",
                    help="also remove a lock whose holder cannot be checked (another host); only when "
                         "you know no writer is running")

@@ -54,6 +54,7 @@ from birdzarr._errors import (
     TransferError,
 )
 from birdzarr._progress import progress_bar
+from birdzarr.format import _v2
 from birdzarr.format._codec import CRC32C_RESIDUE, crc32c_intact
 from birdzarr.storage._location import (
     Location,
@@ -271,13 +272,24 @@ def _committed_chunks(store: Store) -> dict[str, bool]:
     """
     from zarr.core.metadata.v3 import ArrayV3Metadata
 
+    from birdzarr.maintenance._verify import dictionary_lengths, window_arrays
+
+    per_window = window_arrays(store.format_version)
+    # a version-2 store's dictionary arrays: their committed lengths, not the window count
+    lengths: dict[str, int] = {}
+    if store.format_version >= 2:
+        n_values, n_rows = dictionary_lengths(store)
+        lengths = {_v2.VALUES: n_values, _v2.START: n_rows, _v2.DEVICE: n_rows}
     found: dict[str, bool] = {}
-    for name, layout in store.reader.layouts.items():
+    for name, layout in store.reader.layouts.items():  # every array of the store's version
         meta = ArrayV3Metadata.from_dict(layout.meta)
         grid = meta.shards or meta.chunks  # the objects' grid, as ChunkReader._read_with_zarr
-        shape = [store.n_windows, *meta.shape[1:]]
+        length = store.n_windows if name in per_window else lengths.get(name, meta.shape[0])
+        shape = [length, *meta.shape[1:]]
         counts = [-(-size // step) for size, step in zip(shape, grid, strict=True)]
-        checkable = layout.codec is not None and layout.codec.crc32c
+        # an object whose chain ends with crc32c ends with the CRC-32C of the bytes before it
+        codecs = layout.meta.get("codecs") or [{}]
+        checkable = codecs[-1].get("name") == "crc32c" or (layout.codec is not None and layout.codec.crc32c)
         for coords in itertools.product(*(range(n) for n in counts)):
             found[f"{name}/{meta.encode_chunk_key(coords)}"] = checkable
     return found

@@ -30,11 +30,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from birdzarr._checks import require_bool
-from birdzarr._errors import BadInputError, BirdzarrError, MissingChunkError
+from birdzarr._errors import BadInputError, BirdzarrError, CorruptChunkError, MissingChunkError
 from birdzarr.convert._summary import checksum_hasher, device_runs, extend_checksum
+from birdzarr.format import _v2
+from birdzarr.format._codec import strip_crc32c
 from birdzarr.format._digest import RowDigest, digest_hex, row_hashes
 from birdzarr.format._spec import DEVICE, GIMU, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH, DeviceEntry
-from birdzarr.storage._location import Location, StoreLike, resolve
+from birdzarr.storage._location import Location, StoreLike, read_object, resolve
 from birdzarr.storage._lock import read_holder
 from birdzarr.store._handle import Store, open_store
 from birdzarr.store._tail import leftovers
@@ -43,6 +45,9 @@ if TYPE_CHECKING:
     from birdzarr.convert._sources import DeviceSource
 
 _ARRAYS = (GIMU, DEVICE, TIMESTAMP, LABEL)
+# format version 2: the windows are these three per-window arrays and the dictionaries
+WINDOW_ARRAYS_V2 = (_v2.CODES, _v2.GPS, _v2.ROW)
+DICTIONARY_ARRAYS = (_v2.VALUES, _v2.START, _v2.DEVICE)
 _MAX_LISTED = 50  # problems listed one by one; beyond that they are counted
 _PIECE = 8192  # windows compared at a time against the source
 _VALUES = WINDOW_LENGTH * N_CHANNELS  # float32 values a window (spelled out: an empty piece has no -1)
@@ -132,7 +137,8 @@ def verify(
     if sources is not None:
         _compare_with_source(opened, *sources, result, digests)
     result.notes += [f"uncommitted leftover: {item} (invisible to readers; `birdzarr repair` removes it)"
-                     for item in leftovers(opened.location, len(opened)) if "stale lock" not in item]
+                     for item in leftovers(opened.location, len(opened), window_arrays(opened.format_version))
+                     if "stale lock" not in item]
     holder = read_holder(opened.location)
     if holder is not None:
         state = "stale: its process is gone" if holder.is_stale() else "a writer may be running"
@@ -176,6 +182,9 @@ def _check_chunks(store: Store, ranges: list[_RangeCheck], result: VerifyResult,
 
     reader = store.reader
     known = store._device_index[0]  # the table's ids, sorted
+    coded = store.format_version >= 2  # windows from codes, rows and gps_speed and the dictionaries
+    dicts = load_dictionaries(store, result.problem) if coded else None
+    arrays = (*WINDOW_ARRAYS_V2, DEVICE, TIMESTAMP, LABEL) if coded else _ARRAYS
     # a shuffled store's devices are checked (and compared with the source) through digests
     # gathered in this one pass: each device's windows are scattered over every chunk
     digests = _Digests(known) if store.shuffled else None
@@ -187,13 +196,17 @@ def _check_chunks(store: Store, ranges: list[_RangeCheck], result: VerifyResult,
         for index in range(reader.n_chunks):
             chunk_start, chunk_stop = reader.chunk_span(index)
             data: dict[str, np.ndarray] = {}
-            for name in _ARRAYS:
+            for name in arrays:
                 try:
                     data[name] = reader.read(name, index)
                 except MissingChunkError as exc:
                     result.problem(str(exc))
             result.chunks_checked += 1
             bar.update(1)
+            if coded:
+                decoded = _decode_checked(data, dicts, index, chunk_start, chunk_stop, result)
+                if decoded is not None:
+                    data[GIMU] = decoded
             windows, devices = data.get(GIMU), data.get(DEVICE)
             if devices is not None:
                 unknown = _unknown_ids(devices, known)
@@ -226,11 +239,18 @@ def _check_chunks(store: Store, ranges: list[_RangeCheck], result: VerifyResult,
     if digests is not None:
         _finish_scattered(store, scattered, digests, result)
         return digests
+    undecodable = coded and dicts is None and bool(ranges)
+    if undecodable:  # not one line a range: no window decodes without the dictionaries
+        result.problem(f"the checksums of all {len(ranges):,} device ranges cannot be checked: the "
+                       "dictionaries are missing or damaged (above)")
+    stored_in = ", ".join(f"'{name}'" for name in WINDOW_ARRAYS_V2) if coded else f"'{GIMU}'"
     for check in ranges:
         where = f"device {check.device_id}, windows [{check.start:,}, {check.stop:,})"
         if check.wrong_device:
             result.problem(f"{where}: {check.wrong_device:,} window(s) carry another device id in "
                            "the 'device' array")
+        if undecodable:
+            continue
         if check.unreadable:
             result.problem(f"{where}: checksum cannot be checked, a chunk is missing or damaged (above)")
             continue
@@ -240,8 +260,38 @@ def _check_chunks(store: Store, ranges: list[_RangeCheck], result: VerifyResult,
             chunk = reader.chunk_windows
             result.problem(f"{where}: checksum {digest} differs from the {check.checksum} recorded at "
                            f"write time: the windows changed after they were written (chunks "
-                           f"{check.start // chunk}..{(check.stop - 1) // chunk} of 'gimu')")
+                           f"{check.start // chunk}..{(check.stop - 1) // chunk} of {stored_in})")
     return None
+
+
+def _decode_checked(data: dict[str, np.ndarray], dicts: _v2.Dictionaries | None, index: int,
+                    chunk_start: int, chunk_stop: int, result: VerifyResult) -> np.ndarray | None:
+    """A version-2 chunk's windows decoded, after its codes and rows are checked against the
+    dictionaries and each window's row against its ``device`` id; None when they cannot be (a
+    chunk or the dictionaries missing or damaged, reported already, or a code or row out of range,
+    reported here)."""
+    codes, row, gps = data.get(_v2.CODES), data.get(_v2.ROW), data.get(_v2.GPS)
+    if dicts is None or codes is None or row is None:
+        return None
+    windows = f"windows {chunk_start:,}..{chunk_stop - 1:,}"
+    wrong = check_coded(codes, row, dicts, chunk_start)
+    if wrong is not None:
+        result.problem(f"{windows} (chunks '{_v2.CODES}/c/{index}/0/0' and '{_v2.ROW}/c/{index}'): {wrong}")
+        return None
+    devices = data.get(DEVICE)
+    if devices is not None:
+        owner = dicts.device[row]
+        other = owner != devices
+        if other.any():
+            at = int(np.flatnonzero(other)[0])
+            result.problem(
+                f"{windows} (chunk '{_v2.ROW}/c/{index}'): {int(other.sum()):,} window(s) are coded "
+                f"with a dictionary row of another device (first: window {chunk_start + at:,} of device "
+                f"{int(devices[at])}, row {int(row[at])}, which 'dict_device' gives to device "
+                f"{int(owner[at])})")
+    if gps is None:
+        return None
+    return _v2.decode(codes, row, gps, dicts.values, dicts.start)
 
 
 def _count_wrong_devices(devices: np.ndarray, inside: list[tuple[_RangeCheck, int, int]]) -> None:
@@ -372,7 +422,6 @@ def _compare_with_source(
     digests: _Digests | None = None,
 ) -> None:
     from birdzarr.convert._append import store_curation
-    from birdzarr.convert._sources import DeviceSource
 
     curation = store_curation(store.meta)
     reports = store.report
@@ -400,17 +449,8 @@ def _compare_with_source(
             result.problem(f"device {device.device_id}: the store was made from {missing[:5]}, which "
                            f"{src.display} does not hold; cannot compare this device")
             continue
-        report = reports.get(device.device_id)
-        skipped = report is not None and (report.bad_lines > 0 or getattr(report, "bad_files", 0) > 0)
-        batches = [DeviceSource(device.device_id, device.kind, [files[n] for n in batch])
-                   for batch in _batches(store, entry)]
-
-        def derived(
-            batches: list[DeviceSource] = batches, skip: bool = skipped
-        ) -> Iterator[tuple[np.ndarray, ...]]:
-            for batch in batches:
-                for block in batch.blocks(curation=curation, on_bad_rows="skip" if skip else "error"):
-                    yield block.windows, block.timestamps, block.labels
+        def derived(device: DeviceSource = device, entry: DeviceEntry = entry) -> _Rows:
+            return derive_device(store, device, entry, curation, reports)
 
         try:
             if digests is not None:
@@ -422,6 +462,22 @@ def _compare_with_source(
         except BirdzarrError as exc:
             result.problem(f"device {device.device_id}: its source cannot be read again: {exc}")
         result.devices_compared += 1
+
+
+def derive_device(store: Store, device: DeviceSource, entry: DeviceEntry, curation: Any,
+                  reports: dict[int, Any]) -> _Rows:
+    """One device's (windows, times, labels) derived again from its source files, batch by batch
+    as the conversion and each append read them, with the store's curation: in the store's
+    order for a device-ordered store. Its files must all be in ``device`` (checked by callers)."""
+    from birdzarr.convert._sources import DeviceSource
+
+    files = {f.display.rsplit("/", 1)[-1]: f for f in device.files}
+    report = reports.get(device.device_id)
+    skip = report is not None and (report.bad_lines > 0 or getattr(report, "bad_files", 0) > 0)
+    for batch in _batches(store, entry):
+        source = DeviceSource(device.device_id, device.kind, [files[n] for n in batch])
+        for block in source.blocks(curation=curation, on_bad_rows="skip" if skip else "error"):
+            yield block.windows, block.timestamps, block.labels
 
 
 class _ChunkMemo:
@@ -622,3 +678,183 @@ def _zip_longest(a: Iterator[Any], b: Iterator[Any]) -> Iterator[tuple[Any, Any]
         if x is None and y is None:
             return
         yield x, y
+
+
+# -- format version 2 ------------------------------------------------------------------------------
+
+
+def window_arrays(format_version: int) -> tuple[str, ...]:
+    """The arrays of a store of ``format_version`` that hold one entry a window."""
+    windows = WINDOW_ARRAYS_V2 if format_version >= 2 else (GIMU,)
+    return (*windows, DEVICE, TIMESTAMP, LABEL)
+
+
+class ArrayChunks:
+    """The chunks of one array of a version-2 store, read straight from its objects: a missing
+    object raises ``MissingChunkError``, bytes that fail their CRC-32C or do not decode
+    ``CorruptChunkError``, both naming the store and the key (as ``ChunkReader`` does). Version 2
+    writes only core chains (``_v2.CODECS``: an optional transpose, bytes, blosc, crc32c); the
+    chunk grid spans every axis but the first, so chunk ``i`` is ``c/i/0/...``."""
+
+    def __init__(self, location: Location, name: str, meta: dict[str, Any],
+                 length: int | None = None) -> None:
+        self.location = location
+        self.name = name
+        self.meta = meta
+        self.shape = tuple(int(n) for n in meta["shape"])
+        self.length = self.shape[0] if length is None else length  # committed extent along axis 0
+        self.chunk_shape = tuple(int(n) for n in meta["chunk_grid"]["configuration"]["chunk_shape"])
+        self.dtype = np.dtype(meta["data_type"])
+        encoding = meta.get("chunk_key_encoding", {})
+        self.separator = encoding.get("configuration", {}).get("separator", "/")
+        self.n_chunks = -(-self.length // self.chunk_shape[0])
+
+    @classmethod
+    def open(cls, location: Location, name: str, length: int | None = None) -> ArrayChunks:
+        from birdzarr.store._chunks import read_array_meta
+
+        return cls(location, name, read_array_meta(location, name), length)
+
+    def key(self, index: int) -> str:
+        """The object key of chunk ``index`` relative to the store's root."""
+        return f"{self.name}/" + self.separator.join(["c", str(index), *["0"] * (len(self.shape) - 1)])
+
+    def span(self, index: int) -> tuple[int, int]:
+        start = index * self.chunk_shape[0]
+        return start, min(start + self.chunk_shape[0], self.length)
+
+    def read(self, index: int) -> np.ndarray:
+        """Chunk ``index``, trimmed to the committed extent."""
+        key = self.key(index)
+        data = read_object(self.location, key)
+        try:
+            array = decode_core_chunk(data, self.meta["codecs"], self.chunk_shape, self.dtype)
+        except (ValueError, RuntimeError, TypeError, KeyError) as exc:
+            raise CorruptChunkError(
+                f"{self.location.display}: chunk '{key}' cannot be decoded ({exc}). The store is "
+                "damaged; run `birdzarr verify`."
+            ) from None
+        start, stop = self.span(index)
+        return array[: stop - start]
+
+    def read_all(self) -> np.ndarray:
+        parts = [self.read(i) for i in range(self.n_chunks)]
+        return np.concatenate(parts) if parts else np.empty((0, *self.shape[1:]), self.dtype)
+
+
+def decode_core_chunk(data: bytes, codecs: list[dict[str, Any]], chunk_shape: tuple[int, ...],
+                      dtype: np.dtype[Any]) -> np.ndarray:
+    """One whole chunk from its stored bytes through a chain of core codecs: [transpose], bytes,
+    then blosc / zstd / gzip / crc32c (decoded last to first)."""
+    import numcodecs
+
+    raw: bytes | memoryview = data
+    order: list[int] | None = None
+    endian = "little"
+    names = [c["name"] for c in codecs]
+    if "sharding_indexed" in names:
+        raise ValueError("a sharded chain")
+    serializer = names.index("bytes")
+    for codec in codecs[:serializer]:
+        if codec["name"] != "transpose":
+            raise ValueError(f"the array-to-array codec {codec['name']!r}")
+        order = [int(a) for a in codec["configuration"]["order"]]
+    endian = codecs[serializer].get("configuration", {}).get("endian", "little")
+    for codec in reversed(codecs[serializer + 1 :]):
+        name = codec["name"]
+        if name == "crc32c":
+            raw = strip_crc32c(bytes(raw))
+        elif name == "blosc":
+            raw = numcodecs.Blosc().decode(raw)
+        elif name == "zstd":
+            raw = numcodecs.Zstd().decode(raw)
+        elif name == "gzip":
+            raw = numcodecs.GZip().decode(raw)
+        else:
+            raise ValueError(f"the bytes-to-bytes codec {name!r}")
+    stored_shape = chunk_shape if order is None else tuple(chunk_shape[a] for a in order)
+    flat = np.frombuffer(raw, dtype=dtype.newbyteorder("<" if endian == "little" else ">"))
+    if flat.size != int(np.prod(stored_shape)):
+        raise ValueError(f"{flat.size} values where a chunk of shape {list(chunk_shape)} holds "
+                         f"{int(np.prod(stored_shape))}")
+    array = flat.reshape(stored_shape)
+    if order is not None:
+        array = array.transpose(np.argsort(order))
+    return np.ascontiguousarray(array).astype(dtype.newbyteorder("="), copy=False)
+
+
+def dictionary_lengths(store: Store) -> tuple[int, int]:
+    """Committed entries and rows of a version-2 store's dictionaries: the lengths its commit
+    records (``committed.n_values`` / ``n_rows``) or, where it records none, the arrays' shapes."""
+    committed = store.meta.get("committed") or {}
+    if "n_values" in committed and "n_rows" in committed:
+        return int(committed["n_values"]), int(committed["n_rows"])
+    from birdzarr.store._chunks import read_array_meta
+
+    return (int(read_array_meta(store.location, _v2.VALUES)["shape"][0]),
+            int(read_array_meta(store.location, _v2.DEVICE)["shape"][0]))
+
+
+def load_dictionaries(store: Store, problems: Callable[[str], None]) -> _v2.Dictionaries | None:
+    """A version-2 store's dictionary arrays, every chunk read and checked; each damaged chunk and
+    each inconsistency is passed to ``problems`` (one line each), and then None is returned."""
+    n_values, n_rows = dictionary_lengths(store)
+    lengths = {_v2.VALUES: n_values, _v2.START: n_rows, _v2.DEVICE: n_rows}
+    arrays: dict[str, np.ndarray] = {}
+    sound = True
+    for name in DICTIONARY_ARRAYS:
+        chunks = ArrayChunks.open(store.location, name, lengths[name])
+        parts = []
+        for index in range(chunks.n_chunks):
+            try:
+                parts.append(chunks.read(index))
+            except MissingChunkError as exc:
+                problems(str(exc))
+                sound = False
+        if sound:
+            arrays[name] = np.concatenate(parts) if parts else np.empty((0, *chunks.shape[1:]), chunks.dtype)
+    if not sound:
+        return None
+    values, start, device = arrays[_v2.VALUES], arrays[_v2.START], arrays[_v2.DEVICE]
+    sizes = _v2.entry_counts(start, len(values))
+    where = f"{store.location.display}: the dictionaries"
+    if (sizes < 0).any() or (len(start) and int(start[0, 0]) < 0):
+        row = int(np.flatnonzero((sizes < 0).any(axis=1))[0]) if (sizes < 0).any() else 0
+        problems(f"{where}: 'dict_start' is not ascending in row-major order (row {row}) or points "
+                 "outside 'dict_values'")
+        return None
+    if (sizes > _v2.MAX_ENTRIES).any():
+        row = int(np.flatnonzero((sizes > _v2.MAX_ENTRIES).any(axis=1))[0])
+        problems(f"{where}: row {row} of 'dict_start' holds more than {_v2.MAX_ENTRIES:,} entries a channel")
+        return None
+    known = store._device_index[0]
+    unknown = _unknown_ids(device, known)
+    if len(unknown):
+        problems(f"{where}: 'dict_device' names device ids {unknown[:5].tolist()} that are not in the "
+                 "device table")
+    return _v2.Dictionaries(values, start, device)
+
+
+def check_coded(codes: np.ndarray, row: np.ndarray, dicts: _v2.Dictionaries, first_window: int
+                ) -> str | None:
+    """What is wrong with a chunk's codes and rows against the dictionaries (None: every row
+    exists and every code lies inside its row's dictionary); ``_v2.check``, said precisely."""
+    n_rows = dicts.n_rows
+    missing_row = row >= n_rows
+    if missing_row.any():
+        at = int(np.flatnonzero(missing_row)[0])
+        return (f"{int(missing_row.sum()):,} window(s) refer to a dictionary row that does not exist "
+                f"(first: window {first_window + at:,}, row {int(row[at])}; the dictionaries hold "
+                f"{n_rows:,} rows)")
+    sizes = dicts.sizes()
+    past = codes >= sizes[row][:, None, :]
+    if past.any():
+        windows = past.any(axis=(1, 2))
+        at = int(np.flatnonzero(windows)[0])
+        sample, channel = (int(i[0]) for i in np.nonzero(past[at]))
+        r = int(row[at])
+        return (f"{int(windows.sum()):,} window(s) hold a code past the end of their dictionary "
+                f"(first: window {first_window + at:,}, sample {sample}, channel {channel}: code "
+                f"{int(codes[at, sample, channel])} of row {r}, which holds {int(sizes[r, channel])} "
+                "entries)")
+    return None

@@ -34,10 +34,12 @@ def _chunk_indices(location: Location, name: str) -> list[tuple[int, str]]:
     return found
 
 
-def leftovers(location: Location, n_windows: int) -> list[str]:
-    """Describe uncommitted leftovers without changing anything (verify reports these as notes)."""
+def leftovers(location: Location, n_windows: int, arrays: tuple[str, ...] = ARRAYS) -> list[str]:
+    """Describe uncommitted leftovers without changing anything (verify reports these as notes).
+    ``arrays``: the store's per-window arrays (a format-2 store's: ``gimu_codes``, ``gps_speed``,
+    ``gimu_row``, ``device``, ``timestamp``, ``label``)."""
     found = []
-    for name in ARRAYS:
+    for name in arrays:
         meta = read_array_meta(location, name)  # damaged or missing: the readers' one-line error
         length = int(meta["shape"][0])
         if length != n_windows:
@@ -62,13 +64,15 @@ def _temp_files(location: Location) -> list[str]:
     return [p for p in location.fs.find(location.path) if p.endswith(_TEMP_SUFFIXES)]
 
 
-def discard_uncommitted(location: Location, group: Any, n_windows: int) -> list[str]:
-    """Cut every array back to the committed count and delete what lies past it.
+def discard_uncommitted(location: Location, group: Any, n_windows: int,
+                        arrays: tuple[str, ...] = ARRAYS) -> list[str]:
+    """Cut every per-window array (``arrays``, as for ``leftovers``) back to the committed count
+    and delete what lies past it.
 
     ``group`` is the store's zarr group opened for writing; the caller holds the lock.
     """
     actions = []
-    for name in ARRAYS:
+    for name in arrays:
         array = group[name]
         length = int(array.shape[0])
         if length != n_windows:
