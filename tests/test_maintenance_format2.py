@@ -47,6 +47,17 @@ def v2(v2_store: pathlib.Path, tmp_path: pathlib.Path) -> pathlib.Path:
     return path
 
 
+@pytest.fixture(scope="module", params=[False, True], ids=["device-order", "shuffled"])
+def converted_v2(request: pytest.FixtureRequest, parquet_source: tuple[pathlib.Path, dict],
+                 tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """parquet_source converted by the converter straight to format 2, in each order."""
+    path = tmp_path_factory.mktemp("converted") / "v2.zarr"
+    store = birdzarr.convert(parquet_source[0], path, chunk_windows=CHUNK, format_version=2,
+                             shuffle=request.param, progress=False)
+    assert (store.format_version, store.shuffled) == (2, request.param)
+    return path
+
+
 def _flip(path: pathlib.Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -142,6 +153,36 @@ def test_verify_finds_a_window_coded_with_another_devices_row(v2: pathlib.Path) 
     assert result.problems[1].startswith("device 200, windows [0, 3,331): checksum ")
     assert result.problems[1].endswith("(chunks 0..3 of 'gimu_codes', 'gps_speed', 'gimu_row')")
     assert len(result.problems) == 2
+
+
+def test_a_converted_format2_store_verifies_and_copies_in_either_order(
+    converted_v2: pathlib.Path, parquet_source: tuple[pathlib.Path, dict], tmp_path: pathlib.Path
+) -> None:
+    result = verify(converted_v2, source=parquet_source[0])
+    assert result.ok, result.format()
+    assert (result.chunks_checked, result.checksums_checked, result.devices_compared) == (30, 12, 12)
+    dest = tmp_path / "dest.zarr"
+    birdzarr.copy(converted_v2, dest, progress=False)
+    assert _objects(dest) == _objects(converted_v2)
+    assert verify(dest, source=parquet_source[0]).ok
+
+
+def test_verify_says_once_that_damaged_dictionaries_stop_every_check(
+    converted_v2: pathlib.Path, parquet_source: tuple[pathlib.Path, dict], tmp_path: pathlib.Path
+) -> None:
+    path = tmp_path / "v2.zarr"
+    shutil.copytree(converted_v2, path)
+    (path / "dict_device" / "c" / "0").unlink()
+    shuffled = birdzarr.open_store(path).shuffled
+    result = verify(path, source=parquet_source[0])
+    assert result.problems == [
+        f"{path}: committed chunk 'dict_device/c/0' {MISSING}",
+        f"the checksums of all 12 {'devices' if shuffled else 'device ranges'} cannot be checked: the "
+        "dictionaries are missing or damaged (above)",
+        f"the devices cannot be compared with {parquet_source[0]}: the dictionaries are missing or damaged "
+        "(above)",
+    ]
+    assert result.devices_compared == 0
 
 
 # -- copy --------------------------------------------------------------------------------------------
@@ -351,6 +392,26 @@ def test_repair_chooses_the_first_row_of_the_device_holding_all_values(
     # the append rule keeps every old code's meaning, so the codes chunk is unchanged
     assert (path / "gimu_codes" / "c" / "1" / "0" / "0").read_bytes() == codes_before
     assert verify(path, source=parquet_source[0]).ok
+
+
+def test_repair_with_a_source_refuses_a_shuffled_store(
+    converted_v2: pathlib.Path, parquet_source: tuple[pathlib.Path, dict], tmp_path: pathlib.Path
+) -> None:
+    path = tmp_path / "v2.zarr"
+    shutil.copytree(converted_v2, path)
+    (path / "gps_speed" / "c" / "3" / "0").unlink()
+    if not birdzarr.open_store(path).shuffled:
+        assert repair(path, source=parquet_source[0]).actions == [
+            "rebuilt chunk 'gps_speed/c/3/0' (missing) from the source: windows 3,072..4,095"]
+        assert _objects(path) == _objects(converted_v2)
+        return
+    with pytest.raises(ArgumentError) as caught:
+        repair(path, source=parquet_source[0])
+    assert str(caught.value) == (
+        f"{path} is a shuffled store: repair --source rebuilds the chunks of device-ordered stores (a "
+        "shuffled chunk's windows cannot be matched to their source rows). List its damage with `birdzarr "
+        "verify`, then restore it from a copy or convert it again from its sources.")
+    assert not (path / "gps_speed" / "c" / "3" / "0").exists()
 
 
 def test_repair_with_a_source_refuses_a_format1_store(

@@ -66,6 +66,8 @@ class VerifyResult:
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     more_problems: int = 0
+    # a version-2 store's dictionaries are missing or damaged: no window decodes (said once)
+    undecodable: bool = field(default=False, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -184,6 +186,7 @@ def _check_chunks(store: Store, ranges: list[_RangeCheck], result: VerifyResult,
     known = store._device_index[0]  # the table's ids, sorted
     coded = store.format_version >= 2  # windows from codes, rows and gps_speed and the dictionaries
     dicts = load_dictionaries(store, result.problem) if coded else None
+    result.undecodable = coded and dicts is None
     arrays = (*WINDOW_ARRAYS_V2, DEVICE, TIMESTAMP, LABEL) if coded else _ARRAYS
     # a shuffled store's devices are checked (and compared with the source) through digests
     # gathered in this one pass: each device's windows are scattered over every chunk
@@ -239,7 +242,7 @@ def _check_chunks(store: Store, ranges: list[_RangeCheck], result: VerifyResult,
     if digests is not None:
         _finish_scattered(store, scattered, digests, result)
         return digests
-    undecodable = coded and dicts is None and bool(ranges)
+    undecodable = result.undecodable and bool(ranges)
     if undecodable:  # not one line a range: no window decodes without the dictionaries
         result.problem(f"the checksums of all {len(ranges):,} device ranges cannot be checked: the "
                        "dictionaries are missing or damaged (above)")
@@ -340,6 +343,10 @@ def _finish_scattered(store: Store, hashers: dict[int, Any], digests: _Digests,
     position = np.empty(len(table), dtype=np.int64)
     position[store._device_index[1]] = np.arange(len(table))
     counts, sums = digests.count_of[position].tolist(), digests.sum_of[position].tolist()
+    if result.undecodable and table:  # not one line a device: no window decodes
+        result.problem(f"the checksums of all {len(table):,} devices cannot be checked: the dictionaries "
+                       "are missing or damaged (above)")
+        return
     for entry, count, total in zip(table, counts, sums, strict=True):
         device = entry.device_id
         if digests.broken:
@@ -423,6 +430,10 @@ def _compare_with_source(
 ) -> None:
     from birdzarr.convert._append import store_curation
 
+    if result.undecodable:
+        result.problem(f"the devices cannot be compared with {src.display}: the dictionaries are missing or "
+                       "damaged (above)")
+        return
     curation = store_curation(store.meta)
     reports = store.report
     in_source = {d.device_id: d for d in devices}
