@@ -21,7 +21,11 @@ so none is favoured by what ran before it.
   the index (each chunk's dictionary offsets, the codes added), the table lookup, the batch's
   order restored and gps_speed copied to every sample; and the same lookup in a 16 KB table
   (every index in the caches);
-- the ``with_ldt`` part of a batch: one packed int32 row a window, against three arrays.
+- the ``with_ldt`` part of a batch: one packed int32 row a window, against three arrays;
+- format 2 (``birdzarr.format._v2``): the same windows encoded as a version-2 store holds them
+  (a dictionary row per device), held as ``resident="cpu"`` holds a version-2 store
+  (``HeldCodes``: uint16 codes, the row and gps_speed once a window, in shared memory), and
+  decoded by the loader's torch ops (``HeldCodes.decode``, the code a GPU runs too).
 """
 
 from __future__ import annotations
@@ -39,8 +43,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _util import machine, table  # noqa: E402
 
 import birdzarr  # noqa: E402
+from birdzarr.format import _v2  # noqa: E402
 from birdzarr.format._spec import WINDOW_LENGTH  # noqa: E402
-from birdzarr.loader._resident import timestamps_of  # noqa: E402
+from birdzarr.loader._resident import CODE_BIAS, HeldCodes, held_dictionaries, timestamps_of  # noqa: E402
 
 Step = Callable[[np.ndarray], object]
 
@@ -179,6 +184,30 @@ def main() -> None:
     ways["ldt: one packed int32 row a window"] = packed_ldt
     ways["  instead: ldt from three arrays"] = three_array_ldt
 
+    # format 2: the windows encoded with a dictionary row per device, held as the loader holds a
+    # version-2 store (every window's gps_speed is one value here: held once)
+    started = time.perf_counter()
+    encoded = _v2.encode(x32, device)
+    v2_row = encoded.row.astype(np.int32)
+    v2_values, v2_offsets = held_dictionaries(encoded.new, v2_row)
+    if not (encoded.gps == encoded.gps[:, :1]).all():
+        raise SystemExit(f"{args.store}: some window's gps_speed varies; this benchmark holds it once")
+
+    def shared(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).share_memory_()
+
+    v2 = HeldCodes(shared((encoded.codes ^ np.uint16(CODE_BIAS)).view(np.int16)), shared(encoded.gps[:, 0]),
+                   shared(v2_row), shared(v2_values), shared(v2_offsets))
+    del encoded
+    v2_decode = "format 2 codes: decode (the loader's HeldCodes.decode, torch ops)"
+    ways[v2_decode] = lambda rows: v2.decode(torch.from_numpy(rows))
+    for rows in batches[:2]:
+        assert np.array_equal(v2.decode(torch.from_numpy(rows)).numpy(), np.take(x32, rows, axis=0))
+    print(f"format 2: encoded and held in {time.perf_counter() - started:.0f} s; "
+          f"{v2.nbytes / n:.1f} B a window ({v2.nbytes / x32.nbytes:.2f}x float32), of which "
+          f"{(v2.values.numel() * 4 + v2.offsets.numel() * 4) / 2**20:.1f} MiB dictionaries "
+          f"({v2.offsets.shape[0]} rows)", flush=True)
+
     flush_buffer = np.zeros(64 * 2**20, dtype=np.uint8)
 
     def flush() -> None:
@@ -211,7 +240,7 @@ def main() -> None:
                          "M windows/s": round(args.batch_size / ms / 1e6, 2) if whole else "",
                          "% of float32 gather": round(100 * ideal / ms, 1) if whole else "",
                          "x the loader's decode": round(ms / decode_ms, 2)
-                         if name.startswith("  instead: ") and "ldt" not in name else ""})
+                         if name.startswith(("  instead: ", "format 2")) and "ldt" not in name else ""})
     print(f"{args.store}: {n:,} windows, {coded.table.numel() * 4 / 2**20:.1f} MiB of dictionaries; "
           f"medians of {args.repeat} x {args.batches} batches; {machine()}")
     print(table(rows_out))

@@ -7,9 +7,16 @@ in memory: uint16 codes plus per-channel dictionaries, one shared by each run of
 chunks whose values fit 16-bit codes (``_shared_dictionaries``), decoded inside the batch
 gather. The codes are 122 B a window with gps_speed held once a window (``_code_layout``), 160 B
 where some window's gps_speed varies (found while loading: the load then starts again with all
-80 codes). Any other store is held as float32 (320 B a window). ``ldt`` adds 16 B a window. The
-bytes needed are checked against what the device (free GPU memory) or the process (cgroup
-limit, available RAM, /dev/shm) can give before anything is allocated.
+80 codes). A version-2 store (``birdzarr.format._v2``) is held as its own arrays (``HeldCodes``):
+uint16 codes (120 B a window), the dictionary row of each window (4 B), gps_speed once a window
+(4 B; 80 B where some window's gps_speed varies, found while loading as for dict16): 128 B a
+window, 0.40x float32 (204 B, 0.64x, with varying gps_speed); plus the dictionary rows the
+selection uses (4 B an entry, 240 B a row: 5.8 MiB for the loader benchmark's 186 devices).
+They are decoded inside the gather as ``values[start[row, c] + code]`` by torch ops only, the
+same code on the host and on a GPU. Any other store, or ``codes=False``, is held as
+float32 (320 B a window). ``ldt`` adds 16 B a window. The bytes needed are checked against what
+the device (free GPU memory) or the process (cgroup limit, available RAM, /dev/shm) can give
+before anything is allocated.
 
 Each epoch, one permutation of all selected windows is drawn from ``(seed, epoch)`` with a torch
 generator on the holding device; rank ``r`` takes a contiguous slice of it, split and cut into
@@ -30,6 +37,7 @@ import torch
 
 from birdzarr._errors import ResidentMemoryError
 from birdzarr._progress import progress_bar
+from birdzarr.format import _v2
 from birdzarr.format._codec import constant_rows
 from birdzarr.format._spec import DEVICE, GIMU, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH
 from birdzarr.loader._code_layout import ONCE_A_WINDOW, CodeLayout
@@ -61,6 +69,57 @@ class ResidentPlan:
         """Resident rows of one batch, in the permutation's order: any slice of a batch (a
         micro-batch) is a uniform sample too, also on a device-ordered store."""
         return self.order[int(self.offsets[batch]) : int(self.offsets[batch + 1])]
+
+
+# Codes are held biased by -2**15 (``code ^ 0x8000`` as int16: torch indexes no uint16) and each
+# row's starts raised by 2**15, so that one int16 + int32 add gives a value's index.
+CODE_BIAS = 2**15
+
+
+@dataclass(frozen=True)
+class HeldCodes:
+    """A version-2 store's selection as held (``birdzarr.format._v2``'s arrays): a window's codes,
+    dictionary row and gps_speed, and the dictionary rows the selection uses, renumbered.
+
+    ``decode`` is the documented decode, ``x[:, :, c] = values[start[row, c] + codes[:, :, c]]``
+    and channel 3 = gps_speed, in torch ops (``index_select``, an add, copies), so the host and a
+    GPU run the same code. Bytes a window: 120 (codes) + 4 (row) + 4 (gps_speed once a window) or
+    80 (in every sample); and 4 an entry plus 240 a row for the dictionaries."""
+
+    codes: torch.Tensor  # int16 (n, 20, 3): code - CODE_BIAS
+    gps: torch.Tensor  # float32 (n,) (one gps_speed a window) or (n, 20)
+    row: torch.Tensor  # int32 (n,): the window's dictionary row among the rows held
+    values: torch.Tensor  # float32 (M,): the held rows' entries, row after row, channel after channel
+    # int32 (int64 past 2**31 entries) (R, 60): start[r, c] + CODE_BIAS in the layout of a window's
+    # codes (sample-major), so that a window's indices are its row's offsets plus its codes, one
+    # add of two contiguous arrays (a (n, 1, 3) start broadcast over the samples: 1.5x the decode)
+    offsets: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        tensors = (self.codes, self.gps, self.row, self.values, self.offsets)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @property
+    def start(self) -> torch.Tensor:
+        """The held rows' ``dict_start`` (R, 3), renumbered as ``row`` is."""
+        return self.offsets[:, : _v2.N_CODED] - CODE_BIAS
+
+    def to(self, device: torch.device) -> HeldCodes:
+        return HeldCodes(*(t.to(device) for t in (self.codes, self.gps, self.row, self.values, self.offsets)))
+
+    def decode(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 windows ``(len(rows), 20, 4)`` of the held ``rows`` (int64, on the holding
+        device), into ``out`` where given."""
+        n = len(rows)
+        if out is None:
+            out = torch.empty((n, WINDOW_LENGTH, N_CHANNELS), dtype=torch.float32, device=self.values.device)
+        index = self.offsets.index_select(0, self.row.index_select(0, rows))  # (n, 60)
+        index += self.codes.index_select(0, rows).view(index.shape)
+        out[:, :, : _v2.N_CODED] = self.values.index_select(0, index.view(-1)).view(n, WINDOW_LENGTH, -1)
+        gps = self.gps.index_select(0, rows)
+        out[:, :, _v2.N_CODED] = gps if gps.dim() == 2 else gps.unsqueeze(1)
+        return out
 
 
 def memory_limit() -> tuple[int, str]:
@@ -99,10 +158,12 @@ class ResidentSelection:
     def __init__(self, device: torch.device, x: torch.Tensor, table: torch.Tensor | None,
                  row_offsets: torch.Tensor | None, chunk_bounds: torch.Tensor | None,
                  ldt: torch.Tensor | None, global_index: np.ndarray,
-                 layout: CodeLayout | None = None) -> None:
+                 layout: CodeLayout | None = None, coded: HeldCodes | None = None) -> None:
         self.device = device
-        # float32 (n, 20, 4), or int16 dict16 codes (n, layout.width) when table is set
+        # float32 (n, 20, 4), int16 dict16 codes (n, layout.width) when table is set, or a version-2
+        # store's int16 codes (n, 20, 3) when coded is set
         self.x = x
+        self.coded = coded  # a version-2 store's held arrays (None: float32 or dict16)
         self.table = table  # float32: the shared dictionaries, group after group, channel after channel
         # int32 (chunks, layout.width): where each code's dictionary starts in the table, per chunk
         self.row_offsets = row_offsets
@@ -121,7 +182,10 @@ class ResidentSelection:
     @property
     def nbytes(self) -> int:
         tensors = [self.x, self.table, self.row_offsets, self.chunk_bounds, self.ldt]
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        if self.coded is not None:  # x is coded.codes
+            tensors = [self.ldt]
+        held = 0 if self.coded is None else self.coded.nbytes
+        return held + sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     # -- loading -------------------------------------------------------------------------------
     @classmethod
@@ -137,6 +201,9 @@ class ResidentSelection:
             picked = list(threads.map(lambda c: selection.selected_indices(reader, c), chunks))
         keep = [(c, rows) for c, rows in zip(chunks, picked, strict=True) if len(rows)]
         n = sum(len(rows) for _, rows in keep)
+        if codes and getattr(reader, "format_version", 1) >= 2:
+            return cls._load_format2(target, reader, keep, n, with_ldt, prefetch, progress, opened.url,
+                                     labels)
         coded = codes and reader.layouts[GIMU].chain == "dict16"
         layout = CodeLayout(ONCE_A_WINDOW) if coded else None
         while True:
@@ -166,6 +233,76 @@ class ResidentSelection:
                 f"but {what} is {_size(limit)}. Stream instead (resident=False, on a "
                 "store converted with --shuffle), select fewer devices, or use a device with more memory."
             )
+
+    @classmethod
+    def _load_format2(cls, device: torch.device, reader: ChunkReader, keep: list[tuple[int, np.ndarray]],
+                      n: int, with_ldt: bool, prefetch: int, progress: bool, url: str, with_labels: bool
+                      ) -> ResidentSelection:
+        """A version-2 store's selection as its codes (``HeldCodes``): gps_speed once a window
+        unless some window's varies (then the load starts again with it in every sample)."""
+        dictionaries = reader.dictionaries()
+        if dictionaries.n_rows >= 2**31:
+            raise ValueError(f"{url}: {dictionaries.n_rows:,} dictionary rows; resident mode holds "
+                             "fewer than 2**31")
+        # at most every row, with int64 offsets: the rows the selection uses are known only once loaded
+        table = len(dictionaries.values) * 4 + dictionaries.n_rows * WINDOW_LENGTH * _v2.N_CODED * 8
+        once = True
+        while True:
+            per_window = (format2_window_bytes(once) + (16 if with_ldt else 0) + (4 if with_labels else 0))
+            cls._check_budget(device, n * per_window + table, n, url, True)
+            try:
+                return cls._load_format2_once(device, reader, dictionaries, keep, n, once, with_ldt,
+                                              prefetch, progress, url, with_labels)
+            except _NotOnceAWindow:
+                once = False
+
+    @classmethod
+    def _load_format2_once(cls, device: torch.device, reader: ChunkReader, dictionaries: _v2.Dictionaries,
+                           keep: list[tuple[int, np.ndarray]], n: int, once: bool, with_ldt: bool,
+                           prefetch: int, progress: bool, url: str, with_labels: bool) -> ResidentSelection:
+        shared = device.type == "cpu"  # host copies live in shared memory: DataLoader workers share them
+        starts = np.concatenate(([0], np.cumsum([len(rows) for _, rows in keep]))).astype(np.int64)
+        codes = _host_empty((n, WINDOW_LENGTH, _v2.N_CODED), torch.int16, shared)
+        gps = _host_empty((n,) if once else (n, WINDOW_LENGTH), torch.float32, shared)
+        row = _host_empty((n,), torch.int32, shared)
+        codes_np, gps_np, row_np = codes.numpy(), gps.numpy(), row.numpy()
+        ldt = _host_empty((n, _LDT_COLUMNS), torch.int32, shared) if with_ldt else None
+        ldt_np = None if ldt is None else ldt.numpy()
+        labels_np = np.empty(n, np.int32) if with_labels else None
+
+        def load_one(i: int) -> int:
+            chunk, rows = keep[i]
+            local = rows - reader.chunk_span(chunk)[0]
+            at = slice(int(starts[i]), int(starts[i + 1]))
+            chunk_codes, chunk_row, chunk_gps = reader.read_coded(chunk)
+            held = codes_np[at].view(np.uint16)
+            np.take(chunk_codes, local, axis=0, out=held)
+            np.bitwise_xor(held, np.uint16(CODE_BIAS), out=held)  # code - CODE_BIAS, as int16
+            row_np[at] = chunk_row[local]  # below 2**31: checked against the row count above
+            speeds = np.take(chunk_gps, local, axis=0)
+            if once:
+                if not constant_rows(speeds.view(np.uint32)):  # bit patterns: NaN and -0.0 too
+                    raise _NotOnceAWindow
+                gps_np[at] = speeds[:, 0]
+            else:
+                gps_np[at] = speeds
+            _fill_ldt(reader, chunk, local, ldt_np, labels_np, at)
+            return len(rows)
+
+        bar = progress_bar(progress, total=n, desc=f"loading {url}", unit=" windows")
+        pool = ThreadPoolExecutor(max_workers=max(1, prefetch), thread_name_prefix="birdzarr-resident")
+        with bar, pool as threads:
+            for count in threads.map(load_one, range(len(keep))):
+                bar.update(count)
+        values, offsets = held_dictionaries(dictionaries, row_np)
+        held = HeldCodes(codes, gps, row, torch.from_numpy(values), torch.from_numpy(offsets))
+        global_index = np.concatenate([rows for _, rows in keep]) if keep else np.empty(0, np.int64)
+        if device.type != "cpu":
+            held = held.to(device)
+            ldt = None if ldt is None else ldt.to(device)
+        selection = cls(device, held.codes, None, None, None, ldt, global_index.astype(np.int64), coded=held)
+        selection.labels = labels_np
+        return selection
 
     @classmethod
     def _load(cls, device: torch.device, reader: ChunkReader, keep: list[tuple[int, np.ndarray]], n: int,
@@ -202,12 +339,7 @@ class ResidentSelection:
                         x_np[at, layout.columns(c)] = by_window[c]
             else:
                 x_np[at] = reader.read(GIMU, chunk)[local]
-            if ldt_np is not None:
-                ldt_np[at, 0] = reader.read(LABEL, chunk)[local]
-                ldt_np[at, 1] = reader.read(DEVICE, chunk)[local]
-                ldt_np[at, 2:] = timestamp_halves(reader.read(TIMESTAMP, chunk)[local])
-            if labels_np is not None:
-                labels_np[at] = ldt_np[at, 0] if ldt_np is not None else reader.read(LABEL, chunk)[local]
+            _fill_ldt(reader, chunk, local, ldt_np, labels_np, at)
             return len(rows)
 
         bar = progress_bar(progress, total=n, desc=f"loading {url}", unit=" windows")
@@ -262,7 +394,9 @@ class ResidentSelection:
     def gather(self, plan: ResidentPlan, batch: int, *, channel_first: bool
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         rows = plan.rows(batch)
-        if self.device.type == "cpu":  # numpy's take is ~3x torch's index_select on the host
+        if self.coded is not None:  # a version-2 store: the same torch ops on any device
+            x = self.coded.decode(rows)
+        elif self.device.type == "cpu":  # numpy's take is ~3x torch's index_select on the host
             if self.table is None:
                 x = torch.from_numpy(np.take(self.x.numpy(), rows.numpy(), axis=0))
             else:
@@ -275,6 +409,8 @@ class ResidentSelection:
 
     def _gather_with_torch(self, rows: torch.Tensor) -> torch.Tensor:
         """The rows' float32 windows, gathered (and decoded) by torch ops on the holding device."""
+        if self.coded is not None:
+            return self.coded.decode(rows)
         if self.table is None:
             return self.x.index_select(0, rows)
         assert self.row_offsets is not None and self.chunk_bounds is not None
@@ -295,7 +431,9 @@ class ResidentSelection:
         """Write the host-resident ``rows`` into a batch's channel-last ``x`` and ``ldt`` arrays."""
 
         def fill(x: np.ndarray, ldt: np.ndarray | None) -> None:
-            if self.table is None:
+            if self.coded is not None:
+                self.coded.decode(torch.from_numpy(rows), out=torch.from_numpy(x))
+            elif self.table is None:
                 np.take(self.x.numpy(), rows, axis=0, out=x, mode="clip")
             else:
                 self._decode_on_host(rows, out=x)
@@ -347,6 +485,42 @@ class ResidentSelection:
         that pickling this object for a DataLoader worker never copies the codes out of shared
         memory."""
         return self.x.numpy().view(np.uint16)
+
+
+def format2_window_bytes(gps_once: bool) -> int:
+    """Bytes a window of a version-2 store held as codes (without ldt): uint16 codes of imu_x/y/z,
+    an int32 dictionary row, and gps_speed as float32 once a window or in every sample."""
+    return WINDOW_LENGTH * _v2.N_CODED * 2 + 4 + (4 if gps_once else 4 * WINDOW_LENGTH)
+
+
+def held_dictionaries(dictionaries: _v2.Dictionaries, row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The entries of the dictionary rows that ``row`` (the store's row of each held window,
+    int32) uses, renumbered ``0..R-1`` in store order, and their offsets (``HeldCodes.offsets``);
+    ``row`` is renumbered in place. Offsets are int32 unless the held entries pass 2**31."""
+    sizes = dictionaries.sizes()  # (R, 3): a row's entries lie together, channel after channel
+    used = np.zeros(dictionaries.n_rows, dtype=bool)
+    used[row] = True
+    renumber = (np.cumsum(used) - 1).astype(np.int32)
+    np.take(renumber, row, out=row)
+    row_entries = sizes.sum(axis=1)
+    values = dictionaries.values[np.repeat(used, row_entries)]
+    held_entries = row_entries[used]
+    first = np.cumsum(held_entries) - held_entries  # where each held row's entries start now
+    start = dictionaries.start[used] - dictionaries.start[used][:, :1] + first[:, None]
+    dtype = np.int32 if len(values) + CODE_BIAS < 2**31 else np.int64
+    offsets = np.tile((start + CODE_BIAS).astype(dtype), (1, WINDOW_LENGTH))  # sample-major
+    return np.ascontiguousarray(values, dtype=np.float32), offsets
+
+
+def _fill_ldt(reader: ChunkReader, chunk: int, local: np.ndarray, ldt: np.ndarray | None,
+              labels: np.ndarray | None, at: slice) -> None:
+    """The packed ``(label, device, timestamp halves)`` rows and the labels of a chunk's held windows."""
+    if ldt is not None:
+        ldt[at, 0] = reader.read(LABEL, chunk)[local]
+        ldt[at, 1] = reader.read(DEVICE, chunk)[local]
+        ldt[at, 2:] = timestamp_halves(reader.read(TIMESTAMP, chunk)[local])
+    if labels is not None:
+        labels[at] = ldt[at, 0] if ldt is not None else reader.read(LABEL, chunk)[local]
 
 
 def timestamp_halves(seconds: np.ndarray) -> np.ndarray:

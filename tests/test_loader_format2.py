@@ -1,0 +1,216 @@
+"""The loader on a version-2 store (birdzarr.format._v2): the same batches as from the version-1
+store it was made from, streamed and resident, and resident mode holding the codes."""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import birdzarr
+from birdzarr.format import _v2
+from tests.format2_support import to_format2
+
+_CHUNK = 1024
+
+
+@pytest.fixture(scope="module")
+def stores(parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]],
+           tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str]]:
+    """Per store order, a version-1 store and its version-2 copy: ``{order: (v1 url, v2 url)}``."""
+    directory, _ = parquet_source
+    made = {}
+    for order in ("device", "shuffled"):
+        base = tmp_path_factory.mktemp(f"format2-{order}")
+        shuffled = {"shuffle": True, "seed": 11} if order == "shuffled" else {}
+        v1 = birdzarr.convert(directory, base / "v1.zarr", chunk_windows=_CHUNK, progress=False,
+                              **shuffled)  # type: ignore[arg-type]
+        shutil.copytree(base / "v1.zarr", base / "v2.zarr")
+        to_format2(base / "v2.zarr")
+        made[order] = (v1.url, str(base / "v2.zarr"))
+    return made
+
+
+def _dataset(url: str, **options: object) -> birdzarr.WindowDataset:
+    options.setdefault("batch_size", 700)
+    options.setdefault("seed", 3)
+    options.setdefault("with_ldt", True)
+    options.setdefault("allow_device_order", True)
+    options.setdefault("progress", False)
+    return birdzarr.WindowDataset(url, **options)  # type: ignore[arg-type]
+
+
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _same(a: Batches, b: Batches) -> None:
+    """Equal batches, bit for bit: x (as bit patterns), label, device and time."""
+    assert len(a) == len(b) > 0
+    for (xa, la), (xb, lb) in zip(a, b, strict=True):
+        assert torch.equal(xa.view(torch.int32), xb.view(torch.int32))
+        assert torch.equal(la, lb)
+
+
+def _epochs(ds: birdzarr.WindowDataset, epochs: tuple[int, ...], workers: int) -> Batches:
+    got = []
+    for epoch in epochs:
+        ds.set_epoch(epoch)
+        if workers:
+            loader = DataLoader(ds, batch_size=None, num_workers=workers, multiprocessing_context="fork")
+            got += [(x.clone(), ldt.clone()) for x, ldt in loader]
+        else:
+            got += [(x.clone(), ldt.clone()) for x, ldt in ds]
+    return got
+
+
+def test_the_version2_copy_holds_no_gimu_array(stores: dict[str, tuple[str, str]]) -> None:
+    _, v2 = stores["shuffled"]
+    names = {p.name for p in pathlib.Path(v2).iterdir() if p.is_dir()}
+    assert "gimu" not in names and set(_v2.ARRAYS) <= names
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", ["device", "shuffled"])
+def test_streamed_batches_equal_the_version1_store(stores: dict[str, tuple[str, str]], order: str) -> None:
+    """Shuffled streaming, two epochs, two DataLoader workers: every batch of the version-2 copy
+    equals the version-1 store's, bit for bit, and so does a resume from a state_dict."""
+    v1, v2 = stores[order]
+    expected = _epochs(_dataset(v1), (0, 1), workers=2)
+    _same(_epochs(_dataset(v2), (0, 1), workers=2), expected)
+    # resume epoch 1 of the version-2 store after 4 batches read by 2 workers
+    head = _dataset(v2)
+    head.set_epoch(1)
+    seen = 0
+    for _ in DataLoader(head, batch_size=None, num_workers=2, multiprocessing_context="fork"):
+        seen += 1
+        if seen == 4:
+            break
+    resumed = _dataset(v2)
+    resumed.load_state_dict(head.state_dict(batches_seen=seen))
+    tail = list(DataLoader(resumed, batch_size=None, num_workers=2, multiprocessing_context="fork"))
+    first_epoch = len(_dataset(v1))
+    _same([(x, ldt) for x, ldt in tail], expected[first_epoch + 4 :])
+
+
+def _array(url: str, name: str) -> np.ndarray:
+    """A whole array of the store, read by zarr-python."""
+    import zarr
+
+    return np.asarray(zarr.open_array(f"{url}/{name}", mode="r", zarr_format=3)[:])
+
+
+def _held_bytes(url: str, devices: set[int] | None, n: int, *, gps_once: bool = True) -> int:
+    """What resident mode must hold for ``n`` windows of ``devices`` (None: all), from the store's
+    own dictionary arrays: 120 B of codes, 4 B of row, 4 (or 80) B of gps_speed a window, the
+    entries of the rows those devices use (float32) and their offsets (int32, 3 starts a row
+    repeated for the 20 samples)."""
+    values, start, owner = (_array(url, name) for name in (_v2.VALUES, _v2.START, _v2.DEVICE))
+    rows = np.flatnonzero(np.isin(owner, list(devices))) if devices is not None else np.arange(len(owner))
+    entries = int(_v2.entry_counts(start, len(values))[rows].sum())
+    return n * (120 + 4 + (4 if gps_once else 80)) + entries * 4 + len(rows) * 60 * 4
+
+
+@pytest.mark.parametrize("order", ["device", "shuffled"])
+def test_resident_cpu_holds_the_codes_and_gives_the_version1_batches(
+    stores: dict[str, tuple[str, str]], order: str
+) -> None:
+    v1, v2 = stores[order]
+    coded = _dataset(v2, resident="cpu")
+    held = coded.resident
+    assert held is not None and held.coded is not None, "a version-2 store stays coded in memory"
+    n = len(held)
+    assert held.x.dtype == torch.int16 and tuple(held.x.shape) == (n, 20, 3)
+    assert tuple(held.coded.gps.shape) == (n,), "gps_speed, one value a window here, held once"
+    assert held.coded.nbytes == _held_bytes(v2, None, n)  # 128 B a window + the dictionaries
+    assert held.nbytes == held.coded.nbytes + n * 16  # + the packed ldt
+    assert n * 128 <= 0.4 * n * 320
+    got = _epochs(coded, (0, 1), workers=0)
+    # the version-1 store's resident batches (the same permutations), from dict16 codes and float32
+    _same(got, _epochs(_dataset(v1, resident="cpu"), (0, 1), workers=0))
+    _same(got, _epochs(_dataset(v1, resident="cpu", resident_codes=False), (0, 1), workers=0))
+    # and what the version-1 store reads for the windows each batch names
+    v1_store = birdzarr.open_store(v1)
+    per_epoch = len(coded)
+    for epoch in (0, 1):
+        coded.set_epoch(epoch)
+        for batch in range(per_epoch):
+            x, ldt = got[epoch * per_epoch + batch]
+            idx = coded.batch_indices(batch)
+            assert np.array_equal(x.numpy().view(np.uint32), v1_store.windows[idx].view(np.uint32))
+            assert np.array_equal(ldt.numpy(), np.stack([v1_store.labels[idx], v1_store.window_devices[idx],
+                                                         v1_store.timestamps[idx]], axis=1))
+
+
+@pytest.mark.slow
+def test_resident_workers_share_the_codes_and_keep_the_order(stores: dict[str, tuple[str, str]]) -> None:
+    _, v2 = stores["shuffled"]
+    ds = _dataset(v2, resident="cpu", batch_size=900, seed=2)
+    in_process = _epochs(ds, (1,), workers=0)
+    assert ds.resident is not None and ds.resident.coded is not None
+    assert all(t.is_shared() for t in (ds.resident.coded.codes, ds.resident.coded.gps, ds.resident.coded.row))
+    _same(_epochs(ds, (1,), workers=2), in_process)
+
+
+def test_resident_holds_only_the_dictionary_rows_of_the_selected_devices(
+    stores: dict[str, tuple[str, str]],
+) -> None:
+    v1, v2 = stores["device"]
+    devices = {entry.device_id for entry in birdzarr.open_store(v1).device_table[:3]}
+    ds = _dataset(v2, resident="cpu", devices=devices)
+    held = ds.resident
+    assert held is not None and held.coded is not None
+    assert held.coded.nbytes == _held_bytes(v2, devices, len(held))
+    assert int(held.coded.row.max()) + 1 == held.coded.offsets.shape[0] == 3
+    expected = _epochs(_dataset(v1, resident="cpu", devices=devices), (0,), workers=0)
+    _same(_epochs(ds, (0,), workers=0), expected)
+
+
+def test_the_torch_gather_a_gpu_runs_equals_the_store(stores: dict[str, tuple[str, str]]) -> None:
+    """On a GPU the same torch ops decode (HeldCodes.decode): run here on the CPU, with rows in
+    random order, against the version-1 store's windows and the documented numpy decode."""
+    v1, v2 = stores["shuffled"]
+    held = _dataset(v2, resident="cpu").resident
+    assert held is not None and held.coded is not None
+    rows = torch.from_numpy(np.random.default_rng(0).permutation(len(held))[:900])
+    idx = held.global_index[rows.numpy()]
+    expected = birdzarr.open_store(v1).windows[idx]
+    assert np.array_equal(held._gather_with_torch(rows).numpy().view(np.uint32), expected.view(np.uint32))
+    codes, row, gps, values, start = (_array(v2, name) for name in (_v2.CODES, _v2.ROW, _v2.GPS, _v2.VALUES,
+                                                                     _v2.START))
+    documented = _v2.decode_reference(codes[idx], row[idx], gps[idx], values, start)
+    assert np.array_equal(documented.view(np.uint32), expected.view(np.uint32))
+
+
+def test_a_gps_speed_that_varies_within_a_window_is_held_in_every_sample(
+    tmp_path: pathlib.Path,
+) -> None:
+    """One window whose gps_speed changes mid-window: the load starts again with gps_speed in
+    every sample (204 B a window), and every value is exact."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from birdzarr.demo import _synthetic
+
+    src = tmp_path / "src"
+    src.mkdir()
+    windows = {3: _synthetic.curated_windows(3000, seed=3), 4: _synthetic.curated_windows(2000, seed=4)}
+    windows[4][1900, 10:, 3] += np.float32(0.5)
+    for device, w in windows.items():
+        offsets = pa.array(np.arange(0, len(w) * 80 + 1, 80, dtype=np.int32))
+        column = pa.ListArray.from_arrays(offsets, pa.array(w.reshape(-1), type=pa.float32()))
+        pq.write_table(pa.table({"gimu": column}), src / f"{device}.parquet")
+    store = birdzarr.convert(src, tmp_path / "s.zarr", chunk_windows=1024, progress=False)
+    truth = store.windows[:]
+    to_format2(tmp_path / "s.zarr")
+    ds = _dataset(str(tmp_path / "s.zarr"), resident="cpu", with_ldt=False)
+    held = ds.resident
+    assert held is not None and held.coded is not None
+    assert tuple(held.coded.gps.shape) == (5000, 20)
+    assert held.coded.nbytes == _held_bytes(str(tmp_path / "s.zarr"), None, 5000, gps_once=False)
+    for batch, x in enumerate(ds):
+        idx = ds.batch_indices(batch)
+        assert np.array_equal(x.numpy().view(np.uint32), truth[idx].view(np.uint32))
