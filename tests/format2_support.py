@@ -4,7 +4,9 @@ Until the converter writes format 2 (``convert(..., format_version=2)``), tests 
 stores with ``to_format2``: it decodes ``gimu`` with zarr-python, encodes the windows with
 ``birdzarr.format._v2.encode`` (the device ids of the ``device`` array as the dictionary rows'
 keys), writes the six arrays of format 2 from ``_v2.array_metadata`` documents with zarr-python,
-deletes ``gimu`` and sets ``format_version`` 2 in the root attributes (nothing else changes).
+deletes ``gimu``, sets ``format_version`` 2 in the root attributes and records the dictionary's
+committed lengths as the converter does (``committed.dictionary``: rows, values); nothing else
+changes.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ def to_format2(path: str | Path) -> None:
             array[...] = data[name]
     shutil.rmtree(path / GIMU)
     meta["format_version"] = 2
+    meta["committed"]["dictionary"] = {"rows": encoded.new.n_rows, "values": len(encoded.new.values)}
     root_file.write_text(json.dumps(root, indent=2))
 
 

@@ -294,3 +294,46 @@ def test_statistics_are_the_version_1_statistics(v2_pair: Pair) -> None:
     for field in dataclasses.fields(a):
         got, expected = np.asarray(getattr(b, field.name)), np.asarray(getattr(a, field.name))
         assert np.array_equal(got, expected), field.name
+
+
+def test_dictionary_rows_past_the_commit_are_not_read(v2_pair: Pair, tmp_path: Path) -> None:
+    """An interrupted append leaves the dictionary arrays longer than the commit counts
+    (committed.dictionary): readers use the committed rows and entries only."""
+    import zarr
+
+    v1, v2 = v2_pair
+    path = writable_copy(v2, tmp_path / "s.zarr")
+    root = json.loads((path / "zarr.json").read_text())
+    recorded = root["attributes"]["birdzarr"]["committed"]["dictionary"]
+    rows, n_values = recorded["rows"], recorded["values"]
+    assert rows == 12 and n_values == len(v2.reader.dictionaries().values)
+    for name, extra in ((_v2.VALUES, 100), (_v2.START, 2), (_v2.DEVICE, 2)):
+        array: Any = zarr.open_array(str(path / name), mode="r+", zarr_format=3)
+        array.resize((array.shape[0] + extra, *array.shape[1:]))
+        array[-extra:] = 7  # what the interrupted append wrote
+    store = birdzarr.open_store(path)
+    dictionaries = store.reader.dictionaries()
+    assert (len(dictionaries.values), len(dictionaries.start), len(dictionaries.device)) == (n_values, 12, 12)
+    assert_exact(store.windows[:], v1.windows[:])
+    # a commit that counts more than the arrays hold is damage, said once
+    root["attributes"]["birdzarr"]["committed"]["dictionary"]["rows"] = 20
+    (path / "zarr.json").write_text(json.dumps(root))
+    store = birdzarr.open_store(path)
+    with pytest.raises(CorruptChunkError) as refused:
+        store.windows[0]
+    assert str(refused.value) == (
+        f"{store.url}: the dictionary arrays do not agree with the commit ('dict_start' holds 14 where "
+        "the commit counts 20). The store is damaged; run `birdzarr verify`.")
+
+
+def test_a_store_the_converter_writes_in_format_2_reads_as_its_format_1_twin(
+    parquet_source: Any, small_store: birdzarr.Store, tmp_path: Path,
+) -> None:
+    directory, _ = parquet_source
+    store = birdzarr.convert(directory, tmp_path / "v2.zarr", chunk_windows=1024, format_version=2,
+                             progress=False)
+    assert store.format_version == 2 and not (tmp_path / "v2.zarr" / "gimu").exists()
+    assert_exact(store.windows[:], small_store.windows[:])
+    assert np.array_equal(store.window_devices[:], small_store.window_devices[:])
+    reopened = birdzarr.open_store(tmp_path / "v2.zarr")
+    assert_exact(reopened.windows[np.arange(29_999, 0, -97)], small_store.windows[np.arange(29_999, 0, -97)])

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -45,6 +45,9 @@ class ArrayLayout:
     fill_value: Any
     # the zarr.json it was parsed from, for what needs more of it (copy's list of chunk keys)
     meta: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # a format-2 dictionary array: the length the commit counts (root attribute
+    # committed.dictionary); the array may be longer after an interrupted append
+    committed_length: int | None = field(default=None, compare=False)
 
     @property
     def chain(self) -> str:
@@ -77,8 +80,9 @@ class ArrayLayout:
 
     @property
     def length(self) -> int:
-        """The array's length along its first axis, as its zarr.json says."""
-        return int(self.meta["shape"][0])
+        """The array's committed length along its first axis: the commit's count for a format-2
+        dictionary array where the root attributes give one, else its zarr.json's shape."""
+        return int(self.meta["shape"][0]) if self.committed_length is None else self.committed_length
 
     def key(self, index: int) -> str:
         """The key of chunk ``index`` along the first axis (every other axis is one chunk)."""
@@ -188,17 +192,24 @@ class ChunkReader:
         self._dictionaries_lock = threading.Lock()
 
     @classmethod
-    def open(cls, location: Location, n_windows: int, format_version: int | None = None) -> ChunkReader:
+    def open(cls, location: Location, n_windows: int, format_version: int | None = None, *,
+             committed: dict[str, Any] | None = None) -> ChunkReader:
         """The reader of the store at ``location``: its arrays' metadata read and parsed. The
-        format version is the root attributes' (read here when not given)."""
+        format version and ``committed`` (the root attributes' commit record: a format-2 store's
+        committed dictionary lengths) are the root attributes' (read here when no version is given)."""
         if format_version is None:
             from birdzarr.format._spec import check_root_attrs
             from birdzarr.storage._root import read_root
 
             meta = check_root_attrs(read_root(location), where=location.display)
-            format_version = int(meta["format_version"])
+            format_version, committed = int(meta["format_version"]), meta.get("committed")
         layouts = {name: ArrayLayout.from_metadata(name, read_array_meta(location, name))
                    for name in array_names(format_version)}
+        recorded = (committed or {}).get("dictionary") or {}
+        for names, key in (((_v2.VALUES,), "values"), ((_v2.START, _v2.DEVICE), "rows")):
+            if format_version >= 2 and key in recorded:
+                for name in names:
+                    layouts[name] = replace(layouts[name], committed_length=int(recorded[key]))
         return cls(location, layouts, n_windows)
 
     def item_shape(self, name: str) -> tuple[int, ...]:
@@ -390,6 +401,14 @@ class ChunkReader:
         if self.format_version != 2:
             raise ValueError(f"{self.location.display} is a format-{self.format_version} store: it has no "
                              "dictionary arrays")
+        for name in (_v2.VALUES, _v2.START, _v2.DEVICE):
+            layout = self.layouts[name]
+            if layout.length > int(layout.meta["shape"][0]):
+                raise CorruptChunkError(
+                    f"{self.location.display}: the dictionary arrays do not agree with the commit ('{name}' "
+                    f"holds {int(layout.meta['shape'][0])} where the commit counts {layout.length}). The "
+                    "store is damaged; run `birdzarr verify`."
+                )
         values = self._whole(_v2.VALUES)
         start = self._whole(_v2.START).reshape(-1, _v2.N_CODED)
         device = self._whole(_v2.DEVICE)
