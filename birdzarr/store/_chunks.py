@@ -137,6 +137,9 @@ def read_array_meta(location: Location, name: str) -> dict[str, Any]:
 
 
 _BLOSC = Blosc()  # decoding needs no settings: every blosc frame describes itself
+# Windows a _v2.decode call decodes: its temporary index arrays stay in the CPU caches (a
+# 32768-window chunk decoded whole measured ~1.5x slower than in blocks of 4096; 8192 the same)
+_DECODE_BLOCK = 4096
 _BUFFERS = threading.local()  # per decoding thread: a reusable output buffer per array
 
 
@@ -374,7 +377,11 @@ class ChunkReader:
             target = np.empty((n, WINDOW_LENGTH, N_CHANNELS), np.float32)
         else:
             target = out[:n]
-        return _v2.decode(codes, row, gps, dictionaries.values, dictionaries.start, out=target)
+        values, start = dictionaries.values, dictionaries.start
+        for a in range(0, n, _DECODE_BLOCK):
+            b = a + _DECODE_BLOCK
+            _v2.decode(codes[a:b], row[a:b], gps[a:b], values, start, out=target[a:b])
+        return target
 
     def read_coded(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Chunk ``index`` of a version-2 store undecoded, trimmed to committed windows:
