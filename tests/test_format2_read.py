@@ -261,6 +261,8 @@ def test_info_shows_format_2_and_the_stored_arrays(v2_pair: Pair, capsys: pytest
     assert "codec uint16 codes + dictionaries (core Zarr v3 codecs), shuffled False" in text
     assert "\narrays       gimu_codes " in text and ", dict_device " in text
     assert "\narrays" not in format_summary(summary(v1))
+    assert "codec uint16 codes + dictionaries (core Zarr v3 codecs), in device order" in repr(v2)
+    assert "codec dict16, in device order" in repr(v1)
     assert main(["info", v2.url]) == 0
     assert "birdzarr v2" in capsys.readouterr().out
     assert main(["info", v2.url, "--json"]) == 0

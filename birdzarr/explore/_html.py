@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from birdzarr.format._spec import LABEL_UNLABELLED, TIMESTAMP_UNKNOWN, DeviceEntry
+from birdzarr.store._summary import codec_name
 
 if TYPE_CHECKING:
     from birdzarr.explore._protocol import ReadableStore as Store
@@ -56,7 +57,7 @@ class Overview:
             format_version=store.format_version,
             generation=committed.get("generation"),
             committed_at=committed.get("committed_at"),
-            codec=layout.get("codec"),
+            codec=codec_name(store.format_version, layout),
             chunk_windows=store.chunk_windows,
             shuffled=store.shuffled,
             source_kind=store.meta.get("source_kind"),

@@ -90,10 +90,12 @@ def _size(n: float) -> str:
     return f"{n:.1f} TB"
 
 
-def _codec_name(info: dict[str, Any]) -> str:
-    if info["format_version"] >= 2:
+def codec_name(format_version: int, layout: dict[str, Any] | None) -> str:
+    """How the windows are coded, for `info` and the store's summary: version 1's codec from the
+    layout attribute (dict16, gdict16, standard); version 2 has one layout."""
+    if format_version >= 2:
         return "uint16 codes + dictionaries (core Zarr v3 codecs)"
-    return str((info["layout"] or {}).get("codec"))
+    return str((layout or {}).get("codec"))
 
 
 def format_summary(info: dict[str, Any]) -> str:
@@ -107,7 +109,8 @@ def format_summary(info: dict[str, Any]) -> str:
         f"windows      {info['windows']:,} from {info['devices']} devices (source: {info['source_kind']})",
         f"bytes        {_size(info['bytes_raw'])} raw float32, {_size(info['bytes_stored'])} stored "
         f"(ratio {info['ratio']}x)",
-        f"chunking     {layout.get('chunk_windows')} windows a chunk, codec {_codec_name(info)}, "
+        f"chunking     {layout.get('chunk_windows')} windows a chunk, "
+        f"codec {codec_name(info['format_version'], layout)}, "
         f"shuffled {layout.get('shuffled')}"
         + (f" (seed {layout.get('shuffle_seed')})" if layout.get("shuffled") else ""),
     ]
