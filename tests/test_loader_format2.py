@@ -214,3 +214,27 @@ def test_a_gps_speed_that_varies_within_a_window_is_held_in_every_sample(
     for batch, x in enumerate(ds):
         idx = ds.batch_indices(batch)
         assert np.array_equal(x.numpy().view(np.uint32), truth[idx].view(np.uint32))
+
+
+def test_resident_codes_false_holds_float32(stores: dict[str, tuple[str, str]]) -> None:
+    v1, v2 = stores["shuffled"]
+    ds = _dataset(v2, resident="cpu", resident_codes=False)
+    assert ds.resident is not None and ds.resident.coded is None and ds.resident.x.dtype == torch.float32
+    _same(_epochs(ds, (0,), workers=0), _epochs(_dataset(v1, resident="cpu"), (0,), workers=0))
+
+
+def test_refused_before_loading_when_the_codes_do_not_fit(
+    stores: dict[str, tuple[str, str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The budget counts 128 B a window (+16 with ldt) and every dictionary row (int64 offsets)."""
+    from birdzarr.loader import _resident as resident_module
+
+    _, v2 = stores["device"]
+    monkeypatch.setattr(resident_module, "memory_limit", lambda: (1_000_000, "the job's memory limit (test)"))
+    values, start = _array(v2, _v2.VALUES), _array(v2, _v2.START)
+    needed = 30_000 * (128 + 16) + len(values) * 4 + len(start) * 60 * 8
+    with pytest.raises(birdzarr.ResidentMemoryError) as refused:
+        _dataset(v2, resident="cpu")
+    assert str(refused.value).startswith(
+        f"{birdzarr.open_store(v2).url}: holding the selection (30,000 windows as 16-bit dictionary codes) "
+        f"needs {needed / 2**20:.1f} MiB, but the job's memory limit (test) is 1.0 MiB. Stream instead")
