@@ -339,3 +339,28 @@ def test_a_store_the_converter_writes_in_format_2_reads_as_its_format_1_twin(
     assert np.array_equal(store.window_devices[:], small_store.window_devices[:])
     reopened = birdzarr.open_store(tmp_path / "v2.zarr")
     assert_exact(reopened.windows[np.arange(29_999, 0, -97)], small_store.windows[np.arange(29_999, 0, -97)])
+
+
+def test_arrays_another_writer_coded_otherwise_are_read_through_zarr(v2_pair: Pair, tmp_path: Path) -> None:
+    """A format-2 store whose arrays use other core chains (here zstd without blosc, and codes
+    without the transpose) reads the same: chains birdzarr does not write go through zarr-python."""
+    import zarr
+
+    v1, v2 = v2_pair
+    path = writable_copy(v2, tmp_path / "s.zarr")
+    zstd = [{"name": "bytes", "configuration": {"endian": "little"}},
+            {"name": "zstd", "configuration": {"level": 1, "checksum": False}}, {"name": "crc32c"}]
+    for name in (_v2.CODES, _v2.GPS, _v2.ROW, _v2.VALUES, _v2.START):
+        data = np.asarray(zarr.open_array(str(path / name), mode="r", zarr_format=3)[:])
+        meta = json.loads((path / name / "zarr.json").read_text())
+        shutil.rmtree(path / name)
+        (path / name).mkdir()
+        (path / name / "zarr.json").write_text(json.dumps({**meta, "codecs": zstd}))
+        zarr.open_array(str(path / name), mode="r+", zarr_format=3)[...] = data
+    store = birdzarr.open_store(path)
+    assert {store.reader.layouts[name].chain for name in (_v2.CODES, _v2.GPS, _v2.VALUES)} == {"zarr"}
+    assert_exact(store.windows[:], v1.windows[:])
+    assert_exact(store.windows[[29_999, 5, 17_000]], v1.windows[[29_999, 5, 17_000]])
+    (path / _v2.CODES / "c" / "4" / "0" / "0").unlink()
+    with pytest.raises(MissingChunkError, match=r"committed chunk 'gimu_codes/c/4/0/0' is missing"):
+        birdzarr.open_store(path).windows[4096]
