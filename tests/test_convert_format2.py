@@ -15,7 +15,7 @@ import zarr
 
 import birdzarr
 from birdzarr._errors import BadInputError
-from birdzarr.convert import _segments, _shuffle_processes
+from birdzarr.convert import _segments
 from birdzarr.demo import _synthetic
 from birdzarr.format import _v2
 
@@ -71,9 +71,15 @@ def test_every_device_order_path_writes_the_same_bytes_and_the_windows_of_format
     rows = zarr.open_group(str(root), mode="r")[_v2.DEVICE][:]
     assert rows.tolist() == [e.device_id for e in processes.device_table]
     names = sorted(p.parent.name for p in root.glob("*/zarr.json"))
-    assert names == sorted([*_v2.ARRAYS, "device", "timestamp", "label"])
-    for meta_path in root.glob("*/zarr.json"):
+    assert names == sorted([*_v2.ARRAYS, "device", "timestamp", "label", "device_table"])
+    arrays = [p for p in root.rglob("zarr.json") if json.loads(p.read_text())["node_type"] == "array"]
+    assert len(arrays) == 9 + 7  # the window and dictionary arrays; the device table's index
+    for meta_path in arrays:
         assert {c["name"] for c in json.loads(meta_path.read_text())["codecs"]} <= CORE, meta_path
+    # the root holds no per-device data: the device table is its own group, read when used
+    attrs = json.loads((root / "zarr.json").read_text())["attributes"]["birdzarr"]
+    assert "devices" not in attrs and "devices" not in attrs["report"]
+    assert attrs["committed"]["device_table"] == "device_table/1" and attrs["committed"]["n_devices"] == 6
     committed = processes.meta["committed"]["dictionary"]
     assert committed == {"rows": len(rows), "values": int(zarr.open_group(str(root))[_v2.VALUES].shape[0])}
 
@@ -85,7 +91,7 @@ def test_every_shuffle_path_writes_the_same_bytes_and_the_windows_of_format_1(
     v1 = birdzarr.convert(source, tmp_path / "v1", **options).windows[:]
     birdzarr.convert(source, tmp_path / "one", workers=1, format_version=2, **options)
     birdzarr.convert(source, tmp_path / "threads", workers=2, format_version=2, **options)
-    monkeypatch.setattr(_shuffle_processes, "PROCESS_MIN_BYTES", 0)
+    monkeypatch.setattr(_segments, "PROCESS_MIN_BYTES", 0)
     processes = birdzarr.convert(source, tmp_path / "processes", workers=2, format_version=2, **options)
     assert processes.meta["report"]["worker_processes"] == 2
     expected = chunk_files(tmp_path / "one")
@@ -119,7 +125,7 @@ def test_a_device_past_65535_values_a_channel_splits_into_rows_on_every_path(
         assert z[_v2.DEVICE][:].tolist().count(3) == 2  # device 3 needed two rows
         assert same_bits(documented_decode(tmp_path / name), v1)
     # the shuffle in worker processes cannot number rows opened in several processes: refused
-    monkeypatch.setattr(_shuffle_processes, "PROCESS_MIN_BYTES", 0)
+    monkeypatch.setattr(_segments, "PROCESS_MIN_BYTES", 0)
     with pytest.raises(BadInputError, match=r"^device 3 has more than 65,535 distinct values in an IMU "
                                             r"channel .* Convert with workers=1"):
         birdzarr.convert(source, tmp_path / "p", progress=False, workers=2, format_version=2, shuffle=True,

@@ -37,7 +37,7 @@ from birdzarr.convert._input import split_suffix
 from birdzarr.convert._memory import arrow_pool
 from birdzarr.convert._slabs import writable_arrays
 from birdzarr.convert._sources import DeviceSource, file_name, find_inputs
-from birdzarr.convert._writer import CSV_TAILS, Writer, _now, csv_tails_record
+from birdzarr.convert._writer import CSV_TAILS, Writer, _now, csv_tails_record, remove_other_tables
 from birdzarr.format import _v2
 from birdzarr.format._digest import window_hashes
 from birdzarr.format._rows import RowCoder
@@ -51,6 +51,7 @@ from birdzarr.format._spec import (
     check_root_attrs,
 )
 from birdzarr.storage._location import Location, StoreLike, resolve, zarr_store
+from birdzarr.store._device_table import merged
 from birdzarr.store._tail import discard_uncommitted
 
 if TYPE_CHECKING:
@@ -94,7 +95,8 @@ class AppendWriter(Writer):
     def _open(self) -> tuple[dict[str, Any], int]:
         from birdzarr.storage._root import read_root as _read_root
 
-        meta = check_root_attrs(_read_root(self.location), where=self.location.display)
+        # with a format-2 store's device table put back (store/_device_table.py)
+        meta = merged(self.location, check_root_attrs(_read_root(self.location), where=self.location.display))
         committed = meta.get("committed")
         if not committed:
             raise IncompleteStoreError(
@@ -116,6 +118,7 @@ class AppendWriter(Writer):
             self.committed_rows = committed_dictionary(committed, group)
             self.cleaned += cut_dictionary(group, self.committed_rows)
             self.coder = RowCoder.appending_to(read_dictionary(group, self.committed_rows))
+            remove_other_tables(self.location, keep=committed["device_table"])  # a killed commit's
         self.group = group  # from here on, a failure cuts the arrays back again (_abandon)
         self.devices = {e.device_id: e for e in (DeviceEntry.from_json(d) for d in meta.get("devices", []))}
         report = meta.get("report", {}).get("devices", {})

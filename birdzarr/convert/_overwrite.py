@@ -43,6 +43,8 @@ from contextlib import contextmanager
 from typing import Any, Literal
 
 from birdzarr._errors import DestinationError, StoreExistsError
+from birdzarr.format import _device_table as device_table
+from birdzarr.format import _v2
 from birdzarr.format._spec import ATTRS_KEY, DEVICE, GIMU, LABEL, TIMESTAMP
 from birdzarr.storage._location import Location, resolve
 from birdzarr.storage._lock import LOCK_NAME, StoreLock
@@ -50,8 +52,9 @@ from birdzarr.storage._lock import LOCK_NAME, StoreLock
 NEW_INFIX = ".birdzarr-new-"
 OLD_INFIX = ".birdzarr-old-"
 ROOT = "zarr.json"
-_ARRAYS = (GIMU, DEVICE, TIMESTAMP, LABEL)
-_NODES = frozenset({*_ARRAYS, "stats"})  # stats: the exploration cache (explore/_stats.py)
+_ARRAYS = (GIMU, *_v2.ARRAYS, DEVICE, TIMESTAMP, LABEL)  # format 1's and format 2's
+# stats: the exploration cache (explore/_stats.py); device_table: format 2's per-commit groups
+_NODES = frozenset({*_ARRAYS, device_table.GROUP, "stats"})
 _LISTED = 8
 
 State = Literal["absent", "empty", "unfinished", "store"]

@@ -11,6 +11,7 @@ the destination is opened, what the commit writes, and how a failure is undone.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -27,6 +28,7 @@ from birdzarr.convert._cpus import resolve_workers
 from birdzarr.convert._csv import tail_to_json
 from birdzarr.convert._slabs import EVERY_CHUNK, SlabWriter
 from birdzarr.convert._summary import DeviceSummary, Summarizer
+from birdzarr.format import _device_table as device_table
 from birdzarr.format import _v2
 from birdzarr.format._codec import gimu_codecs, per_window_codecs
 from birdzarr.format._rows import RowCoder
@@ -194,14 +196,35 @@ class Writer:
         self.slabs.drain()
         self._store_dictionaries()
         attrs = self._committed_attrs(extra_report)
-        if self.coder is not None:  # what an interrupted append is cut back to (_append.py)
-            assert self.group is not None
+        assert self.group is not None
+        root = attrs
+        if self.coder is not None:  # format 2
+            # what an interrupted append is cut back to (_append.py)
             attrs["committed"]["dictionary"] = {"rows": int(_array(self.group, _v2.DEVICE).shape[0]),
                                                 "values": int(_array(self.group, _v2.VALUES).shape[0])}
-        assert self.group is not None
-        self.group.attrs.put({ATTRS_KEY: attrs})
+            root = self._write_device_table(attrs)
+        self.group.attrs.put({ATTRS_KEY: root})
         self._committed = True
+        if self.coder is not None:
+            remove_other_tables(self.location, keep=root["committed"]["device_table"])
         return attrs
+
+    def _write_device_table(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        """Format 2: write the device table of ``attrs`` (the full root attributes of the
+        commit) into its own group (birdzarr/format/_device_table.py); returns the root
+        attributes without it, which name the group."""
+        root = dict(attrs)
+        report = dict(root.get("report") or {})
+        details = {"devices": root.pop("devices", []), "report_devices": report.pop("devices", {}),
+                   "csv_tails": root.pop(CSV_TAILS, None)}
+        root["report"] = report
+        committed = dict(root["committed"])
+        where = device_table.path(int(committed["generation"]))
+        write_device_table(self.location, where, details, list(self.devices.values()))
+        committed["device_table"] = where
+        committed["n_devices"] = len(details["devices"])
+        root["committed"] = committed
+        return root
 
 
 class StoreWriter(Writer):
@@ -349,6 +372,39 @@ class StoreWriter(Writer):
 
 
 CSV_TAILS = "csv_tails"  # the root attribute: each device's unfinished last burst (docs/format.md)
+
+
+def write_device_table(location: Location, where: str, details: dict[str, Any],
+                       entries: list[DeviceEntry]) -> None:
+    """Write a format-2 device table group at ``where`` (its attributes and index arrays)."""
+    store = zarr_store(location, read_only=False)
+    documents = {device_table.GROUP: {"zarr_format": 3, "node_type": "group", "attributes": {}},
+                 where: device_table.group_metadata(details)}
+    arrays = device_table.columns(entries)
+    for name, values in arrays.items():
+        documents[f"{where}/{name}"] = device_table.array_metadata(len(values))
+    for key, document in documents.items():
+        if location.is_local:  # object stores have no directories
+            os.makedirs(location.join(key), exist_ok=True)
+        location.fs.pipe_file(location.join(key, "zarr.json"), json.dumps(document).encode())
+    for name, values in arrays.items():
+        if len(values):
+            zarr.open_array(store, path=f"{where}/{name}", mode="r+")[:] = values
+
+
+def remove_other_tables(location: Location, *, keep: str) -> None:
+    """Remove device table generations other than ``keep`` (a replaced commit's, or one a
+    killed commit left); best effort: a leftover is harmless and the next writer tries again."""
+    root = location.join(device_table.GROUP)
+    try:
+        entries = location.fs.ls(root, detail=False)
+    except (FileNotFoundError, OSError):
+        return
+    for entry in entries:
+        name = entry.rstrip("/").rsplit("/", 1)[-1]
+        if name.isdigit() and f"{device_table.GROUP}/{name}" != keep:
+            with contextlib.suppress(FileNotFoundError, OSError):
+                location.fs.rm(entry, recursive=True)
 
 
 def csv_tails_record(known: dict[int, dict[str, Any] | None], unknown: Iterable[int]) -> dict[str, Any]:

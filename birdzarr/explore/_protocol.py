@@ -28,11 +28,18 @@ class ReadableStore(Protocol):
     """The read interface of a committed store that exploration uses."""
 
     location: Location  # where the store is (the statistics cache is keyed by it)
-    meta: dict[str, Any]  # the birdzarr root attributes
-    device_table: list[DeviceEntry]
     reader: ChunkReader  # chunk reads by array name and chunk number
 
     def __len__(self) -> int: ...
+
+    @property
+    def meta(self) -> dict[str, Any]: ...  # the birdzarr attributes, device table included
+
+    @property
+    def device_table(self) -> list[DeviceEntry]: ...
+
+    @property
+    def n_devices(self) -> int: ...
 
     @property
     def url(self) -> str: ...

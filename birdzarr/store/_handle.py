@@ -30,6 +30,7 @@ from birdzarr.storage._cache import DEFAULT_MAX_BYTES, ChunkCache, cache_for, ch
 from birdzarr.storage._location import Location, StoreLike, resolve, zarr_store
 from birdzarr.storage._root import read_root as _read_root
 from birdzarr.store._chunks import ChunkReader
+from birdzarr.store._device_table import columns, merged, table_path
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -46,7 +47,9 @@ class Store:
 
     def __init__(self, location: Location, attrs: dict[str, Any]) -> None:
         self.location = location
-        self.meta = attrs
+        # the root attributes alone: a format-2 store keeps its device table apart, read on first
+        # use (``meta``, ``device_table``), so opening reads one object whatever the device count
+        self.root = attrs
         committed = attrs.get("committed")
         if not committed:
             raise IncompleteStoreError(
@@ -55,9 +58,26 @@ class Store:
                 "or delete the directory."
             )
         self.n_windows = int(committed["n_windows"])
-        self.device_table = [DeviceEntry.from_json(d) for d in attrs.get("devices", [])]
         self.reader = ChunkReader.open(location, self.n_windows, int(attrs["format_version"]),
                                        committed=committed)
+
+    @cached_property
+    def meta(self) -> dict[str, Any]:
+        """The store's attributes, as format 1 keeps them all in the root ``zarr.json``: with the
+        device table (``devices``), each device's report (``report.devices``) and CSV tails. A
+        format-2 store reads its device table group the first time this is used."""
+        return merged(self.location, self.root)
+
+    @cached_property
+    def device_table(self) -> list[DeviceEntry]:
+        """Every device's entry (windows, ranges, times, sources, labels), ascending id."""
+        return [DeviceEntry.from_json(d) for d in self.meta.get("devices", [])]
+
+    @property
+    def n_devices(self) -> int:
+        """The number of devices (without reading a format-2 store's device table)."""
+        recorded = self.root["committed"].get("n_devices")
+        return int(recorded) if recorded is not None else len(self.device_table)
 
     # -- basic facts -----------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -72,7 +92,7 @@ class Store:
     @property
     def format_version(self) -> int:
         """The birdzarr format version the store was written with (docs/format.md)."""
-        return int(self.meta["format_version"])
+        return int(self.root["format_version"])
 
     @property
     def chunk_windows(self) -> int:
@@ -82,7 +102,7 @@ class Store:
     @property
     def shuffled(self) -> bool:
         """True for a ``--shuffle`` store: windows in one seeded random order, not by device."""
-        return bool(self.meta.get("layout", {}).get("shuffled", False))
+        return bool(self.root.get("layout", {}).get("shuffled", False))
 
     @property
     def report(self) -> dict[int, DeviceReport]:
@@ -118,6 +138,10 @@ class Store:
     def _device_index(self) -> tuple[np.ndarray, np.ndarray]:
         """The device ids sorted, and each one's position in ``device_table``: ``device`` finds
         an entry by binary search (at 100K devices a scan cost ~2.5 ms a lookup)."""
+        where = table_path(self.root)
+        if where is not None:  # format 2: the index array, ascending like the table
+            ids = columns(self.location, where)["device_id"]
+            return ids, np.arange(len(ids))
         ids = np.fromiter((e.device_id for e in self.device_table), dtype=np.int64,
                           count=len(self.device_table))
         order = np.argsort(ids, kind="stable")

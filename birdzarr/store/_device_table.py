@@ -1,0 +1,79 @@
+"""Reading a format-2 store's device table (birdzarr/format/_device_table.py), only when it is used.
+
+``open_store`` reads the root ``zarr.json`` alone, whatever the number of devices. The entries,
+reports and CSV tails are read the first time something needs them (``details``); the index
+columns (ids, window counts, times, ranges) are three to seven small objects (``columns``), read
+without zarr-python (no event loop before DataLoader workers fork, as ``_chunks.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from birdzarr._errors import CorruptChunkError
+from birdzarr.format import _device_table as device_table
+from birdzarr.format._codec import ChunkCodec
+from birdzarr.storage._location import Location, read_object
+from birdzarr.storage._root import RESTORE_HINT
+
+
+def table_path(root: dict[str, Any]) -> str | None:
+    """The committed device table group of a format-2 store's root attributes (None: format 1,
+    whose table is in the root attributes)."""
+    where = (root.get("committed") or {}).get("device_table")
+    return str(where) if where else None
+
+
+def details(location: Location, where: str) -> dict[str, Any]:
+    """The group's attributes: ``devices``, ``report_devices``, ``csv_tails``."""
+    key = f"{where}/zarr.json"
+    raw = read_object(location, key)
+    try:
+        document = json.loads(raw)
+        found = document["attributes"]["birdzarr"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptChunkError(f"{location.display}: '{key}' is damaged ({type(exc).__name__}: {exc}); "
+                                f"{RESTORE_HINT}.") from None
+    if not isinstance(found, dict):
+        raise CorruptChunkError(f"{location.display}: '{key}' holds no device table; {RESTORE_HINT}.")
+    return found
+
+
+def merged(location: Location, root: dict[str, Any]) -> dict[str, Any]:
+    """The root attributes with the device table put back where format 1 keeps it (``devices``,
+    ``report.devices``, ``csv_tails``): what every reader of a store's attributes expects."""
+    where = table_path(root)
+    if where is None:
+        return root
+    found = details(location, where)
+    full = dict(root)
+    full["devices"] = found.get("devices", [])
+    full["report"] = {**(root.get("report") or {}), "devices": found.get("report_devices", {})}
+    if found.get("csv_tails") is not None:
+        full["csv_tails"] = found["csv_tails"]
+    return full
+
+
+def columns(location: Location, where: str) -> dict[str, np.ndarray]:
+    """The index arrays (``device_table.COLUMNS`` and ``RANGES``) of the table at ``where``."""
+    out = {}
+    for name in (*device_table.COLUMNS, *device_table.RANGES):
+        key = f"{where}/{name}"
+        meta = json.loads(read_object(location, f"{key}/zarr.json"))
+        length = int(meta["shape"][0])
+        chunk = int(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
+        codec = ChunkCodec.parse(meta["codecs"], dtype="int64")
+        assert codec is not None and codec.kind == "plain", "the device table's arrays are plain int64"
+        parts = []
+        for index in range(-(-length // chunk)):
+            data = read_object(location, f"{key}/c/{index}")
+            try:
+                parts.append(np.array(codec.decode(data, (chunk,)), np.int64))
+            except (ValueError, RuntimeError) as exc:
+                raise CorruptChunkError(f"{location.display}: chunk '{key}/c/{index}' cannot be decoded "
+                                        f"({exc}); {RESTORE_HINT}.") from None
+        out[name] = np.concatenate(parts)[:length] if parts else np.empty(0, np.int64)
+    return out
