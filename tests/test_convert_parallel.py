@@ -182,13 +182,14 @@ def test_input_that_changes_under_the_worker_processes_is_refused(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, in_processes: None
 ) -> None:
     src = _parquet_devices(tmp_path / "src", {4: 300, 5: 300})
-    counted = _segments.count_device
+    counted = _segments.footer_count
 
-    def one_more_for_4(device: Any, *args: Any) -> int:
+    def one_more_for_4(device: Any, *args: Any) -> int | None:
         # device 4's footers, read before the workers start, count one window more than reading gives
-        return counted(device, *args) + (device.device_id == 4)
+        count = counted(device, *args)
+        return None if count is None else count + (device.device_id == 4)
 
-    monkeypatch.setattr(_segments, "count_device", one_more_for_4)
+    monkeypatch.setattr(_segments, "footer_count", one_more_for_4)
     dest = tmp_path / "s.zarr"
     with pytest.raises(BadInputError, match=r"device 4: counted 301 windows before the conversion "
                                             r"\(from its Parquet footers, or by reading it\), but "
@@ -220,7 +221,7 @@ def csv_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 def test_csv_store_is_byte_identical_for_any_worker_count(
     csv_dir: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, processes: bool
 ) -> None:
-    monkeypatch.setattr(_pipeline, "PROCESS_MIN_BYTES", 0 if processes else 1 << 62)
+    monkeypatch.setattr(_segments, "PROCESS_MIN_BYTES", 0 if processes else 1 << 62)
     stores = []
     for workers in (1, 2, 3):
         dest = tmp_path / f"w{workers}.zarr"
@@ -372,7 +373,7 @@ def test_shuffled_store_in_worker_processes_is_byte_identical(
     # 7 buckets in runs of 2, 2, 1, 2: chunks two buckets share inside a run and between runs
     monkeypatch.setattr(_shuffle, "BUCKET_WINDOWS", 3000)
     assert [len(r) for r in _shuffle_processes.plan_bucket_runs(7, workers=2)] == [2, 2, 1, 2]
-    monkeypatch.setattr(_shuffle_processes, "PROCESS_MIN_BYTES", 0)
+    monkeypatch.setattr(_segments, "PROCESS_MIN_BYTES", 0)
     stores = {}
     for workers in (1, 2):
         dest = tmp_path / f"s{workers}.zarr"
@@ -437,7 +438,7 @@ def test_the_progress_bar_counts_every_window_once_in_each_shuffle_pass(
     """Pass 1 counts the windows read and spilled (in worker processes: group by group), pass 2
     the windows written, each pass all of them once."""
     monkeypatch.setattr(_shuffle, "BUCKET_WINDOWS", 3000)
-    monkeypatch.setattr(_shuffle_processes, "PROCESS_MIN_BYTES", 0)
+    monkeypatch.setattr(_segments, "PROCESS_MIN_BYTES", 0)
     bars: list[_RecordingBar] = []
 
     def recording_bar(enabled: bool, **kwargs: object) -> _RecordingBar:

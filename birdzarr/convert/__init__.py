@@ -20,13 +20,14 @@ from birdzarr._progress import progress_bar
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._cpus import cpu_report, cpu_seconds, resolve_workers
 from birdzarr.convert._duplicates import DuplicateCounter
+from birdzarr.convert._engine import Engine, cluster_engine, local_engine
 from birdzarr.convert._memory import arrow_pool
 from birdzarr.convert._overwrite import check_destination, replacing, staged_location
 from birdzarr.convert._parquet import clear_group_cache, ignored_from_notes
 from birdzarr.convert._pipeline import count_on_bar, counted, device_blocks
-from birdzarr.convert._segments import convert_in_processes, plan_processes
+from birdzarr.convert._segments import convert_segments, count_devices, plan_processes, plan_segments
 from birdzarr.convert._shuffle import bucket_count, write_shuffled
-from birdzarr.convert._shuffle_processes import plan_spill_groups, write_shuffled_in_processes
+from birdzarr.convert._shuffle_processes import plan_spill_groups, spill_groups, write_shuffled_on
 from birdzarr.convert._sources import DeviceSource, find_inputs, natural_key, refuse_repeated_devices
 from birdzarr.convert._writer import StoreWriter
 from birdzarr.format._codec import compressor_of
@@ -179,8 +180,6 @@ def convert(
             seed = secrets.randbits(63)
         buckets = bucket_count(_estimated_windows(kind, devices))
         layout["shuffled"], layout["shuffle_seed"], layout["shuffle_buckets"] = True, int(seed), buckets
-    if client is not None and shuffle:
-        raise ArgumentError("shuffle=True is not supported with a Dask client yet; convert locally")
     # overwriting a local store: write the new one aside and swap it in once committed
     staged = staged_location(dst, overwrite=overwrite, state=state)
     with DuplicateCounter() as duplicates, _freeing_group_cache():
@@ -188,19 +187,11 @@ def convert(
             static["skipped_files"] = inputs.skipped
         with replacing(dst, staged) if staged is not None else contextlib.nullcontext():
             target = staged or dst
-            if client is not None:  # a distributed.Client: read, curate and write on its workers
-                from birdzarr.convert._dask import convert_on_cluster
-
-                convert_on_cluster(client, src, target, devices, kind=kind, curation=curation,
-                                   on_bad_rows=on_bad_rows, codec=codec, chunk_windows=chunk_windows,
-                                   overwrite=overwrite, static=static, workers=workers, progress=progress,
-                                   duplicates=duplicates, format_version=format_version)
-            else:
-                _convert_here(src, target, kind, devices, codec=codec, chunk_windows=chunk_windows,
-                              overwrite=overwrite, static=static, workers=workers, progress=progress,
-                              curation=curation, on_bad_rows=on_bad_rows, shuffle=shuffle, seed=seed,
-                              buckets=buckets, shuffle_tmp=shuffle_tmp, duplicates=duplicates,
-                              format_version=format_version)
+            _convert_here(src, target, kind, devices, codec=codec, chunk_windows=chunk_windows,
+                          overwrite=overwrite, static=static, workers=workers, progress=progress,
+                          curation=curation, on_bad_rows=on_bad_rows, shuffle=shuffle, seed=seed,
+                          buckets=buckets, shuffle_tmp=shuffle_tmp, duplicates=duplicates,
+                          format_version=format_version, client=client)
     duplicates.warn(dst.display)
     store = open_store(dst)
     # from the devices' reports, which every path keeps (a Dask conversion's report has no
@@ -283,63 +274,88 @@ def _convert_here(
     chunk_windows: int, overwrite: bool, static: dict[str, Any], workers: int, progress: bool,
     curation: Curation, on_bad_rows: str, shuffle: bool, seed: int | None, buckets: int,
     shuffle_tmp: str | None, duplicates: DuplicateCounter | None = None, format_version: int = FORMAT_VERSION,
+    client: Any = None,
 ) -> None:
-    """The conversion in this process (``convert`` without a Dask client)."""
+    """The conversion, driven from this process: on its threads, or as tasks on an engine
+    (``_engine.py``): forked worker processes where ``plan_processes``/``plan_spill_groups`` find
+    them worth it, or the Dask cluster behind ``client``. The tasks and the store are the same
+    on every engine."""
     started, cpu = time.perf_counter(), cpu_seconds()
     config = {"threading.max_workers": workers}
     with arrow_pool(), zarr.config.set(config), StoreWriter(
         dst, codec=codec, chunk_windows=chunk_windows, overwrite=overwrite, static_attrs=static,
         workers=workers, format_version=format_version,
-    ) as writer, progress_bar(progress, desc=f"convert {kind}", unit=" windows") as bar:
-        inputs = _device_inputs(src.display, devices, curation, on_bad_rows, bar, workers)
-        if duplicates is not None:  # counts windows repeated within a device (convert/_duplicates.py)
-            inputs = ((d, sources, duplicates.watch(d, blocks)) for d, sources, blocks in inputs)
+    ) as writer, progress_bar(progress, desc=f"convert {kind}" + (" on dask" if client else ""),
+                              unit=" windows") as bar:
         extra: dict[str, Any] = {}
         pass_one: list[float] = []  # a shuffle's: when pass 1 ended, wall clock and CPU seconds
-        if shuffle:
-            assert seed is not None
 
-            def second_pass(name: str, windows: int) -> None:
-                # pass 1's worker processes have ended: their CPU time is counted
-                pass_one[:] = [time.perf_counter(), cpu_seconds()]
-                # no redraw before the reset: it would print pass 1's count under pass 2's name
-                bar.set_description(f"convert {kind}: {name} shuffled", refresh=False)
-                bar.set_postfix_str("", refresh=False)  # pass 1's MB/s is not pass 2's
-                bar.reset(total=windows)
+        def second_pass(name: str, windows: int) -> None:
+            # pass 1's worker processes have ended: their CPU time is counted
+            pass_one[:] = [time.perf_counter(), cpu_seconds()]
+            # no redraw before the reset: it would print pass 1's count under pass 2's name
+            bar.set_description(f"convert {kind}: {name} shuffled", refresh=False)
+            bar.set_postfix_str("", refresh=False)  # pass 1's MB/s is not pass 2's
+            bar.reset(total=windows)
 
-            def windows_done(windows: int) -> None:  # windows/s and MB/s on the bar, in either pass
-                count_on_bar(bar, windows)
+        def windows_done(windows: int) -> None:  # windows/s and MB/s on the bar, in either pass
+            count_on_bar(bar, windows)
 
-            groups = plan_spill_groups(devices, workers=workers, dest=dst)
-            if groups is not None:  # in worker processes (convert/_shuffle_processes.py)
-                refuse_repeated_devices(src.display, devices)
-                shuffled = write_shuffled_in_processes(
-                    writer, groups, seed=seed, buckets=buckets, tmp_dir=shuffle_tmp, curation=curation,
-                    on_bad_rows=on_bad_rows, workers=workers, dest=dst, duplicates=duplicates,
-                    on_pass=second_pass, on_written=windows_done, on_spilled=windows_done)
-                extra["worker_processes"] = shuffled["worker_processes"]
-            else:
-                shuffled = write_shuffled(writer, inputs, seed=seed, buckets=buckets, tmp_dir=shuffle_tmp,
-                                          on_pass=second_pass, on_written=windows_done)
-            extra["shuffle"] = {"buckets": shuffled["buckets"], "spill_bytes": shuffled["spill_bytes"]}
-        elif (segments := plan_processes(kind, devices, curation=curation, on_bad_rows=on_bad_rows,
-                                         workers=workers, chunk_windows=chunk_windows, dest=dst)) is not None:
+        def on_engine(engine: Engine, plan: Any) -> dict[str, Any]:
+            """The conversion's tasks on ``engine`` (whichever it is); facts for the report."""
             refuse_repeated_devices(src.display, devices)
-            extra.update(convert_in_processes(writer, segments, curation=curation, on_bad_rows=on_bad_rows,
-                                              workers=workers, dest=dst, duplicates=duplicates, bar=bar))
+            if plan is None:  # a cluster: planned for its width
+                if shuffle:
+                    plan = spill_groups(devices, width=engine.width)
+                else:
+                    counts = count_devices(devices, curation=curation, on_bad_rows=on_bad_rows, engine=engine)
+                    plan = plan_segments(devices, counts, workers=engine.width, chunk_windows=chunk_windows)
+            if shuffle:
+                assert seed is not None
+                shuffled = write_shuffled_on(
+                    engine, writer, plan, seed=seed, buckets=buckets, tmp_dir=shuffle_tmp, curation=curation,
+                    on_bad_rows=on_bad_rows, dest=dst, duplicates=duplicates, on_pass=second_pass,
+                    on_written=windows_done, on_spilled=windows_done)
+                return {"shuffle": shuffled}
+            return convert_segments(engine, writer, plan, curation=curation, on_bad_rows=on_bad_rows,
+                                    dest=dst, duplicates=duplicates, bar=bar)
+
+        # the one choice: which engine runs the tasks (none: this process's threads)
+        plan: Any = None
+        if client is None:
+            plan = (plan_spill_groups(devices, workers=workers, dest=dst) if shuffle else
+                    plan_processes(kind, devices, curation=curation, on_bad_rows=on_bad_rows,
+                                   workers=workers, chunk_windows=chunk_windows, dest=dst))
+        if client is not None or plan is not None:
+            engine_context = cluster_engine(client) if client is not None else local_engine(
+                max(1, min(workers, len(plan))))
+            with engine_context as engine:
+                extra.update(on_engine(engine, plan), **engine.facts)
         else:
-            for device_id, sources, blocks in inputs:
-                writer.write_device(device_id, blocks, sources)
+            inputs = _device_inputs(src.display, devices, curation, on_bad_rows, bar, workers)
+            if duplicates is not None:  # counts windows repeated within a device (convert/_duplicates.py)
+                inputs = ((d, sources, duplicates.watch(d, blocks)) for d, sources, blocks in inputs)
+            if shuffle:
+                assert seed is not None
+                extra["shuffle"] = write_shuffled(writer, inputs, seed=seed, buckets=buckets,
+                                                  tmp_dir=shuffle_tmp, on_pass=second_pass,
+                                                  on_written=windows_done)
+            else:
+                for device_id, sources, blocks in inputs:
+                    writer.write_device(device_id, blocks, sources)
         # the last slabs are written (and waited for) before the clock stops: the time and CPU
         # reported are the whole conversion's (commit only writes the root attributes)
         writer.slabs.drain()
         seconds = time.perf_counter() - started
-        extra.update(cpu_report(seconds, cpu, workers))
+        if client is None:  # a cluster's CPU is its workers', which this process does not see
+            extra.update(cpu_report(seconds, cpu, workers))
         if shuffle and pass_one:  # each pass's share (they add up to the two figures above)
-            first, first_cpu = pass_one[0] - started, pass_one[1] - cpu
+            first = pass_one[0] - started
             extra["shuffle"]["pass_seconds"] = [round(first, 3), round(seconds - first, 3)]
-            extra["shuffle"]["pass_cpu_seconds"] = [round(first_cpu, 3),
-                                                    round(extra["cpu_seconds"] - first_cpu, 3)]
+            if client is None:
+                first_cpu = pass_one[1] - cpu
+                extra["shuffle"]["pass_cpu_seconds"] = [round(first_cpu, 3),
+                                                        round(extra["cpu_seconds"] - first_cpu, 3)]
         require_windows(src.display, writer)
         if duplicates is not None and duplicates.counts:
             extra["duplicate_windows"] = duplicates.report()

@@ -20,23 +20,20 @@ from __future__ import annotations
 
 import collections
 import functools
-import multiprocessing
 import threading
 from collections.abc import Callable, Generator, Iterator
-from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._csv import PartPieces, Stitcher, read_part
+from birdzarr.convert._engine import fork_available, forked_pool
 from birdzarr.convert._parquet import ParquetDeviceReader
 from birdzarr.convert._sources import DeviceSource
 from birdzarr.format._spec import Curation
 
 HEAD_DEPTH = 4  # batches buffered for the task the writer reads now
 AHEAD_PER_WORKER = 2  # batches buffered per worker for all the tasks after it
-# CSV input smaller than this (bytes) is parsed on threads: starting worker processes costs more
-# than they save. Tests lower it to exercise the processes on small files.
-PROCESS_MIN_BYTES = 64 << 20
 # Parquet files at least this large are split into one task per row group (pyarrow's default
 # row group of 1,048,576 windows is ~150 MB of calibrated Parquet).
 SPLIT_MIN_BYTES = 32 << 20
@@ -284,20 +281,20 @@ def _csv_stream(
 
 def _csv_executor(devices: list[DeviceSource], workers: int) -> Executor:
     """Worker processes for a large local-or-remote CSV input (threads for a small one, or where
-    ``fork`` is unavailable). ``fork``: a worker starts in milliseconds and imports nothing; it
-    only runs ``read_part`` (pyarrow and numpy re-initialise their thread pools after fork)."""
+    ``fork`` is unavailable): the engine's forked workers (``_engine.forked_pool``: a worker
+    starts in milliseconds, imports nothing and ends with this process); they only run
+    ``read_part`` (pyarrow and numpy re-initialise their thread pools after fork). The size
+    threshold is ``_segments.PROCESS_MIN_BYTES``, the one every conversion uses."""
+    from birdzarr.convert import _segments  # imports this module
+
     size = 0
     for device in devices:
         for part in device.files:
             size += int(part.fs.size(part.path) or 0)
-            if size >= PROCESS_MIN_BYTES:
+            if size >= _segments.PROCESS_MIN_BYTES:
                 break
-    if size >= PROCESS_MIN_BYTES and "fork" in multiprocessing.get_all_start_methods():
-        # pyarrow's to_numpy imports pandas on first use (0.2 s of CPU), and so do the encoders
-        # here: imported before the fork, once, instead of once in every worker
-        import pandas  # noqa: F401
-
-        return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+    if size >= _segments.PROCESS_MIN_BYTES and fork_available():
+        return forked_pool(workers)
     return ThreadPoolExecutor(workers, thread_name_prefix="birdzarr-csv")
 
 

@@ -1,23 +1,26 @@
-"""Conversion in worker processes: the store cut into segments of whole devices.
+"""A device-order conversion as tasks: the store cut into segments of whole devices.
 
 Threads share one GIL. A Parquet conversion on threads holds it for about 44% of its CPU time
 (``py-spy record --gil``, 1 M windows on 2 workers: 0.89 of 2.0 CPU s), so no number of
 threads makes it use more than about 2.3 cores. Here each *segment* (consecutive whole devices,
-about ``total / (SEGMENTS_PER_WORKER x workers)`` windows) is converted by one worker process,
-start to end: read, summarised (row count, checksum, labels, times), checked for repeated
-windows, and every chunk that lies wholly inside it encoded and written. The windows of a chunk
-that two segments share (at most the first and the last chunk of a segment) come back to this
-process, which writes that chunk once all its windows have arrived.
+about ``total / (SEGMENTS_PER_WORKER x width)`` windows) is converted by one task
+(``convert_segment``) on an engine's worker (``_engine.py``: a forked worker process, or a Dask
+worker), start to end: read, summarised (row count, checksum, labels, times), checked for
+repeated windows, and every chunk that lies wholly inside it encoded and written. The windows of
+a chunk that two segments share (at most the first and the last chunk of a segment) come back to
+this process, which writes that chunk once all its windows have arrived.
 
-Every window's place must be known before the workers start: each device's window count comes
-from its Parquet footers, which ``on_bad_rows="error"`` makes exact (a bad row fails the
-conversion). Other input (CSV, or ``on_bad_rows="skip"``) is converted on threads
-(``birdzarr/convert/_pipeline.py``).
+Every window's place must be known before the tasks start (``count_devices``): each device's
+window count comes from its Parquet footers where ``on_bad_rows="error"`` makes them exact (a
+bad row fails the conversion); other devices (CSV, ``on_bad_rows="skip"``) are read and curated
+once to count them, by tasks on the engine. A local conversion takes worker processes only for
+Parquet whose footers count it (``plan_processes``) and converts other input on threads
+(``birdzarr/convert/_pipeline.py``); on a Dask cluster every input runs as tasks.
 
 The store is byte-identical to one written on threads or by one worker: same window order and
 chunking, chunks encoded by the same code, the device table from the same ``Summarizer``.
 
-Memory: each worker process holds one reader batch (16,384 windows), one slab (8 chunks of all
+Memory: each task holds one reader batch (16,384 windows), one slab (8 chunks of all
 four arrays: 8 x chunk_windows x 336 B, 22 MB at 8,192 windows a chunk), the duplicate check's
 8 B a window of the device it reads, and at most two chunks of shared windows; this process
 holds the shared windows of segments whose neighbours have not finished yet (at most two chunks
@@ -26,15 +29,8 @@ a segment).
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import math
-import multiprocessing
-import os
-import signal
-import sys
-from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +40,7 @@ from birdzarr._errors import BadInputError
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._chunkwrite import CODES
 from birdzarr.convert._duplicates import DeviceKeys, DuplicateCounter
+from birdzarr.convert._engine import Engine, Runner, fork_available, run_all
 from birdzarr.convert._pipeline import count_on_bar
 from birdzarr.convert._slabs import SlabWriter, writable_arrays
 from birdzarr.convert._sources import DeviceSource
@@ -59,8 +56,9 @@ from birdzarr.storage._location import Location, resolve
 SEGMENTS_PER_WORKER = 4
 MIN_SEGMENT_CHUNKS = 8  # a segment of fewer chunks would send back a large share of its windows
 SLAB_CHUNKS = 8  # chunks a worker process encodes at a time (its memory bound)
-# Parquet input smaller than this (bytes) is converted on threads: starting worker processes
-# costs more than they save. Tests lower it to exercise the processes on small files.
+# Local input smaller than this (bytes) is converted on threads, in either order (CSV parts are
+# parsed on threads too: ``_pipeline._csv_executor``): starting worker processes costs more than
+# they save. The one threshold of every conversion; tests lower it to exercise the processes.
 PROCESS_MIN_BYTES = 64 << 20
 
 
@@ -68,52 +66,85 @@ def count_device(device: DeviceSource, curation: Curation, on_bad_rows: str) -> 
     """Windows the device will produce: from its Parquet footers where that is exact (Parquet
     read with ``on_bad_rows="error"``: a bad row fails the conversion anyway), else by reading
     and curating it once."""
-    if device.kind == "parquet" and on_bad_rows == "error":
-        try:
-            import pyarrow.parquet as pq
-
-            from birdzarr.convert._parquet import names_its_device
-
-            total = device.partition_rows  # its rows in partition files, counted by find_inputs
-            for file in device.files:
-                if names_its_device(file) is None:  # a partition file: counted above
-                    continue
-                with file.fs.open(file.path, "rb") as handle:
-                    total += pq.ParquetFile(handle).metadata.num_rows
-            return total
-        except Exception:  # noqa: BLE001 - unreadable: reading it raises the proper error
-            pass
+    if (counted := footer_count(device, on_bad_rows)) is not None:
+        return counted
     return sum(len(block) for block in device.blocks(curation=curation, on_bad_rows=on_bad_rows))
+
+
+def footer_count(device: DeviceSource, on_bad_rows: str) -> int | None:
+    """The device's windows from its Parquet footers, or None where they do not give them exactly
+    (CSV, ``on_bad_rows="skip"``, an unreadable footer: reading the device raises the proper error)."""
+    if device.kind != "parquet" or on_bad_rows != "error":
+        return None
+    try:
+        import pyarrow.parquet as pq
+
+        from birdzarr.convert._parquet import names_its_device
+
+        total = device.partition_rows  # its rows in partition files, counted by find_inputs
+        for file in device.files:
+            if names_its_device(file) is None:  # a partition file: counted above
+                continue
+            with file.fs.open(file.path, "rb") as handle:
+                total += pq.ParquetFile(handle).metadata.num_rows
+        return total
+    except Exception:  # noqa: BLE001 - unreadable: reading it raises the proper error
+        return None
+
+
+def count_devices(devices: list[DeviceSource], *, curation: Curation, on_bad_rows: str,
+                  engine: Engine | None = None) -> list[int]:
+    """Every device's windows: from footers, read here on threads (one small read a file); the
+    devices whose footers do not tell are read and curated once on ``engine``'s workers (tasks of
+    consecutive devices), or here without one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    counts: list[int | None]
+    with ThreadPoolExecutor(max(1, min(16, len(devices)))) as threads:
+        counts = list(threads.map(lambda d: footer_count(d, on_bad_rows), devices))
+    left = [i for i, c in enumerate(counts) if c is None]
+    if left:
+        width = 1 if engine is None else engine.width
+        size = max(1, math.ceil(len(left) / (SEGMENTS_PER_WORKER * width)))
+        batches = [[devices[i] for i in left[at : at + size]] for at in range(0, len(left), size)]
+        if engine is None:
+            found = [count_batch(batch, curation, on_bad_rows) for batch in batches]
+        else:
+            found = run_all(engine, count_batch, [(batch,) for batch in batches], curation=curation,
+                            on_bad_rows=on_bad_rows)
+        for i, count in zip(left, (c for batch in found for c in batch), strict=True):
+            counts[i] = count
+    return [int(c) for c in counts if c is not None]
+
+
+def count_batch(devices: list[DeviceSource], curation: Curation, on_bad_rows: str) -> list[int]:
+    """``count_device`` for consecutive devices (one task)."""
+    return [count_device(d, curation, on_bad_rows) for d in devices]
 
 
 def plan_processes(kind: str, devices: list[DeviceSource], *, curation: Curation, on_bad_rows: str,
                    workers: int, chunk_windows: int, dest: Location | None = None) -> list[Segment] | None:
-    """The segments ``convert_in_processes`` converts this input in, or None where threads
-    convert it: input other than Parquet whose footers give the window counts, input too small
-    to pay for the processes, fewer segments than workers (a few large devices: threads decode
-    a device's row groups at once), where ``fork`` cannot start processes in milliseconds, or a
-    ``dest`` that worker processes cannot write to (``memory://``)."""
+    """The segments a local conversion runs in worker processes (``convert_segments`` on a
+    ``local_engine``), or None where threads convert it: input other than Parquet whose footers
+    give the window counts, input too small to pay for the processes, fewer segments than
+    workers (a few large devices: threads decode a device's row groups at once), where ``fork``
+    cannot start processes in milliseconds, or a ``dest`` that worker processes cannot write to
+    (``memory://``)."""
     if workers <= 1 or kind != "parquet" or on_bad_rows != "error":
         return None
     if dest is not None and not dest.shared_between_processes:
         return None
-    if not fork_available():
+    if not fork_available() or input_bytes(devices) < PROCESS_MIN_BYTES:
         return None
-    files = {f.url: f for d in devices for f in d.files}  # a partition file is listed by each device
-    if sum(int(f.fs.size(f.path) or 0) for f in files.values()) < PROCESS_MIN_BYTES:
-        return None
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(min(16, len(devices))) as threads:  # footers: one small read a file
-        counts = list(threads.map(lambda d: count_device(d, curation, on_bad_rows), devices))
+    counts = count_devices(devices, curation=curation, on_bad_rows=on_bad_rows)
     segments = plan_segments(devices, counts, workers=workers, chunk_windows=chunk_windows)
     return segments if len(segments) >= workers else None
 
 
-def fork_available() -> bool:
-    """Whether worker processes can be forked (in milliseconds, nothing imported again): Linux,
-    not macOS, where fork after threads have started is unsafe in its system libraries."""
-    return "fork" in multiprocessing.get_all_start_methods() and sys.platform != "darwin"
+def input_bytes(devices: list[DeviceSource]) -> int:
+    """The input's size (a partition file, listed by each of its devices, once)."""
+    files = {f.url: f for d in devices for f in d.files}
+    return sum(int(f.fs.size(f.path) or 0) for f in files.values())
 
 
 @dataclass(frozen=True)
@@ -168,26 +199,6 @@ class SegmentResult:
 
 
 # -- in a worker process -------------------------------------------------------------------------
-def die_with_parent() -> None:
-    """A worker process ends when this process does, even killed: it never writes into a store
-    after the conversion that started it is gone (Linux ``PR_SET_PDEATHSIG``)."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
-    if os.getppid() == 1:  # the parent ended before the line above took effect
-        os._exit(1)
-
-
-def forked_pool(processes: int) -> ProcessPoolExecutor:
-    """Worker processes started with ``fork``, each ending with this process (``die_with_parent``)."""
-    # The encoders' hash tables are pandas': imported here once, before the fork, instead of in
-    # every worker (0.1 s of CPU each here)
-    import pandas  # noqa: F401
-
-    return ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork"),
-                               initializer=die_with_parent)
-
-
 def whole_chunks(start: int, stop: int, chunk_windows: int) -> tuple[int, int]:
     """The windows of the chunks lying wholly inside ``[start, stop)`` (``(0, 0)``: none)."""
     first = -(-start // chunk_windows) * chunk_windows
@@ -396,33 +407,20 @@ def largest_first(segments: list[Segment]) -> list[Segment]:
     return sorted(segments, key=lambda s: s.start - s.stop)
 
 
-def convert_in_processes(writer: StoreWriter, segments: list[Segment], *, curation: Curation,
-                         on_bad_rows: str, workers: int, dest: Location,
-                         duplicates: DuplicateCounter | None, bar: Any) -> dict[str, int]:
-    """Convert the segments (``plan_processes``) in ``workers`` processes into the store
-    ``writer`` has open, which must be empty; records every device with ``writer``. Returns facts
-    for the conversion report (the worker processes and segments)."""
+
+
+def convert_segments(engine: Engine, writer: StoreWriter, segments: list[Segment], *, curation: Curation,
+                     on_bad_rows: str, dest: Location, duplicates: DuplicateCounter | None,
+                     bar: Any) -> dict[str, Any]:
+    """Convert the segments (``plan_processes``, or ``plan_segments`` for a cluster) on
+    ``engine``'s workers into the store ``writer`` has open, which must be empty; records every
+    device with ``writer``. Returns facts for the conversion report."""
     collector = SegmentCollector(writer, segments, duplicates=duplicates, bar=bar)
-    processes = max(1, min(workers, len(segments)))
-    pool = forked_pool(processes)
-    futures: dict[Future[SegmentResult], Segment] = {}
-    try:
+    with Runner(engine) as runner:
         for segment in largest_first(segments):
-            futures[pool.submit(convert_segment, segment, dest.url, dest.storage_options, curation,
-                                on_bad_rows)] = segment
-        for future in as_finished(futures):
-            collector.add(futures[future], future.result())
-    finally:
-        # on an error, no segment still queued starts, and the running ones end before the
-        # writer removes what was written (none writes a chunk after the clean-up)
-        pool.shutdown(wait=True, cancel_futures=True)
+            runner.submit(segment, convert_segment, segment, dest.url, dest.storage_options, curation,
+                          on_bad_rows)
+        for segment, result in runner.results():
+            collector.add(segment, result)
     collector.finish()
-    return {"worker_processes": processes, "segments": len(segments)}
-
-
-def as_finished(futures: dict[Future[Any], Any]) -> Iterator[Future[Any]]:
-    """The futures as they finish; the first that failed as soon as it fails."""
-    pending = set(futures)
-    while pending:
-        done, pending = wait(pending, return_when=FIRST_EXCEPTION)
-        yield from sorted(done, key=lambda f: f.exception() is None)  # a failure first
+    return {"segments": len(segments)}

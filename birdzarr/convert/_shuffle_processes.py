@@ -1,53 +1,67 @@
-"""The shuffle in worker processes: pass 1 by groups of whole devices, pass 2 by buckets.
+"""The shuffle on an engine's workers (``_engine.py``): pass 1 by groups of whole devices, pass 2
+by runs of buckets.
 
-The same two passes as ``_shuffle.py``, which runs them on threads (the GIL then caps them
-near two cores, as it does an ordered conversion: ``_segments.py``). Here:
+The same two passes as ``_shuffle.py``, which runs them on threads of this process (the GIL
+then caps them near two cores, as it does an ordered conversion: ``_segments.py``). Here every
+piece of work is a task that the ``Runner`` submits to forked worker processes
+(``local_engine``) or to a Dask cluster (``cluster_engine``), the same tasks either way:
 
-- **Pass 1**: consecutive devices are cut into groups of about ``input bytes / (4 x workers)``,
-  and each group is read, coded and spilled by one worker process into bucket files of its
-  own. A window's bucket is drawn from ``(seed, device)``, so a bucket holds the same windows,
-  in the same order, as on threads: each group's file of that bucket, in group order.
-- **Pass 2**: the buckets are cut into runs of consecutive buckets (``plan_bucket_runs``),
-  and each run is written by one worker process, which loads and permutes its buckets one at a
-  time and encodes every chunk wholly inside the run's windows, also the chunks two of its
-  buckets share; the windows of a run's first and last chunk come back here and are written
-  once all are in (``SegmentCollector``). Each device's digest (``scattered_digest``) does not
-  depend on the order of its windows: pass 1 finds it as it reads the device.
+- **Pass 1** (``spill_group``): consecutive devices are cut into groups of about
+  ``input bytes / (4 x width)``, and each group is read, coded and spilled by one task into bucket
+  files of its own, in a folder of the spill directory. A window's bucket is drawn from
+  ``(seed, device)``, so a bucket holds the same windows, in the same order, as on threads: each
+  group's file of that bucket, in group order.
+- Between the passes (here): the groups' dictionaries make every device's table, format 2's rows
+  are seeded, and what pass 2 needs (the bucket files of every group, the dictionaries, the
+  seed, the coder) is written once to ``pass2.pickle`` in the spill directory, which every
+  task reads (once per worker thread) instead of receiving it with each task.
+- **Pass 2** (``write_bucket_run``): the buckets are cut into runs of consecutive buckets
+  (``plan_bucket_runs``), and each run is written by one task, which loads and permutes its
+  buckets one at a time and encodes every chunk wholly inside the run's windows, also the chunks
+  two of its buckets share; the windows of a run's first and last chunk come back here and each
+  such chunk is written by a task of its own once all its windows are in (``SegmentCollector``,
+  ``write_shared_chunk``). Each device's digest (``scattered_digest``) does not depend on the
+  order of its windows: pass 1 finds it as it reads the device.
 
-The store is byte-identical to the one written on threads. Memory: each pass-1 process holds at
-most ``PASS1_BUFFER_WINDOWS / processes`` windows waiting to be spilled (so all together as on
-threads) and one block; each pass-2 process one bucket's buffers (176 bytes a window as codes)
-and one slab; this process the dictionaries, as on threads.
+The spill directory must therefore be one that every worker and this process reach at the same
+path: any local directory for worker processes and a Dask ``LocalCluster``; a shared file system
+(NFS, Lustre, a mounted bucket) for a cluster of several machines (docs/scaling.md). A pass-2
+task reads the bucket files other tasks wrote.
+
+The store is byte-identical to the one written on threads. Memory: each pass-1 task holds at
+most ``PASS1_BUFFER_WINDOWS / width`` windows waiting to be spilled (so all together as on
+threads) and one block; each pass-2 worker thread the dictionaries, one bucket's buffers (176
+bytes a window as codes) and one slab; this process the dictionaries, as on threads. A worker
+keeps the last conversion's pass-2 state (the dictionaries and one bucket's buffers per thread)
+until it runs the next conversion's.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from birdzarr._errors import BadInputError
+from birdzarr._errors import ArgumentError, BadInputError
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._chunkwrite import ChunkSink
 from birdzarr.convert._duplicates import DeviceKeys, DuplicateCounter
+from birdzarr.convert._engine import Engine, Runner, fork_available
 from birdzarr.convert._gdict_encode import DictionaryTable
 from birdzarr.convert._segments import (
-    PROCESS_MIN_BYTES,
     SEGMENTS_PER_WORKER,
     SLAB_CHUNKS,
     ChunkRouter,
     Segment,
     SegmentCollector,
     SegmentResult,
-    as_finished,
-    fork_available,
-    forked_pool,
     whole_chunks,
 )
 from birdzarr.convert._shuffle import (
@@ -65,21 +79,30 @@ from birdzarr.convert._writer import StoreWriter
 from birdzarr.format import _v2
 from birdzarr.format._rows import RowCoder
 from birdzarr.format._spec import DEVICE, GIMU, N_CHANNELS, Curation
-from birdzarr.storage._location import Location
+from birdzarr.storage._location import Location, resolve
 
 
 def plan_spill_groups(devices: list[DeviceSource], *, workers: int,
                       dest: Location | None = None) -> list[list[DeviceSource]] | None:
-    """Consecutive devices in groups of about equal input bytes, or None where the shuffle runs
-    on threads (one worker, no ``fork``, input under 64 MB, fewer groups than workers, or a
-    ``dest`` that worker processes cannot write to: ``memory://``)."""
+    """The groups a local shuffle spills in worker processes (``local_engine``), or None where
+    it runs on threads (one worker, no ``fork``, input under ``_segments.PROCESS_MIN_BYTES``,
+    fewer groups than workers, or a ``dest`` that worker processes cannot write to:
+    ``memory://``)."""
+    from birdzarr.convert import _segments
+
     if workers <= 1 or not fork_available() or (dest is not None and not dest.shared_between_processes):
         return None
-    sizes = [sum(int(f.fs.size(f.path) or 0) for f in d.files) for d in devices]
-    total = sum(sizes)
-    if total < PROCESS_MIN_BYTES:
+    if _segments.input_bytes(devices) < _segments.PROCESS_MIN_BYTES:
         return None
-    target = total / (SEGMENTS_PER_WORKER * workers)
+    groups = spill_groups(devices, width=workers)
+    return groups if len(groups) >= workers else None
+
+
+def spill_groups(devices: list[DeviceSource], *, width: int) -> list[list[DeviceSource]]:
+    """Consecutive devices in about ``SEGMENTS_PER_WORKER x width`` groups of about equal input
+    bytes (the last may be smaller); every device in one group, in order."""
+    sizes = [sum(int(f.fs.size(f.path) or 0) for f in d.files) for d in devices]
+    target = sum(sizes) / (SEGMENTS_PER_WORKER * width)
     groups: list[list[DeviceSource]] = []
     members: list[DeviceSource] = []
     held = 0
@@ -91,7 +114,7 @@ def plan_spill_groups(devices: list[DeviceSource], *, workers: int,
             members, held = [], 0
     if members:
         groups.append(members)
-    return groups if len(groups) >= workers else None
+    return groups
 
 
 @dataclass
@@ -136,59 +159,69 @@ def _keyed(blocks: Iterator[WindowBlock], keys: DeviceKeys) -> Iterator[WindowBl
         yield block
 
 
-# Pass-2 runs of consecutive buckets per worker process: more, shorter runs even out the end
+# Pass-2 runs of consecutive buckets per unit of the engine's width: more, shorter runs even out the end
 # of the pass; each costs its first and last chunk's windows sent here and back out
 RUNS_PER_WORKER = 2
 
 
 @dataclass
-class _Pass2:
-    """What every pass-2 process needs, set here before they are forked (so inherited, not sent).
-    ``dest`` is this process's location: a worker opens its own (``_Opened``), never uses its
-    filesystem (an inherited s3fs fails after the fork: "This class is not fork-safe")."""
+class Pass2Plan:
+    """What every pass-2 task needs, written once to the spill directory (``pass2.pickle``)."""
 
-    loader: BucketLoader
-    table: DictionaryTable
-    coded: bool
-    dest: Location
-    coder: RowCoder | None = None  # format 2: every device's row, seeded (each process codes with its copy)
+    spill: SpillFiles
+    dictionaries: dict[int, list[np.ndarray]]  # per device and channel, as pass 1 found them
+    seed: int
+    coded: bool  # gdict16: chunks encoded from codes into the dictionary table
+    chunk_windows: int
+    coder: RowCoder | None  # format 2: every device's row, seeded
 
 
 @dataclass
-class _Opened:
-    """A worker process's own destination (its own filesystem) and the store's arrays there."""
+class _Pass2:
+    """A worker thread's pass-2 state: the plan's loader and table, its own coder and arrays."""
 
-    pid: int
+    plan_path: str
+    loader: BucketLoader
+    table: DictionaryTable
+    coded: bool
+    coder: RowCoder | None
     dest: Location
     arrays: dict[str, Any]
 
 
-_PASS2: _Pass2 | None = None
-_OPENED: _Opened | None = None  # per worker process: opened on its first task
+_LOCAL = threading.local()  # per worker thread: the _Pass2 of the plan it last ran
 
 
-def _arrays() -> tuple[_Pass2, Location, dict[str, Any]]:
-    """This worker process's pass-2 state, its own destination and the store's arrays (opened
-    once a process)."""
-    global _OPENED
+def _pass2(plan_path: str, dest_url: str, dest_options: dict[str, Any]) -> _Pass2:
+    """This worker thread's pass-2 state for the plan (read and built once a thread: a Dask
+    worker's threads share nothing mutable, as worker processes do not)."""
     import zarr
 
     from birdzarr.storage._location import zarr_store
 
-    state = _PASS2
-    assert state is not None, "set before the pass-2 processes are forked"
-    if _OPENED is None or _OPENED.pid != os.getpid():
-        dest = state.dest.reopened()
+    state: _Pass2 | None = getattr(_LOCAL, "state", None)
+    if state is None or state.plan_path != plan_path:
+        _LOCAL.state = None  # the previous conversion's buffers go first
+        with open(plan_path, "rb") as handle:
+            plan: Pass2Plan = pickle.load(handle)
+        table = DictionaryTable({d: [np.sort(k) for k in known] for d, known in plan.dictionaries.items()},
+                                N_CHANNELS)
+        loader = BucketLoader(plan.spill, table, plan.dictionaries, seed=plan.seed, coded=plan.coded,
+                              chunk_windows=plan.chunk_windows)
+        dest = resolve(dest_url, dest_options)
         group = zarr.open_group(zarr_store(dest, read_only=False), mode="r+", zarr_format=3)
-        _OPENED = _Opened(os.getpid(), dest, writable_arrays(group))  # sized before any worker started
-    return state, _OPENED.dest, _OPENED.arrays
+        state = _Pass2(plan_path, loader, table, plan.coded, plan.coder, dest,
+                       writable_arrays(group))  # sized before any task started
+        _LOCAL.state = state
+    return state
 
 
-def write_shared_chunk(start: int, stop: int, data: dict[str, np.ndarray]) -> None:
-    """Encode and store one chunk that two runs of buckets share (in a worker process, so that
-    this process only gathers windows: encoding is most of a chunk's cost)."""
-    state, dest, arrays = _arrays()
-    sink = ChunkSink(dest, arrays, workers=1)
+def write_shared_chunk(plan_path: str, dest_url: str, dest_options: dict[str, Any], start: int, stop: int,
+                       data: dict[str, np.ndarray]) -> None:
+    """Encode and store one chunk that two runs of buckets share (in a task, so that this process
+    only gathers windows: encoding is most of a chunk's cost)."""
+    state = _pass2(plan_path, dest_url, dest_options)
+    sink = ChunkSink(state.dest, state.arrays, workers=1)
     sink.code_encoder = state.table.encode if state.coded else None
     sink.write(start, stop, data)
 
@@ -202,15 +235,28 @@ def plan_bucket_runs(buckets: int, *, workers: int) -> list[range]:
     return [range(a, b) for a, b in zip(edges, edges[1:], strict=False)]
 
 
-def write_bucket_run(buckets: range) -> SegmentResult:
-    """Pass 2 for a run of consecutive buckets (in a worker process), loaded one at a time: every
-    chunk wholly inside the run written, the windows of its first and last chunk sent back."""
-    state, dest, arrays = _arrays()
+def require_shared(directory: str, written: list[str]) -> None:
+    """Refuse in one line a spill directory that is not shared: pass 1's tasks wrote ``written``
+    (on their machines), and pass 2's tasks, on any machine, must read them; here they must be
+    seen too (a cluster's workers on other machines writing to their own disks)."""
+    if missing := [path for path in written if not os.path.isdir(path)]:
+        raise ArgumentError(
+            f"the shuffle's spill directory {directory} is not shared with the workers: "
+            f"{len(missing)} of {len(written)} pass-1 folders they wrote are not there from this process; "
+            "give shuffle_tmp= (--shuffle-tmp) a directory that every worker and this machine reach "
+            "at the same path (docs/scaling.md#dask)")
+
+
+def write_bucket_run(plan_path: str, dest_url: str, dest_options: dict[str, Any],
+                     buckets: range) -> SegmentResult:
+    """Pass 2 for a run of consecutive buckets (a task), loaded one at a time: every chunk wholly
+    inside the run written, the windows of its first and last chunk sent back."""
+    state = _pass2(plan_path, dest_url, dest_options)
     starts = state.loader.starts
     start = int(starts[buckets.start])
     stop = start + int(state.loader.spill.windows[buckets.start : buckets.stop].sum())
-    first = whole_chunks(start, stop, int(arrays[DEVICE].chunks[0]))[0]
-    slabs = SlabWriter(dest, arrays, start=first, slab_chunks=SLAB_CHUNKS, workers=1, in_flight=0,
+    first = whole_chunks(start, stop, int(state.arrays[DEVICE].chunks[0]))[0]
+    slabs = SlabWriter(state.dest, state.arrays, start=first, slab_chunks=SLAB_CHUNKS, workers=1, in_flight=0,
                        coder=state.coder)
     if state.coded:
         slabs.sink.code_encoder = state.table.encode
@@ -225,37 +271,31 @@ def write_bucket_run(buckets: range) -> SegmentResult:
     return SegmentResult([], {}, router.shared())
 
 
-def write_shuffled_in_processes(
-    writer: StoreWriter, groups: list[list[DeviceSource]], *, seed: int, buckets: int,
-    tmp_dir: str | None, curation: Curation, on_bad_rows: str, workers: int, dest: Location,
+def write_shuffled_on(
+    engine: Engine, writer: StoreWriter, groups: list[list[DeviceSource]], *, seed: int, buckets: int,
+    tmp_dir: str | None, curation: Curation, on_bad_rows: str, dest: Location,
     duplicates: DuplicateCounter | None, on_pass: Callable[[str, int], Any] | None = None,
     on_written: Callable[[int], Any] | None = None, on_spilled: Callable[[int], Any] | None = None,
 ) -> dict[str, Any]:
-    """``write_shuffled`` in worker processes; the same store and the same facts, and the
-    number of processes. ``on_spilled`` is told how many windows each group spilled in pass 1
-    (a progress bar's steps, as ``on_written`` in pass 2)."""
-    global _PASS2
+    """``write_shuffled`` on ``engine``'s workers; the same store and the same facts. ``tmp_dir``
+    must be reached at the same path by every worker (module docstring). ``on_spilled`` is told
+    how many windows each group spilled in pass 1 (a progress bar's steps, as ``on_written`` in
+    pass 2)."""
     directory = tempfile.mkdtemp(prefix="birdzarr-shuffle-", dir=tmp_dir)
-    processes = max(1, min(workers, len(groups)))
     try:
-        buffer_windows = max(256 * buckets, PASS1_BUFFER_WINDOWS // processes)
-        with forked_pool(processes) as pool:
-            spilled: dict[Future[Any], int] = {
-                pool.submit(spill_group, group, os.path.join(directory, f"group-{i:04d}"), seed=seed,
-                            buckets=buckets, buffer_windows=buffer_windows, curation=curation,
-                            on_bad_rows=on_bad_rows): i
-                for i, group in enumerate(groups)
-            }
-            results: dict[int, SpillResult] = {}
-            try:
-                for future in as_finished(spilled):
-                    result = results[spilled[future]] = future.result()
-                    if on_spilled is not None:
-                        on_spilled(int(result.windows.sum()))
-            except BaseException:
-                pool.shutdown(wait=True, cancel_futures=True)
-                raise
+        buffer_windows = max(256 * buckets, PASS1_BUFFER_WINDOWS // engine.width)
+        results: dict[int, SpillResult] = {}
+        with Runner(engine) as runner:
+            for i, group in enumerate(groups):
+                runner.submit(i, spill_group, group, os.path.join(directory, f"group-{i:04d}"), seed=seed,
+                              buckets=buckets, buffer_windows=buffer_windows, curation=curation,
+                              on_bad_rows=on_bad_rows)
+            for i, result in runner.results():
+                results[i] = result
+                if on_spilled is not None:
+                    on_spilled(int(result.windows.sum()))
         ordered = [results[i] for i in range(len(groups))]
+        require_shared(directory, [os.path.join(directory, f"group-{i:04d}") for i in range(len(groups))])
         summaries = {d: s for r in ordered for d, s in r.summaries.items()}
         dictionaries = {d: known for r in ordered for d, known in r.dictionaries.items()}
         if duplicates is not None:
@@ -266,45 +306,41 @@ def write_shuffled_in_processes(
         files = SpillFiles([[r.paths[k] for r in ordered] for k in range(buckets)], windows)
         if on_pass is not None:
             on_pass("write", int(windows.sum()))
-        table = DictionaryTable({d: [np.sort(k) for k in known] for d, known in dictionaries.items()},
-                                N_CHANNELS)
         if writer.coder is not None and (left_out := seed_rows(writer.coder, dictionaries)):
-            # a row opened in one pass-2 process would take a number another process also gives
+            # a row opened in one pass-2 task would take a number another task also gives
             raise BadInputError(
                 f"device {left_out[0]} has more than {_v2.MAX_ENTRIES:,} distinct values in an IMU channel "
                 "(not 12-bit counts): a shuffled format 2 store codes it on one process only. Convert "
                 "with workers=1 (--workers 1), or without shuffle.")
         gimu_codec = writer.slabs.sink.codecs.get(GIMU)
         coded = gimu_codec is not None and gimu_codec.kind == "gdict16"
-        loader = BucketLoader(files, table, dictionaries, seed=seed, coded=coded,
-                         chunk_windows=writer.slabs.chunk_windows)
-        runs = plan_bucket_runs(buckets, workers=workers)
-        ends = np.concatenate((loader.starts, [windows.sum()]))
+        plan_path = os.path.join(directory, "pass2.pickle")
+        with open(plan_path, "wb") as handle:
+            pickle.dump(Pass2Plan(files, dictionaries, seed, coded, writer.slabs.chunk_windows, writer.coder),
+                        handle, protocol=pickle.HIGHEST_PROTOCOL)
+        del dictionaries
+        runs = plan_bucket_runs(buckets, workers=engine.width)
+        ends = np.concatenate(([0], np.cumsum(windows)))
         segments = [Segment(int(ends[run.start]), int(ends[run.stop]), []) for run in runs]
-        _PASS2 = _Pass2(loader, table, coded, dest, writer.coder)
-        with forked_pool(max(1, min(workers, len(runs)))) as pool:
-            chunks: list[Future[None]] = []
+        where = (plan_path, dest.url, dest.storage_options)
+        with Runner(engine) as runner:
             collector = SegmentCollector(
                 writer, segments, duplicates=None, bar=None,
-                write_chunk=lambda start, stop, data: chunks.append(
-                    pool.submit(write_shared_chunk, start, stop, data)))
-            written = {pool.submit(write_bucket_run, run): i for i, run in enumerate(runs)}
-            try:
-                for future in as_finished(written):
-                    i = written[future]
-                    collector.add(segments[i], future.result())
-                    if on_written is not None:
-                        on_written(segments[i].stop - segments[i].start)
-                for chunk in chunks:
-                    chunk.result()
-            except BaseException:
-                pool.shutdown(wait=True, cancel_futures=True)
-                raise
-        collector.finish()
+                write_chunk=lambda start, stop, data: runner.submit(None, write_shared_chunk, *where, start,
+                                                                    stop, data))
+            for i, run in enumerate(runs):
+                runner.submit(i, write_bucket_run, *where, run)
+            for i, result in runner.results():
+                if i is None:  # a shared chunk written
+                    continue
+                collector.add(segments[i], result)
+                if on_written is not None:
+                    on_written(segments[i].stop - segments[i].start)
+            collector.finish()  # (may submit the last shared chunks)
+            for _ in runner.results():
+                pass
         for summary in summaries.values():
             writer.record(summary)  # with its digest, found in pass 1 (``Summarizer``)
-        return {"buckets": buckets, "spill_bytes": sum(r.bytes_written for r in ordered),
-                "worker_processes": processes}
+        return {"buckets": buckets, "spill_bytes": sum(r.bytes_written for r in ordered)}
     finally:
-        _PASS2 = None
         shutil.rmtree(directory, ignore_errors=True)

@@ -1,0 +1,153 @@
+"""One runner for a conversion's worker-side work, on any ``concurrent.futures.Executor``.
+
+A conversion that runs outside this process is a plan of tasks: picklable functions of
+picklable arguments (``_segments.convert_segment`` for a device-order segment,
+``_shuffle_processes.spill_group`` and ``write_bucket_run`` for the shuffle's passes). The
+``Runner`` submits them to an ``Engine``'s executor, at most ``2 x width`` at once, and hands
+back each result as it arrives (a failure as soon as it is known). Two engines exist, and
+choosing one is the only thing that differs between them:
+
+- ``local_engine(n)``: ``n`` worker processes started with ``fork`` (Linux; a worker starts in
+  milliseconds, imports nothing again and ends with this process: ``die_with_parent``);
+- ``cluster_engine(client)``: a Dask cluster, through ``client.get_executor()``.
+
+A task never relies on what a worker inherited: everything it needs is in its arguments or in
+files it is told the path of (the shuffle's spill, on storage every worker reaches).
+
+On a failure (or an interrupt) no queued task starts, and every task already submitted ends
+before the caller goes on (it then removes what was written: no task writes a chunk after the
+clean-up). Tasks are never cancelled once submitted, since neither executor can stop a running
+one, so at most ``2 x width`` tasks run after a failure.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import multiprocessing
+import os
+import signal
+import sys
+from collections.abc import Callable, Hashable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+# tasks submitted per unit of width: one running, one queued to start as soon as it ends
+IN_FLIGHT_PER_SLOT = 2
+
+
+@dataclass
+class Engine:
+    """An executor, the tasks it runs at once (``width``) and the facts the report gives of it."""
+
+    executor: Executor
+    width: int
+    facts: dict[str, Any] = field(default_factory=dict)
+
+
+def fork_available() -> bool:
+    """Whether worker processes can be forked (in milliseconds, nothing imported again): Linux,
+    not macOS, where fork after threads have started is unsafe in its system libraries."""
+    return "fork" in multiprocessing.get_all_start_methods() and sys.platform != "darwin"
+
+
+def die_with_parent() -> None:
+    """A worker process ends when this process does, even killed: it never writes into a store
+    after the conversion that started it is gone (Linux ``PR_SET_PDEATHSIG``)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the parent ended before the line above took effect
+        os._exit(1)
+
+
+def forked_pool(processes: int) -> ProcessPoolExecutor:
+    """Worker processes started with ``fork``, each ending with this process (``die_with_parent``)."""
+    # The encoders' hash tables are pandas': imported here once, before the fork, instead of in
+    # every worker (0.1 s of CPU each here)
+    import pandas  # noqa: F401
+
+    return ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork"),
+                               initializer=die_with_parent)
+
+
+@contextlib.contextmanager
+def local_engine(processes: int) -> Iterator[Engine]:
+    """``processes`` forked worker processes (``fork_available`` must be true)."""
+    pool = forked_pool(processes)
+    try:
+        yield Engine(pool, processes, {"worker_processes": processes})
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+@contextlib.contextmanager
+def cluster_engine(client: Any) -> Iterator[Engine]:
+    """The Dask cluster behind ``client`` (a ``distributed.Client``): its worker threads."""
+    threads = client.nthreads()  # {worker address: threads}
+    facts = {"dask": {"scheduler": _scheduler_address(client), "workers": len(threads)}}
+    executor = client.get_executor(pure=False)  # every task runs, even with equal arguments
+    try:
+        yield Engine(executor, max(1, sum(threads.values())), facts)
+    finally:
+        executor.shutdown(wait=True)
+
+
+def _scheduler_address(client: Any) -> str:
+    try:
+        return str(client.scheduler.address)
+    except AttributeError:  # pragma: no cover
+        return "unknown"
+
+
+_Queued = tuple[Hashable, Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+
+
+class Runner:
+    """Runs tasks on an engine; use as a context manager around ``results``.
+
+    ``submit`` queues a task (also while results are being taken: a result may call for more
+    work); ``results`` yields ``(tag, result)`` as tasks finish, in any order, and raises the
+    first failure it sees. Leaving the ``with`` block, however it is left, starts nothing more
+    and waits for every submitted task to end."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.limit = IN_FLIGHT_PER_SLOT * engine.width
+        self.queued: collections.deque[_Queued] = collections.deque()
+        self.running: dict[Future[Any], Hashable] = {}
+        self.tasks = 0  # submitted to the executor so far
+
+    def __enter__(self) -> Runner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.queued.clear()
+        wait(self.running)  # a task started (or queued in the executor) may be writing
+
+    def submit(self, tag: Hashable, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        self.queued.append((tag, fn, args, kwargs))
+
+    def results(self) -> Iterator[tuple[Any, Any]]:
+        while self.queued or self.running:
+            while self.queued and len(self.running) < self.limit:
+                tag, fn, args, kwargs = self.queued.popleft()
+                self.running[self.engine.executor.submit(fn, *args, **kwargs)] = tag
+                self.tasks += 1
+            done, _ = wait(self.running, return_when=FIRST_COMPLETED)
+            for future in sorted(done, key=lambda f: f.exception() is None):  # a failure first
+                tag = self.running.pop(future)
+                yield tag, future.result()
+
+
+def run_all(engine: Engine, fn: Callable[..., Any], calls: list[tuple[Any, ...]], **kwargs: Any) -> list[Any]:
+    """``[fn(*call, **kwargs) for call in calls]``, run on the engine."""
+    out: list[Any] = [None] * len(calls)
+    with Runner(engine) as runner:
+        for i, call in enumerate(calls):
+            runner.submit(i, fn, *call, **kwargs)
+        for i, result in runner.results():
+            out[i] = result
+    return out
