@@ -173,12 +173,20 @@ def test_the_torch_gather_a_gpu_runs_equals_the_store(stores: dict[str, tuple[st
     """On a GPU the same torch ops decode (HeldCodes.decode): run here on the CPU, with rows in
     random order, against the version-1 store's windows and the documented numpy decode."""
     v1, v2 = stores["shuffled"]
-    held = _dataset(v2, resident="cpu").resident
+    ds = _dataset(v2, resident="cpu")
+    held = ds.resident
     assert held is not None and held.coded is not None
     rows = torch.from_numpy(np.random.default_rng(0).permutation(len(held))[:900])
     idx = held.global_index[rows.numpy()]
-    expected = birdzarr.open_store(v1).windows[idx]
+    v1_store = birdzarr.open_store(v1)
+    expected = v1_store.windows[idx]
     assert np.array_equal(held._gather_with_torch(rows).numpy().view(np.uint32), expected.view(np.uint32))
+    # the batch a GPU-held selection yields (ResidentSelection.gather, as device_batch calls it)
+    x, ldt = held.gather(ds._resident_plan(), 2, channel_first=True)
+    batch = ds.batch_indices(2)
+    channel_first = v1_store.windows[batch].transpose(0, 2, 1)
+    assert np.array_equal(x.numpy().view(np.uint32), channel_first.view(np.uint32))
+    assert ldt is not None and np.array_equal(ldt[:, 2].numpy(), v1_store.timestamps[batch])
     codes, row, gps, values, start = (_array(v2, name) for name in (_v2.CODES, _v2.ROW, _v2.GPS, _v2.VALUES,
                                                                      _v2.START))
     documented = _v2.decode_reference(codes[idx], row[idx], gps[idx], values, start)

@@ -92,7 +92,7 @@ class HeldCodes:
     values: torch.Tensor  # float32 (M,): the held rows' entries, row after row, channel after channel
     # int32 (int64 past 2**31 entries) (R, 60): start[r, c] + CODE_BIAS in the layout of a window's
     # codes (sample-major), so that a window's indices are its row's offsets plus its codes, one
-    # add of two contiguous arrays (a (n, 1, 3) start broadcast over the samples: 1.5x the decode)
+    # add of two contiguous arrays (torch broadcasting (n, 1, 3) starts over the samples is slower)
     offsets: torch.Tensor
 
     @property
