@@ -326,7 +326,7 @@ def test_repair_refuses_a_window_no_row_of_its_device_holds(
     with pytest.raises(BadInputError) as caught:
         repair(v2, source=source)
     assert str(caught.value) == (
-        f"{v2}: chunk 'gimu_codes/c/2' cannot be rebuilt: window 2,100 of device 200 (from the source) "
+        f"{v2}: chunk 'gimu_codes/c/2/0/0' cannot be rebuilt: window 2,100 of device 200 (from the source) "
         "holds values that its dictionary row 0 (from 'gimu_row/c/2') lacks; the source is not what the "
         "store was converted from (check --source), or convert the store again from its sources. Nothing "
         "was changed.")
@@ -463,8 +463,12 @@ def test_repair_refuses_a_source_that_fails_the_recorded_checksum_or_digest(
 ) -> None:
     path = tmp_path / "v2.zarr"
     shutil.copytree(converted_v2, path)
-    source = _source_with(parquet_source, tmp_path, 207, 5, np.float32(0.5))
     store = birdzarr.open_store(path)
+    dicts = store.reader.dictionaries()
+    row = int(np.flatnonzero(dicts.device == 207)[0])
+    entries = dicts.entries(row, 0)  # another value of the dictionary: it codes, but is not the window
+    other = entries[entries != parquet_source[1][207][5, 0, 0]][0]
+    source = _source_with(parquet_source, tmp_path, 207, 5, other)
     index = int(np.flatnonzero([np.any(store.reader.read("device", i) == 207) for i in range(30)])[0])
     (path / "gps_speed" / "c" / str(index) / "0").unlink()
     before = _objects(path)

@@ -15,7 +15,18 @@ What a killed convert or append can leave (see docs/reliability.md):
   directory: named with their size (they may belong to a conversion still running elsewhere;
   a custom ``--shuffle-tmp`` is not searched).
 
-Repair never touches a window below the committed count.
+Repair never touches a window below the committed count, except with ``--source`` (Python:
+``source=``) on a format-2 store: then each damaged per-window chunk (``gimu_codes``,
+``gps_speed``, ``gimu_row``: missing, failing its CRC-32C, or coded outside the dictionaries) is
+rebuilt from the windows the sources give for it, coded with each window's dictionary row (from
+``gimu_row`` where that chunk is sound, else the first row of the window's device that holds all
+its values). A device-ordered chunk's windows follow from the device table's ranges, and are
+checked against the range checksums recorded at write time; a shuffled chunk's are its devices'
+source windows that the store's sound chunks lack (the sources checked against each device's
+recorded digest), placed by time, label and the chunk's intact parts. Everything is planned in
+memory first: what cannot be rebuilt (damaged dictionaries, a value none of a device's rows holds,
+sources that do not match) is refused in one line and nothing is changed. Chunks are written
+whole, through zarr-python from the array's own zarr.json, then read back.
 """
 
 from __future__ import annotations
@@ -38,7 +49,7 @@ from birdzarr._errors import (
     StoreLockedError,
 )
 from birdzarr.format import _v2
-from birdzarr.format._spec import GIMU, check_root_attrs
+from birdzarr.format._spec import DEVICE, GIMU, LABEL, TIMESTAMP, check_root_attrs
 from birdzarr.storage._location import Location, StoreLike, resolve, zarr_store
 from birdzarr.storage._lock import StoreLock, clear_except_lock, read_holder
 from birdzarr.storage._lock import break_lock as _break_lock
@@ -151,7 +162,8 @@ def repair(
         n_windows = int(committed["n_windows"])
         opened = open_store(location) if given else None
         # planned (read only) before anything changes: a refusal leaves the store as it was
-        plans = _plan_rebuilds(opened, given) if opened is not None else []
+        plans, notes = _plan_rebuilds(opened, given) if opened is not None else ([], [])
+        report.notes += notes
         report.committed_windows = n_windows
         group = zarr.open_group(zarr_store(location, read_only=False), mode="r+", zarr_format=3)
         report.actions += discard_uncommitted(location, group, n_windows,
@@ -277,9 +289,13 @@ def _damaged_chunks(store: Store, dicts: _v2.Dictionaries) -> dict[int, dict[str
     return damaged
 
 
-def _device_windows(store: Store, given: list[Location], wanted: set[int]) -> dict[int, np.ndarray]:
-    """The windows of each device in ``wanted``, derived again from the sources, in store order."""
+def _device_rows(store: Store, given: list[Location], wanted: set[int]
+                 ) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The (windows, times, labels) of each device in ``wanted``, derived again from the sources
+    (in store order for a device-ordered store); a shuffled store's devices are checked against
+    their recorded digests here, since their windows are matched to the store's by time."""
     from birdzarr.convert._append import store_curation
+    from birdzarr.format._digest import RowDigest
     from birdzarr.maintenance._verify import _read_source, derive_device
 
     src, devices = _read_source(store, given)
@@ -295,14 +311,158 @@ def _device_windows(store: Store, given: list[Location], wanted: set[int]) -> di
             raise _refusal(store, f"device {device_id}'s source files {missing[:5]} are not in "
                                   f"{src.display}, so its damaged chunks cannot be rebuilt; point --source "
                                   "at the files the store was converted from (and appended)")
-        blocks = [windows for windows, _, _ in derive_device(store, device, entry, curation, reports)]
-        windows = np.concatenate(blocks) if blocks else np.empty((0, 20, 4), np.float32)
+        blocks = list(derive_device(store, device, entry, curation, reports))
+        if blocks:
+            windows, times, labels = (np.concatenate(column) for column in zip(*blocks, strict=True))
+        else:
+            windows = np.empty((0, 20, 4), np.float32)
+            times, labels = np.empty(0, np.int64), np.empty(0, np.int32)
         if len(windows) != entry.n_windows:
             raise _refusal(store, f"device {device_id}: its sources give {len(windows):,} windows, the "
                                   f"store holds {entry.n_windows:,}; --source is not what the store was "
                                   "converted from")
-        found[device_id] = np.ascontiguousarray(windows, dtype=np.float32)
+        windows = np.ascontiguousarray(windows, dtype=np.float32)
+        if store.shuffled:
+            digest = RowDigest()
+            digest.update(windows, times, labels)
+            if entry.scattered_digest is None or digest.hexdigest() != entry.scattered_digest:
+                raise _refusal(store, f"device {device_id}: the windows its sources give do not match the "
+                                      f"digest recorded at write time ({digest.hexdigest()}, not "
+                                      f"{entry.scattered_digest}): --source is not what the store was "
+                                      "converted from")
+        found[device_id] = (windows, np.asarray(times, np.int64), np.asarray(labels))
     return found
+
+
+def _shuffled_windows(store: Store, dicts: _v2.Dictionaries, damaged: dict[int, dict[str, str]],
+                      keys: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]],
+                      sources: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]
+                      ) -> tuple[dict[int, np.ndarray], int]:
+    """The source windows of a shuffled store's damaged chunks, and how many were placed among
+    windows that nothing recorded tells apart.
+
+    A device's windows there are its source windows less those the store's sound chunks hold (a
+    multiset of (window, time, label) rows; the sources already matched the recorded digest). Each
+    goes to a position whose device, time, label and intact parts (gps_speed; the codes, decoded
+    with the chunk's rows or, where those are lost, with the first of the device's rows that gives
+    a window of the source) it agrees with; chunks with the most intact parts are matched first.
+    Windows that agree on all of that (windows of one burst, or a source without times) are placed
+    in source order: the store then holds exactly its windows, times and labels, possibly two such
+    windows in each other's place. A position that no left-over window fits refuses the repair."""
+    from birdzarr.format._digest import row_hashes
+    from birdzarr.maintenance._verify import check_coded
+
+    reader = store.reader
+    wanted = np.array(sorted(sources), np.int64)
+    stored: dict[int, list[np.ndarray]] = {int(d): [] for d in wanted}
+    for index in range(reader.n_chunks):  # the rows the sound chunks hold
+        if index in damaged:
+            continue
+        device = np.asarray(reader.read(DEVICE, index), np.int64)
+        mine = np.isin(device, wanted)
+        if not mine.any():
+            continue
+        hashes = row_hashes(reader.read(GIMU, index)[mine], reader.read(TIMESTAMP, index)[mine],
+                            reader.read(LABEL, index)[mine])
+        for d in np.unique(device[mine]).tolist():
+            stored[d].append(hashes[device[mine] == d])
+    left: dict[int, list[int]] = {}  # per device: its source windows in no sound chunk, in source order
+    for d, (windows, times, labels) in sources.items():
+        hashes = row_hashes(windows, times, labels)
+        held = np.sort(np.concatenate(stored[d])) if stored[d] else np.empty(0, np.uint64)
+        order = np.argsort(hashes, kind="stable")
+        ranked = hashes[order]
+        # the k-th copy of a hash is in a sound chunk when the store holds at least k copies of it
+        copy = np.arange(len(ranked)) - np.searchsorted(ranked, ranked, side="left")
+        copies = np.searchsorted(held, ranked, side="right") - np.searchsorted(held, ranked, side="left")
+        left[d] = sorted(order[copy >= copies].tolist())
+    intact = {index: {name: reader.read(name, index) for name in (_v2.CODES, _v2.GPS, _v2.ROW)
+                      if name not in why} for index, why in damaged.items()}
+    sizes = dicts.sizes()
+    found: dict[int, np.ndarray] = {}
+    ambiguous = 0
+
+    def rank(index: int) -> tuple[int, int]:  # most intact parts first
+        parts = intact[index]
+        return (-int(_v2.CODES in parts) - int(_v2.ROW in parts), -int(_v2.GPS in parts))
+
+    for index in sorted(damaged, key=lambda i: (rank(i), i)):
+        device, times, labels = keys[index]
+        parts = intact[index]
+        codes, rows, gps = parts.get(_v2.CODES), parts.get(_v2.ROW), parts.get(_v2.GPS)
+        first = reader.chunk_span(index)[0]
+        if codes is not None and rows is not None and check_coded(codes, rows, dicts, first) is not None:
+            rows = None  # codes or rows out of range: the codes are used with the device's rows
+        windows = np.empty((len(device), 20, 4), np.float32)
+        for d in np.unique(device).tolist():
+            here = np.flatnonzero(device == d)
+            source_windows, source_times, source_labels = sources[d]
+            candidates = np.array(left[d], np.int64)
+            cw = source_windows[candidates]
+            offered = _match_keys(source_times[candidates], source_labels[candidates],
+                                  cw[:, :, 3] if gps is not None else None,
+                                  cw[:, :, :3] if codes is not None else None)
+            by_key: dict[bytes, list[int]] = {}
+            for key, c in zip(offered, candidates.tolist(), strict=True):
+                by_key.setdefault(key, []).append(c)
+            device_rows = np.flatnonzero(dicts.device == d).tolist()
+            used = set()
+            told_apart: dict[bytes, bool] = {}
+            for position in here.tolist():
+                tries: list[np.ndarray | None] = [None]
+                if codes is not None:  # the codes' values in the chunk's row, or in each of the device's
+                    code = codes[position : position + 1]
+                    options = [int(rows[position])] if rows is not None else device_rows
+                    tries = [_v2.decode(code, np.array([r]), np.zeros((1, 20), np.float32), dicts.values,
+                                        dicts.start)[:, :, :3]
+                             for r in options if (code < sizes[r]).all()]
+                matches: list[int] = []
+                for imu in tries:
+                    key = _match_keys(times[position : position + 1], labels[position : position + 1],
+                                      gps[position : position + 1] if gps is not None else None, imu)[0]
+                    matches = by_key.get(key, [])
+                    if matches:
+                        break
+                if not matches:
+                    raise _refusal(store, (
+                        f"window {first + position:,} of shuffled chunk {index} (device {d}) matches none of "
+                        "its source's windows that the store's sound chunks lack (by time, label and its "
+                        "chunk's intact parts); convert the store again from its sources"))
+                if key not in told_apart:  # first use: do its windows differ?
+                    told_apart[key] = len({source_windows[c].tobytes() for c in matches}) == 1
+                ambiguous += not told_apart[key]
+                chosen = matches.pop(0)
+                used.add(chosen)
+                windows[position] = source_windows[chosen]
+            left[d] = [c for c in left[d] if c not in used]
+        found[index] = windows
+    return found, ambiguous
+
+
+def _match_keys(times: np.ndarray, labels: np.ndarray, gps: np.ndarray | None, imu: np.ndarray | None
+                ) -> list[bytes]:
+    """Per window, the bytes of what identifies it in a shuffled chunk: time, label, and the
+    chunk's intact parts (gps_speed, imu values)."""
+    n = len(times)
+    parts = [np.asarray(times, "<i8").reshape(n, 1).view(np.uint8),
+             np.asarray(labels, "<i8").reshape(n, 1).view(np.uint8)]
+    for values in (gps, imu):
+        if values is not None:
+            parts.append(np.ascontiguousarray(values, "<f4").reshape(n, -1).view(np.uint8))
+    return [row.tobytes() for row in np.concatenate(parts, axis=1)]
+
+
+def _chunk_keys(store: Store, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A shuffled chunk's device ids, times and labels, which identify its windows' source rows."""
+    reader = store.reader
+    try:
+        return (np.asarray(reader.read(DEVICE, index), np.int64), np.asarray(reader.read(TIMESTAMP, index)),
+                np.asarray(reader.read(LABEL, index)))
+    except ChunkFetchError:
+        raise
+    except MissingChunkError as exc:
+        raise _refusal(store, f"chunk {index} of a shuffled store cannot be rebuilt without its device, "
+                              f"timestamp and label chunks, and one of them is damaged too ({exc})") from None
 
 
 def _chunk_devices(store: Store, start: int, stop: int) -> list[tuple[int, int, int, int]]:
@@ -387,9 +547,10 @@ def _choose_rows(store: Store, index: int, bits: np.ndarray, device: np.ndarray,
     return rows
 
 
-def _plan_rebuilds(store: Store, given: list[Location]) -> list[_Rebuild]:
+def _plan_rebuilds(store: Store, given: list[Location]) -> tuple[list[_Rebuild], list[str]]:
     """Every damaged per-window chunk rebuilt in memory from the sources, each checked against the
-    checksums recorded at write time; BadInputError (nothing written) where one cannot be."""
+    checksums recorded at write time; BadInputError (nothing written) where one cannot be. Also
+    the notes for the report."""
     from birdzarr.convert._summary import extend_checksum
 
     if store.format_version < 2:
@@ -397,27 +558,39 @@ def _plan_rebuilds(store: Store, given: list[Location]) -> list[_Rebuild]:
             f"{store.url} is a format-{store.format_version} store: repair --source rebuilds the chunks "
             "of format-2 stores. List its damage with `birdzarr verify`, then restore the store from a "
             "copy or convert it again from its sources.")
-    if store.shuffled:
-        raise ArgumentError(
-            f"{store.url} is a shuffled store: repair --source rebuilds the chunks of device-ordered "
-            "stores (a shuffled chunk's windows cannot be matched to their source rows). List its damage "
-            "with `birdzarr verify`, then restore it from a copy or convert it again from its sources.")
     dicts = _dictionaries_or_refuse(store)
     damaged = _damaged_chunks(store, dicts)
     if not damaged:
-        return []
+        return [], []
+    notes = []
     reader = store.reader
     spans = {index: reader.chunk_span(index) for index in damaged}
-    layout = {index: _chunk_devices(store, *spans[index]) for index in damaged}
-    sources = _device_windows(store, given, {d for parts in layout.values() for d, _, _, _ in parts})
+    if store.shuffled:  # the chunk's devices, times and labels say which source window each is
+        keys = {index: _chunk_keys(store, index) for index in damaged}
+        ids = {int(d) for device, _, _ in keys.values() for d in np.unique(device)}
+        sources = _device_rows(store, given, ids)
+        shuffled, ambiguous = _shuffled_windows(store, dicts, damaged, keys, sources)
+        if ambiguous:
+            notes.append(f"{ambiguous:,} rebuilt window(s) could not be told apart from other windows of "
+                         "their device by time, label or an intact part (windows of one burst, or a source "
+                         "without times): they were placed in source order, so such windows may hold each "
+                         "other's place in the shuffled order; the store holds exactly its windows, times "
+                         "and labels")
+    else:
+        layout = {index: _chunk_devices(store, *spans[index]) for index in damaged}
+        sources = _device_rows(store, given, {d for parts in layout.values() for d, _, _, _ in parts})
     plans = []
     for index, why in sorted(damaged.items()):
         start, stop = spans[index]
-        windows = np.empty((stop - start, 20, 4), np.float32)
-        device = np.empty(stop - start, np.int64)
-        for d, lo, hi, offset in layout[index]:
-            windows[lo - start : hi - start] = sources[d][offset : offset + hi - lo]
-            device[lo - start : hi - start] = d
+        if store.shuffled:
+            device = keys[index][0]
+            windows = shuffled[index]
+        else:
+            windows = np.empty((stop - start, 20, 4), np.float32)
+            device = np.empty(stop - start, np.int64)
+            for d, lo, hi, offset in layout[index]:
+                windows[lo - start : hi - start] = sources[d][0][offset : offset + hi - lo]
+                device[lo - start : hi - start] = d
         bits = windows.view(np.uint32)
         stored_rows = reader.read(_v2.ROW, index) if _v2.ROW not in why else None
         if stored_rows is not None and (dicts.device[stored_rows] != device).any():
@@ -429,7 +602,7 @@ def _plan_rebuilds(store: Store, given: list[Location]) -> list[_Rebuild]:
         if not held.all():
             w = int(np.flatnonzero(~held)[0])
             raise _refusal(store, (
-                f"chunk '{_v2.CODES}/c/{index}' cannot be rebuilt: window {start + w:,} of device "
+                f"chunk '{_v2.CODES}/c/{index}/0/0' cannot be rebuilt: window {start + w:,} of device "
                 f"{int(device[w])} (from the source) holds values that its dictionary row {int(rows[w])} "
                 f"(from '{_v2.ROW}/c/{index}') lacks; the source is not what the store was converted "
                 "from (check --source), or convert the store again from its sources"))
@@ -439,6 +612,7 @@ def _plan_rebuilds(store: Store, given: list[Location]) -> list[_Rebuild]:
             why[_v2.CODES] = "coded for another row"  # the codes follow the chosen rows
         plans.append(_Rebuild(index, start, stop, windows, {name: new[name] for name in why}, why))
     # the rebuilt windows must be the ones written: every range they touch against its checksum
+    # (a shuffled store's devices were checked against their digests as they were derived)
     rebuilt = {plan.index: plan for plan in plans}
     width = reader.chunk_windows
     for entry in store.device_table:
@@ -456,7 +630,7 @@ def _plan_rebuilds(store: Store, given: list[Location]) -> list[_Rebuild]:
                     f"the windows the source gives for device {entry.device_id}, windows [{r.start:,}, "
                     f"{r.stop:,}) do not match the checksum recorded at write time ({crc:08x}, not "
                     f"{r.checksum}): --source is not what the store was converted from"))
-    return plans
+    return plans, notes
 
 
 def _encode_chunk(location: Location, name: str, index: int, start: int, data: np.ndarray,

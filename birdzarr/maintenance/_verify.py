@@ -796,14 +796,9 @@ def decode_core_chunk(data: bytes, codecs: list[dict[str, Any]], chunk_shape: tu
 
 def dictionary_lengths(store: Store) -> tuple[int, int]:
     """Committed entries and rows of a version-2 store's dictionaries: the lengths its commit
-    records (``committed.n_values`` / ``n_rows``) or, where it records none, the arrays' shapes."""
-    committed = store.meta.get("committed") or {}
-    if "n_values" in committed and "n_rows" in committed:
-        return int(committed["n_values"]), int(committed["n_rows"])
-    from birdzarr.store._chunks import read_array_meta
-
-    return (int(read_array_meta(store.location, _v2.VALUES)["shape"][0]),
-            int(read_array_meta(store.location, _v2.DEVICE)["shape"][0]))
+    records (``committed.dictionary``), or the arrays' shapes where it records none."""
+    layouts = store.reader.layouts
+    return layouts[_v2.VALUES].length, layouts[_v2.DEVICE].length
 
 
 def load_dictionaries(store: Store, problems: Callable[[str], None]) -> _v2.Dictionaries | None:
