@@ -195,6 +195,40 @@ def test_verify_says_once_that_damaged_dictionaries_stop_every_check(
     assert result.devices_compared == 0
 
 
+def test_verify_and_copy_check_the_device_table_arrays(
+    converted_v2: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    path = tmp_path / "v2.zarr"
+    shutil.copytree(converted_v2, path)
+    table = "device_table/1"
+    assert (path / table / "zarr.json").exists()
+    (path / table / "first_time" / "c" / "0").unlink()
+    _flip(path / table / "n_windows" / "c" / "0")
+    result = verify(path)  # the windows are still checked, against the entries themselves
+    assert result.problems == [
+        f"{path}: chunk '{table}/n_windows/c/0' {CORRUPT}",
+        f"{path}: committed chunk '{table}/first_time/c/0' {MISSING}",
+    ]
+    assert result.checksums_checked == 12
+    with pytest.raises(MissingChunkError, match=rf"chunk '{table}/first_time/c/0' is missing; 2 damaged"):
+        birdzarr.copy(path, tmp_path / "dest.zarr", progress=False)
+
+
+def test_verify_finds_a_device_table_index_that_disagrees_with_its_entries(
+    converted_v2: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    path = tmp_path / "v2.zarr"
+    shutil.copytree(converted_v2, path)
+    column = _array(path, "device_table/1/n_windows", "r+")
+    counts = column[:]
+    counts[3] += 1
+    column[:] = counts  # CRC-valid, but not what the entries say
+    assert verify(path).problems == [
+        "device table: its index array 'device_table/1/n_windows' disagrees with the entries it indexes (in "
+        "'device_table/1/zarr.json'); restore that file from a copy of the store, or convert the store again "
+        "from its sources"]
+
+
 # -- copy --------------------------------------------------------------------------------------------
 
 

@@ -292,6 +292,31 @@ def _committed_chunks(store: Store) -> dict[str, bool]:
         checkable = codecs[-1].get("name") == "crc32c" or (layout.codec is not None and layout.codec.crc32c)
         for coords in itertools.product(*(range(n) for n in counts)):
             found[f"{name}/{meta.encode_chunk_key(coords)}"] = checkable
+    found.update(_device_table_objects(store))
+    return found
+
+
+def _device_table_objects(store: Store) -> dict[str, bool]:
+    """A format-2 store's committed device table group (``device_table/<generation>``): its
+    zarr.json and every chunk of its index arrays (each ends with a CRC-32C), as for the arrays."""
+    from zarr.core.metadata.v3 import ArrayV3Metadata
+
+    from birdzarr.format import _device_table
+    from birdzarr.store._chunks import read_array_meta
+    from birdzarr.store._device_table import table_path
+
+    where = table_path(store.root)
+    if where is None:
+        return {}
+    found = {f"{where}/zarr.json": False}
+    for name in (*_device_table.COLUMNS, *(() if store.shuffled else _device_table.RANGES)):
+        document = read_array_meta(store.location, f"{where}/{name}")
+        meta = ArrayV3Metadata.from_dict(document)
+        checkable = (document.get("codecs") or [{}])[-1].get("name") == "crc32c"
+        found[f"{where}/{name}/zarr.json"] = False
+        counts = [-(-size // step) for size, step in zip(meta.shape, meta.chunks, strict=True)]
+        for coords in itertools.product(*(range(n) for n in counts)):
+            found[f"{where}/{name}/{meta.encode_chunk_key(coords)}"] = checkable
     return found
 
 

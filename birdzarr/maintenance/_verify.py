@@ -30,14 +30,30 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from birdzarr._checks import require_bool
-from birdzarr._errors import BadInputError, BirdzarrError, CorruptChunkError, MissingChunkError
+from birdzarr._errors import (
+    BadInputError,
+    BirdzarrError,
+    ChunkFetchError,
+    CorruptChunkError,
+    MissingChunkError,
+)
 from birdzarr.convert._summary import checksum_hasher, device_runs, extend_checksum
 from birdzarr.format import _v2
 from birdzarr.format._codec import strip_crc32c
 from birdzarr.format._digest import RowDigest, digest_hex, row_hashes
-from birdzarr.format._spec import DEVICE, GIMU, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH, DeviceEntry
+from birdzarr.format._spec import (
+    DEVICE,
+    GIMU,
+    LABEL,
+    N_CHANNELS,
+    TIMESTAMP,
+    TIMESTAMP_UNKNOWN,
+    WINDOW_LENGTH,
+    DeviceEntry,
+)
 from birdzarr.storage._location import Location, StoreLike, read_object, resolve
 from birdzarr.storage._lock import read_holder
+from birdzarr.storage._root import RESTORE_HINT
 from birdzarr.store._handle import Store, open_store
 from birdzarr.store._tail import leftovers
 
@@ -134,6 +150,7 @@ def verify(
     committed = opened.meta.get("committed") or {}
     generation = int(committed.get("generation", 0))
     result = VerifyResult(url=opened.url, n_windows=len(opened), generation=generation)
+    _check_table_arrays(opened, result)
     ranges = _check_table(opened, result)
     digests = _check_chunks(opened, ranges, result, progress=progress)
     if sources is not None:
@@ -146,6 +163,57 @@ def verify(
         state = "stale: its process is gone" if holder.is_stale() else "a writer may be running"
         result.notes.append(f"the store is locked by {holder.describe()} ({state})")
     return result
+
+
+def _table_index(store: Store) -> tuple[np.ndarray, np.ndarray]:
+    """The device table's ids sorted, and each one's position in ``device_table``: from the
+    entries themselves (a format-2 store's index arrays are checked against them, not used)."""
+    table = store.device_table
+    ids = np.fromiter((e.device_id for e in table), dtype=np.int64, count=len(table))
+    order = np.argsort(ids, kind="stable")
+    return ids[order], order
+
+
+def _check_table_arrays(store: Store, result: VerifyResult) -> None:
+    """A format-2 store's device table index arrays (``device_table/<generation>/...``): every
+    chunk present and intact, and their columns equal to the entries they index."""
+    from birdzarr.format import _device_table
+    from birdzarr.store._device_table import table_path
+
+    where = table_path(store.root)
+    if where is None:
+        return
+    entries = sorted(store.device_table, key=lambda e: e.device_id)
+    expected = {
+        "device_id": [e.device_id for e in entries], "n_windows": [e.n_windows for e in entries],
+        "first_time": [e.first_time for e in entries], "last_time": [e.last_time for e in entries],
+    }
+    runs = sorted((r.start, r.stop, e.device_id) for e in entries for r in e.ranges)
+    if not store.shuffled:
+        expected.update(range_device=[d for _, _, d in runs], range_start=[a for a, _, _ in runs],
+                        range_stop=[b for _, b, _ in runs])
+    for name in (*_device_table.COLUMNS, *(() if store.shuffled else _device_table.RANGES)):
+        try:
+            chunks = ArrayChunks.open(store.location, f"{where}/{name}")
+        except BirdzarrError as exc:
+            result.problem(str(exc))
+            continue
+        parts, sound = [], True
+        for index in range(chunks.n_chunks):
+            try:
+                parts.append(chunks.read(index))
+            except ChunkFetchError:
+                raise
+            except MissingChunkError as exc:
+                result.problem(str(exc))
+                sound = False
+        if not sound:
+            continue
+        column = np.concatenate(parts) if parts else np.empty(0, np.int64)
+        want = np.array([v if v is not None else TIMESTAMP_UNKNOWN for v in expected[name]], np.int64)
+        if len(column) != len(want) or (column != want).any():
+            result.problem(f"device table: its index array '{where}/{name}' disagrees with the entries it "
+                           f"indexes (in '{where}/zarr.json'); {RESTORE_HINT}")
 
 
 def _check_table(store: Store, result: VerifyResult) -> list[_RangeCheck]:
@@ -183,7 +251,7 @@ def _check_chunks(store: Store, ranges: list[_RangeCheck], result: VerifyResult,
     from birdzarr._progress import progress_bar
 
     reader = store.reader
-    known = store._device_index[0]  # the table's ids, sorted
+    known = _table_index(store)[0]  # the table's ids, sorted
     coded = store.format_version >= 2  # windows from codes, rows and gps_speed and the dictionaries
     dicts = load_dictionaries(store, result.problem) if coded else None
     result.undecodable = coded and dicts is None
@@ -341,7 +409,7 @@ def _finish_scattered(store: Store, hashers: dict[int, Any], digests: _Digests,
     table = store.device_table
     # each table entry's position among the sorted ids, where the digests keep its figures
     position = np.empty(len(table), dtype=np.int64)
-    position[store._device_index[1]] = np.arange(len(table))
+    position[_table_index(store)[1]] = np.arange(len(table))
     counts, sums = digests.count_of[position].tolist(), digests.sum_of[position].tolist()
     if result.undecodable and table:  # not one line a device: no window decodes
         result.problem(f"the checksums of all {len(table):,} devices cannot be checked: the dictionaries "
@@ -833,8 +901,7 @@ def load_dictionaries(store: Store, problems: Callable[[str], None]) -> _v2.Dict
         row = int(np.flatnonzero((sizes > _v2.MAX_ENTRIES).any(axis=1))[0])
         problems(f"{where}: row {row} of 'dict_start' holds more than {_v2.MAX_ENTRIES:,} entries a channel")
         return None
-    known = store._device_index[0]
-    unknown = _unknown_ids(device, known)
+    unknown = _unknown_ids(device, _table_index(store)[0])
     if len(unknown):
         problems(f"{where}: 'dict_device' names device ids {unknown[:5].tolist()} that are not in the "
                  "device table")
