@@ -524,6 +524,40 @@ def test_repair_refuses_a_source_that_fails_the_recorded_checksum_or_digest(
     assert _objects(path) == before
 
 
+def test_verify_names_and_repair_removes_what_an_interrupted_format2_append_leaves(
+    converted_v2: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    path = tmp_path / "v2.zarr"
+    shutil.copytree(converted_v2, path)
+    n_values = _array(path, _v2.VALUES).shape[0]
+    rows = _array(path, _v2.DEVICE, "r+")
+    rows.resize((15,))
+    rows[12:] = [7, 8, 9]  # rows an append wrote before it was killed, uncommitted
+    values = _array(path, _v2.VALUES, "r+")
+    values.resize((n_values + 2**20 + 5,))  # and a whole chunk of entries past the last one
+    values[-5:] = 1.0
+    shutil.copytree(path / "device_table" / "1", path / "device_table" / "2")  # its table, uncommitted
+    before = birdzarr.open_store(path).windows[:]
+    hint = "(invisible to readers; `birdzarr repair` removes it)"
+    assert verify(path).notes == [
+        f"uncommitted leftover: array 'dict_values' holds {n_values + 2**20 + 5:,} entries; the commit "
+        f"counts {n_values:,} {hint}",
+        f"uncommitted leftover: array 'dict_device' holds 15 rows; the commit counts 12 {hint}",
+        "uncommitted leftover: device table group 'device_table/2' is not the committed generation's "
+        f"{hint}",
+    ]
+    assert repair(path).actions == [
+        f"resized 'dict_values' from {n_values + 2**20 + 5:,} to the committed {n_values:,} entries",
+        "resized 'dict_device' from 15 to the committed 12 rows",
+        "removed 'device_table/2', a device table the commit does not name",
+    ]
+    result = verify(path)
+    assert result.ok and result.notes == []
+    assert sorted(p.name for p in (path / "dict_values" / "c").iterdir()) == ["0"]
+    assert not (path / "device_table" / "2").exists()
+    assert np.array_equal(birdzarr.open_store(path).windows[:].view(np.uint32), before.view(np.uint32))
+
+
 def test_repair_with_a_source_refuses_a_format1_store(
     store_copy: pathlib.Path, parquet_source: tuple[pathlib.Path, dict], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -168,6 +168,8 @@ def repair(
         group = zarr.open_group(zarr_store(location, read_only=False), mode="r+", zarr_format=3)
         report.actions += discard_uncommitted(location, group, n_windows,
                                               window_arrays(int(meta["format_version"])))
+        if int(meta["format_version"]) >= 2:
+            report.actions += _discard_format2_leftovers(location, group, committed)
         if opened is not None:
             _write_rebuilds(opened, plans, report)
     finally:
@@ -176,6 +178,24 @@ def repair(
             _remove_if_empty(location)
     report.notes += shuffle_leftovers()
     return report
+
+
+def _discard_format2_leftovers(location: Location, group: Any, committed: dict[str, Any]) -> list[str]:
+    """Cut the dictionary arrays back to the lengths the commit counts and remove device table
+    groups of other generations (what an interrupted append or commit leaves)."""
+    from birdzarr.maintenance._verify import format2_leftovers
+
+    actions = []
+    for kind, name, length, counted in format2_leftovers(location, committed):
+        if kind == "array":
+            array = group[name]
+            array.resize((counted, *array.shape[1:]))  # zarr deletes the chunks wholly outside
+            unit = "entries" if name == _v2.VALUES else "rows"
+            actions.append(f"resized '{name}' from {length:,} to the committed {counted:,} {unit}")
+        else:
+            location.fs.rm(location.join(name), recursive=True)
+            actions.append(f"removed '{name}', a device table the commit does not name")
+    return actions
 
 
 def shuffle_leftovers(directory: str | None = None) -> list[str]:

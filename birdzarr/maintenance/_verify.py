@@ -155,9 +155,12 @@ def verify(
     digests = _check_chunks(opened, ranges, result, progress=progress)
     if sources is not None:
         _compare_with_source(opened, *sources, result, digests)
+    found = [item for item in leftovers(opened.location, len(opened), window_arrays(opened.format_version))
+             if "stale lock" not in item]
+    if opened.format_version >= 2:
+        found += [describe_leftover(*item) for item in format2_leftovers(opened.location, committed)]
     result.notes += [f"uncommitted leftover: {item} (invisible to readers; `birdzarr repair` removes it)"
-                     for item in leftovers(opened.location, len(opened), window_arrays(opened.format_version))
-                     if "stale lock" not in item]
+                     for item in found]
     holder = read_holder(opened.location)
     if holder is not None:
         state = "stale: its process is gone" if holder.is_stale() else "a writer may be running"
@@ -760,6 +763,39 @@ def _zip_longest(a: Iterator[Any], b: Iterator[Any]) -> Iterator[tuple[Any, Any]
 
 
 # -- format version 2 ------------------------------------------------------------------------------
+
+
+def format2_leftovers(location: Location, committed: dict[str, Any]) -> list[tuple[str, str, int, int]]:
+    """What an interrupted format-2 writer leaves beyond the per-window arrays: dictionary
+    arrays longer than the commit counts (``("array", name, length, committed)``) and device
+    table groups of other generations than the committed one (``("table", key, 0, 0)``)."""
+    from birdzarr.format import _device_table
+    from birdzarr.store._chunks import read_array_meta
+
+    found: list[tuple[str, str, int, int]] = []
+    counted = committed.get("dictionary") or {}
+    for name, key in ((_v2.VALUES, "values"), (_v2.START, "rows"), (_v2.DEVICE, "rows")):
+        if key in counted:
+            length = int(read_array_meta(location, name)["shape"][0])
+            if length > int(counted[key]):
+                found.append(("array", name, length, int(counted[key])))
+    keep = committed.get("device_table")
+    try:
+        entries = location.fs.ls(location.join(_device_table.GROUP), detail=False)
+    except (FileNotFoundError, OSError):
+        entries = []
+    for entry in sorted(entries):
+        name = entry.rstrip("/").rsplit("/", 1)[-1]
+        if keep and name.isdigit() and f"{_device_table.GROUP}/{name}" != keep:
+            found.append(("table", f"{_device_table.GROUP}/{name}", 0, 0))
+    return found
+
+
+def describe_leftover(kind: str, name: str, length: int, committed: int) -> str:
+    if kind == "table":
+        return f"device table group '{name}' is not the committed generation's"
+    unit = "entries" if name == _v2.VALUES else "rows"
+    return f"array '{name}' holds {length:,} {unit}; the commit counts {committed:,}"
 
 
 def window_arrays(format_version: int) -> tuple[str, ...]:
