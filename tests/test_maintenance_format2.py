@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import zarr
 from format2_support import to_format2
+from s3_support import MotoEndpoint, moto, new_bucket, s3_options  # noqa: F401  (moto: a fixture)
 
 import birdzarr
 from birdzarr._errors import ArgumentError, BadInputError, CorruptChunkError, MissingChunkError
@@ -272,6 +273,30 @@ def test_copy_refuses_a_format2_store_with_a_missing_dictionary_chunk(v2: pathli
     (v2 / "dict_device" / "c" / "0").unlink()
     with pytest.raises(MissingChunkError, match=r"committed chunk 'dict_device/c/0' is missing; 1 damaged"):
         birdzarr.copy(v2, tmp_path / "dest.zarr", progress=False)
+
+
+def test_copy_up_to_and_down_from_s3_and_repair_there(
+    converted_v2: pathlib.Path, parquet_source: tuple[pathlib.Path, dict], tmp_path: pathlib.Path,
+    moto: MotoEndpoint,  # noqa: F811
+) -> None:
+    """On moto's S3 server (nothing mocked below HTTP): copy up and down object by object, verify
+    there, and repair --source rewrites a lost chunk of the bucket's store in one PUT."""
+    bucket = new_bucket(moto)
+    options = s3_options(moto.url)
+    remote = f"s3://{bucket}/v2.zarr"
+    up = birdzarr.copy(converted_v2, remote, progress=False, dest_storage_options=options)
+    assert up.copied == up.objects == len(_objects(converted_v2))
+    assert verify(remote, storage_options=options).ok
+    down = tmp_path / "down.zarr"
+    birdzarr.copy(remote, down, progress=False, storage_options=options)
+    assert _objects(down) == _objects(converted_v2)
+    moto.client().delete_object(Bucket=bucket, Key="v2.zarr/gimu_row/c/4")
+    assert not verify(remote, storage_options=options).ok
+    report = repair(remote, source=parquet_source[0], storage_options=options)
+    assert report.actions == ["rebuilt chunk 'gimu_row/c/4' (missing) from the source: windows 4,096..5,119"]
+    rebuilt = moto.client().get_object(Bucket=bucket, Key="v2.zarr/gimu_row/c/4")["Body"].read()
+    assert rebuilt == (converted_v2 / "gimu_row" / "c" / "4").read_bytes()
+    assert verify(remote, storage_options=options, source=parquet_source[0]).ok
 
 
 # -- repair ------------------------------------------------------------------------------------------
