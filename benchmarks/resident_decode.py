@@ -1,6 +1,7 @@
 """What one batch costs in resident mode on the host: float32 rows against dict16 codes.
 
     python benchmarks/resident_decode.py [STORE] [--batches 40] [--repeat 5] [--batch-size 8192]
+                                         [--loader V2STORE] [--loader-repeat 3]
 
 STORE defaults to the device-ordered dict16 store that ``python benchmarks/loader.py --keep``
 leaves in /tmp/birdzarr-loader-bench. The script holds the store's windows twice in this process,
@@ -26,6 +27,13 @@ so none is favoured by what ran before it.
   (a dictionary row per device), held as ``resident="cpu"`` holds a version-2 store
   (``HeldCodes``: uint16 codes, the row and gps_speed once a window, in shared memory), and
   decoded by the loader's torch ops (``HeldCodes.decode``, the code a GPU runs too).
+
+``--loader V2STORE`` (a version-2 store of the same windows, e.g. ``birdzarr convert ...
+--format-version 2`` of the same source) then times whole epochs of
+``WindowDataset(resident="cpu", with_ldt=True)`` through a DataLoader with 0 and 2 workers:
+STORE held as float32 (``resident_codes=False``) and as dict16 codes, V2STORE as format-2
+codes; windows/s after the first batch, medians of ``--loader-repeat`` interleaved rounds, and
+each as a share of float32 with the same workers.
 """
 
 from __future__ import annotations
@@ -58,7 +66,11 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=40)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=8192)
+    parser.add_argument("--loader", metavar="V2STORE", default=None,
+                        help="also time resident epochs on STORE and this version-2 store")
+    parser.add_argument("--loader-repeat", type=int, default=3)
     args = parser.parse_args()
+    default_threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one core, as in a DataLoader worker
 
     def resident(codes: bool) -> birdzarr.WindowDataset:
@@ -243,7 +255,47 @@ def main() -> None:
                          if name.startswith(("  instead: ", "format 2")) and "ldt" not in name else ""})
     print(f"{args.store}: {n:,} windows, {coded.table.numel() * 4 / 2**20:.1f} MiB of dictionaries; "
           f"medians of {args.repeat} x {args.batches} batches; {machine()}")
-    print(table(rows_out))
+    print(table(rows_out), flush=True)
+    if args.loader:
+        torch.set_num_threads(default_threads)  # the training process's default again
+        loader_epochs(args)
+
+
+def loader_epochs(args: argparse.Namespace) -> None:
+    """Whole resident epochs through a DataLoader: float32, dict16 codes, format-2 codes."""
+    from torch.utils.data import DataLoader
+
+    cases = [("float32 (resident_codes=False)", args.store, False), ("dict16 codes", args.store, True),
+             ("format 2 codes", args.loader, True)]
+    rates: dict[tuple[str, int], list[float]] = {}
+    for _ in range(args.loader_repeat):
+        for label, store, codes in cases:
+            ds = birdzarr.WindowDataset(store, batch_size=args.batch_size, resident="cpu",
+                                        resident_codes=codes, with_ldt=True, allow_device_order=True,
+                                        progress=False)
+            held = ds.resident
+            assert held is not None
+            if codes and (held.coded if store == args.loader else held.table) is None:
+                raise SystemExit(f"{store} is not held as {label}")
+            for workers in (0, 2):
+                batches = iter(DataLoader(ds, batch_size=None, num_workers=workers,
+                                          multiprocessing_context="fork" if workers else None))
+                next(batches)
+                started = time.perf_counter()
+                count = sum(len(x) for x, _ in batches)
+                rates.setdefault((label, workers), []).append(count / (time.perf_counter() - started))
+            del ds, held
+    rows = []
+    for label, _, _ in cases:
+        for workers in (0, 2):
+            rate = float(np.median(rates[(label, workers)]))
+            base = float(np.median(rates[("float32 (resident_codes=False)", workers)]))
+            rows.append({"resident='cpu', one epoch, with_ldt": label, "workers": workers,
+                         "M windows/s": round(rate / 1e6, 2), "x float32": round(rate / base, 2),
+                         "runs M/s": " ".join(f"{r / 1e6:.2f}" for r in rates[(label, workers)])})
+    print(f"resident epochs: {args.store} and {args.loader}; medians of {args.loader_repeat} rounds; "
+          f"{machine()}")
+    print(table(rows))
 
 
 if __name__ == "__main__":

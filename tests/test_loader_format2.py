@@ -246,3 +246,22 @@ def test_refused_before_loading_when_the_codes_do_not_fit(
     assert str(refused.value).startswith(
         f"{birdzarr.open_store(v2).url}: holding the selection (30,000 windows as 16-bit dictionary codes) "
         f"needs {needed / 2**20:.1f} MiB, but the job's memory limit (test) is 1.0 MiB. Stream instead")
+
+
+def test_the_host_decode_in_slices_equals_the_whole_batch(stores: dict[str, tuple[str, str]]) -> None:
+    """With several torch threads the host decodes 512 windows at a time (never waking torch's
+    intra-op threads); with one, the whole batch at once: the same values."""
+    _, v2 = stores["device"]
+    held = _dataset(v2, resident="cpu").resident
+    assert held is not None and held.coded is not None
+    rows = torch.from_numpy(np.random.default_rng(1).permutation(len(held))[:1300])  # 2 slices and a part
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        sliced = held.coded.decode(rows)
+        torch.set_num_threads(1)
+        whole = held.coded.decode(rows)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(sliced.view(torch.int32), whole.view(torch.int32))
+    assert torch.equal(held.coded.decode(rows[:0]), torch.empty((0, 20, 4)))

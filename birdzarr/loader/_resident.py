@@ -74,6 +74,9 @@ class ResidentPlan:
 # Codes are held biased by -2**15 (``code ^ 0x8000`` as int16: torch indexes no uint16) and each
 # row's starts raised by 2**15, so that one int16 + int32 add gives a value's index.
 CODE_BIAS = 2**15
+# Windows a host decode takes at once in a process with several torch threads: 60 codes a
+# window stay below torch's parallel grain (at::internal::GRAIN_SIZE, 32,768 elements)
+_HOST_SLICE = 512
 
 
 @dataclass(frozen=True)
@@ -110,16 +113,28 @@ class HeldCodes:
 
     def decode(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The float32 windows ``(len(rows), 20, 4)`` of the held ``rows`` (int64, on the holding
-        device), into ``out`` where given."""
+        device), into ``out`` where given.
+
+        On the host with more than one torch thread (the training process; a DataLoader worker
+        has one), ``_HOST_SLICE`` windows at a time: every op then stays below torch's parallel
+        grain and never wakes its intra-op threads, which on a busy machine each such op waits
+        for (measured on the loaded 2-core machine: 0.15 against 0.6-0.7 M windows/s in one
+        thread; ``python benchmarks/resident_decode.py --loader``, 0 workers, shows the epoch)."""
         n = len(rows)
         if out is None:
             out = torch.empty((n, WINDOW_LENGTH, N_CHANNELS), dtype=torch.float32, device=self.values.device)
+        step = _HOST_SLICE if rows.device.type == "cpu" and torch.get_num_threads() > 1 else max(n, 1)
+        for first in range(0, n, step):
+            self._decode(rows[first : first + step], out[first : first + step])
+        return out
+
+    def _decode(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+        n = len(rows)
         index = self.offsets.index_select(0, self.row.index_select(0, rows))  # (n, 60)
         index += self.codes.index_select(0, rows).view(index.shape)
         out[:, :, : _v2.N_CODED] = self.values.index_select(0, index.view(-1)).view(n, WINDOW_LENGTH, -1)
         gps = self.gps.index_select(0, rows)
         out[:, :, _v2.N_CODED] = gps if gps.dim() == 2 else gps.unsqueeze(1)
-        return out
 
 
 def memory_limit() -> tuple[int, str]:
