@@ -132,8 +132,9 @@ def test_resident_cpu_holds_the_codes_and_gives_the_version1_batches(
     # the version-1 store's resident batches (the same permutations), from dict16 codes and float32
     _same(got, _epochs(_dataset(v1, resident="cpu"), (0, 1), workers=0))
     _same(got, _epochs(_dataset(v1, resident="cpu", resident_codes=False), (0, 1), workers=0))
-    # and what the version-1 store reads for the windows each batch names
-    v1_store = birdzarr.open_store(v1)
+    # and what each store reads for the windows each batch names (the version-2 store through
+    # ChunkReader.read's decode, as streaming reads it)
+    v1_store, v2_store = birdzarr.open_store(v1), birdzarr.open_store(v2)
     per_epoch = len(coded)
     for epoch in (0, 1):
         coded.set_epoch(epoch)
@@ -141,6 +142,7 @@ def test_resident_cpu_holds_the_codes_and_gives_the_version1_batches(
             x, ldt = got[epoch * per_epoch + batch]
             idx = coded.batch_indices(batch)
             assert np.array_equal(x.numpy().view(np.uint32), v1_store.windows[idx].view(np.uint32))
+            assert np.array_equal(x.numpy().view(np.uint32), v2_store.windows[idx].view(np.uint32))
             assert np.array_equal(ldt.numpy(), np.stack([v1_store.labels[idx], v1_store.window_devices[idx],
                                                          v1_store.timestamps[idx]], axis=1))
 
