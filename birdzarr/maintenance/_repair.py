@@ -313,7 +313,8 @@ def _device_rows(store: Store, given: list[Location], wanted: set[int]
                  ) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """The (windows, times, labels) of each device in ``wanted``, derived again from the sources
     (in store order for a device-ordered store); a shuffled store's devices are checked against
-    their recorded digests here, since their windows are matched to the store's by time."""
+    their recorded digests here, since their windows are then placed by what identifies them
+    (``_shuffled_windows``), not by a checksum of their positions."""
     from birdzarr.convert._append import store_curation
     from birdzarr.format._digest import RowDigest
     from birdzarr.maintenance._verify import _read_source, derive_device

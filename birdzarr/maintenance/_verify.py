@@ -956,8 +956,11 @@ def check_coded(codes: np.ndarray, row: np.ndarray, dicts: _v2.Dictionaries, fir
                 f"(first: window {first_window + at:,}, row {int(row[at])}; the dictionaries hold "
                 f"{n_rows:,} rows)")
     sizes = dicts.sizes()
-    past = codes >= sizes[row][:, None, :]
-    if past.any():
+    # uint16 against uint16 (sizes are at most MAX_ENTRIES), each window's 60 codes in one run
+    limits = np.tile(sizes[row].astype(np.uint16), (1, _v2.WINDOW_LENGTH))  # (n, 60) as (20, 3) flattens
+    flat = np.ascontiguousarray(codes).reshape(len(row), -1)
+    if (flat >= limits).any():
+        past = codes >= sizes[row][:, None, :]
         windows = past.any(axis=(1, 2))
         at = int(np.flatnonzero(windows)[0])
         sample, channel = (int(i[0]) for i in np.nonzero(past[at]))
