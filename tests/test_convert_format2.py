@@ -189,3 +189,17 @@ def test_the_command_line_writes_format_2_and_refuses_a_format_1_codec_with_it(
     assert not dest.exists()
     assert main(["convert", str(source), str(dest), "--quiet", "--format-version", "2"]) == 0
     assert birdzarr.open_store(dest).format_version == 2 and (dest / _v2.CODES / "zarr.json").exists()
+
+
+def test_chunks_equal_to_the_fill_value_are_stored_too(tmp_path: pathlib.Path) -> None:
+    """One device whose id and range start are 0: the device table's index chunks hold only
+    zeros (the fill value) and must still be stored (a missing chunk is damage)."""
+    source = tmp_path / "src"
+    source.mkdir()
+    _synthetic.write_parquet(_synthetic.curated_windows(50, seed=1), str(source / "0.parquet"))
+    store = birdzarr.convert(source, tmp_path / "s.zarr", format_version=2, progress=False)
+    for name in ("device_id", "range_start", "range_device"):
+        assert (tmp_path / "s.zarr" / "device_table" / "1" / name / "c" / "0").exists(), name
+    assert (tmp_path / "s.zarr" / _v2.DEVICE / "c" / "0").exists()  # dict_device = [0]
+    assert store.device(0).n_windows == 50
+    assert birdzarr.verify(tmp_path / "s.zarr").ok

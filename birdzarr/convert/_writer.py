@@ -182,7 +182,8 @@ class Writer:
         rows = self.coder.new_rows()
         for part in self._rows_from_elsewhere:
             rows = rows.extend(part)
-        arrays = {name: _array(self.group, name) for name in (_v2.VALUES, _v2.START, _v2.DEVICE)}
+        arrays = {name: _array(self.group, name).with_config(EVERY_CHUNK)
+                  for name in (_v2.VALUES, _v2.START, _v2.DEVICE)}
         for name, new in ((_v2.VALUES, rows.values), (_v2.START, rows.start), (_v2.DEVICE, rows.device)):
             array = arrays[name]
             old = array.shape[0]
@@ -389,7 +390,8 @@ def write_device_table(location: Location, where: str, details: dict[str, Any],
         location.fs.pipe_file(location.join(key, "zarr.json"), json.dumps(document).encode())
     for name, values in arrays.items():
         if len(values):
-            zarr.open_array(store, path=f"{where}/{name}", mode="r+")[:] = values
+            # every chunk stored, even one equal to the fill value (a table of one device at 0)
+            zarr.open_array(store, path=f"{where}/{name}", mode="r+").with_config(EVERY_CHUNK)[:] = values
 
 
 def remove_other_tables(location: Location, *, keep: str) -> None:
