@@ -14,6 +14,12 @@ Checks, in one pass over the committed chunks (each chunk file is read once):
 - the device table is consistent: ranges inside the committed windows, not overlapping, covering
   all of them, window counts adding up.
 
+On a format-2 store the windows are decoded from ``gimu_codes``, ``gimu_row`` and ``gps_speed``
+with the dictionaries (``dict_values``, ``dict_start``, ``dict_device``, every chunk read and
+checked first); every code is checked against its row's dictionary and every window's row
+against its ``device`` id, and the device table group's index arrays against its entries.
+Damaged dictionaries stop every window from decoding: said once, not once a range or device.
+
 With ``source``, the windows, times and labels are derived again from the source files (with the
 store's recorded curation) and compared window by window. Uncommitted leftovers of an
 interrupted writer are listed as notes: they are invisible to readers, and ``birdzarr repair``
