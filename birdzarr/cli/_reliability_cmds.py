@@ -72,8 +72,9 @@ def add_repair(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                                       "--source, rebuild damaged chunks of a format-2 store")
     p.add_argument("store")
     p.add_argument("--source", default=None, nargs="+", metavar="SOURCE",
-                   help="rebuild the damaged per-window chunks (gimu_codes, gps_speed, gimu_row) of a "
-                        "format-2 store from these sources (the files it was converted from)")
+                   help="rebuild the damaged per-window chunks (gimu_codes, gps_speed, gimu_row; in device "
+                        "order also device, timestamp, label) of a format-2 store from these sources (the "
+                        "files it was converted from)")
     p.add_argument("--break-lock", action="store_true",
                    help="also remove a lock whose holder cannot be checked (another host); only when "
                         "you know no writer is running")

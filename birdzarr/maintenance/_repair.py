@@ -17,8 +17,9 @@ What a killed convert or append can leave (see docs/reliability.md):
 
 Repair never touches a window below the committed count, except with ``--source`` (Python:
 ``source=``) on a format-2 store: then each damaged per-window chunk (``gimu_codes``,
-``gps_speed``, ``gimu_row``: missing, failing its CRC-32C, or coded outside the dictionaries) is
-rebuilt from the windows the sources give for it, coded with each window's dictionary row (from
+``gps_speed``, ``gimu_row``: missing, failing its CRC-32C, or coded outside the dictionaries; in
+device order also ``device``, ``timestamp`` and ``label``) is rebuilt from the windows the sources
+give for it, coded with each window's dictionary row (from
 ``gimu_row`` where that chunk is sound, else the first row of the window's device that holds all
 its values). A device-ordered chunk's windows follow from the device table's ranges, and are
 checked against the range checksums recorded at write time; a shuffled chunk's are its devices'
@@ -90,7 +91,8 @@ def repair(
     (the CLI's ``--break-lock``). With ``source`` (the files the store was converted from, one
     source or several as ``verify`` takes them), a format-2 store's damaged per-window chunks
     (``gimu_codes``, ``gps_speed``, ``gimu_row``: missing, failing their CRC-32C, or coded outside
-    the dictionaries) are rebuilt from the source's windows; what cannot be rebuilt (damaged
+    the dictionaries; in device order also ``device``, ``timestamp``, ``label``) are rebuilt from
+    the source's windows; what cannot be rebuilt (damaged
     dictionaries, a source whose windows are not the store's) is refused in one line before
     anything changes."""
     import zarr
@@ -289,9 +291,11 @@ def _damaged_chunks(store: Store, dicts: _v2.Dictionaries) -> dict[int, dict[str
 
     reader = store.reader
     damaged: dict[int, dict[str, str]] = {}
+    # in device order the device table and the sources give the other per-window arrays too
+    names = WINDOW_ARRAYS_V2 if store.shuffled else (*WINDOW_ARRAYS_V2, DEVICE, TIMESTAMP, LABEL)
     for index in range(reader.n_chunks):
         parts: dict[str, np.ndarray] = {}
-        for name in WINDOW_ARRAYS_V2:
+        for name in names:
             try:
                 parts[name] = reader.read(name, index)
             except ChunkFetchError:
@@ -609,8 +613,11 @@ def _plan_rebuilds(store: Store, given: list[Location]) -> tuple[list[_Rebuild],
         else:
             windows = np.empty((stop - start, 20, 4), np.float32)
             device = np.empty(stop - start, np.int64)
+            times, labels = np.empty(stop - start, np.int64), np.empty(stop - start, np.int64)
             for d, lo, hi, offset in layout[index]:
                 windows[lo - start : hi - start] = sources[d][0][offset : offset + hi - lo]
+                times[lo - start : hi - start] = sources[d][1][offset : offset + hi - lo]
+                labels[lo - start : hi - start] = sources[d][2][offset : offset + hi - lo]
                 device[lo - start : hi - start] = d
         bits = windows.view(np.uint32)
         stored_rows = reader.read(_v2.ROW, index) if _v2.ROW not in why else None
@@ -629,6 +636,8 @@ def _plan_rebuilds(store: Store, given: list[Location]) -> tuple[list[_Rebuild],
                 "from (check --source), or convert the store again from its sources"))
         new = {_v2.CODES: codes, _v2.GPS: np.ascontiguousarray(windows[:, :, 3]),
                _v2.ROW: rows.astype(np.uint32)}
+        if not store.shuffled:
+            new.update({DEVICE: device, TIMESTAMP: times, LABEL: labels})
         if _v2.CODES not in why and not np.array_equal(reader.read(_v2.CODES, index), codes):
             why[_v2.CODES] = "coded for another row"  # the codes follow the chosen rows
         plans.append(_Rebuild(index, start, stop, windows, {name: new[name] for name in why}, why))
