@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 
 import numpy as np
 import pytest
@@ -203,3 +204,32 @@ def test_chunks_equal_to_the_fill_value_are_stored_too(tmp_path: pathlib.Path) -
     assert (tmp_path / "s.zarr" / _v2.DEVICE / "c" / "0").exists()  # dict_device = [0]
     assert store.device(0).n_windows == 50
     assert birdzarr.verify(tmp_path / "s.zarr").ok
+
+
+def test_the_device_table_is_read_when_used_and_each_commit_writes_its_own(tmp_path: pathlib.Path) -> None:
+    _synthetic.make_csv_dir(tmp_path / "all", n_devices=3, bursts_per_device=12, parts=2, seed=9)
+    for name in ("base", "more"):
+        (tmp_path / name).mkdir()
+    for path in sorted((tmp_path / "all").iterdir()):
+        part = int(path.stem.split("_")[1])
+        (tmp_path / ("base" if part == 0 else "more") / path.name).write_bytes(path.read_bytes())
+    dest, old = tmp_path / "v2.zarr", tmp_path / "v1.zarr"
+    for fv, where in ((2, dest), (1, old)):
+        birdzarr.convert(tmp_path / "base", where, format_version=fv, chunk_windows=64, progress=False)
+    store = birdzarr.open_store(dest)
+    # opening read the root alone; a device by id and the count come from the index arrays
+    assert store.n_devices == 3 and store.device(store.device_table[1].device_id).n_windows > 0
+    fresh = birdzarr.open_store(dest)
+    assert fresh.n_devices == 3 and "meta" not in fresh.__dict__ and "device_table" not in fresh.__dict__
+    # a commit killed after writing its table group: the group is a leftover, the store reads as committed
+    shutil.copytree(dest / "device_table" / "1", dest / "device_table" / "2")
+    assert birdzarr.open_store(dest).meta["committed"]["device_table"] == "device_table/1"
+    appended = birdzarr.append(dest, tmp_path / "more", progress=False)
+    expected = birdzarr.append(old, tmp_path / "more", progress=False)
+    assert sorted(p.name for p in (dest / "device_table").iterdir()) == ["2", "zarr.json"]
+    assert appended.meta["committed"]["device_table"] == "device_table/2"
+    # the same table, reports and CSV tails as format 1 keeps in its root attributes
+    assert [e.to_json() for e in appended.device_table] == [e.to_json() for e in expected.device_table]
+    assert appended.meta["report"]["devices"] == expected.meta["report"]["devices"]
+    assert appended.meta["csv_tails"] == expected.meta["csv_tails"]
+    assert same_bits(appended.windows[:], expected.windows[:])
