@@ -12,6 +12,9 @@ the best pass is the least disturbed):
 - dictionary decode: the window codec (dict16 / gdict16) into a reused float32 buffer;
 - ``ChunkReader.read``: all of it, as the training loader calls it.
 
+A version-2 store prints the same steps for its arrays (codes, rows, gps_speed fetched and
+decompressed; the dictionary lookup; all of it) and no block-size table.
+
 Then it re-encodes the same decompressed chunks with the store's blosc compressor at blosc's
 automatic block size and at 256 KiB (what birdzarr writes for zstd), and prints size, encode
 and decode time for both, from one interleaved run.
@@ -57,6 +60,9 @@ def main() -> None:
     numcodecs.blosc.set_nthreads(1)  # one core a chunk, as in a DataLoader worker's thread
     store = birdzarr.open_store(args.store)
     reader = store.reader
+    if reader.format_version >= 2:
+        format2(reader, args)
+        return
     layout = reader.layouts[GIMU]
     chunks = np.unique(np.linspace(0, reader.n_chunks - 2, args.chunks).astype(int)).tolist()
     shape = (reader.chunk_windows, WINDOW_LENGTH, N_CHANNELS)
@@ -96,6 +102,32 @@ def main() -> None:
     for name in codecs:
         size = np.mean([len(e) for e in encoded[name]]) / 1e3
         print(f"| {name} | {size:,.0f} | {encode[name]:.2f} | {decode_ms[name]:.2f} |")
+
+
+def format2(reader: Any, args: argparse.Namespace) -> None:
+    """A version-2 store: its three per-window chunks fetched, checked and decompressed
+    (``read_coded``), the lookup of the codes in the dictionaries (``_v2.decode``), and all of it
+    (``ChunkReader.read``); the dictionaries are read once before timing, as a reader keeps them."""
+    from birdzarr.format import _v2
+
+    chunks = np.unique(np.linspace(0, reader.n_chunks - 2, args.chunks).astype(int)).tolist()
+    out = np.empty((reader.chunk_windows, WINDOW_LENGTH, N_CHANNELS), np.float32)
+    dictionaries = reader.dictionaries()
+    parts = [reader.read_coded(c) for c in chunks]
+    print(f"{args.store}: format 2, {len(chunks)} chunks of {reader.chunk_windows:,} windows, "
+          f"{dictionaries.n_rows:,} dictionary rows, best of {args.repeat}")
+    steps = best_ms({
+        "fetch + CRC-32C + blosc (read_coded)": lambda c: reader.read_coded(c),
+        "ChunkReader.read (all)": lambda c: reader.read(GIMU, c, out=out),
+    }, chunks, args.repeat)
+    def lookup(p: Any) -> Any:
+        return _v2.decode(p[0], p[1], p[2], dictionaries.values, dictionaries.start, out=out[: len(p[1])])
+
+    steps["dictionary lookup (_v2.decode)"] = best_ms({"d": lookup}, parts, args.repeat)["d"]
+    print("| step | ms a chunk | ns a window |\n|---|---|---|")
+    for name in ("fetch + CRC-32C + blosc (read_coded)", "dictionary lookup (_v2.decode)",
+                 "ChunkReader.read (all)"):
+        print(f"| {name} | {steps[name]:.2f} | {steps[name] * 1e6 / reader.chunk_windows:.0f} |")
 
 
 if __name__ == "__main__":
