@@ -60,25 +60,27 @@ def to_format2(path: str | Path) -> None:
 
 
 @pytest.fixture(scope="session")
-def v2_pair(small_store: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
-    """The session's small store (device order, 1024-window chunks) and its ``to_format2`` copy."""
+def v2_pair(small_store_v1: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    """The session's version-1 small store (device order, 1024-window chunks) and its ``to_format2``
+    copy."""
     import birdzarr
 
     dest = tmp_path_factory.mktemp("format2") / "small2.zarr"
-    shutil.copytree(small_store.location.path, dest)
+    shutil.copytree(small_store_v1.location.path, dest)
     to_format2(dest)
-    return small_store, birdzarr.open_store(dest)
+    return small_store_v1, birdzarr.open_store(dest)
 
 
 @pytest.fixture(scope="session")
 def v2_shuffled_pair(parquet_source: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
-    """The parquet_source converted with --shuffle (1024-window chunks) and its ``to_format2`` copy."""
+    """The parquet_source converted to version 1 with --shuffle (1024-window chunks) and its
+    ``to_format2`` copy."""
     import birdzarr
 
     directory, _ = parquet_source
     root = tmp_path_factory.mktemp("format2_shuffled")
     v1 = birdzarr.convert(directory, root / "shuffled.zarr", shuffle=True, seed=4, chunk_windows=1024,
-                          progress=False)
+                          progress=False, format_version=1)
     shutil.copytree(root / "shuffled.zarr", root / "shuffled2.zarr")
     to_format2(root / "shuffled2.zarr")
     return v1, birdzarr.open_store(root / "shuffled2.zarr")

@@ -329,16 +329,18 @@ def test_dictionary_rows_past_the_commit_are_not_read(v2_pair: Pair, tmp_path: P
 
 
 def test_a_store_the_converter_writes_in_format_2_reads_as_its_format_1_twin(
-    parquet_source: Any, small_store: birdzarr.Store, tmp_path: Path,
+    parquet_source: Any, small_store_v1: birdzarr.Store, tmp_path: Path,
 ) -> None:
     directory, _ = parquet_source
     store = birdzarr.convert(directory, tmp_path / "v2.zarr", chunk_windows=1024, format_version=2,
                              progress=False)
     assert store.format_version == 2 and not (tmp_path / "v2.zarr" / "gimu").exists()
-    assert_exact(store.windows[:], small_store.windows[:])
-    assert np.array_equal(store.window_devices[:], small_store.window_devices[:])
+    assert small_store_v1.format_version == 1
+    assert_exact(store.windows[:], small_store_v1.windows[:])
+    assert np.array_equal(store.window_devices[:], small_store_v1.window_devices[:])
     reopened = birdzarr.open_store(tmp_path / "v2.zarr")
-    assert_exact(reopened.windows[np.arange(29_999, 0, -97)], small_store.windows[np.arange(29_999, 0, -97)])
+    assert_exact(reopened.windows[np.arange(29_999, 0, -97)],
+                 small_store_v1.windows[np.arange(29_999, 0, -97)])
 
 
 def test_arrays_another_writer_coded_otherwise_are_read_through_zarr(v2_pair: Pair, tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ def stores(parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]],
         base = tmp_path_factory.mktemp(f"format2-{order}")
         shuffled = {"shuffle": True, "seed": 11} if order == "shuffled" else {}
         v1 = birdzarr.convert(directory, base / "v1.zarr", chunk_windows=_CHUNK, progress=False,
-                              **shuffled)  # type: ignore[arg-type]
+                              format_version=1, **shuffled)  # type: ignore[arg-type]
         shutil.copytree(base / "v1.zarr", base / "v2.zarr")
         to_format2(base / "v2.zarr")
         made[order] = (v1.url, str(base / "v2.zarr"))
@@ -213,7 +213,7 @@ def test_a_gps_speed_that_varies_within_a_window_is_held_in_every_sample(
         offsets = pa.array(np.arange(0, len(w) * 80 + 1, 80, dtype=np.int32))
         column = pa.ListArray.from_arrays(offsets, pa.array(w.reshape(-1), type=pa.float32()))
         pq.write_table(pa.table({"gimu": column}), src / f"{device}.parquet")
-    store = birdzarr.convert(src, tmp_path / "s.zarr", chunk_windows=1024, progress=False)
+    store = birdzarr.convert(src, tmp_path / "s.zarr", chunk_windows=1024, progress=False, format_version=1)
     truth = store.windows[:]
     to_format2(tmp_path / "s.zarr")
     ds = _dataset(str(tmp_path / "s.zarr"), resident="cpu", with_ldt=False)
