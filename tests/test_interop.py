@@ -41,9 +41,11 @@ def bits(a: np.ndarray) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def standard_store(parquet_source: Any, tmp_path_factory: pytest.TempPathFactory) -> birdzarr.Store:
+    """A version-1 store whose gimu array uses the standard chain (transpose + blosc lz4 float32)."""
     directory, _ = parquet_source
     dest = tmp_path_factory.mktemp("interop") / "standard.zarr"
-    return birdzarr.convert(directory, dest, codec="standard", chunk_windows=4096, progress=False)
+    return birdzarr.convert(directory, dest, codec="standard", chunk_windows=4096, progress=False,
+                            format_version=1)
 
 
 @pytest.fixture(scope="module")
@@ -102,11 +104,12 @@ def test_tensorstore_reads_a_standard_store_from_s3(
 @pytest.mark.parametrize("codec", ["dict16", "standard"])
 @pytest.mark.filterwarnings("error")
 def test_xarray_opens_the_store(
-    codec: str, small_store: birdzarr.Store, standard_store: birdzarr.Store, csv_store: birdzarr.Store
+    codec: str, small_store_v1: birdzarr.Store, standard_store: birdzarr.Store, csv_store: birdzarr.Store
 ) -> None:
-    """The call docs/format.md gives: no warning, the arrays' names and units, CF-decoded times."""
+    """The call docs/format.md gives: no warning, the arrays' names and units, CF-decoded times
+    (a version-1 store's gimu array; csv_store, in the default format, for the times)."""
     xr = pytest.importorskip("xarray")
-    store = small_store if codec == "dict16" else standard_store
+    store = small_store_v1 if codec == "dict16" else standard_store
     ds = xr.open_zarr(store.location.path, zarr_format=3, consolidated=False)
     assert ds["gimu"].dims == ("window", "sample", "channel")
     assert ds["gimu"].attrs == {"long_name": "curated sensor windows", "channels": list(birdzarr.CHANNELS),
@@ -133,8 +136,10 @@ def test_xarray_warns_without_consolidated_false(small_store: birdzarr.Store) ->
 
 
 @pytest.mark.slow
-def test_dict16_decodes_in_plain_zarr_through_the_entry_point(small_store: birdzarr.Store) -> None:
-    """zarr finds birdzarr.dict16 through the `zarr.codecs` entry point, without `import birdzarr`."""
+def test_dict16_decodes_in_plain_zarr_through_the_entry_point(small_store_v1: birdzarr.Store) -> None:
+    """zarr finds birdzarr.dict16 through the `zarr.codecs` entry point, without `import birdzarr`
+    (a version-1 store's gimu array)."""
+    small_store = small_store_v1
     code = (
         "import sys, zarr, numpy as np\n"
         "a = zarr.open_array(sys.argv[1] + '/gimu', mode='r', zarr_format=3)\n"
@@ -185,7 +190,9 @@ def test_static_http_server_is_read_only_and_exact(
     assert np.array_equal(bits(store.windows[:]), bits(small_store.windows[:]))
     device = int(small_store.devices["device_id"].iloc[3])
     assert np.array_equal(bits(store.device_windows(device)), bits(small_store.device_windows(device)))
-    assert np.array_equal(bits(np.asarray(store.gimu[:50])), bits(small_store.windows[:50]))  # zarr, too
+    for name in (*_v2.ARRAYS, "device", "label"):  # zarr, too: the stored arrays of the default format
+        assert np.array_equal(bits(np.asarray(store.group[name][:50])),  # type: ignore[index]
+                              bits(np.asarray(small_store.group[name][:50]))), name  # type: ignore[index]
     # Writing is refused and leaves nothing behind: ReadOnlyLocationError where birdzarr checks
     # first (copy; convert once it calls _storage.require_writable), else the server's 501.
     directory, _ = parquet_source
@@ -296,3 +303,100 @@ def test_xarray_opens_a_format_2_store_without_birdzarr(request: pytest.FixtureR
         "['device', 'dict_device', 'dict_start', 'dict_values', 'gimu_codes', 'gimu_row', 'gps_speed', "
         "'label', 'timestamp'] {'window': 30000, 'sample': 20, 'channel': 3} uint16")
     assert rest == np.ascontiguousarray(v2.group["gimu_codes"][:100]).tobytes()  # type: ignore[index]
+
+
+# -- the default store, decoded as docs/format.md documents it ------------------------------------
+
+FORMAT_DOC = Path(__file__).resolve().parents[1] / "docs" / "format.md"
+_DOC_PATH = "ssl20.zarr"  # the store path in docs/format.md's examples
+
+
+def _format_doc_block(after: str) -> list[str]:
+    """The lines of the first ```python block of docs/format.md that follows the text ``after``."""
+    text = FORMAT_DOC.read_text()
+    rest = text[text.index(after):]
+    body = rest[rest.index("```python\n") + len("```python\n"):]
+    return body[: body.index("```")].rstrip("\n").splitlines()
+
+
+@pytest.fixture(scope="module")
+def default_stores(
+    parquet_source: Any, tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, birdzarr.Store]:
+    """The parquet_source converted with birdzarr.convert's defaults, in each order."""
+    directory, _ = parquet_source
+    root = tmp_path_factory.mktemp("interop_default")
+    return {"device order": birdzarr.convert(directory, root / "device.zarr", progress=False),
+            "shuffled": birdzarr.convert(directory, root / "shuffled.zarr", shuffle=True, seed=6,
+                                         progress=False)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reader", ["tensorstore", "zarr"])
+@pytest.mark.parametrize("order", ["device order", "shuffled"])
+def test_a_default_store_is_decoded_without_birdzarr_by_the_lines_of_docs_format(
+    default_stores: dict[str, birdzarr.Store], tmp_path: Path, reader: str, order: str,
+) -> None:
+    """A store birdzarr.convert writes by default (device order, and shuffle=True) is read by
+    zarr-python and by TensorStore in a process where birdzarr cannot be imported; the lines of
+    docs/format.md's "Decoding the windows" (zarr-python's block as it is, TensorStore's spec with
+    the same numpy lines) give every committed window, equal bit for bit to birdzarr's."""
+    if reader == "tensorstore":
+        pytest.importorskip("tensorstore")
+    store = default_stores[order]
+    root = Path(store.location.path)
+    assert store.format_version == 2 and store.shuffled == (order == "shuffled")
+    assert not (root / "gimu").exists()
+    for name in _v2.ARRAYS:
+        codecs = json.loads((root / name / "zarr.json").read_text())["codecs"]
+        assert {codec["name"] for codec in codecs} <= _v2.CORE_CODECS, name
+    zarr_lines = _format_doc_block("## Decoding the windows")
+    assert zarr_lines[:2] == ["import numpy as np, zarr",
+                              f'z = zarr.open_group("{_DOC_PATH}", mode="r", zarr_format=3)'], zarr_lines
+    if reader == "zarr":
+        decode = zarr_lines
+    else:
+        ts_lines = _format_doc_block("TensorStore reads each array")
+        assert ts_lines[0] == "import tensorstore as ts" and ts_lines[1].startswith("spec = lambda name:")
+        # TensorStore's import and spec, z[name][key] through them and the root's attributes as
+        # JSON; the documented numpy lines follow (zarr_lines from the third, `n = ...`), then
+        # TensorStore's documented read of the codes, which must give the codes decoded
+        decode = [
+            "import numpy as np",
+            *ts_lines[:2],
+            "class _Array:",
+            "    def __init__(self, name): self.array = ts.open(spec(name)).result()",
+            "    def __getitem__(self, key): return self.array[key].read().result()",
+            "class _Group:",
+            "    attrs = json.load(open(root + '/zarr.json'))['attributes']",
+            "    def __getitem__(self, name): return _Array(name)",
+            "z = _Group()",
+            *zarr_lines[2:],
+            "decoded_codes = codes",
+            *ts_lines[2:],
+            "assert codes.dtype == np.uint16 and np.array_equal(codes, decoded_codes)",
+        ]
+    decode = [line.replace(_DOC_PATH, "{root}") for line in decode]
+    out = tmp_path / "out.npz"
+    script = "\n".join([
+        "import json, sys",
+        "sys.modules['birdzarr'] = None  # any import of birdzarr fails",
+        "try:",
+        "    import birdzarr",
+        "except ImportError:",
+        "    pass",
+        "else:",
+        "    raise SystemExit('birdzarr was importable')",
+        f"root = {str(root)!r}",
+        *(line.replace('"{root}"', "root").replace('f"{root}/', 'root + f"/') for line in decode),
+        f"np.savez({str(out)!r}, windows=windows, a=a, b=b)",
+        "print(sorted(m for m in sys.modules if m.startswith('birdzarr')))",
+    ])
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr + "\n" + script
+    assert done.stdout.strip() == "['birdzarr']"  # only the blocked entry: nothing of birdzarr loaded
+    got = np.load(out)
+    assert (int(got["a"]), int(got["b"])) == (0, len(store)) == (0, 30_000)
+    expected = store.windows[:]
+    assert got["windows"].dtype == np.float32 and got["windows"].shape == (30_000, 20, 4)
+    assert np.array_equal(bits(got["windows"]), bits(expected))
