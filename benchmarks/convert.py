@@ -6,6 +6,7 @@ CPU seconds, cores used, store size against the Parquet source, peak memory, loa
     python benchmarks/convert.py --windows 300000      # quicker
     python benchmarks/convert.py --workers 1 2 16      # on a larger machine
     python benchmarks/convert.py --repeat 5            # median of 5 alternating runs each
+    python benchmarks/convert.py --format-versions 1 2 # both store formats from the same input
 
 Generated data goes to --workdir (default: a temporary directory), removed at the end unless
 --keep is given or the directory existed before (then generated data there is reused). Each
@@ -18,6 +19,11 @@ only comparable between runs of similar load; "MB per CPU s" is the robust one. 
 --shuffle, CSV, then again), and each figure is the run of median seconds: on a shared machine a
 single run can be off by 20%. The last table gives the ratios: each worker count against 1
 worker, --shuffle against device order, and each store's size against its Parquet source.
+
+``--format-versions 1 2`` converts the same input into each store format (``--format-version``;
+default: 2 only), the formats interleaved within each round; every row names its format, and the
+ratios table adds format 2 against format 1: store size, MB per CPU second and MB/s of each
+conversion. "MB/CPU s" is MB/s's bytes per CPU second of the whole conversion (all its processes).
 
 The "2 x 1 worker on halves, at once" row is this machine's ceiling for 2 workers: two
 independent 1-worker conversions, of half the devices each, started together. They share
@@ -92,7 +98,7 @@ _CLI = "import sys; from birdzarr.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
 def convert_measured(source: str, dest: str, *extra: str, parquet: str | None = None,
-                     threads_only: bool = False) -> dict[str, Any]:
+                     threads_only: bool = False, format_version: int = 2) -> dict[str, Any]:
     """One CLI conversion; ``parquet`` (a directory) for the store-vs-Parquet size column;
     ``threads_only``: Parquet converted on threads, as below the worker processes' size threshold
     (birdzarr/convert/_segments.py), for the comparison."""
@@ -100,7 +106,8 @@ def convert_measured(source: str, dest: str, *extra: str, parquet: str | None = 
     if threads_only:
         cli = ("import importlib; importlib.import_module('birdzarr.convert._segments').PROCESS_MIN_BYTES = "
                "1 << 62; " + cli)
-    argv = [sys.executable, "-c", cli, "convert", source, dest, "--overwrite", "--quiet", *extra]
+    argv = [sys.executable, "-c", cli, "convert", source, dest, "--overwrite", "--quiet",
+            "--format-version", str(format_version), *extra]
     cpu_before, load = children_cpu(), os.getloadavg()[0]
     wall, peak, _ = run_measured(argv)
     cpu = children_cpu() - cpu_before
@@ -114,12 +121,16 @@ def convert_measured(source: str, dest: str, *extra: str, parquet: str | None = 
     stored = dir_bytes(dest)
     is_csv = store.meta["source_kind"] == "csv"
     source_bytes = input_bytes(source, ".csv" if is_csv else ".parquet")
+    counted = source_bytes if is_csv else raw
+    cpu_seconds = float(report.get("cpu_seconds", cpu))
     row = {
+        "format": int(store.meta["format_version"]),
         "windows": len(store),
         "seconds": seconds,
-        "MB/s": (source_bytes if is_csv else raw) / seconds / 1e6,
+        "MB/s": counted / seconds / 1e6,
         "of": "CSV text" if is_csv else "float32",
-        "CPU s": float(report.get("cpu_seconds", cpu)),
+        "MB/CPU s": counted / cpu_seconds / 1e6 if cpu_seconds > 0 else "",
+        "CPU s": cpu_seconds,
         "cores used": float(report.get("cores_used", 0.0)),
         "process CPU s": cpu,
         "wall_s": wall,
@@ -131,6 +142,10 @@ def convert_measured(source: str, dest: str, *extra: str, parquet: str | None = 
     if "pass_cpu_seconds" in report.get("shuffle", {}):
         row["pass CPU s"] = report["shuffle"]["pass_cpu_seconds"]
     return row
+
+
+def _cell_value(value: Any) -> str:
+    return f"{value:,.2f}" if isinstance(value, float) else str(value)
 
 
 def split_in_two(source: str, into: str) -> list[str]:
@@ -153,14 +168,15 @@ def split_in_two(source: str, into: str) -> list[str]:
     return halves
 
 
-def convert_halves_at_once(halves: list[str], workdir: str) -> dict[str, Any]:
+def convert_halves_at_once(halves: list[str], workdir: str, format_version: int = 2) -> dict[str, Any]:
     """Two 1-worker conversions of half the devices each, started together: no conversion can
     share its work between two cores better than two that share nothing, so their combined rate
     against one 1-worker conversion of everything is this machine's ceiling for 2 workers."""
-    dests = [os.path.join(workdir, f"half_{i}.zarr") for i in range(len(halves))]
+    dests = [os.path.join(workdir, f"half_{i}_v{format_version}.zarr") for i in range(len(halves))]
     load = os.getloadavg()[0]
     procs = [subprocess.Popen([sys.executable, "-c", _CLI, "convert", half, dest, "--overwrite", "--quiet",
-                               "--workers", "1"]) for half, dest in zip(halves, dests, strict=True)]
+                               "--workers", "1", "--format-version", str(format_version)])
+             for half, dest in zip(halves, dests, strict=True)]
     if any(proc.wait() for proc in procs):
         raise RuntimeError("a half conversion failed")
     import birdzarr
@@ -169,7 +185,8 @@ def convert_halves_at_once(halves: list[str], workdir: str) -> dict[str, Any]:
     # each report's seconds leave out the interpreter's start, as the other rows' do
     seconds = max(float(store.meta["report"]["seconds"]) for store in stores)
     windows = sum(len(store) for store in stores)
-    return {"windows": windows, "seconds": seconds, "MB/s": windows * WINDOW_BYTES / seconds / 1e6,
+    return {"format": format_version, "windows": windows, "seconds": seconds,
+            "MB/s": windows * WINDOW_BYTES / seconds / 1e6,
             "of": "float32", "CPU s": sum(float(s.meta["report"]["cpu_seconds"]) for s in stores),
             "load": f"{load:.1f}-{os.getloadavg()[0]:.1f}"}
 
@@ -201,6 +218,9 @@ def main() -> int:
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--repeat", type=int, default=1,
                         help="runs of each conversion, interleaved; figures are the medians")
+    parser.add_argument("--format-versions", type=int, nargs="+", default=[2], choices=[1, 2],
+                        help="store formats to write (--format-version), each from the same input "
+                             "(default: 2 only); with 1 and 2, the ratios of 2 against 1")
     args = parser.parse_args()
 
     rows: list[dict[str, Any]] = []
@@ -212,21 +232,24 @@ def main() -> int:
         corpus = os.path.join(workdir, f"parquet_{args.devices}_{args.windows}")
         make_parquet(corpus, dict(zip(ids, sizes, strict=True)), seed=0)
 
-        runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
+        runs: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
+        versions = list(dict.fromkeys(args.format_versions))
 
-        def run(name: str, workers: int, source: str, dest: str, *extra: str,
+        def run(name: str, workers: int, source: str, dest: str, *extra: str, version: int,
                 threads_only: bool = False) -> dict[str, Any]:
             is_parquet = any(f.endswith(".parquet") for f in os.listdir(source))
+            dest = os.path.join(workdir, dest.removesuffix(".zarr") + f"_v{version}.zarr")
             row = {"input": name, "workers": workers,
-                   **convert_measured(source, os.path.join(workdir, dest), "--workers", str(workers), *extra,
-                                      parquet=source if is_parquet else None, threads_only=threads_only)}
+                   **convert_measured(source, dest, "--workers", str(workers), *extra,
+                                      parquet=source if is_parquet else None, threads_only=threads_only,
+                                      format_version=version)}
             print(table([row]), flush=True)
-            runs.setdefault((name, workers), []).append(row)
+            runs.setdefault((name, workers, version), []).append(row)
             return row
 
-        def median(name: str, workers: int) -> dict[str, Any]:
+        def median(name: str, workers: int, version: int) -> dict[str, Any]:
             """The run of median seconds (of ``--repeat``), in the summary tables."""
-            done = sorted(runs[(name, workers)], key=lambda r: float(r["seconds"]))
+            done = sorted(runs[(name, workers, version)], key=lambda r: float(r["seconds"]))
             row = dict(done[(len(done) - 1) // 2])
             if len(done) > 1:
                 row["runs"] = len(done)
@@ -244,71 +267,103 @@ def main() -> int:
             make_csv(csv_dir, devices=args.csv_devices, bursts=args.csv_bursts, parts=args.csv_parts, seed=0)
         for round_ in range(max(1, args.repeat)):
             order = args.workers if round_ % 2 == 0 else args.workers[::-1]
+            formats = versions if round_ % 2 == 0 else versions[::-1]
             for w in order:
-                run(parquet_name, w, corpus, "corpus.zarr")
+                for v in formats:
+                    run(parquet_name, w, corpus, "corpus.zarr", version=v)
             if most > 1:
-                run(threads_name, most, corpus, "corpus.zarr", threads_only=True)
+                for v in formats:
+                    run(threads_name, most, corpus, "corpus.zarr", version=v, threads_only=True)
             if halves:
-                half_row = {"input": ceiling_name, "workers": 2, **convert_halves_at_once(halves, workdir)}
-                print(table([half_row]), flush=True)
-                runs.setdefault((ceiling_name, 2), []).append(half_row)
+                for v in formats:
+                    half_row = {"input": ceiling_name, "workers": 2,
+                                **convert_halves_at_once(halves, workdir, v)}
+                    print(table([half_row]), flush=True)
+                    runs.setdefault((ceiling_name, 2, v), []).append(half_row)
             if not args.skip_shuffle:
-                run(shuffle_name, most, corpus, "shuffled.zarr",
-                    "--shuffle", "--seed", "1", "--shuffle-tmp", workdir)
+                for v in formats:
+                    run(shuffle_name, most, corpus, "shuffled.zarr",
+                        "--shuffle", "--seed", "1", "--shuffle-tmp", workdir, version=v)
             if not args.skip_csv:
                 for w in order:
-                    run(csv_name, w, csv_dir, "csv.zarr")
-        ordered = {w: median(parquet_name, w) for w in args.workers}
-        threads = median(threads_name, most) if most > 1 else None
-        ceiling = median(ceiling_name, 2) if halves else None
-        if not args.skip_shuffle:
-            shuffled = median(shuffle_name, most)
-        csv_rows = {w: median(csv_name, w) for w in args.workers} if not args.skip_csv else {}
+                    for v in formats:
+                        run(csv_name, w, csv_dir, "csv.zarr", version=v)
+        ordered = {v: {w: median(parquet_name, w, v) for w in args.workers} for v in versions}
+        threads = {v: median(threads_name, most, v) for v in versions} if most > 1 else {}
+        ceiling = {v: median(ceiling_name, 2, v) for v in versions} if halves else {}
+        shuffled = {v: median(shuffle_name, most, v) for v in versions} if not args.skip_shuffle else {}
+        csv_rows = {v: {w: median(csv_name, w, v) for w in args.workers} for v in versions} \
+            if not args.skip_csv else {}
         if not args.skip_memory:
             for size in args.device_sizes:
                 source = os.path.join(workdir, f"one_{size}")
                 make_parquet(source, {900 + size % 97: size}, seed=1)
-                run(f"one device ({size:,} windows)", most, source, f"one_{size}.zarr")
-                median(f"one device ({size:,} windows)", most)
+                for v in versions:
+                    run(f"one device ({size:,} windows)", most, source, f"one_{size}.zarr", version=v)
+                    median(f"one device ({size:,} windows)", most, v)
         print()
         print(table(rows))
         # one column of ratios, with what each is against: a table's columns are its first row's
         targets: list[dict[str, object]] = []
-        one = ordered.get(1)
-        csv_one = csv_rows.get(1)
-        for w, row in ordered.items():
-            targets.append({"figure": f"parquet MB/s, {_workers(w)}", "value": row["MB/s"],
-                            "ratio": float(row["MB/s"]) / float(one["MB/s"]) if one else "",
-                            "against": "1 worker", "load": row["load"]})
-        if ceiling is not None and one is not None:
-            targets.append({"figure": "parquet MB/s, 2 x 1 worker on halves at once (ceiling)",
-                            "value": ceiling["MB/s"], "ratio": float(ceiling["MB/s"]) / float(one["MB/s"]),
-                            "against": "1 worker", "load": ceiling["load"]})
-            if 2 in ordered:
-                targets.append({"figure": "parquet MB/s, 2 workers", "value": ordered[2]["MB/s"],
-                                "ratio": float(ordered[2]["MB/s"]) / float(ceiling["MB/s"]),
-                                "against": "the ceiling", "load": ordered[2]["load"]})
-        if threads is not None:
-            targets.append({"figure": f"parquet MB/s, {_workers(most)}, worker processes",
-                            "value": ordered[most]["MB/s"],
-                            "ratio": float(ordered[most]["MB/s"]) / float(threads["MB/s"]),
-                            "against": f"threads only, {_workers(most)}", "load": threads["load"]})
-        for w, row in csv_rows.items():
-            targets.append({"figure": f"CSV MB/s of text, {_workers(w)}", "value": row["MB/s"],
-                            "ratio": float(row["MB/s"]) / float(csv_one["MB/s"]) if csv_one else "",
-                            "against": "1 worker", "load": row["load"]})
-        if not args.skip_shuffle:
-            targets.append({"figure": f"--shuffle MB/s, {_workers(most)}", "value": shuffled["MB/s"],
-                            "ratio": float(shuffled["MB/s"]) / float(ordered[most]["MB/s"]),
-                            "against": f"device order, {_workers(most)}", "load": shuffled["load"]})
-            # why --shuffle costs what it does: each of its passes against a whole ordered conversion
-            for k, name in enumerate(("pass 1 (read, code, spill)", "pass 2 (load, permute, write)")):
-                targets.append({"figure": f"--shuffle {name} CPU s", "value": shuffled["pass CPU s"][k],
-                                "ratio": float(shuffled["pass CPU s"][k]) / float(ordered[most]["CPU s"]),
-                                "against": f"device order's CPU s, {_workers(most)}", "load": ""})
-            for name, row in (("shuffled", shuffled), ("ordered", ordered[most])):
-                targets.append({"figure": f"{name} store size", "value": "", "ratio": row["store/parquet"],
-                                "against": "the Parquet source", "load": ""})
+        for v in versions:
+            fmt = f"format {v}: " if len(versions) > 1 else ""
+            one = ordered[v].get(1)
+            csv_one = csv_rows[v].get(1) if csv_rows else None
+            for w, row in ordered[v].items():
+                targets.append({"figure": f"{fmt}parquet MB/s, {_workers(w)}", "value": row["MB/s"],
+                                "ratio": float(row["MB/s"]) / float(one["MB/s"]) if one else "",
+                                "against": "1 worker", "load": row["load"]})
+            if v in ceiling and one is not None:
+                targets.append({"figure": f"{fmt}parquet MB/s, 2 x 1 worker on halves at once (ceiling)",
+                                "value": ceiling[v]["MB/s"],
+                                "ratio": float(ceiling[v]["MB/s"]) / float(one["MB/s"]),
+                                "against": "1 worker", "load": ceiling[v]["load"]})
+                if 2 in ordered[v]:
+                    targets.append({"figure": f"{fmt}parquet MB/s, 2 workers", "value": ordered[v][2]["MB/s"],
+                                    "ratio": float(ordered[v][2]["MB/s"]) / float(ceiling[v]["MB/s"]),
+                                    "against": "the ceiling", "load": ordered[v][2]["load"]})
+            if v in threads:
+                targets.append({"figure": f"{fmt}parquet MB/s, {_workers(most)}, worker processes",
+                                "value": ordered[v][most]["MB/s"],
+                                "ratio": float(ordered[v][most]["MB/s"]) / float(threads[v]["MB/s"]),
+                                "against": f"threads only, {_workers(most)}", "load": threads[v]["load"]})
+            for w, row in (csv_rows[v].items() if csv_rows else ()):
+                targets.append({"figure": f"{fmt}CSV MB/s of text, {_workers(w)}", "value": row["MB/s"],
+                                "ratio": float(row["MB/s"]) / float(csv_one["MB/s"]) if csv_one else "",
+                                "against": "1 worker", "load": row["load"]})
+            if v in shuffled:
+                sh, base = shuffled[v], ordered[v][most]
+                targets.append({"figure": f"{fmt}--shuffle MB/s, {_workers(most)}", "value": sh["MB/s"],
+                                "ratio": float(sh["MB/s"]) / float(base["MB/s"]),
+                                "against": f"device order, {_workers(most)}", "load": sh["load"]})
+                targets.append({"figure": f"{fmt}--shuffle MB/CPU s, {_workers(most)}",
+                                "value": sh["MB/CPU s"],
+                                "ratio": float(sh["MB/CPU s"]) / float(base["MB/CPU s"]),
+                                "against": f"device order, {_workers(most)}", "load": sh["load"]})
+                # why --shuffle costs what it does: each of its passes against a whole ordered conversion
+                for k, name in enumerate(("pass 1 (read, code, spill)", "pass 2 (load, permute, write)")):
+                    targets.append({"figure": f"{fmt}--shuffle {name} CPU s", "value": sh["pass CPU s"][k],
+                                    "ratio": float(sh["pass CPU s"][k]) / float(base["CPU s"]),
+                                    "against": f"device order's CPU s, {_workers(most)}", "load": ""})
+                targets.append({"figure": f"{fmt}shuffled store size", "value": sh["store MB"],
+                                "ratio": sh["store/parquet"], "against": "the Parquet source", "load": ""})
+            base = ordered[v][most]
+            targets.append({"figure": f"{fmt}ordered store size", "value": base["store MB"],
+                            "ratio": base["store/parquet"], "against": "the Parquet source", "load": ""})
+        if 1 in versions and 2 in versions:
+            # format 2 against format 1, conversion by conversion (same input, same round)
+            pairs: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
+                (f"parquet, {_workers(w)}", ordered[2][w], ordered[1][w]) for w in args.workers]
+            if shuffled:
+                pairs.append((f"--shuffle, {_workers(most)}", shuffled[2], shuffled[1]))
+            if csv_rows:
+                pairs += [(f"CSV, {_workers(w)}", csv_rows[2][w], csv_rows[1][w]) for w in args.workers]
+            for label, two, one_ in pairs:
+                for key in ("store MB", "MB/CPU s", "MB/s"):
+                    targets.append({"figure": f"format 2 {key}, {label}", "value": two[key],
+                                    "ratio": float(two[key]) / float(one_[key]),
+                                    "against": f"format 1 ({_cell_value(one_[key])})",
+                                    "load": f"{two['load']} / {one_['load']}"})
         print()
         print(table(targets))
         if args.json:
