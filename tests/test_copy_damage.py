@@ -17,6 +17,15 @@ from birdzarr.cli import main
 from birdzarr.maintenance import _copy
 
 
+@pytest.fixture(scope="module")
+def small_store(parquet_source: tuple[pathlib.Path, dict], tmp_path_factory: pytest.TempPathFactory
+                ) -> birdzarr.Store:
+    """These tests damage format 1's ``gimu`` chunks: the small store in format 1 whatever the
+    default (format 2's: tests/test_maintenance_format2.py); ``store_copy`` copies it."""
+    path = tmp_path_factory.mktemp("format1") / "small.zarr"
+    return birdzarr.convert(parquet_source[0], path, chunk_windows=1024, format_version=1, progress=False)
+
+
 def _flip(path: pathlib.Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01

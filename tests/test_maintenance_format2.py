@@ -42,6 +42,15 @@ def _own_temporary_directory(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyP
 
 
 @pytest.fixture(scope="module")
+def small_store(parquet_source: tuple[pathlib.Path, dict], tmp_path_factory: pytest.TempPathFactory
+                ) -> birdzarr.Store:
+    """The session's small store in format 1 whatever the default (``to_format2`` makes the
+    format-2 twin from it; ``store_copy`` is then a format-1 store)."""
+    path = tmp_path_factory.mktemp("format1") / "small.zarr"
+    return birdzarr.convert(parquet_source[0], path, chunk_windows=CHUNK, format_version=1, progress=False)
+
+
+@pytest.fixture(scope="module")
 def v2_store(small_store: birdzarr.Store, tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     """The session's small store (12 devices, 30,000 windows, 1024-window chunks) as format 2."""
     path = tmp_path_factory.mktemp("format2") / "v2.zarr"

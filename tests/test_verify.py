@@ -18,6 +18,15 @@ from birdzarr.demo import _synthetic
 from birdzarr.maintenance._verify import verify
 
 
+@pytest.fixture(scope="module")
+def small_store(parquet_source: tuple[pathlib.Path, dict], tmp_path_factory: pytest.TempPathFactory
+                ) -> birdzarr.Store:
+    """These tests damage format 1's ``gimu`` chunks: the small store in format 1 whatever the
+    default (format 2's damage: tests/test_maintenance_format2.py); ``store_copy`` copies it."""
+    path = tmp_path_factory.mktemp("format1") / "small.zarr"
+    return birdzarr.convert(parquet_source[0], path, chunk_windows=1024, format_version=1, progress=False)
+
+
 def _chunk(store: pathlib.Path, name: str, index: int) -> pathlib.Path:
     return store / name / "c" / str(index) / ("0/0" if name == "gimu" else "")
 
@@ -142,7 +151,8 @@ def test_a_shuffled_store_checks_its_scattered_digests(
     tmp_path: pathlib.Path, parquet_source: tuple[pathlib.Path, dict]
 ) -> None:
     dest = tmp_path / "shuffled.zarr"
-    birdzarr.convert(parquet_source[0], dest, chunk_windows=1024, shuffle=True, seed=1, progress=False)
+    birdzarr.convert(parquet_source[0], dest, chunk_windows=1024, shuffle=True, seed=1, progress=False,
+                     format_version=1)
     result = verify(dest, source=parquet_source[0])
     assert result.ok, result.format()
     assert result.checksums_checked == len(parquet_source[1])
@@ -176,7 +186,7 @@ def test_a_store_shuffled_by_an_earlier_version_checks_its_scattered_checksums(
 
     dest = tmp_path / "shuffled.zarr"
     store = birdzarr.convert(parquet_source[0], dest, chunk_windows=1024, shuffle=True, seed=1,
-                             progress=False)
+                             progress=False, format_version=1)
     root = json.loads((dest / "zarr.json").read_text())
     for entry in root["attributes"]["birdzarr"]["devices"]:
         hasher = checksum_hasher()
@@ -261,7 +271,7 @@ def test_a_shuffled_csv_store_verifies_against_its_source_and_finds_a_changed_wi
     source = tmp_path / "csv"
     _synthetic.make_csv_dir(source, n_devices=3, bursts_per_device=40, parts=2, seed=3)
     dest = tmp_path / "shuffled.zarr"
-    birdzarr.convert(source, dest, chunk_windows=64, shuffle=True, seed=1, progress=False)
+    birdzarr.convert(source, dest, chunk_windows=64, shuffle=True, seed=1, progress=False, format_version=1)
     result = verify(dest, source=source)
     assert result.ok, result.format()
     assert result.devices_compared == 3 and result.checksums_checked == 3

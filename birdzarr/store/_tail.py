@@ -10,13 +10,23 @@ from __future__ import annotations
 
 from typing import Any
 
+from birdzarr.format import _v2
 from birdzarr.format._spec import GIMU, PER_WINDOW_ARRAYS
 from birdzarr.storage._location import Location
 from birdzarr.storage._lock import read_holder
 from birdzarr.store._chunks import read_array_meta
 
-ARRAYS = (GIMU, *PER_WINDOW_ARRAYS)
+ARRAYS = (GIMU, *PER_WINDOW_ARRAYS)  # format 1's per-window arrays
+ARRAYS_V2 = (_v2.CODES, _v2.GPS, _v2.ROW, *PER_WINDOW_ARRAYS)  # format 2's
 _TEMP_SUFFIXES = (".partial", ".broken", ".tmp", ".breaking")
+
+
+def _found_arrays(location: Location, arrays: tuple[str, ...] | None) -> tuple[str, ...]:
+    """``arrays`` as given, or the per-window arrays of the store's format (format 2 where it
+    holds ``gimu_codes``)."""
+    if arrays is not None:
+        return arrays
+    return ARRAYS_V2 if location.fs.exists(location.join(_v2.CODES, "zarr.json")) else ARRAYS
 
 
 def _chunk_indices(location: Location, name: str) -> list[tuple[int, str]]:
@@ -34,12 +44,12 @@ def _chunk_indices(location: Location, name: str) -> list[tuple[int, str]]:
     return found
 
 
-def leftovers(location: Location, n_windows: int, arrays: tuple[str, ...] = ARRAYS) -> list[str]:
+def leftovers(location: Location, n_windows: int, arrays: tuple[str, ...] | None = None) -> list[str]:
     """Describe uncommitted leftovers without changing anything (verify reports these as notes).
-    ``arrays``: the store's per-window arrays (a format-2 store's: ``gimu_codes``, ``gps_speed``,
-    ``gimu_row``, ``device``, ``timestamp``, ``label``)."""
+    ``arrays``: the store's per-window arrays (default: those of its format, ``ARRAYS`` or
+    ``ARRAYS_V2``)."""
     found = []
-    for name in arrays:
+    for name in _found_arrays(location, arrays):
         meta = read_array_meta(location, name)  # damaged or missing: the readers' one-line error
         length = int(meta["shape"][0])
         if length != n_windows:
@@ -65,14 +75,14 @@ def _temp_files(location: Location) -> list[str]:
 
 
 def discard_uncommitted(location: Location, group: Any, n_windows: int,
-                        arrays: tuple[str, ...] = ARRAYS) -> list[str]:
+                        arrays: tuple[str, ...] | None = None) -> list[str]:
     """Cut every per-window array (``arrays``, as for ``leftovers``) back to the committed count
     and delete what lies past it.
 
     ``group`` is the store's zarr group opened for writing; the caller holds the lock.
     """
     actions = []
-    for name in arrays:
+    for name in _found_arrays(location, arrays):
         array = group[name]
         length = int(array.shape[0])
         if length != n_windows:
