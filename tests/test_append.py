@@ -51,6 +51,18 @@ def _windows_of(source: pathlib.Path, device: int) -> np.ndarray:
     return np.concatenate(blocks) if blocks else np.empty((0, 20, 4), np.float32)
 
 
+# the per-window arrays of a (default, format-2) store: the chunk file's path below c/<index>
+_CHUNK_TAILS = {"gimu_codes": "0/0", "gps_speed": "0", "gimu_row": "", "device": "", "timestamp": "",
+                "label": ""}
+
+
+def _csv_tails(dest: pathlib.Path) -> dict:
+    """The unfinished CSV bursts as written on disk: the committed device table group's attribute."""
+    root = json.loads((dest / "zarr.json").read_text())["attributes"]["birdzarr"]
+    table = json.loads((dest / root["committed"]["device_table"] / "zarr.json").read_text())
+    return table["attributes"]["birdzarr"]["csv_tails"]
+
+
 def test_append_adds_devices_and_parts_at_the_end(
     csv_parts: dict[str, pathlib.Path], tmp_path: pathlib.Path
 ) -> None:
@@ -58,7 +70,8 @@ def test_append_adds_devices_and_parts_at_the_end(
     base = birdzarr.convert(csv_parts["base"], dest, chunk_windows=CHUNK, progress=False)
     n0 = len(base)
     assert n0 % CHUNK  # the append starts inside the last chunk
-    committed_before = {p.name: (p / "0" / "0").read_bytes() for p in (dest / "gimu" / "c").iterdir()}
+    committed_before = {(name, p.name): (p / tail).read_bytes() for name, tail in _CHUNK_TAILS.items()
+                        for p in (dest / name / "c").iterdir()}
     old = {e.device_id: base.device_windows(e.device_id) for e in base.device_table}
 
     result = append_detailed(dest, csv_parts["more"], progress=False)
@@ -69,7 +82,8 @@ def test_append_adds_devices_and_parts_at_the_end(
     # committed windows did not move; full chunks before the append are byte-identical
     assert np.array_equal(store.windows[:n0], base.windows[:n0])
     for index in range(n0 // CHUNK):
-        assert (dest / "gimu" / "c" / str(index) / "0" / "0").read_bytes() == committed_before[str(index)]
+        for name, tail in _CHUNK_TAILS.items():
+            assert (dest / name / "c" / str(index) / tail).read_bytes() == committed_before[name, str(index)]
     for entry in store.device_table:
         # bursts split between the parts continue: the windows of converting all parts at once
         expected = _windows_of(csv_parts["all"], entry.device_id)
@@ -248,7 +262,7 @@ def test_append_continues_a_burst_split_between_seasons_as_one_conversion_would(
     a burst split between the last committed part and the first appended one lost its remainder."""
     dest = tmp_path / "appended.zarr"
     birdzarr.convert(seasons["s1"], dest, chunk_windows=CHUNK, progress=False)
-    tails = json.loads((dest / "zarr.json").read_text())["attributes"]["birdzarr"]["csv_tails"]
+    tails = _csv_tails(dest)
     assert tails["unknown"] == [] and tails["devices"]  # some device ends inside a burst
     assert all(0 < len(t["labels"]) < 20 for t in tails["devices"].values())  # small and bounded
     second = append_detailed(dest, seasons["s2"], progress=False)
@@ -282,8 +296,8 @@ def test_a_store_without_the_tails_record_appends_as_before(
 ) -> None:
     """A store written before ``csv_tails`` existed: its split bursts lose their remainder (as
     before), verify --source still agrees, and from that append on the touched devices continue."""
-    dest = tmp_path / "old.zarr"
-    birdzarr.convert(seasons["s1"], dest, chunk_windows=CHUNK, progress=False)
+    dest = tmp_path / "old.zarr"  # such a store is version 1 (version 2 always records the tails)
+    birdzarr.convert(seasons["s1"], dest, chunk_windows=CHUNK, progress=False, format_version=1)
     root = json.loads((dest / "zarr.json").read_text())
     carried = root["attributes"]["birdzarr"].pop("csv_tails")["devices"]
     (dest / "zarr.json").write_text(json.dumps(root))
@@ -349,8 +363,7 @@ def test_a_continued_burst_keeps_its_skipped_line(tmp_path: pathlib.Path) -> Non
         (tmp_path / "all" / f"5_{part}.csv").write_text(text)
     dest = tmp_path / "appended.zarr"
     birdzarr.convert(tmp_path / "s1", dest, on_bad_rows="skip", progress=False)
-    assert json.loads((dest / "zarr.json").read_text())["attributes"]["birdzarr"]["csv_tails"]["devices"][
-        "5"]["bad_rows"] == [2]
+    assert _csv_tails(dest)["devices"]["5"]["bad_rows"] == [2]
     store = append(dest, tmp_path / "s2", on_bad_rows="skip", progress=False)
     whole = birdzarr.convert(tmp_path / "all", tmp_path / "whole.zarr", on_bad_rows="skip", progress=False)
     assert len(store) == len(whole) == 3
