@@ -87,8 +87,8 @@ def test_parquet_store_is_byte_identical_for_any_worker_count(
     stores = []
     for workers in (1, 2, 3):
         dest = tmp_path / f"w{workers}.zarr"
-        store = birdzarr.convert(parquet_dir, dest, workers=workers, codec=codec, chunk_windows=1024,
-                                 progress=False)
+        store = birdzarr.convert(parquet_dir, dest, workers=workers, codec=codec, format_version=1,
+                                 chunk_windows=1024, progress=False)
         assert len(store) == 9000 + 40 + 7000 + 1 + 3000
         assert store.meta["report"]["workers"] == workers
         assert store.meta["report"]["cpu_seconds"] > 0
@@ -347,7 +347,7 @@ def test_shuffled_store_is_byte_identical_and_uses_device_dictionaries(
     for workers in (1, 2, 3):
         dest = tmp_path / f"s{workers}.zarr"
         store = birdzarr.convert(parquet_dir, dest, workers=workers, shuffle=True, seed=5, chunk_windows=4096,
-                                 progress=False, shuffle_tmp=str(tmp_path))
+                                 format_version=1, progress=False, shuffle_tmp=str(tmp_path))
         assert store.meta["layout"]["codec"] == "gdict16"
         assert store.meta["layout"]["compressor"] == {"cname": "lz4", "clevel": 5}
         stores.append(dest)
@@ -378,7 +378,7 @@ def test_shuffled_store_in_worker_processes_is_byte_identical(
     for workers in (1, 2):
         dest = tmp_path / f"s{workers}.zarr"
         store = birdzarr.convert(parquet_dir, dest, workers=workers, shuffle=True, seed=5, chunk_windows=2048,
-                                 codec=codec, progress=False, shuffle_tmp=str(tmp_path))
+                                 codec=codec, format_version=1, progress=False, shuffle_tmp=str(tmp_path))
         stores[workers] = store
     assert "worker_processes" not in stores[1].meta["report"]
     assert stores[2].meta["report"]["worker_processes"] == 2

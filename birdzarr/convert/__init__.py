@@ -9,7 +9,7 @@ import os
 import secrets
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import zarr
@@ -27,7 +27,7 @@ from birdzarr.convert._parquet import clear_group_cache, ignored_from_notes
 from birdzarr.convert._pipeline import count_on_bar, counted, device_blocks
 from birdzarr.convert._segments import convert_segments, count_devices, plan_processes, plan_segments
 from birdzarr.convert._shuffle import bucket_count, write_shuffled
-from birdzarr.convert._shuffle_processes import plan_spill_groups, spill_groups, write_shuffled_on
+from birdzarr.convert._shuffle_processes import plan_spill_groups, write_shuffled_on
 from birdzarr.convert._sources import DeviceSource, find_inputs, natural_key, refuse_repeated_devices
 from birdzarr.convert._writer import StoreWriter
 from birdzarr.format._codec import compressor_of
@@ -105,8 +105,10 @@ def convert(
     ``workers`` is the number of processes or threads doing conversion work (default:
     all usable cores, as CPU affinity and the cgroup quota allow; 1: all in the calling thread;
     at most 4 per usable core, with a warning); it never changes the stored bytes. ``client`` (a
-    ``distributed.Client``) runs the reading, curation and chunk writing on a Dask cluster
-    instead, with a byte-identical result (docs/scaling.md). ``format_version`` 2 writes the
+    ``distributed.Client``) runs the same tasks (reading, curation, chunk writing; with
+    ``shuffle=True`` both passes) on a Dask cluster instead, with a byte-identical result; a
+    shuffle's ``shuffle_tmp`` must then be a directory every worker reaches at the same path
+    (docs/scaling.md#conversion-on-a-dask-cluster). ``format_version`` 2 writes the
     windows as uint16 codes into per-device dictionary rows with core Zarr v3 codecs only
     (docs/format.md); ``codec`` and ``compressor`` apply to format 1.
     """
@@ -301,25 +303,6 @@ def _convert_here(
         def windows_done(windows: int) -> None:  # windows/s and MB/s on the bar, in either pass
             count_on_bar(bar, windows)
 
-        def on_engine(engine: Engine, plan: Any) -> dict[str, Any]:
-            """The conversion's tasks on ``engine`` (whichever it is); facts for the report."""
-            refuse_repeated_devices(src.display, devices)
-            if plan is None:  # a cluster: planned for its width
-                if shuffle:
-                    plan = spill_groups(devices, width=engine.width)
-                else:
-                    counts = count_devices(devices, curation=curation, on_bad_rows=on_bad_rows, engine=engine)
-                    plan = plan_segments(devices, counts, workers=engine.width, chunk_windows=chunk_windows)
-            if shuffle:
-                assert seed is not None
-                shuffled = write_shuffled_on(
-                    engine, writer, plan, seed=seed, buckets=buckets, tmp_dir=shuffle_tmp, curation=curation,
-                    on_bad_rows=on_bad_rows, dest=dst, duplicates=duplicates, on_pass=second_pass,
-                    on_written=windows_done, on_spilled=windows_done)
-                return {"shuffle": shuffled}
-            return convert_segments(engine, writer, plan, curation=curation, on_bad_rows=on_bad_rows,
-                                    dest=dst, duplicates=duplicates, bar=bar)
-
         # the one choice: which engine runs the tasks (none: this process's threads)
         plan: Any = None
         if client is None:
@@ -327,10 +310,16 @@ def _convert_here(
                     plan_processes(kind, devices, curation=curation, on_bad_rows=on_bad_rows,
                                    workers=workers, chunk_windows=chunk_windows, dest=dst))
         if client is not None or plan is not None:
-            engine_context = cluster_engine(client) if client is not None else local_engine(
-                max(1, min(workers, len(plan))))
-            with engine_context as engine:
-                extra.update(on_engine(engine, plan), **engine.facts)
+
+            def engines() -> contextlib.AbstractContextManager[Engine]:
+                return cluster_engine(client) if client is not None else local_engine(
+                    max(1, min(workers, len(plan))))
+
+            extra.update(_on_engine(engines, plan, writer, src, dst, devices, curation=curation,
+                                    on_bad_rows=on_bad_rows, chunk_windows=chunk_windows, shuffle=shuffle,
+                                    seed=seed, buckets=buckets, shuffle_tmp=shuffle_tmp,
+                                    duplicates=duplicates, bar=bar, second_pass=second_pass,
+                                    windows_done=windows_done))
         else:
             inputs = _device_inputs(src.display, devices, curation, on_bad_rows, bar, workers)
             if duplicates is not None:  # counts windows repeated within a device (convert/_duplicates.py)
@@ -363,6 +352,31 @@ def _convert_here(
         if ignored:
             extra["ignored_columns"] = ignored
         writer.commit({"source": src.display, "seconds": round(seconds, 3), **extra})
+
+
+def _on_engine(
+    engines: Callable[[], contextlib.AbstractContextManager[Engine]], plan: Any, writer: StoreWriter,
+    src: Location, dst: Location, devices: list[DeviceSource], *, curation: Curation, on_bad_rows: str,
+    chunk_windows: int, shuffle: bool, seed: int | None, buckets: int, shuffle_tmp: str | None,
+    duplicates: DuplicateCounter | None, bar: Any, second_pass: Callable[[str, int], None],
+    windows_done: Callable[[int], None],
+) -> dict[str, Any]:
+    """The conversion's tasks on engines from ``engines()`` (whichever they are): the segments or
+    the shuffle's two passes (``plan``; None: planned for the engine's width). Facts for the report."""
+    refuse_repeated_devices(src.display, devices)
+    if shuffle:
+        assert seed is not None
+        shuffled, facts = write_shuffled_on(
+            engines, writer, devices, plan, seed=seed, buckets=buckets, tmp_dir=shuffle_tmp,
+            curation=curation, on_bad_rows=on_bad_rows, dest=dst, duplicates=duplicates, on_pass=second_pass,
+            on_written=windows_done, on_spilled=windows_done)
+        return {"shuffle": shuffled, **facts}
+    with engines() as engine:
+        if plan is None:
+            counts = count_devices(devices, curation=curation, on_bad_rows=on_bad_rows, engine=engine)
+            plan = plan_segments(devices, counts, workers=engine.width, chunk_windows=chunk_windows)
+        return {**convert_segments(engine, writer, plan, curation=curation, on_bad_rows=on_bad_rows,
+                                   dest=dst, duplicates=duplicates, bar=bar), **engine.facts}
 
 
 def require_windows(where: str, writer: StoreWriter) -> None:

@@ -134,12 +134,18 @@ class Runner:
         while self.queued or self.running:
             while self.queued and len(self.running) < self.limit:
                 tag, fn, args, kwargs = self.queued.popleft()
-                self.running[self.engine.executor.submit(fn, *args, **kwargs)] = tag
+                self.running[self.engine.executor.submit(_call, fn, args, kwargs)] = tag
                 self.tasks += 1
             done, _ = wait(self.running, return_when=FIRST_COMPLETED)
             for future in sorted(done, key=lambda f: f.exception() is None):  # a failure first
                 tag = self.running.pop(future)
                 yield tag, future.result()
+
+
+def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``fn(*args, **kwargs)``: the task's keywords never reach the executor's ``submit``, whose own
+    keywords (Dask's ``key``, ``workers``, ``priority``, ...) they could collide with."""
+    return fn(*args, **kwargs)
 
 
 def run_all(engine: Engine, fn: Callable[..., Any], calls: list[tuple[Any, ...]], **kwargs: Any) -> list[Any]:

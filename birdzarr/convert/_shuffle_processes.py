@@ -38,6 +38,7 @@ until it runs the next conversion's.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import shutil
@@ -272,20 +273,27 @@ def write_bucket_run(plan_path: str, dest_url: str, dest_options: dict[str, Any]
 
 
 def write_shuffled_on(
-    engine: Engine, writer: StoreWriter, groups: list[list[DeviceSource]], *, seed: int, buckets: int,
+    engines: Callable[[], contextlib.AbstractContextManager[Engine]], writer: StoreWriter,
+    devices: list[DeviceSource], groups: list[list[DeviceSource]] | None, *, seed: int, buckets: int,
     tmp_dir: str | None, curation: Curation, on_bad_rows: str, dest: Location,
     duplicates: DuplicateCounter | None, on_pass: Callable[[str, int], Any] | None = None,
     on_written: Callable[[int], Any] | None = None, on_spilled: Callable[[int], Any] | None = None,
-) -> dict[str, Any]:
-    """``write_shuffled`` on ``engine``'s workers; the same store and the same facts. ``tmp_dir``
-    must be reached at the same path by every worker (module docstring). ``on_spilled`` is told
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``write_shuffled`` on an engine's workers; the same store and the same facts. Each pass
+    runs on an engine of its own, ``engines()`` (local worker processes then end with their pass:
+    pass 1's memory is freed and its CPU counted before pass 2). ``tmp_dir`` must be reached at
+    the same path by every worker (module docstring). ``groups`` None: ``spill_groups`` for the
+    engine's width. Returns the shuffle's facts and the engine's. ``on_spilled`` is told
     how many windows each group spilled in pass 1 (a progress bar's steps, as ``on_written`` in
     pass 2)."""
     directory = tempfile.mkdtemp(prefix="birdzarr-shuffle-", dir=tmp_dir)
     try:
-        buffer_windows = max(256 * buckets, PASS1_BUFFER_WINDOWS // engine.width)
         results: dict[int, SpillResult] = {}
-        with Runner(engine) as runner:
+        with engines() as engine, Runner(engine) as runner:
+            if groups is None:
+                groups = spill_groups(devices, width=engine.width)
+            facts = engine.facts
+            buffer_windows = max(256 * buckets, PASS1_BUFFER_WINDOWS // engine.width)
             for i, group in enumerate(groups):
                 runner.submit(i, spill_group, group, os.path.join(directory, f"group-{i:04d}"), seed=seed,
                               buckets=buckets, buffer_windows=buffer_windows, curation=curation,
@@ -319,11 +327,11 @@ def write_shuffled_on(
             pickle.dump(Pass2Plan(files, dictionaries, seed, coded, writer.slabs.chunk_windows, writer.coder),
                         handle, protocol=pickle.HIGHEST_PROTOCOL)
         del dictionaries
-        runs = plan_bucket_runs(buckets, workers=engine.width)
-        ends = np.concatenate(([0], np.cumsum(windows)))
-        segments = [Segment(int(ends[run.start]), int(ends[run.stop]), []) for run in runs]
         where = (plan_path, dest.url, dest.storage_options)
-        with Runner(engine) as runner:
+        with engines() as engine, Runner(engine) as runner:
+            runs = plan_bucket_runs(buckets, workers=engine.width)
+            ends = np.concatenate(([0], np.cumsum(windows)))
+            segments = [Segment(int(ends[run.start]), int(ends[run.stop]), []) for run in runs]
             collector = SegmentCollector(
                 writer, segments, duplicates=None, bar=None,
                 write_chunk=lambda start, stop, data: runner.submit(None, write_shared_chunk, *where, start,
@@ -341,6 +349,6 @@ def write_shuffled_on(
                 pass
         for summary in summaries.values():
             writer.record(summary)  # with its digest, found in pass 1 (``Summarizer``)
-        return {"buckets": buckets, "spill_bytes": sum(r.bytes_written for r in ordered)}
+        return {"buckets": buckets, "spill_bytes": sum(r.bytes_written for r in ordered)}, facts
     finally:
         shutil.rmtree(directory, ignore_errors=True)
