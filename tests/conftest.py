@@ -46,6 +46,15 @@ def small_store(parquet_source, tmp_path_factory) -> birdzarr.Store:  # type: ig
     return birdzarr.convert(directory, dest, chunk_windows=1024, progress=False)
 
 
+@pytest.fixture(scope="session")
+def small_store_v1(parquet_source, tmp_path_factory) -> birdzarr.Store:  # type: ignore[no-untyped-def]
+    """The parquet_source as a format-1 store (1024-window chunks): what tests of reading version 1,
+    and comparisons of the two formats, start from."""
+    directory, _ = parquet_source
+    dest = tmp_path_factory.mktemp("stores") / "small_v1.zarr"
+    return birdzarr.convert(directory, dest, chunk_windows=1024, progress=False, format_version=1)
+
+
 @pytest.fixture()
 def store_copy(small_store: birdzarr.Store, tmp_path: pathlib.Path) -> pathlib.Path:
     """A private copy of the session's small store (1024-window chunks), free to damage."""
