@@ -2,12 +2,14 @@
 
     python benchmarks/loader.py                      # 186 devices, 2.5 M windows, + 2x scale check
     python benchmarks/loader.py --windows 500000 --no-scale-check   # quicker
+    python benchmarks/loader.py --format-version 1   # the stores in format version 1 (dict16, gdict16)
 
 Generates realistic data (186 devices as skewed as the real set, calibrated values) into
 --workdir (under /tmp; removed at the end unless --keep, or unless it existed before the run),
 writes it as per-device Parquet files, one ``.npy`` of all windows and one ``.npy`` per device,
 converts it with birdzarr (device order, and pre-shuffled when ``birdzarr.convert`` has
-``shuffle=``), then compares:
+``shuffle=``; store format ``--format-version``, default 2, in a workdir of its own for each
+format), then compares:
 
   (a) the in-RAM BirdDataset birdzarr replaces, DataLoader with a shuffled sampler (per item)
   (b) one memory-mapped .npy, per-item __getitem__
@@ -54,21 +56,25 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # -- data ----------------------------------------------------------------------------------------
-def prepare(workdir: str, n_windows: int, n_devices: int, *, scale_check: bool, log: Any) -> dict[str, Any]:
+def prepare(workdir: str, n_windows: int, n_devices: int, *, scale_check: bool, log: Any,
+            format_version: int = 2) -> dict[str, Any]:
     """Generate the data once (reused when --keep left a matching one behind)."""
     import pyarrow.parquet as pq  # noqa: F401  (fail early if missing)
 
     import birdzarr
     from birdzarr.demo import _synthetic
 
-    shuffled: dict[str, Any] = {"shuffle": True, "seed": 0}
+    formats = {"format_version": format_version}
+    shuffled: dict[str, Any] = {"shuffle": True, "seed": 0, **formats}
     # one chunk a batch, the reference the default pools are measured against: a --shuffle store
-    # in 8192-window chunks (zstd keeps it as small as the default one)
-    one_batch_chunks = {**shuffled, "chunk_windows": BATCH, "compressor": "zstd"}
-    conversions = [("device", "parquet", {}), ("shuffled", "parquet", shuffled),
+    # in 8192-window chunks (format 1: zstd keeps it as small as the default one; format 2 has
+    # one codec chain)
+    one_batch_chunks = {**shuffled, "chunk_windows": BATCH,
+                        **({"compressor": "zstd"} if format_version == 1 else {})}
+    conversions = [("device", "parquet", formats), ("shuffled", "parquet", shuffled),
                    ("shuffled8k", "parquet", one_batch_chunks)]
     if scale_check:
-        conversions += [("device2x", "parquet2x", {}), ("shuffled2x", "parquet2x", shuffled)]
+        conversions += [("device2x", "parquet2x", formats), ("shuffled2x", "parquet2x", shuffled)]
     meta_path = os.path.join(workdir, "meta.json")
     wanted = {"windows": n_windows, "devices": n_devices, "scale_check": scale_check,
               "conversions": {name: options for name, _, options in conversions}}
@@ -105,7 +111,7 @@ def prepare(workdir: str, n_windows: int, n_devices: int, *, scale_check: bool, 
     has_shuffle = "shuffle" in inspect.signature(birdzarr.convert).parameters
     stores: dict[str, str] = {}
     for name, source, options in conversions:
-        if options and not has_shuffle:
+        if "shuffle" in options and not has_shuffle:
             continue
         dest = os.path.join(workdir, f"{name}.zarr")
         started = time.perf_counter()
@@ -298,9 +304,9 @@ def cases(meta: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]
          "allow_device_order": True, "split": "train"},
         {"label": "(h) resident='cpu', --shuffle store (float32), 0 workers", **shuffled, "resident": "cpu",
          "workers": 0},
-        {"label": "(h) resident='cpu', device order (dict16 codes), 0 workers", **device, "resident": "cpu",
+        {"label": "(h) resident='cpu', device order (codes), 0 workers", **device, "resident": "cpu",
          "workers": 0},
-        {"label": "(h) resident='cpu', device order (dict16 codes), 2 workers", **device, "resident": "cpu"},
+        {"label": "(h) resident='cpu', device order (codes), 2 workers", **device, "resident": "cpu"},
         {"label": "(h) resident='cpu', device order, resident_codes=False, 0 workers", **device,
          "resident": "cpu", "resident_codes": False, "workers": 0},
         {"label": "(h) resident='cpu', device order, resident_codes=False, 2 workers", **device,
@@ -381,7 +387,10 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--windows", type=int, default=2_500_000)
     parser.add_argument("--devices", type=int, default=186)
-    parser.add_argument("--workdir", default="/tmp/birdzarr-loader-bench")
+    parser.add_argument("--workdir", default=None,
+                        help="default /tmp/birdzarr-loader-bench (format 2), /tmp/birdzarr-loader-bench-v1")
+    parser.add_argument("--format-version", type=int, default=2, choices=[1, 2],
+                        help="store format of the converted stores (default 2)")
     parser.add_argument("--keep", action="store_true", help="keep the generated data (reused next time)")
     parser.add_argument("--no-scale-check", dest="scale_check", action="store_false",
                         help="skip WindowDataset on 2x the data")
@@ -408,11 +417,14 @@ def main() -> int:
         print(json.dumps(run_case(json.loads(args.run_case))))
         return 0
 
+    if args.workdir is None:
+        args.workdir = "/tmp/birdzarr-loader-bench" + ("-v1" if args.format_version == 1 else "")
     workdir = outside_repository(parser, args.workdir)
 
     started = time.perf_counter()
     with work_directory(workdir, prefix="", keep=args.keep):
-        meta = prepare(workdir, args.windows, args.devices, scale_check=args.scale_check, log=log)
+        meta = prepare(workdir, args.windows, args.devices, scale_check=args.scale_check, log=log,
+                       format_version=args.format_version)
         wanted = args.only.split("|") if args.only else []
         every = cases(meta, args)
         selected = [spec for spec in every if not wanted or any(w in spec["label"] for w in wanted)]
@@ -472,7 +484,8 @@ def main() -> int:
                 row["timed over"] += f", predicted mix {predicted_device_order(meta, r['pool_chunks']):.1f}"
         rows.append(row)
     print()
-    print(f"{args.windows:,} windows, {args.devices} devices, batch {BATCH}, {WORKERS} workers; {machine()}; "
+    print(f"{args.windows:,} windows, {args.devices} devices, batch {BATCH}, {WORKERS} workers, "
+          f"format {args.format_version} stores; {machine()}; "
           f"total {time.perf_counter() - started:.0f} s; median of {args.repeat} run(s), "
           "peak memory the largest")
     print(table(rows))
