@@ -130,11 +130,20 @@ def test_shuffle_csv_counts_and_cli(
 
 
 def test_layout_defaults_of_each_order(parquet_source, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """A shuffled store defaults to gdict16 + lz4 in 32,768-window chunks (docs/format.md), a
-    device-ordered one to dict16 + lz4 in 8192-window chunks; the layout records them."""
+    """A shuffled store defaults to 32,768-window chunks, a device-ordered one to 8192-window chunks
+    (docs/format.md), and the layout records them; in format 1 the shuffled store's codec is
+    gdict16 + lz4, the device-ordered one's dict16 + lz4."""
     directory, _ = parquet_source
     shuffled = birdzarr.convert(directory, tmp_path / "s.zarr", shuffle=True, seed=1, progress=False)
     ordered = birdzarr.convert(directory, tmp_path / "o.zarr", progress=False)
+    for store, chunk in ((shuffled, 32768), (ordered, 8192)):
+        layout = store.meta["layout"]
+        assert store.format_version == 2 and "codec" not in layout and "compressor" not in layout
+        assert (layout["chunk_windows"], store.group["gimu_codes"].chunks[0]) == (chunk, chunk)
+    assert np.array_equal(np.sort(shuffled.window_devices[:]), np.sort(ordered.window_devices[:]))
+    shuffled = birdzarr.convert(directory, tmp_path / "s1.zarr", shuffle=True, seed=1, progress=False,
+                                format_version=1)
+    ordered = birdzarr.convert(directory, tmp_path / "o1.zarr", progress=False, format_version=1)
     for store, codec, chunk in ((shuffled, "gdict16", 32768), (ordered, "dict16", 8192)):
         layout = store.meta["layout"]
         assert (layout["codec"], layout["chunk_windows"], store.gimu.chunks[0]) == (codec, chunk, chunk)
@@ -143,11 +152,12 @@ def test_layout_defaults_of_each_order(parquet_source, tmp_path) -> None:  # typ
 
 
 def test_the_compressor_is_an_option_and_recorded(parquet_source, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Format 1's window compressor (format 2, the default, has one layout and refuses the option)."""
     directory, _ = parquet_source
     lz4 = birdzarr.convert(directory, tmp_path / "lz4.zarr", shuffle=True, seed=1, chunk_windows=4096,
-                           progress=False)  # the default
+                           progress=False, format_version=1)  # the default
     zstd = birdzarr.convert(directory, tmp_path / "zstd.zarr", shuffle=True, seed=1, compressor="zstd",
-                            chunk_windows=4096, progress=False)
+                            chunk_windows=4096, progress=False, format_version=1)
     for store, recorded in ((lz4, {"cname": "lz4", "clevel": 5}),
                             (zstd, {"cname": "zstd", "clevel": 1, "blocksize": 2**18})):
         assert store.meta["layout"]["compressor"] == recorded
@@ -156,7 +166,8 @@ def test_the_compressor_is_an_option_and_recorded(parquet_source, tmp_path) -> N
             recorded["cname"], recorded["clevel"], recorded.get("blocksize", 0))
     assert np.array_equal(lz4.windows[:], zstd.windows[:])
     with pytest.raises(ValueError, match="unknown blosc compressor 'brotli'"):
-        birdzarr.convert(directory, tmp_path / "x.zarr", compressor="brotli", progress=False)
+        birdzarr.convert(directory, tmp_path / "x.zarr", compressor="brotli", progress=False,
+                         format_version=1)
 
 
 @pytest.mark.parametrize(
