@@ -164,3 +164,22 @@ def test_shuffle_on_cluster_equals_local(  # type: ignore[no-untyped-def]
     assert_identical(tmp_path / "processes.zarr", tmp_path / "dask.zarr")
     np.testing.assert_array_equal(remote.windows[:], local.windows[:])
     assert list(spill.iterdir()) == []  # the spill is removed
+
+
+def test_csv_shuffle_on_cluster_via_cli_equals_local(cluster_client, tmp_path: pathlib.Path) -> None:  # type: ignore[no-untyped-def]
+    """birdzarr convert --shuffle --dask-scheduler: CSV read and curated by pass-1 tasks on the
+    workers, the store of the local converter for the seed."""
+    src = tmp_path / "csv"
+    _synthetic.make_csv_dir(src, n_devices=5, bursts_per_device=150, parts=2, seed=2)
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    local = birdzarr.convert(src, tmp_path / "local.zarr", chunk_windows=256, progress=False, shuffle=True,
+                             seed=3, workers=1)
+    rc = cli_main(["convert", str(src), str(tmp_path / "dask.zarr"), "--chunk-windows", "256", "--quiet",
+                   "--shuffle", "--seed", "3", "--shuffle-tmp", str(spill),
+                   "--dask-scheduler", cluster_client.scheduler.address])
+    assert rc == 0
+    remote = birdzarr.open_store(tmp_path / "dask.zarr")
+    assert remote.meta["layout"]["shuffled"] and len(remote) == len(local) > 256 * 4
+    assert_identical(tmp_path / "local.zarr", tmp_path / "dask.zarr")
+    assert list(spill.iterdir()) == []
