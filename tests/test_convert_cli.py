@@ -10,6 +10,7 @@ import pytest
 
 import birdzarr
 from birdzarr.cli import main
+from birdzarr.format import _v2
 
 
 def test_convert_then_info(
@@ -25,20 +26,26 @@ def test_convert_then_info(
     assert len(birdzarr.open_store(dest)) == 30_000
 
     assert main(["info", str(dest)]) == 0
-    assert "birdzarr v1" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "birdzarr v2" in out and "codec uint16 codes + dictionaries (core Zarr v3 codecs)" in out
     assert main(["info", str(dest), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["windows"] == 30_000 and info["devices"] == 12
-    assert info["format_version"] == 1
-    assert info["layout"]["chunk_windows"] == 2048 and info["layout"]["codec"] == "dict16"
+    assert info["format_version"] == 2
+    assert info["layout"]["chunk_windows"] == 2048 and "codec" not in info["layout"]
+    assert sorted(info["bytes_arrays"]) == sorted(_v2.ARRAYS)
     assert info["bytes_raw"] == 30_000 * 320
     assert 0 < info["bytes_stored"] < info["bytes_raw"] / 2  # calibrated data compresses > 2x
 
     # a second convert to the same place is refused with the hint, exit code 2
     assert main(["convert", str(directory), str(dest), "--quiet"]) == 2
     assert "--overwrite" in capsys.readouterr().err
-    assert main(["convert", str(directory), str(dest), "--quiet", "--overwrite", "--codec", "standard"]) == 0
+    # --codec is format 1's option
+    assert main(["convert", str(directory), str(dest), "--quiet", "--overwrite", "--codec", "standard",
+                 "--format-version", "1"]) == 0
     assert birdzarr.open_store(dest).meta["layout"]["codec"] == "standard"
+    assert main(["info", str(dest)]) == 0
+    assert "birdzarr v1" in capsys.readouterr().out
 
 
 def test_convert_bad_rows_skip(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -63,7 +70,7 @@ def test_demo(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert main(["demo", str(tmp_path / "demo"), "--windows", "3000"]) == 0
     out = capsys.readouterr().out
     assert out.count("store        ") == 3  # the summaries of the Parquet, CSV and --shuffle stores
-    assert "codec gdict16, shuffled True (seed 1)" in out
+    assert "codec uint16 codes + dictionaries (core Zarr v3 codecs), shuffled True (seed 1)" in out
     assert "3,000 from 24 devices" in out
     # one shuffled read of each training path: the --shuffle store streamed, the other resident
     assert "train.zarr (converted with --shuffle, streamed): 1 batches" in out
