@@ -42,21 +42,11 @@ def _own_temporary_directory(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyP
 
 
 @pytest.fixture(scope="module")
-def small_store(parquet_source: tuple[pathlib.Path, dict], tmp_path_factory: pytest.TempPathFactory
-                ) -> birdzarr.Store:
-    """The session's small store in format 1 whatever the default (``to_format2`` makes the
-    format-2 twin from it; ``store_copy`` is then a format-1 store)."""
-    path = tmp_path_factory.mktemp("format1") / "small.zarr"
-    return birdzarr.convert(parquet_source[0], path, chunk_windows=CHUNK, format_version=1, progress=False)
-
-
-@pytest.fixture(scope="module")
-def v2_store(small_store: birdzarr.Store, tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    """The session's small store (12 devices, 30,000 windows, 1024-window chunks) as format 2."""
-    path = tmp_path_factory.mktemp("format2") / "v2.zarr"
-    shutil.copytree(small_store.location.path, path)
-    to_format2(path)
-    return path
+def v2_store(small_store: birdzarr.Store) -> pathlib.Path:
+    """The session's small store (12 devices, 30,000 windows, 1024-window chunks), which the
+    converter writes in format 2 by default."""
+    assert small_store.format_version == 2
+    return pathlib.Path(small_store.location.path)
 
 
 @pytest.fixture()
@@ -249,7 +239,7 @@ def test_copy_of_a_format2_store_copies_every_array(v2_store: pathlib.Path, tmp_
     assert _objects(dest) == source  # object by object
     assert result.copied == result.objects == len(source)
     names = {key.split("/")[0] for key in source if "/" in key}
-    assert names == {*_v2.ARRAYS, "device", "timestamp", "label"}
+    assert names == {*_v2.ARRAYS, "device", "timestamp", "label", "device_table"}
     assert verify(dest).ok
 
 
@@ -421,8 +411,9 @@ def test_repair_refuses_a_source_whose_windows_differ_from_the_checksums(
 
 
 def _two_row_store(small_store: birdzarr.Store, path: pathlib.Path, split: int) -> None:
-    """small_store as format 2 where device 200 (windows 0..3,330) has two dictionary rows: its first
-    ``split`` windows were coded first, the rest as an append that brought new values."""
+    """A version-1 small_store made format 2 (``to_format2``) where device 200 (windows 0..3,330)
+    has two dictionary rows: its first ``split`` windows were coded first, the rest as an append
+    that brought new values."""
     shutil.copytree(small_store.location.path, path)
     to_format2(path)
     windows = np.asarray(small_store.windows[:])
@@ -446,8 +437,9 @@ def _two_row_store(small_store: birdzarr.Store, path: pathlib.Path, split: int) 
 
 
 def test_repair_chooses_the_first_row_of_the_device_holding_all_values(
-    small_store: birdzarr.Store, tmp_path: pathlib.Path, parquet_source: tuple[pathlib.Path, dict]
+    small_store_v1: birdzarr.Store, tmp_path: pathlib.Path, parquet_source: tuple[pathlib.Path, dict]
 ) -> None:
+    small_store = small_store_v1  # to_format2 rewrites its dictionaries as two rows for device 200
     path = tmp_path / "two.zarr"
     _two_row_store(small_store, path, split=2000)
     dict_device = _array(path, _v2.DEVICE)[:]
@@ -639,8 +631,11 @@ def test_repair_of_a_shuffled_csv_store_places_windows_by_time_and_label(
 
 
 def test_repair_with_a_source_refuses_a_format1_store(
-    store_copy: pathlib.Path, parquet_source: tuple[pathlib.Path, dict], capsys: pytest.CaptureFixture[str]
+    small_store_v1: birdzarr.Store, parquet_source: tuple[pathlib.Path, dict], tmp_path: pathlib.Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
+    store_copy = tmp_path / "v1.zarr"
+    shutil.copytree(small_store_v1.location.path, store_copy)
     with pytest.raises(ArgumentError):
         repair(store_copy, source=parquet_source[0])
     assert main(["repair", str(store_copy), "--source", str(parquet_source[0])]) == 2
