@@ -123,13 +123,34 @@ def test_array_attributes_name_units() -> None:
         array_attributes("stats")
 
 
-def test_a_written_store_spells_dimension_names_and_units(small_store) -> None:  # type: ignore[no-untyped-def]
-    """What docs/format.md's Arrays table says, read from the arrays' zarr.json."""
+def test_a_written_store_spells_dimension_names_and_units(small_store, small_store_v1) -> None:  # type: ignore[no-untyped-def]
+    """What docs/format.md's Arrays table says, read from the arrays' zarr.json: the default store
+    (format 2, attributes on device, timestamp and label only) and format 1's (gimu's units)."""
     import json
 
+    def meta(store, name):  # type: ignore[no-untyped-def]
+        return json.loads(store.location.fs.cat_file(store.location.join(name, "zarr.json")))
+
+    table = {  # array: dimension_names, data_type, fill_value
+        "gimu_codes": (["window", "sample", "channel"], "uint16", 0),
+        "gps_speed": (["window", "sample"], "float32", 0.0),
+        "gimu_row": (["window"], "uint32", 4294967295),
+        "device": (["window"], "int32", -1),
+        "timestamp": (["window"], "int64", -9223372036854775808),
+        "label": (["window"], "int32", -1),
+        "dict_values": (["entry"], "float32", 0.0),
+        "dict_start": (["row", "channel"], "int64", -1),
+        "dict_device": (["row"], "int64", -1),
+    }
+    for name, (dims, dtype, fill) in table.items():
+        got = meta(small_store, name)
+        assert (got["dimension_names"], got["data_type"], got["fill_value"]) == (dims, dtype, fill), name
+        described = name in ("device", "timestamp", "label")
+        assert got["attributes"] == (array_attributes(name) if described else {}), name
+    assert small_store.format_version == FORMAT_VERSION == 2
     for name, dims in (("gimu", ["window", "sample", "channel"]), ("device", ["window"]),
                        ("timestamp", ["window"]), ("label", ["window"])):
-        meta = json.loads(small_store.location.fs.cat_file(small_store.location.join(name, "zarr.json")))
-        assert meta["dimension_names"] == dims, name
-        assert meta["attributes"] == array_attributes(name), name
-    assert small_store.format_version == FORMAT_VERSION == 1
+        got = meta(small_store_v1, name)
+        assert got["dimension_names"] == dims, name
+        assert got["attributes"] == array_attributes(name), name
+    assert small_store_v1.format_version == 1

@@ -125,12 +125,12 @@ def test_shuffled_store_chunks_are_what_the_reference_encoder_writes(
     parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]], tmp_path: pathlib.Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Every gimu chunk of a shuffled store (the last one padded) equals the reference chain's
-    bytes for the chunk's windows and device ids."""
+    """Every gimu chunk of a format-1 shuffled store (the last one padded) equals the reference
+    chain's bytes for the chunk's windows and device ids."""
     monkeypatch.setattr(_shuffle, "BUCKET_WINDOWS", 4000)
     directory, _ = parquet_source
     store = birdzarr.convert(directory, tmp_path / "s.zarr", shuffle=True, seed=3, chunk_windows=2048,
-                             progress=False, shuffle_tmp=str(tmp_path))
+                             progress=False, shuffle_tmp=str(tmp_path), format_version=1)
     codec = ChunkCodec.parse(store.gimu.metadata.to_dict()["codecs"])
     assert codec is not None and codec.kind == "gdict16"
     windows, devices = store.windows[:], store.window_devices[:]
@@ -146,18 +146,21 @@ def test_shuffled_store_chunks_are_what_the_reference_encoder_writes(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("codec", ["gdict16", "standard"])
+@pytest.mark.parametrize("codec", [None, "gdict16", "standard"], ids=["default", "gdict16", "standard"])
 def test_a_shuffled_store_verifies_against_its_source_with_any_codec(
     parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]], tmp_path: pathlib.Path,
-    monkeypatch: pytest.MonkeyPatch, codec: str,
+    monkeypatch: pytest.MonkeyPatch, codec: str | None,
 ) -> None:
-    """gdict16 is written from codes, other codecs from the float32 windows pass 2 decodes:
-    both hold every window once and their checksums verify against the source."""
+    """gdict16 is written from codes, format 1's other codecs from the float32 windows pass 2
+    decodes, format 2 (the default, codec None) as uint16 codes and dictionaries: each holds every
+    window once and their checksums verify against the source."""
     monkeypatch.setattr(_shuffle, "BUCKET_WINDOWS", 4000)
     directory, truth = parquet_source
-    store = birdzarr.convert(directory, tmp_path / "s.zarr", shuffle=True, seed=8, codec=codec,
-                             chunk_windows=1024, progress=False, shuffle_tmp=str(tmp_path))
-    assert store.meta["layout"]["codec"] == codec and store.meta["layout"]["shuffle_buckets"] > 1
+    options = {} if codec is None else {"codec": codec, "format_version": 1}
+    store = birdzarr.convert(directory, tmp_path / "s.zarr", shuffle=True, seed=8, chunk_windows=1024,
+                             progress=False, shuffle_tmp=str(tmp_path), **options)
+    assert store.meta["layout"].get("codec") == codec and store.meta["layout"]["shuffle_buckets"] > 1
+    assert store.format_version == (2 if codec is None else 1)
     result = birdzarr.verify(tmp_path / "s.zarr", source=directory)
     assert result.ok, result.format()
     assert result.checksums_checked == len(truth)
