@@ -38,6 +38,7 @@ import birdzarr
 from birdzarr._errors import IncompleteStoreError
 from birdzarr.convert import append
 from birdzarr.demo import _synthetic
+from birdzarr.format import _v2
 from birdzarr.format._spec import ATTRS_KEY
 from birdzarr.maintenance._repair import repair
 from birdzarr.maintenance._verify import verify
@@ -207,6 +208,12 @@ def _kill(command: str, source: str, dest: str, commit: tuple[int, int], kill_at
 # -- what a store holds --------------------------------------------------------------------------
 
 
+def _per_window_arrays(store: birdzarr.Store) -> tuple[str, ...]:
+    """The arrays of one entry per window: format 2's coded ones (the default) or format 1's gimu."""
+    coded = (_v2.CODES, _v2.GPS, _v2.ROW) if store.format_version == 2 else ("gimu",)
+    return (*coded, "device", "timestamp", "label")
+
+
 def _snapshot(dest: pathlib.Path) -> dict[str, Any]:
     """Committed content: root attributes (minus times), committed windows, every chunk's bytes."""
     store = birdzarr.open_store(dest)
@@ -214,15 +221,23 @@ def _snapshot(dest: pathlib.Path) -> dict[str, Any]:
     meta = json.loads(json.dumps(store.meta))
     for key in ("committed", "report"):
         meta.pop(key, None)
-    arrays = {name: store.group[name][:n] for name in ("gimu", "device", "timestamp", "label")}
+    group: Any = store.group
+    arrays = {name: group[name][:n] for name in _per_window_arrays(store)}
+    arrays["windows"] = store.windows[:n]  # the decoded windows, whatever the format
+    if store.format_version == 2:  # the dictionary, to its committed size
+        sizes = store.meta["committed"]["dictionary"]
+        for name, size in ((_v2.VALUES, sizes["values"]), (_v2.START, sizes["rows"]),
+                           (_v2.DEVICE, sizes["rows"])):
+            arrays[name] = group[name][:size]
     chunks = {}
-    for name in arrays:
+    for name in arrays.keys() - {"windows"}:
         root = dest / name / "c"
         for path in sorted(root.rglob("*")):
             if path.is_file():
                 chunks[str(path.relative_to(dest))] = path.read_bytes()
+    shapes = {name: group[name].shape[0] for name in arrays.keys() - {"windows"}}
     return {"n": n, "generation": store.meta["committed"]["generation"], "meta": meta,
-            "arrays": arrays, "chunks": chunks}
+            "arrays": arrays, "chunks": chunks, "shapes": shapes}
 
 
 def _committed_view(snapshot: dict[str, Any]) -> tuple[Any, ...]:
@@ -240,6 +255,7 @@ def _assert_rerun_matches(dest: pathlib.Path, expected: dict[str, Any], context:
     again = _snapshot(dest)
     assert verify(dest).ok
     assert again["chunks"] == expected["chunks"], context
+    assert again["shapes"] == expected["shapes"], context  # what zarr-python readers see
     _assert_same_arrays(again, expected)
     assert _committed_view(again) == _committed_view(expected)
 
@@ -358,7 +374,7 @@ def test_repair_removes_leftovers_of_a_killed_append(
     # the last write before the commit (or, should this run write less, just before the commit):
     # arrays resized and data written past the committed count
     _kill("append", str(sources["csv_more"]), str(dest), commit, total - 1, "torn")
-    (dest / "gimu" / "zarr.0123abcd.partial").write_bytes(b"{")  # as a kill inside a metadata write
+    (dest / _v2.CODES / "zarr.0123abcd.partial").write_bytes(b"{")  # as a kill inside a metadata write
     found = leftovers(birdzarr.open_store(dest).location, before["n"])
     assert any("shape" in item for item in found) and any("temp" in item for item in found), found
     assert any("stale lock" in item for item in found), found

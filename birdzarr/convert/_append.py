@@ -114,6 +114,9 @@ class AppendWriter(Writer):
         arrays = writable_arrays(group)
         self.window_arrays = tuple(arrays)
         self.cleaned = discard_uncommitted(self.location, group, self.previous_windows, self.window_arrays)
+        # opened again: the cut changed their shapes on disk, and a writer that still took them for
+        # a killed run's would not grow them back (the commit's arrays kept the committed length)
+        arrays = writable_arrays(group)
         if _v2.CODES in arrays:  # format 2: new windows reuse or extend the committed rows
             self.committed_rows = committed_dictionary(committed, group)
             self.cleaned += cut_dictionary(group, self.committed_rows)
