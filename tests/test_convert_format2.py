@@ -55,7 +55,9 @@ def test_every_device_order_path_writes_the_same_bytes_and_the_windows_of_format
     source: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     options = {"chunk_windows": 700, "progress": False}  # chunks shared by segments and devices
-    v1 = birdzarr.convert(source, tmp_path / "v1", **options).windows[:]
+    v1_store = birdzarr.convert(source, tmp_path / "v1", format_version=1, **options)  # type: ignore[arg-type]
+    assert v1_store.format_version == 1
+    v1 = v1_store.windows[:]
     birdzarr.convert(source, tmp_path / "one", workers=1, format_version=2, **options)
     birdzarr.convert(source, tmp_path / "threads", workers=2, format_version=2, **options)
     monkeypatch.setattr(_segments, "PROCESS_MIN_BYTES", 0)
@@ -89,7 +91,9 @@ def test_every_shuffle_path_writes_the_same_bytes_and_the_windows_of_format_1(
     source: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     options = {"chunk_windows": 1000, "progress": False, "shuffle": True, "seed": 8}
-    v1 = birdzarr.convert(source, tmp_path / "v1", **options).windows[:]
+    v1_store = birdzarr.convert(source, tmp_path / "v1", format_version=1, **options)  # type: ignore[arg-type]
+    assert v1_store.format_version == 1
+    v1 = v1_store.windows[:]
     birdzarr.convert(source, tmp_path / "one", workers=1, format_version=2, **options)
     birdzarr.convert(source, tmp_path / "threads", workers=2, format_version=2, **options)
     monkeypatch.setattr(_segments, "PROCESS_MIN_BYTES", 0)
@@ -119,7 +123,8 @@ def test_a_device_past_65535_values_a_channel_splits_into_rows_on_every_path(
     _synthetic.write_parquet(wide, str(source / "3.parquet"))
     _synthetic.write_parquet(_synthetic.curated_windows(500, seed=2), str(source / "4.parquet"))
     for name, options in {"order": {}, "shuffle": {"shuffle": True, "seed": 1}}.items():
-        v1 = birdzarr.convert(source, tmp_path / f"{name}1", progress=False, **options).windows[:]  # type: ignore[arg-type]
+        v1 = birdzarr.convert(source, tmp_path / f"{name}1", progress=False, format_version=1,
+                              **options).windows[:]  # type: ignore[arg-type]
         birdzarr.convert(source, tmp_path / name, progress=False, workers=1, format_version=2,
                          **options)  # type: ignore[arg-type]
         z = zarr.open_group(str(tmp_path / name), mode="r")
@@ -162,7 +167,7 @@ def test_an_append_keeps_the_committed_rows_and_a_failed_one_leaves_them(tmp_pat
     assert z[_v2.VALUES].shape == old_values.shape and z[_v2.DEVICE].shape == old_rows.shape
     # the good append: the windows format 1 stores after the same append, old rows and codes untouched
     store = birdzarr.append(dest, tmp_path / "more", progress=False)
-    birdzarr.convert(tmp_path / "base", tmp_path / "v1", **options)
+    birdzarr.convert(tmp_path / "base", tmp_path / "v1", format_version=1, **options)  # type: ignore[arg-type]
     expected = birdzarr.append(tmp_path / "v1", tmp_path / "more", progress=False).windows[:]
     assert same_bits(documented_decode(dest), expected) and same_bits(store.windows[:], expected)
     assert len(expected) > len(before)
