@@ -126,7 +126,8 @@ def test_text_and_html_summaries_name_the_facts_without_reading_chunks(csv_case,
     first_text = str(np.datetime64(first, "s")).replace("T", " ")
     last_text = str(np.datetime64(last, "s")).replace("T", " ")
     assert text.splitlines()[0] == f"<birdzarr.Store {store.url}: {n:,} windows, {len(truth)} devices>"
-    for fact in (first_text, last_text, "codec dict16", "128 windows", "format v1", "gps_speed >= 30 m/s",
+    for fact in (first_text, last_text, "codec uint16 codes + dictionaries (core Zarr v3 codecs)",
+                 "128 windows", "format v2", "gps_speed >= 30 m/s",
                  f"{n:,} windows labelled (10 classes)"):
         assert fact in text
         assert html.escape(fact) in page
@@ -292,7 +293,10 @@ def test_to_xarray_is_lazy_and_reads_only_touched_chunks(csv_case, monkeypatch) 
 def test_to_xarray_of_a_store_written_before_the_sample_rename(csv_case, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Stores written before the rename call the sample axis "time" on disk; the view says "sample"."""
     store, _ = csv_case
-    old = pathlib.Path(copy_of(store, tmp_path).location.path)
+    # a store of that time is a version-1 store (a ``gimu`` array), written from the same CSVs
+    source = pathlib.Path(store.location.path).parent / "csv"
+    old = tmp_path / "old.zarr"
+    birdzarr.convert(source, old, chunk_windows=128, progress=False, format_version=1)
     gimu_meta = old / "gimu" / "zarr.json"
     meta = json.loads(gimu_meta.read_text())
     meta["dimension_names"] = list(GIMU_DIMS_BEFORE_SAMPLE)
@@ -721,7 +725,10 @@ def test_stats_save_writes_the_stats_group_under_the_lock(csv_case, monkeypatch,
     printed = json.loads(capsys.readouterr().out)
     saved = _stats.load_saved(store)
     assert saved is not None and saved.to_json() == printed
-    assert len(list(store.group.arrays())) == 4  # the stats group is a valid (empty) Zarr group
+    # the stats group is a valid (empty) Zarr group: the root's arrays are the store's nine
+    assert sorted(name for name, _ in store.group.arrays()) == [
+        "device", "dict_device", "dict_start", "dict_values", "gimu_codes", "gimu_row", "gps_speed",
+        "label", "timestamp"]
     assert not store.location.fs.exists(store.location.join(".birdzarr.lock"))  # taken and released
 
     monkeypatch.setenv("BIRDZARR_CACHE_DIR", str(tmp_path / "another_machine"))
@@ -832,8 +839,13 @@ def test_views_and_stats_cache_over_s3(csv_case, s3_endpoint, monkeypatch, tmp_p
     ds = store.to_xarray()
     before = store.reader.requests
     window_values = ds.gimu.isel(window=slice(250, 260)).variable.values
-    assert store.reader.requests - before == 2  # two chunk GETs, nothing else
+    # two chunks of the three per-window arrays (codes, rows, gps_speed) and the three dictionary
+    # arrays' one chunk each, loaded once: nothing else
+    assert store.reader.requests - before == 2 * 3 + 3
     assert np.array_equal(window_values, local.windows[250:260])
+    before = store.reader.requests
+    assert np.array_equal(ds.gimu.isel(window=slice(0, 10)).variable.values, local.windows[:10])
+    assert store.reader.requests - before == 3  # one more chunk a per-window array; dictionaries kept
 
     first = store.stats(progress=False, cache=False)  # computed; cached on this machine, not in the bucket
     assert not remote.fs.exists(remote.path + "/stats/zarr.json")

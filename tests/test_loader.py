@@ -367,14 +367,14 @@ def test_stateful_dataloader_resumes_exactly(
 def test_damaged_chunks_raise_during_training(parquet_source, tmp_path) -> None:  # type: ignore[no-untyped-def]
     directory, _ = parquet_source
     store = birdzarr.convert(directory, tmp_path / "d.zarr", chunk_windows=2048, progress=False)
-    chunk = tmp_path / "d.zarr" / "gimu" / "c" / "3" / "0" / "0"
+    chunk = tmp_path / "d.zarr" / "gimu_codes" / "c" / "3" / "0" / "0"
     data = bytearray(chunk.read_bytes())
     data[len(data) // 2] ^= 0x10  # one flipped bit that still decompresses
     chunk.write_bytes(bytes(data))
-    with pytest.raises(birdzarr.MissingChunkError, match=r"gimu/c/3/0/0.*crc32c"):
+    with pytest.raises(birdzarr.MissingChunkError, match=r"gimu_codes/c/3/0/0.*crc32c"):
         list(_dataset(store, batch_size=4096))
     chunk.unlink()
-    with pytest.raises(birdzarr.MissingChunkError, match=r"gimu/c/3/0/0.*missing"):
+    with pytest.raises(birdzarr.MissingChunkError, match=r"gimu_codes/c/3/0/0.*missing"):
         list(_dataset(store, batch_size=4096))
 
 

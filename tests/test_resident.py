@@ -23,7 +23,8 @@ def _epoch(ds: birdzarr.WindowDataset) -> list[np.ndarray]:
 
 
 @pytest.mark.slow
-def test_values_ldt_and_layout_equal_the_store(small_store: birdzarr.Store) -> None:
+def test_values_ldt_and_layout_equal_the_store(small_store_v1: birdzarr.Store) -> None:
+    small_store = small_store_v1  # a version-1 store: its dict16 codes are held as they are
     ds = _resident(small_store, batch_size=777, seed=5, with_ldt=True, channel_first=True)
     assert ds.resident.x.dtype == torch.int16, "a dict16 store stays dictionary-coded in memory"
     n = len(small_store)
@@ -148,7 +149,8 @@ def test_a_gps_speed_that_varies_within_a_window_is_held_in_every_sample(
         offsets = pa.array(np.arange(0, len(w) * 80 + 1, 80, dtype=np.int32))
         column = pa.ListArray.from_arrays(offsets, pa.array(w.reshape(-1), type=pa.float32()))
         pq.write_table(pa.table({"gimu": column}), src / f"{device}.parquet")
-    store = birdzarr.convert(src, tmp_path / "s.zarr", chunk_windows=1024, progress=False)  # type: ignore[operator]
+    store = birdzarr.convert(src, tmp_path / "s.zarr", chunk_windows=1024, progress=False,  # type: ignore[operator]
+                             format_version=1)  # version 1's 80-code layout
     held = _resident(store, progress=False).resident
     assert held.layout is not None and held.layout.width == 80 and tuple(held.x.shape) == (5000, 80)
     rows = np.random.default_rng(0).permutation(5000)[:900]
@@ -160,15 +162,16 @@ def test_a_gps_speed_that_varies_within_a_window_is_held_in_every_sample(
 def test_a_standard_store_is_held_as_float32(parquet_source: object, tmp_path: object) -> None:
     directory, _ = parquet_source  # type: ignore[misc]
     store = birdzarr.convert(directory, tmp_path / "std.zarr", codec="standard", chunk_windows=4096,  # type: ignore[operator]
-                             progress=False)
+                             progress=False, format_version=1)
     ds = _resident(store, batch_size=2000, seed=1)
     assert ds.resident.x.dtype == torch.float32
     for batch, x in enumerate(ds):
         assert np.array_equal(x.numpy(), store.windows[ds.batch_indices(batch)])
 
 
-def test_the_torch_gather_a_gpu_runs_equals_the_store(small_store: birdzarr.Store) -> None:
+def test_the_torch_gather_a_gpu_runs_equals_the_store(small_store_v1: birdzarr.Store) -> None:
     """The gather and dict16 decode that run on a GPU are torch ops: run here on the CPU."""
+    small_store = small_store_v1  # a version-1 store's dict16 codes
     rows = torch.from_numpy(np.random.default_rng(0).permutation(len(small_store))[:700])
     for codes in (True, False):
         held = _resident(small_store, with_ldt=True, resident_codes=codes, progress=False).resident
@@ -243,8 +246,9 @@ def test_consecutive_chunks_share_dictionaries_and_every_code_keeps_its_value() 
 
 
 def test_a_device_ordered_store_holds_fewer_dictionary_values_than_its_chunks(
-    small_store: birdzarr.Store,
+    small_store_v1: birdzarr.Store,
 ) -> None:
+    small_store = small_store_v1  # version 1's per-chunk dictionaries, shared when held
     held = _resident(small_store, progress=False).resident
     reader = small_store.reader
     per_chunk = 0
