@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import pathlib
 import shutil
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,18 +19,42 @@ from birdzarr.cli import main
 from birdzarr.demo import _synthetic
 from birdzarr.maintenance._verify import verify
 
-
-@pytest.fixture(scope="module")
-def small_store(parquet_source: tuple[pathlib.Path, dict], tmp_path_factory: pytest.TempPathFactory
-                ) -> birdzarr.Store:
-    """These tests damage format 1's ``gimu`` chunks: the small store in format 1 whatever the
-    default (format 2's damage: tests/test_maintenance_format2.py); ``store_copy`` copies it."""
-    path = tmp_path_factory.mktemp("format1") / "small.zarr"
-    return birdzarr.convert(parquet_source[0], path, chunk_windows=1024, format_version=1, progress=False)
+CODES = "gimu_codes"  # the windows' codes in a format-2 store (the default), (n, 20, 3) chunks
 
 
 def _chunk(store: pathlib.Path, name: str, index: int) -> pathlib.Path:
-    return store / name / "c" / str(index) / ("0/0" if name == "gimu" else "")
+    tail = {"gimu": "0/0", CODES: "0/0", "gps_speed": "0"}.get(name, "")
+    return store / name / "c" / str(index) / tail
+
+
+def _swap_windows(store: pathlib.Path, i: int, j: int) -> None:
+    """Exchange the windows of chunks ``i`` and ``j``: each one's chunks of the three format-2 arrays
+    that decode to them (codes, gps_speed and the dictionary rows the codes index, swapped alone,
+    would give codes past their rows' ends), so both decode fine to the other's windows."""
+    for name in (CODES, "gps_speed", "gimu_row"):
+        a, b = _chunk(store, name, i), _chunk(store, name, j)
+        data_a, data_b = a.read_bytes(), b.read_bytes()
+        a.write_bytes(data_b)
+        b.write_bytes(data_a)
+
+
+def _rewrite_table(store: pathlib.Path, edit: Callable[[list[dict]], None]) -> None:
+    """``edit`` changes a format-2 store's device table entries where they are on disk (the
+    committed device_table/<g> group's zarr.json); its index arrays are written again from them."""
+    from birdzarr.format import _device_table
+    from birdzarr.format._spec import DeviceEntry
+
+    root = json.loads((store / "zarr.json").read_text())
+    path = store / root["attributes"]["birdzarr"]["committed"]["device_table"] / "zarr.json"
+    document = json.loads(path.read_text())
+    devices = document["attributes"]["birdzarr"]["devices"]
+    edit(devices)
+    path.write_text(json.dumps(document))
+    group = zarr.open_group(str(path.parent), mode="r+", zarr_format=3)
+    for name, values in _device_table.columns([DeviceEntry.from_json(d) for d in devices]).items():
+        array: Any = group[name]
+        array.resize(values.shape)
+        array[:] = values
 
 
 def test_a_clean_store_verifies(store_copy: pathlib.Path, parquet_source: tuple[pathlib.Path, dict]) -> None:
@@ -40,35 +66,35 @@ def test_a_clean_store_verifies(store_copy: pathlib.Path, parquet_source: tuple[
 
 
 def test_a_deleted_chunk_is_found_by_verify_and_the_readers(store_copy: pathlib.Path) -> None:
-    _chunk(store_copy, "gimu", 3).unlink()
+    _chunk(store_copy, CODES, 3).unlink()
     _chunk(store_copy, "label", 5).unlink()
     result = verify(store_copy)
     assert not result.ok
     text = result.format()
-    assert "'gimu/c/3/0/0' is missing" in text and "'label/c/5' is missing" in text
+    assert "'gimu_codes/c/3/0/0' is missing" in text and "'label/c/5' is missing" in text
     assert "checksum cannot be checked" in text
     store = birdzarr.open_store(store_copy)
-    with pytest.raises(MissingChunkError, match="gimu/c/3/0/0"):
+    with pytest.raises(MissingChunkError, match="gimu_codes/c/3/0/0"):
         store.windows[3 * 1024 + 5]  # never zeros
     _iterate_loader_expecting_damage(store_copy)
 
 
 def test_a_flipped_byte_is_found(store_copy: pathlib.Path) -> None:
-    path = _chunk(store_copy, "gimu", 2)
+    path = _chunk(store_copy, CODES, 2)
     raw = bytearray(path.read_bytes())
     raw[len(raw) // 2] ^= 0x01  # in the compressed payload: a decode error or silently other values
     path.write_bytes(bytes(raw))
     result = verify(store_copy)
     assert not result.ok
-    assert "gimu/c/2/0/0' cannot be decoded" in result.format() or "checksum" in result.format()
+    assert "gimu_codes/c/2/0/0' cannot be decoded" in result.format() or "checksum" in result.format()
 
 
 def test_a_flipped_header_byte_is_refused_by_the_loader(store_copy: pathlib.Path) -> None:
-    path = _chunk(store_copy, "gimu", 1)
+    path = _chunk(store_copy, CODES, 1)
     raw = bytearray(path.read_bytes())
     raw[6] ^= 0xFF  # blosc header, uncompressed size: decoding must fail
     path.write_bytes(bytes(raw))
-    assert "gimu/c/1/0/0' cannot be decoded" in verify(store_copy).format()
+    assert "gimu_codes/c/1/0/0' cannot be decoded" in verify(store_copy).format()
     _iterate_loader_expecting_damage(store_copy)
 
 
@@ -84,10 +110,7 @@ def _iterate_loader_expecting_damage(store: pathlib.Path) -> None:
 
 def test_silently_changed_windows_fail_their_checksum(store_copy: pathlib.Path) -> None:
     # Two chunks swapped: both decode fine, the windows are simply not the ones written.
-    a, b = _chunk(store_copy, "gimu", 1), _chunk(store_copy, "gimu", 4)
-    data_a, data_b = a.read_bytes(), b.read_bytes()
-    a.write_bytes(data_b)
-    b.write_bytes(data_a)
+    _swap_windows(store_copy, 1, 4)
     result = verify(store_copy)
     assert not result.ok
     assert sum("differs from the" in p for p in result.problems) >= 2, result.format()
@@ -96,11 +119,12 @@ def test_silently_changed_windows_fail_their_checksum(store_copy: pathlib.Path) 
 def test_wrong_device_ids_and_an_inconsistent_table(store_copy: pathlib.Path) -> None:
     a, b = _chunk(store_copy, "device", 0), _chunk(store_copy, "device", 20)
     a.write_bytes(b.read_bytes())
-    root = json.loads((store_copy / "zarr.json").read_text())
-    devices = root["attributes"]["birdzarr"]["devices"]
-    devices[1]["ranges"][0][0] -= 1  # now overlaps device 0's range
-    devices[1]["n_windows"] += 1
-    (store_copy / "zarr.json").write_text(json.dumps(root))
+
+    def overlap(devices: list[dict]) -> None:
+        devices[1]["ranges"][0][0] -= 1  # now overlaps device 0's range
+        devices[1]["n_windows"] += 1
+
+    _rewrite_table(store_copy, overlap)
     result = verify(store_copy)
     text = result.format()
     assert "carry another device id" in text
@@ -151,8 +175,7 @@ def test_a_shuffled_store_checks_its_scattered_digests(
     tmp_path: pathlib.Path, parquet_source: tuple[pathlib.Path, dict]
 ) -> None:
     dest = tmp_path / "shuffled.zarr"
-    birdzarr.convert(parquet_source[0], dest, chunk_windows=1024, shuffle=True, seed=1, progress=False,
-                     format_version=1)
+    birdzarr.convert(parquet_source[0], dest, chunk_windows=1024, shuffle=True, seed=1, progress=False)
     result = verify(dest, source=parquet_source[0])
     assert result.ok, result.format()
     assert result.checksums_checked == len(parquet_source[1])
@@ -169,10 +192,7 @@ def test_a_shuffled_store_checks_its_scattered_digests(
     _chunk(dest, "label", 0).write_bytes(kept)
     assert verify(dest).ok
     # two chunks exchanged: the windows no longer match their devices, times and labels
-    a, b = _chunk(dest, "gimu", 1), _chunk(dest, "gimu", 4)
-    data_a, data_b = a.read_bytes(), b.read_bytes()
-    a.write_bytes(data_b)
-    b.write_bytes(data_a)
+    _swap_windows(dest, 1, 4)
     assert "scattered digest" in verify(dest).format()
 
 
@@ -271,16 +291,16 @@ def test_a_shuffled_csv_store_verifies_against_its_source_and_finds_a_changed_wi
     source = tmp_path / "csv"
     _synthetic.make_csv_dir(source, n_devices=3, bursts_per_device=40, parts=2, seed=3)
     dest = tmp_path / "shuffled.zarr"
-    birdzarr.convert(source, dest, chunk_windows=64, shuffle=True, seed=1, progress=False, format_version=1)
+    birdzarr.convert(source, dest, chunk_windows=64, shuffle=True, seed=1, progress=False)
     result = verify(dest, source=source)
     assert result.ok, result.format()
     assert result.devices_compared == 3 and result.checksums_checked == 3
     assert main(["verify", str(dest), "--source", str(source), "--quiet"]) == 0
     capsys.readouterr()
     # one value of one stored window changed through zarr (its chunk stays valid)
-    gimu = zarr.open_array(dest / "gimu", mode="r+")
+    gps = zarr.open_array(dest / "gps_speed", mode="r+")  # format 2 stores the channel as float32
     device = int(zarr.open_array(dest / "device", mode="r")[5])
-    gimu[5, 3, 1] = float(gimu[5, 3, 1]) + 0.25
+    gps[5, 3] = float(gps[5, 3]) + 0.25
     found = verify(dest, source=source)
     assert not found.ok
     assert f"device {device}: scattered digest" in found.format()
