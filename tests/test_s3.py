@@ -36,12 +36,21 @@ from birdzarr._errors import (
     StoreNotFoundError,
     TransferError,
 )
+from birdzarr.format import _v2
 from birdzarr.maintenance._copy import copy_store
 from birdzarr.storage._location import RetryPolicy, resolve
 
 pytestmark = [pytest.mark.slow, pytest.mark.s3]
 
 CHUNK = 4096
+
+
+# the objects a format-2 store's first three chunks of windows are read from: the three
+# per-window arrays' chunks and the three dictionary arrays' one chunk each
+FORMAT2_CHUNKS_OF_THREE = (
+    [f"gimu_codes/c/{i}/0/0" for i in range(3)] + [f"gimu_row/c/{i}" for i in range(3)]
+    + [f"gps_speed/c/{i}/0" for i in range(3)] + ["dict_values/c/0", "dict_start/c/0/0", "dict_device/c/0"]
+)
 
 
 def bits(a: np.ndarray) -> np.ndarray:
@@ -68,8 +77,14 @@ def test_convert_to_bucket_reads_back_exactly(s3_store: birdzarr.Store, parquet_
     assert len(s3_store) == sum(len(w) for w in truth.values())
     for device, windows in truth.items():
         assert np.array_equal(bits(s3_store.device_windows(device)), bits(windows))
-    # zarr-python on the same store: opened as v3 through the FsspecStore birdzarr builds
-    assert np.array_equal(bits(np.asarray(s3_store.gimu[:100])), bits(s3_store.windows[:100]))
+    # zarr-python on the same store: opened as v3 through the FsspecStore birdzarr builds, the
+    # format-2 arrays read with core codecs and decoded with the documented lines
+    stored = dict(s3_store.group.arrays())
+    decoded = _v2.decode_reference(
+        np.asarray(stored["gimu_codes"][:100]), np.asarray(stored["gimu_row"][:100]),
+        np.asarray(stored["gps_speed"][:100]), np.asarray(stored["dict_values"][:]),
+        np.asarray(stored["dict_start"][:]))
+    assert np.array_equal(bits(decoded), bits(s3_store.windows[:100]))
 
 
 def test_worker_processes_read_and_write_a_bucket(
@@ -129,17 +144,18 @@ def test_credentials_never_stored_or_printed(
 def test_no_head_and_no_v2_probe_per_read(s3_store: birdzarr.Store, proxy: Any, bucket: str) -> None:  # noqa: F811
     store = birdzarr.open_store(f"s3://{bucket}/small.zarr", storage_options=s3_options(proxy.url))
     opened = [(r.method, r.path.rsplit("small.zarr/", 1)[-1]) for r in proxy.requests()]
-    # the root and the four arrays' metadata, one GET each: no HEAD, no .zgroup/.zarray probing
-    arrays = ("gimu", "device", "timestamp", "label")
+    # the root and the nine arrays' metadata, one GET each: no HEAD, no .zgroup/.zarray probing
+    arrays = ("gimu_codes", "gps_speed", "gimu_row", "dict_values", "dict_start", "dict_device",
+              "device", "timestamp", "label")
     assert opened == [("GET", "zarr.json")] + [("GET", f"{a}/zarr.json") for a in arrays], opened
     proxy.clear()
     windows = store.windows[: 3 * CHUNK]
     assert np.array_equal(bits(windows), bits(s3_store.windows[: 3 * CHUNK]))
     log = proxy.requests()
-    assert Counter(r.method for r in log) == {"GET": 3}
-    # one GET per chunk (read concurrently, so in any order)
-    assert sorted(r.path.rsplit("small.zarr/", 1)[-1] for r in log) == [f"gimu/c/{i}/0/0" for i in range(3)]
-    assert store.reader.requests == 3 and store.reader.bytes_read == sum(r.body_bytes for r in log)
+    assert Counter(r.method for r in log) == {"GET": 12}
+    # one GET per chunk (read concurrently, so in any order), the dictionaries' once
+    assert sorted(r.path.rsplit("small.zarr/", 1)[-1] for r in log) == sorted(FORMAT2_CHUNKS_OF_THREE)
+    assert store.reader.requests == 12 and store.reader.bytes_read == sum(r.body_bytes for r in log)
 
 
 def test_transient_faults_are_retried(s3_store: birdzarr.Store, proxy: Any, bucket: str) -> None:  # noqa: F811
@@ -147,7 +163,7 @@ def test_transient_faults_are_retried(s3_store: birdzarr.Store, proxy: Any, buck
     store = birdzarr.open_store(f"s3://{bucket}/small.zarr", storage_options=options)
     proxy.stall_seconds = 1.5
     for kind, count in (("503", 2), ("reset", 1), ("reset_mid_body", 1), ("stall", 1)):
-        proxy.inject(kind, count, path_contains="/gimu/c/")
+        proxy.inject(kind, count, path_contains="/gimu_codes/c/")
     got = store.windows[: 2 * CHUNK]
     assert np.array_equal(bits(got), bits(s3_store.windows[: 2 * CHUNK]))
     faults = Counter(r.fault for r in proxy.requests() if r.fault)
@@ -169,11 +185,11 @@ def test_persistent_failure_names_store_and_key(
     options = s3_options(proxy.url, **no_library_retries)
     location = resolve(f"s3://{bucket}/small.zarr", options, retry=RetryPolicy(attempts=2, base_delay=0.01))
     store = birdzarr.open_store(location)
-    proxy.inject("503", 1000, path_contains="/gimu/c/2/")
+    proxy.inject("503", 1000, path_contains="/gimu_codes/c/2/")
     with pytest.raises(ChunkFetchError) as caught:
         store.windows[2 * CHUNK + 5]
     message = str(caught.value)
-    assert f"s3://{bucket}/small.zarr" in message and "gimu/c/2/0/0" in message
+    assert f"s3://{bucket}/small.zarr" in message and "gimu_codes/c/2/0/0" in message
     assert SECRET_KEY not in message
     assert sum(r.fault == "503" for r in proxy.requests()) == 2  # our two attempts
     assert isinstance(caught.value, MissingChunkError)  # one except clause covers both
@@ -185,10 +201,11 @@ def test_missing_committed_chunk_raises_never_zeros(
     options = s3_options(moto.url)
     damaged = f"s3://{bucket}/damaged.zarr"
     copy_store(s3_store.location, damaged, progress=False, dest_storage_options=options)
-    moto.client().delete_object(Bucket=bucket, Key="damaged.zarr/gimu/c/4/0/0")
+    moto.client().delete_object(Bucket=bucket, Key="damaged.zarr/gimu_codes/c/4/0/0")
     store = birdzarr.open_store(damaged, storage_options=options)
     assert np.array_equal(bits(store.windows[: 4 * CHUNK]), bits(s3_store.windows[: 4 * CHUNK]))
-    with pytest.raises(MissingChunkError, match=r"damaged\.zarr: committed chunk 'gimu/c/4/0/0' is missing"):
+    missing = r"damaged\.zarr: committed chunk 'gimu_codes/c/4/0/0' is missing"
+    with pytest.raises(MissingChunkError, match=missing):
         store.windows[4 * CHUNK : 5 * CHUNK]
 
 
@@ -212,9 +229,9 @@ def test_copy_upload_download_and_resume(
     with pytest.raises((StoreNotFoundError, NotAStoreError)):  # not committed: not a store
         birdzarr.open_store(remote, storage_options=options)
     for i in (3, 7, 11):
-        client.delete_object(Bucket=bucket, Key=f"up.zarr/gimu/c/{i}/0/0")
-    size = client.head_object(Bucket=bucket, Key="up.zarr/gimu/c/5/0/0")["ContentLength"]
-    client.put_object(Bucket=bucket, Key="up.zarr/gimu/c/5/0/0", Body=b"\0" * size)
+        client.delete_object(Bucket=bucket, Key=f"up.zarr/gimu_codes/c/{i}/0/0")
+    size = client.head_object(Bucket=bucket, Key="up.zarr/gimu_codes/c/5/0/0")["ContentLength"]
+    client.put_object(Bucket=bucket, Key="up.zarr/gimu_codes/c/5/0/0", Body=b"\0" * size)
     resumed = copy_store(small_store.location, remote, progress=False, dest_storage_options=options)
     assert resumed.copied == 5 and resumed.skipped == resumed.objects - 5  # 3 missing + 1 torn + root
     again = birdzarr.open_store(remote, storage_options=options)
@@ -238,8 +255,8 @@ def test_copy_interrupted_by_faults_resumes(
     bucket = new_bucket(moto)
     remote = f"s3://{bucket}/flaky.zarr"
     flaky = resolve(remote, s3_options(proxy.url, **no_library_retries), retry=RetryPolicy(attempts=2))
-    proxy.inject("reset", 1000, method="PUT", path_contains="/gimu/c/9/")
-    with pytest.raises(TransferError, match=r"gimu/c/9/0/0.*same command"):
+    proxy.inject("reset", 1000, method="PUT", path_contains="/gimu_codes/c/9/")
+    with pytest.raises(TransferError, match=r"gimu_codes/c/9/0/0.*same command"):
         copy_store(small_store.location, flaky, requests=4, progress=False)
     with pytest.raises((StoreNotFoundError, NotAStoreError)):  # never committed
         birdzarr.open_store(remote, storage_options=s3_options(moto.url))
@@ -286,25 +303,28 @@ def test_local_cache_serves_the_second_epoch(s3_store: birdzarr.Store, bucket: s
     assert cache is not None
     first = store.windows[:]
     fetched = store.reader.requests
-    assert fetched == store.reader.n_chunks and cache.hits == 0
-    second = store.windows[:]
-    assert store.reader.requests == fetched and cache.hits == store.reader.n_chunks
+    # each chunk of the three per-window arrays, and the three dictionary arrays' one chunk each
+    window_chunks = 3 * store.reader.n_chunks
+    assert fetched == window_chunks + 3 and cache.hits == 0
+    second = store.windows[:]  # the reader keeps the dictionaries: only the window chunks again
+    assert store.reader.requests == fetched and cache.hits == window_chunks
     assert np.array_equal(bits(first), bits(second))
     assert np.array_equal(bits(first), bits(s3_store.windows[:]))
 
     # A cap of three of the largest chunks: the chunks admitted until the next one would not fit
     # are kept (three, or four when smaller ones came first: reads run concurrently), and the rest
     # are read from the bucket every time, with no eviction.
-    chunk_bytes = sorted(store.location.fs.du(store.location.join("gimu"), total=False).values())[-1]
+    chunk_bytes = sorted(store.location.fs.du(store.location.join("gimu_codes"), total=False).values())[-1]
     capped_store = birdzarr.open_store(f"s3://{bucket}/small.zarr", storage_options=s3_options(moto.url),
                                        cache_dir=tmp_path / "capped", cache_max_bytes=3 * chunk_bytes)
     capped = capped_store.cache
     assert capped is not None
     for _ in range(2):
         assert np.array_equal(bits(capped_store.windows[:]), bits(first))
-    kept = sum(len(files) for _, _, files in os.walk(os.path.join(capped.root, "gimu")))
+    kept = sum(len(files) for array in ("gimu_codes", "gimu_row", "gps_speed")
+               for _, _, files in os.walk(os.path.join(capped.root, array)))
     assert capped.full and capped.used_bytes <= 3 * chunk_bytes and kept >= 3
-    assert capped.hits == kept and capped_store.reader.requests == 2 * store.reader.n_chunks - kept
+    assert capped.hits == kept and capped_store.reader.requests == fetched + window_chunks - kept
 
 
 @pytest.mark.filterwarnings("ignore:.*stored in device order")
@@ -340,13 +360,13 @@ def test_optional_obstore_fetcher(
     store = birdzarr.open_store(f"s3://{bucket}/small.zarr", storage_options=s3_options(proxy.url))
     assert _storage._uses_obstore(store.location)
     proxy.clear()
-    proxy.inject("503", 2, path_contains="/gimu/c/1/")
+    proxy.inject("503", 2, path_contains="/gimu_codes/c/1/")
     assert np.array_equal(bits(store.windows[: 3 * CHUNK]), bits(s3_store.windows[: 3 * CHUNK]))
-    log = proxy.requests()
-    assert Counter(r.method for r in log) == {"GET": 5} and sum(r.fault == "503" for r in log) == 2, log
+    log = proxy.requests()  # 12 objects (FORMAT2_CHUNKS_OF_THREE), one of them after two 503s
+    assert Counter(r.method for r in log) == {"GET": 14} and sum(r.fault == "503" for r in log) == 2, log
     assert _storage._obstore_pid == os.getpid()
-    with pytest.raises(MissingChunkError, match="gimu/c/99/0/0"):
-        _storage.read_object(store.location, "gimu/c/99/0/0")
+    with pytest.raises(MissingChunkError, match="gimu_codes/c/99/0/0"):
+        _storage.read_object(store.location, "gimu_codes/c/99/0/0")
     monkeypatch.setattr(_storage, "_obstore_pid", os.getpid() + 1)  # as seen in a forked child
     assert not _storage._uses_obstore(store.location)
     assert np.array_equal(bits(store.windows[:CHUNK]), bits(s3_store.windows[:CHUNK]))  # via s3fs
@@ -597,8 +617,8 @@ def test_obstore_sends_requests_only_to_the_endpoint_s3fs_uses(
         trap.close()
     assert done.returncode == 0, done.stderr[-2000:]
     assert np.array_equal(bits(np.load(tmp_path / "w.npy")), bits(s3_store.windows[: 3 * CHUNK]))
-    chunks = sorted(r.path.rsplit("small.zarr/", 1)[-1] for r in proxy.requests() if "/gimu/c/" in r.path)
-    assert chunks == [f"gimu/c/{i}/0/0" for i in range(3)] and trap.connections == 0
+    chunks = sorted(r.path.rsplit("small.zarr/", 1)[-1] for r in proxy.requests() if "/c/" in r.path)
+    assert chunks == sorted(FORMAT2_CHUNKS_OF_THREE) and trap.connections == 0
 
 
 def test_obstore_endpoint_is_the_s3fs_clients_or_obstore_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
