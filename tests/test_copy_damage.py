@@ -17,15 +17,6 @@ from birdzarr.cli import main
 from birdzarr.maintenance import _copy
 
 
-@pytest.fixture(scope="module")
-def small_store(parquet_source: tuple[pathlib.Path, dict], tmp_path_factory: pytest.TempPathFactory
-                ) -> birdzarr.Store:
-    """These tests damage format 1's ``gimu`` chunks: the small store in format 1 whatever the
-    default (format 2's: tests/test_maintenance_format2.py); ``store_copy`` copies it."""
-    path = tmp_path_factory.mktemp("format1") / "small.zarr"
-    return birdzarr.convert(parquet_source[0], path, chunk_windows=1024, format_version=1, progress=False)
-
-
 def _flip(path: pathlib.Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -45,11 +36,11 @@ FAILS_CRC = "fails its CRC-32C (its bytes were changed or truncated)"
 def test_a_missing_committed_chunk_is_not_copied_as_verified(
     store_copy: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    (store_copy / "gimu" / "c" / "3" / "0" / "0").unlink()
+    (store_copy / "gimu_codes" / "c" / "3" / "0" / "0").unlink()
     dest = tmp_path / "dest.zarr"
     assert main(["copy", str(store_copy), str(dest), "--quiet"]) == 2
     captured = capsys.readouterr()
-    expected = _refusal(store_copy, dest, "gimu/c/3/0/0", "is missing", 1, 0)
+    expected = _refusal(store_copy, dest, "gimu_codes/c/3/0/0", "is missing", 1, 0)
     assert captured.err == f"birdzarr copy: error: {expected}\n"
     assert captured.out == ""
     assert not (dest / "zarr.json").exists()  # not committed: nothing at DEST is a store
@@ -66,16 +57,16 @@ def test_a_changed_chunk_is_refused_and_not_written(
     small_store: birdzarr.Store,
 ) -> None:
     _flip(store_copy / "label" / "c" / "5")
-    _flip(store_copy / "gimu" / "c" / "12" / "0" / "0")
-    _flip(store_copy / "gimu" / "c" / "2" / "0" / "0")
+    _flip(store_copy / "gimu_codes" / "c" / "12" / "0" / "0")
+    _flip(store_copy / "gimu_codes" / "c" / "2" / "0" / "0")
     (store_copy / "timestamp" / "c" / "7").unlink()
     dest = tmp_path / "dest.zarr"
-    expected = _refusal(store_copy, dest, "gimu/c/2/0/0", FAILS_CRC, 1, 3)  # gimu/c/2 before gimu/c/12
+    expected = _refusal(store_copy, dest, "gimu_codes/c/2/0/0", FAILS_CRC, 1, 3)  # c/2 before c/12
     with pytest.raises(CorruptChunkError) as caught:
         birdzarr.copy(store_copy, dest, progress=False)
     assert str(caught.value) == expected
     assert not (dest / "zarr.json").exists()
-    for damaged in ("label/c/5", "gimu/c/12/0/0", "gimu/c/2/0/0", "timestamp/c/7"):
+    for damaged in ("label/c/5", "gimu_codes/c/12/0/0", "gimu_codes/c/2/0/0", "timestamp/c/7"):
         assert not (dest / damaged).exists()  # so a re-run reads them from the source again
     assert (dest / "label" / "c" / "4").exists()  # the sound objects are kept for the resume
     assert main(["copy", str(store_copy), str(dest), "--quiet"]) == 2  # the re-run checks them again
@@ -86,18 +77,20 @@ def test_a_changed_chunk_is_refused_and_not_written(
     shutil.copytree(small_store.location.path, store_copy)
     assert main(["copy", str(store_copy), str(dest), "--quiet"]) == 0
     out = capsys.readouterr().out
-    assert ": 5 copied (" in out and "120 already present" in out  # the damaged four and the root
+    # the damaged four and the root; the rest of format 2's 209 objects: 6 per-window arrays of 30
+    # chunks, 3 dictionary arrays of one, their 9 zarr.json, the root, the device table's 16
+    assert ": 5 copied (" in out and "204 already present" in out
     assert birdzarr.verify(dest).ok
 
 
 def test_uncommitted_leftovers_are_copied_unchecked(store_copy: pathlib.Path, tmp_path: pathlib.Path) -> None:
     """A cut-short chunk file past the committed count (a killed writer's leftover, which verify
     lists as a note) is no reason to refuse: readers never see it."""
-    leftover = store_copy / "gimu" / "c" / "40" / "0" / "0"
+    leftover = store_copy / "gimu_codes" / "c" / "40" / "0" / "0"
     leftover.parent.mkdir(parents=True)
     leftover.write_bytes(b"torn")
     result = birdzarr.copy(store_copy, tmp_path / "dest.zarr", progress=False)
-    assert (tmp_path / "dest.zarr" / "gimu" / "c" / "40" / "0" / "0").read_bytes() == b"torn"
+    assert (tmp_path / "dest.zarr" / "gimu_codes" / "c" / "40" / "0" / "0").read_bytes() == b"torn"
     assert result.copied == result.objects
     assert birdzarr.verify(tmp_path / "dest.zarr").ok
 
