@@ -132,6 +132,28 @@ def test_wrong_device_ids_and_an_inconsistent_table(store_copy: pathlib.Path) ->
     assert "add up to" in text
 
 
+def test_an_array_shorter_than_the_committed_count_is_damage(store_copy: pathlib.Path) -> None:
+    """An array cut short in its zarr.json (a re-run append left its per-window arrays at the
+    previous commit's shape): zarr-python and TensorStore miss the last windows. verify called it
+    an uncommitted leftover 'invisible to readers' and said OK; repair sets the shape back."""
+    from birdzarr.maintenance._repair import repair
+
+    meta_path = store_copy / CODES / "zarr.json"
+    meta = json.loads(meta_path.read_text())
+    meta["shape"][0] = 1000
+    meta_path.write_text(json.dumps(meta))
+    result = verify(store_copy)
+    assert result.problems == [
+        "array 'gimu_codes' has shape 1,000 along windows, but 30,000 windows are committed: readers of "
+        "its Zarr array (zarr-python, TensorStore) see only 1,000; `birdzarr repair` sets it back to the "
+        "committed count"]
+    assert result.notes == []
+    actions = repair(store_copy).actions
+    assert any("resized 'gimu_codes' from 1,000 to the committed 30,000" in a for a in actions), actions
+    assert zarr.open_array(store_copy / CODES, mode="r").shape[0] == 30_000
+    assert verify(store_copy).ok
+
+
 def _changed_source(
     parquet_source: tuple[pathlib.Path, dict], tmp_path: pathlib.Path, nth_device: int,
     at: tuple[int, int, int], delta: float,

@@ -61,7 +61,7 @@ from birdzarr.storage._location import Location, StoreLike, read_object, resolve
 from birdzarr.storage._lock import read_holder
 from birdzarr.storage._root import RESTORE_HINT
 from birdzarr.store._handle import Store, open_store
-from birdzarr.store._tail import leftovers
+from birdzarr.store._tail import leftovers, short_arrays
 
 if TYPE_CHECKING:
     from birdzarr.convert._sources import DeviceSource
@@ -161,6 +161,10 @@ def verify(
     digests = _check_chunks(opened, ranges, result, progress=progress)
     if sources is not None:
         _compare_with_source(opened, *sources, result, digests)
+    for name, length in short_arrays(opened.location, len(opened), window_arrays(opened.format_version)):
+        result.problem(f"array '{name}' has shape {length:,} along windows, but {len(opened):,} windows "
+                       "are committed: readers of its Zarr array (zarr-python, TensorStore) see only "
+                       f"{length:,}; `birdzarr repair` sets it back to the committed count")
     found = [item for item in leftovers(opened.location, len(opened), window_arrays(opened.format_version))
              if "stale lock" not in item]
     if opened.format_version >= 2:

@@ -52,7 +52,7 @@ def leftovers(location: Location, n_windows: int, arrays: tuple[str, ...] | None
     for name in _found_arrays(location, arrays):
         meta = read_array_meta(location, name)  # damaged or missing: the readers' one-line error
         length = int(meta["shape"][0])
-        if length != n_windows:
+        if length > n_windows:  # shorter is damage, not a leftover: ``short_arrays``
             found.append(f"array '{name}' has shape {length:,} along windows; {n_windows:,} are committed")
         chunk = int(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
         n_chunks = -(-n_windows // chunk)
@@ -65,6 +65,18 @@ def leftovers(location: Location, n_windows: int, arrays: tuple[str, ...] | None
     holder = read_holder(location)
     if holder is not None and holder.is_stale():
         found.append(f"a stale lock left by {holder.describe()}")
+    return found
+
+
+def short_arrays(location: Location, n_windows: int, arrays: tuple[str, ...] | None = None
+                 ) -> list[tuple[str, int]]:
+    """(name, length) of each per-window array (``arrays``, as for ``leftovers``) shorter than the
+    committed count: readers of the Zarr arrays (zarr-python, TensorStore) miss its last windows."""
+    found = []
+    for name in _found_arrays(location, arrays):
+        length = int(read_array_meta(location, name)["shape"][0])
+        if length < n_windows:
+            found.append((name, length))
     return found
 
 
