@@ -288,8 +288,8 @@ def test_a_format_version_that_is_not_an_integer_says_what_it_may_be(
         birdzarr.open_store(copy)
     assert str(refused.value) == (
         f"{copy} has birdzarr format version '1', a str where every version so far is an integer (this "
-        "birdzarr supports versions 1 and 2): a newer birdzarr wrote it (upgrade: pip install -U birdzarr), or its "
-        "zarr.json is damaged (restore it from a copy of the store).")
+        "birdzarr supports versions 1 and 2): a newer birdzarr wrote it (upgrade: pip install -U birdzarr), "
+        "or its zarr.json is damaged (restore it from a copy of the store).")
 
 
 def test_conversion_options_out_of_range_are_argument_errors(

@@ -95,22 +95,20 @@ def convert(
     recorded, if None): every chunk a uniform sample of all windows, grouped by device inside;
     spilling them through temporary bucket files in ``shuffle_tmp``
     (default ``$TMPDIR``); see docs/conversion.md#shuffle for what that costs and buys.
-    ``codec`` is ``"dict16"`` (default), ``"gdict16"`` (the default of shuffled stores: a
-    chunk mixing all devices holds too many distinct values for dict16, gdict16 keeps one
-    dictionary per device; docs/format.md#gdict16) or ``"standard"`` (readable without
-    birdzarr). ``compressor`` is the blosc compressor after the codec (``"lz4"``, ``"zstd"``,
-    ``"lz4hc"``, ...; default lz4 level 5): a size against decode-speed trade (docs/format.md).
-    ``chunk_windows`` is the windows per chunk (default 8192; 32768 for shuffled stores, whose
-    chunks hold ~190 per-device dictionaries: larger chunks share them over more windows).
+    ``codec`` and ``compressor`` choose format 1's window codec (``format_version=1``):
+    ``"dict16"`` (its default), ``"gdict16"`` (its default with ``shuffle=True``) or
+    ``"standard"``, then a blosc compressor (``"lz4"``, ``"zstd"``, ...; default lz4 level 5);
+    docs/format.md#version-1. Format 2, the default, has one layout and refuses them.
+    ``chunk_windows`` is the windows per chunk (default 8192; 32768 for shuffled stores).
     ``workers`` is the number of processes or threads doing conversion work (default:
     all usable cores, as CPU affinity and the cgroup quota allow; 1: all in the calling thread;
     at most 4 per usable core, with a warning); it never changes the stored bytes. ``client`` (a
     ``distributed.Client``) runs the same tasks (reading, curation, chunk writing; with
     ``shuffle=True`` both passes) on a Dask cluster instead, with a byte-identical result; a
     shuffle's ``shuffle_tmp`` must then be a directory every worker reaches at the same path
-    (docs/scaling.md#conversion-on-a-dask-cluster). ``format_version`` 2 writes the
-    windows as uint16 codes into per-device dictionary rows with core Zarr v3 codecs only
-    (docs/format.md); ``codec`` and ``compressor`` apply to format 1.
+    (docs/scaling.md#conversion-on-a-dask-cluster). ``format_version`` 2 (the default) writes the
+    windows as uint16 codes into per-device dictionary rows with core Zarr v3 codecs only, which
+    any Zarr v3 reader opens (docs/format.md); 1 writes format 1.
     """
     from birdzarr.store._handle import open_store
 

@@ -12,7 +12,7 @@ from typing import Any
 from birdzarr._checks import require_number
 from birdzarr._errors import ArgumentError, FormatVersionError, NotAStoreError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 # the versions this birdzarr reads (FORMAT_VERSION is the one it writes by default)
 SUPPORTED_VERSIONS = (1, 2)
 ATTRS_KEY = "birdzarr"
