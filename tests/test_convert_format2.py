@@ -9,6 +9,7 @@ import json
 import os
 import pathlib
 import shutil
+from typing import Any
 
 import numpy as np
 import pytest
@@ -51,22 +52,30 @@ def chunk_files(path: pathlib.Path) -> dict[str, bytes]:
             if p.is_file() and p.relative_to(path) != pathlib.Path("zarr.json")}
 
 
-def test_every_device_order_path_writes_the_same_bytes_and_the_windows_of_format_1(
-    source: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    options = {"chunk_windows": 700, "progress": False}  # chunks shared by segments and devices
-    v1_store = birdzarr.convert(source, tmp_path / "v1", format_version=1, **options)  # type: ignore[arg-type]
+def every_path(source: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+               options: dict[str, Any]) -> tuple[np.ndarray, birdzarr.Store]:
+    """Convert ``source`` as format 1 (the reference windows) and as format 2 in one process,
+    on threads and in worker processes; every format-2 file but the root is the same on each
+    path. Returns format 1's windows and the worker-process store (in tmp_path / "processes";
+    the others in "one" and "threads")."""
+    v1_store = birdzarr.convert(source, tmp_path / "v1", format_version=1, **options)
     assert v1_store.format_version == 1
-    v1 = v1_store.windows[:]
     birdzarr.convert(source, tmp_path / "one", workers=1, format_version=2, **options)
     birdzarr.convert(source, tmp_path / "threads", workers=2, format_version=2, **options)
     monkeypatch.setattr(_segments, "PROCESS_MIN_BYTES", 0)
     processes = birdzarr.convert(source, tmp_path / "processes", workers=2, format_version=2, **options)
-    assert processes.meta["report"]["worker_processes"] == 2
-    assert processes.format_version == 2
+    assert processes.meta["report"]["worker_processes"] == 2 and processes.format_version == 2
     expected = chunk_files(tmp_path / "one")
     assert chunk_files(tmp_path / "threads") == expected
     assert chunk_files(tmp_path / "processes") == expected
+    return v1_store.windows[:], processes
+
+
+def test_every_device_order_path_writes_the_same_bytes_and_the_windows_of_format_1(
+    source: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 700-window chunks: chunks shared by segments and by devices
+    v1, processes = every_path(source, tmp_path, monkeypatch, {"chunk_windows": 700, "progress": False})
     assert same_bits(documented_decode(tmp_path / "processes"), v1)
     assert same_bits(processes.windows[:], v1)
     root = tmp_path / "one"
@@ -91,17 +100,7 @@ def test_every_shuffle_path_writes_the_same_bytes_and_the_windows_of_format_1(
     source: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     options = {"chunk_windows": 1000, "progress": False, "shuffle": True, "seed": 8}
-    v1_store = birdzarr.convert(source, tmp_path / "v1", format_version=1, **options)  # type: ignore[arg-type]
-    assert v1_store.format_version == 1
-    v1 = v1_store.windows[:]
-    birdzarr.convert(source, tmp_path / "one", workers=1, format_version=2, **options)
-    birdzarr.convert(source, tmp_path / "threads", workers=2, format_version=2, **options)
-    monkeypatch.setattr(_segments, "PROCESS_MIN_BYTES", 0)
-    processes = birdzarr.convert(source, tmp_path / "processes", workers=2, format_version=2, **options)
-    assert processes.meta["report"]["worker_processes"] == 2
-    expected = chunk_files(tmp_path / "one")
-    assert chunk_files(tmp_path / "threads") == expected
-    assert chunk_files(tmp_path / "processes") == expected
+    v1, processes = every_path(source, tmp_path, monkeypatch, options)
     assert same_bits(documented_decode(tmp_path / "one"), v1)
     # a shuffled store's rows hold each device's values sorted by bit pattern: one row per device
     z = zarr.open_group(str(tmp_path / "one"), mode="r")
