@@ -267,3 +267,28 @@ def test_the_host_decode_in_slices_equals_the_whole_batch(stores: dict[str, tupl
         torch.set_num_threads(threads)
     assert torch.equal(sliced.view(torch.int32), whole.view(torch.int32))
     assert torch.equal(held.coded.decode(rows[:0]), torch.empty((0, 20, 4)))
+
+
+def test_a_selection_reads_the_device_table_index_not_its_entries(
+    small_store: birdzarr.Store, tmp_path: pathlib.Path
+) -> None:
+    """Devices, a device split and their ranges come from the device table's index arrays: with
+    the entries' group document unreadable, a default store still trains on exactly the windows
+    of the chosen devices (at 100K devices the entries are ~75 MB of JSON that every rank and
+    worker would otherwise parse)."""
+    path = tmp_path / "s.zarr"
+    shutil.copytree(small_store.location.path, path)
+    table = birdzarr.open_store(path).root["committed"]["device_table"]
+    ids = birdzarr.open_store(path).device_columns["device_id"].tolist()
+    (path / table / "zarr.json").write_text("{not json")
+    with pytest.raises(birdzarr.BirdzarrError, match="is damaged"):
+        _ = birdzarr.open_store(path).device_table
+    chosen = ids[1:4]
+    ds = _dataset(str(path), devices=chosen, shuffle=False, batch_size=4096)
+    store = birdzarr.open_store(path)
+    expected = np.flatnonzero(np.isin(store.window_devices[:], chosen))
+    x = np.concatenate([np.asarray(batch[0]) for batch in ds])  # (x, ldt) batches, store order
+    assert np.array_equal(x.view(np.uint32), store.windows[expected].view(np.uint32))
+    split = _dataset(str(path), split="train", split_by="device", val_fraction=0.25, split_seed=3,
+                     shuffle=False, batch_size=4096)
+    assert len(split) > 0

@@ -158,7 +158,7 @@ def test_cache_cap_and_commit_namespaces(small_store: birdzarr.Store, tmp_path: 
     assert cache.hits == len(cached)
     assert store.reader.requests == 2 * _OBJECTS * n + _DICTIONARIES - cache.hits
     # a new commit of the same URL gets a fresh namespace and the old one is removed
-    store.meta = {**store.meta, "committed": {**store.meta["committed"], "generation": 2}}
+    store.root = {**store.root, "committed": {**store.root["committed"], "generation": 2}}
     newer = cache_for(store, tmp_path / "cache", max_bytes=cap)
     assert newer.namespace != cache.namespace and not os.path.exists(cache.root)
     assert newer.used_bytes == 0

@@ -243,10 +243,10 @@ class WindowDataset(IterableDataset[Batch]):
         self.n_windows = len(opened)
         self.shuffled_store = opened.shuffled
         # which store, for state_dict (with its window count)
-        self.store_shuffle_seed = opened.meta.get("layout", {}).get("shuffle_seed")
+        self.store_shuffle_seed = opened.root.get("layout", {}).get("shuffle_seed")
         subset = config.subset
         self.selection = make_selection(
-            opened.device_table, reader=opened.reader, shuffled_store=opened.shuffled,
+            opened.device_columns, reader=opened.reader, shuffled_store=opened.shuffled,
             devices=subset.devices, exclude_devices=subset.exclude_devices, split=subset.split,
             split_by=subset.split_by, val_fraction=subset.val_fraction, split_seed=subset.split_seed,
             filters=subset.filters, threads=config.prefetch,
@@ -286,7 +286,7 @@ class WindowDataset(IterableDataset[Batch]):
                 self._balanced = _balance(self.resident, config.balance)
         elif config.shuffle and not opened.shuffled and not config.allow_device_order:
             refusal = _device_order_refusal(
-                opened.url, self.selection, len(opened.device_table), self.counts, self.pool_chunks,
+                opened.url, self.selection, opened.n_devices, self.counts, self.pool_chunks,
                 config.batch_size, config.world_size,
             )
             if refusal:

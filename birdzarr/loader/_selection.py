@@ -37,7 +37,6 @@ from birdzarr.format._spec import (
     TIMESTAMP,
     TIMESTAMP_UNKNOWN,
     WINDOW_LENGTH,
-    DeviceEntry,
 )
 from birdzarr.store._chunks import ChunkReader
 
@@ -364,10 +363,13 @@ def _selected_below(ranges: np.ndarray, positions: np.ndarray) -> np.ndarray:
     return np.where(j >= 0, before[np.maximum(j, 0)] + inside, 0)
 
 
-def _merged_ranges(table: list[DeviceEntry], chosen: set[int]) -> np.ndarray:
-    """The chosen devices' window ranges, sorted, empty ones dropped and touching ones merged."""
-    runs = np.array(sorted((r.start, r.stop) for e in table if e.device_id in chosen
-                           for r in e.ranges if r.stop > r.start), dtype=np.int64).reshape(-1, 2)
+def _merged_ranges(columns: dict[str, np.ndarray], chosen: set[int]) -> np.ndarray:
+    """The chosen devices' window ranges (from the device table's index columns), sorted, empty
+    ones dropped and touching ones merged."""
+    keep = np.isin(columns["range_device"], np.fromiter(chosen, np.int64, len(chosen)))
+    keep &= columns["range_stop"] > columns["range_start"]
+    runs = np.stack([columns["range_start"][keep], columns["range_stop"][keep]], axis=1).astype(np.int64)
+    runs = runs[np.argsort(runs[:, 0], kind="stable")].reshape(-1, 2)
     if len(runs) < 2:
         return runs
     new = np.concatenate([[True], runs[1:, 0] > runs[:-1, 1]])
@@ -438,7 +440,7 @@ def _materialise(reader: ChunkReader, per_window: _PerWindow, ranges: np.ndarray
 
 
 def make_selection(
-    table: list[DeviceEntry],
+    columns: dict[str, np.ndarray],
     *,
     reader: ChunkReader,
     shuffled_store: bool,
@@ -452,9 +454,10 @@ def make_selection(
     threads: int = 4,
 ) -> Selection:
     """Validate the user's subset options and turn them into a ``Selection`` (reading the
-    per-window arrays once where a filter needs them)."""
+    per-window arrays once where a filter needs them). ``columns``: the device table's index
+    columns (``Store.device_columns``: ids and ranges, no per-device objects)."""
     filters = filters or WindowFilter()
-    known = {e.device_id for e in table}
+    known = set(columns["device_id"].tolist())
     chosen: set[int] | None = None
     if devices is not None:
         chosen = {int(d) for d in devices}
@@ -491,7 +494,7 @@ def make_selection(
     n_windows, width = reader.n_windows, reader.chunk_windows
     ranges = None
     if chosen is not None and not shuffled_store:
-        ranges = _merged_ranges(table, chosen)
+        ranges = _merged_ranges(columns, chosen)
     shuffled_devices = None
     if chosen is not None and shuffled_store:
         shuffled_devices = np.array(sorted(chosen), dtype=np.int64)

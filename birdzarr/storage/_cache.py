@@ -51,7 +51,7 @@ class CommittedStore(Protocol):
     def location(self) -> Location: ...
 
     @property
-    def meta(self) -> dict[str, Any]: ...
+    def root(self) -> dict[str, Any]: ...  # the root attributes (no device table: format 2 keeps it apart)
 
 
 class _CacheHolder(Protocol):
@@ -164,7 +164,7 @@ class ChunkCache:
 def cache_for(store: CommittedStore, directory: str | os.PathLike[str], max_bytes: int) -> ChunkCache:
     """The cache for this store's current commit (see the module docstring for the layout)."""
     directory = check_cache_dir(directory)
-    committed = store.meta.get("committed") or {}
+    committed = store.root.get("committed") or {}
     identity = {"url": redact(store.location.url), "committed": committed}
     source = json.dumps(identity, sort_keys=True, default=str)
     namespace = hashlib.sha256(source.encode()).hexdigest()[:20]

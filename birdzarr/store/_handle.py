@@ -16,6 +16,7 @@ from birdzarr._errors import (
     IncompleteStoreError,
     WindowIndexError,
 )
+from birdzarr.format._device_table import columns as device_table_columns
 from birdzarr.format._spec import (
     DEVICE,
     GIMU,
@@ -72,6 +73,17 @@ class Store:
     def device_table(self) -> list[DeviceEntry]:
         """Every device's entry (windows, ranges, times, sources, labels), ascending id."""
         return [DeviceEntry.from_json(d) for d in self.meta.get("devices", [])]
+
+    @cached_property
+    def device_columns(self) -> dict[str, np.ndarray]:
+        """The device table's index columns (``device_id``, ``n_windows``, ``first_time``,
+        ``last_time``, ``range_device``, ``range_start``, ``range_stop``: int64, ascending id / by
+        range start): a format-2 store's index arrays, read without its entries, so a loader's
+        selection at 100K devices parses no per-device JSON."""
+        where = table_path(self.root)
+        if where is not None:
+            return columns(self.location, where)
+        return device_table_columns(self.device_table)
 
     @property
     def n_devices(self) -> int:
@@ -138,9 +150,8 @@ class Store:
     def _device_index(self) -> tuple[np.ndarray, np.ndarray]:
         """The device ids sorted, and each one's position in ``device_table``: ``device`` finds
         an entry by binary search (at 100K devices a scan cost ~2.5 ms a lookup)."""
-        where = table_path(self.root)
-        if where is not None:  # format 2: the index array, ascending like the table
-            ids = columns(self.location, where)["device_id"]
+        if table_path(self.root) is not None:  # format 2: the index array, ascending like the table
+            ids = self.device_columns["device_id"]
             return ids, np.arange(len(ids))
         ids = np.fromiter((e.device_id for e in self.device_table), dtype=np.int64,
                           count=len(self.device_table))
