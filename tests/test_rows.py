@@ -102,3 +102,34 @@ def test_seeded_rows_and_mixed_blocks_code_each_device_against_its_row() -> None
     distinct = [[len(np.unique(w[:, :, c].view(np.uint32))) for c in range(3)] for w in (a, b)]
     assert d.sizes().tolist() == distinct
     assert_exact(decode_all(codes, rows, mixed[order], d), mixed[order])
+
+
+def test_the_seeded_fast_path_codes_as_the_device_by_device_path() -> None:
+    """code_mixed's vectorised path (every device seeded with sorted entries) gives the codes and
+    rows of coding each device on its own; a value a row lacks, or unsorted seeds, take the
+    device-by-device path and still round-trip."""
+    parts = {d: calibrated(150 + 10 * d, seed=d) for d in range(1, 7)}
+    devices = np.concatenate([np.full(len(w), d) for d, w in parts.items()])
+    windows = np.concatenate(list(parts.values()))
+    order = np.random.default_rng(2).permutation(len(devices))
+    sorted_seeds = {d: [np.unique(w[:, :, c].view(np.uint32)) for c in range(3)] for d, w in parts.items()}
+    fast, slow = RowCoder(), RowCoder()
+    for d, entries in sorted_seeds.items():
+        fast.seed(d, entries)
+        slow.seed(d, [e[::-1].copy() for e in entries])  # unsorted: never the fast path
+    assert fast._seeded_index() is not None and slow._seeded_index() is None
+    codes, rows = fast.code_mixed(devices[order], windows[order])
+    slow_codes, slow_rows = slow.code_mixed(devices[order], windows[order])
+    assert np.array_equal(rows, slow_rows)
+    assert_exact(decode_all(codes, rows, windows[order], fast.new_rows()), windows[order])
+    assert_exact(decode_all(slow_codes, slow_rows, windows[order], slow.new_rows()), windows[order])
+    # the fast path's codes are positions in the sorted entries: as pandas' look-up gives them
+    expected = np.stack([np.searchsorted(sorted_seeds[d][c], windows[order][i, :, c].view(np.uint32))
+                         for i, d in enumerate(devices[order].tolist()) for c in range(3)]).reshape(-1, 3, 20)
+    assert np.array_equal(codes.transpose(0, 2, 1), expected)
+    # a value no row holds: the row grows (device by device) and the windows still round-trip
+    extra = windows[order][:5].copy()
+    extra[:, 0, 0] = np.float32(7.25)
+    more_codes, more_rows = fast.code_mixed(devices[order][:5], extra)
+    assert fast._seeded_index() is None  # a grown row is no longer sorted
+    assert_exact(decode_all(more_codes, more_rows, extra, fast.new_rows()), extra)

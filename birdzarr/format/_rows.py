@@ -40,6 +40,7 @@ class _Row:
     device: int
     entries: list[np.ndarray]  # uint32 bit patterns per channel, in code order
     frozen: bool = False  # stored already (an append's previous rows): never grows
+    seeded: bool = False  # opened by ``seed``: entries sorted by bit pattern until it grows
     _lookups: list[Any] = field(default_factory=list)  # per channel: a pandas Index of the entries
 
     def lookup(self, channel: int) -> Any:
@@ -63,6 +64,7 @@ class RowCoder:
     first_value: int = 0  # the dictionary entry its first row starts at
     _open: dict[int, _Row] = field(default_factory=dict)  # each device's latest row
     _new: list[_Row] = field(default_factory=list)  # rows opened here, in order
+    _seeded: _SeededIndex | None = None  # every seeded row at once (``code_mixed``'s fast path)
 
     @classmethod
     def appending_to(cls, previous: Dictionaries) -> RowCoder:
@@ -89,7 +91,10 @@ class RowCoder:
             raise ValueError(f"device {device} already has a row")
         if any(len(e) > MAX_ENTRIES for e in entries):
             raise ValueError(f"a seeded row holds at most {MAX_ENTRIES} entries a channel")
-        self._start_row(device, [np.asarray(e, np.uint32) for e in entries])
+        arrays = [np.asarray(e, np.uint32) for e in entries]
+        row = self._start_row(device, arrays)
+        row.seeded = all(bool((e[1:] > e[:-1]).all()) for e in arrays)  # the fast path needs them sorted
+        self._seeded = None
 
     def code(self, device: int, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Codes (uint16 (n, 20, 3)) and row numbers (int64 (n,)) of ``device``'s next windows
@@ -113,6 +118,9 @@ class RowCoder:
         """``code`` for windows of several devices (``devices``: one id a window); each device's
         windows are coded in the order they appear."""
         devices = np.asarray(devices).reshape(-1)
+        fast = self._code_seeded(devices, windows)
+        if fast is not None:
+            return fast
         codes = np.empty((len(devices), WINDOW_LENGTH, N_CODED), np.uint16)
         rows = np.empty(len(devices), np.int64)
         order = np.argsort(devices, kind="stable")
@@ -122,6 +130,44 @@ class RowCoder:
             where = order[begin:end]
             codes[where], rows[where] = self.code(int(ordered[begin]), windows[where])
         return codes, rows
+
+    def _code_seeded(self, devices: np.ndarray, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """``code_mixed`` in one vectorised pass where every window's device has a seeded row
+        that already holds all its values (a shuffle's pass 2): each value's code is its position
+        in its row's sorted entries, found by one binary search a channel over the (row, value)
+        keys of every seeded row (a Python loop over 20,000 devices a block took most of a
+        20,000-device shuffle's pass 2). None (the caller codes device by device) otherwise."""
+        if not len(devices):
+            return None
+        index = self._seeded_index()
+        if index is None:
+            return None
+        at = np.searchsorted(index.devices, devices)
+        at = np.minimum(at, len(index.devices) - 1)
+        if not (index.devices[at] == devices).all():
+            return None  # a device without a seeded row
+        rows = index.rows[at]
+        bits = np.ascontiguousarray(windows).view(np.uint32)
+        codes = np.empty((len(devices), WINDOW_LENGTH, N_CODED), np.uint16)
+        high = (rows.astype(np.uint64) << np.uint64(32))[:, None]
+        for c in range(N_CODED):
+            keys = high | bits[:, :, c].astype(np.uint64)
+            position = np.searchsorted(index.keys[c], keys)
+            position = np.minimum(position, len(index.keys[c]) - 1)
+            if not (index.keys[c][position] == keys).all():
+                return None  # a value its row lacks: the rows grow, device by device
+            codes[:, :, c] = position - index.first[c][at][:, None]
+        return codes, rows
+
+    def _seeded_index(self) -> _SeededIndex | None:
+        """The (row, value) keys of every seeded row, built once after the seeding; None if no
+        row is seeded, or a row grew since (its entries are no longer sorted)."""
+        if self._seeded is None:
+            seeded = [row for row in self._new if row.seeded and self._open.get(row.device) is row]
+            if not seeded:
+                return None
+            self._seeded = _SeededIndex.of(seeded)
+        return self._seeded if self._seeded.valid else None
 
     def close_device(self, device: int) -> None:
         """``device`` has no more windows: drop its look-up state (its entries stay)."""
@@ -168,6 +214,10 @@ class RowCoder:
                 row = self._start_row(row.device, row.grow(added))
             else:
                 row.entries, row._lookups = row.grow(added), []
+                if row.seeded:  # no longer sorted: the seeded index no longer holds it
+                    row.seeded = False
+                    if self._seeded is not None:
+                        self._seeded.valid = False
         for c, position in enumerate(found):
             codes[:n, :, c] = position.reshape(n, WINDOW_LENGTH)
         rows[:n] = row.number
@@ -192,3 +242,32 @@ class RowCoder:
                 return 0
             return self._code_into(row, bits[:fits], codes[:fits], rows[:fits])
         raise AssertionError("the bisection and the look-up disagree on a row's room")  # pragma: no cover
+
+
+@dataclass
+class _SeededIndex:
+    """Every seeded row's entries as sorted uint64 keys ``row << 32 | value`` a channel (rows are
+    numbered in seeding order and each row's entries are sorted, so the concatenation is sorted)."""
+
+    devices: np.ndarray  # int64, ascending: the seeded devices
+    rows: np.ndarray  # int64: each device's row number
+    keys: list[np.ndarray]  # per channel
+    first: list[np.ndarray]  # per channel: the position of each device's first key
+    valid: bool = True
+
+    @classmethod
+    def of(cls, seeded: list[_Row]) -> _SeededIndex:
+        by_device = sorted(seeded, key=lambda r: r.device)
+        devices = np.array([r.device for r in by_device], np.int64)
+        rows = np.array([r.number for r in by_device], np.int64)
+        by_number = sorted(seeded, key=lambda r: r.number)
+        keys, first = [], []
+        for c in range(N_CODED):
+            counts = np.array([len(r.entries[c]) for r in by_number], np.int64)
+            offsets = (np.cumsum(counts) - counts).tolist()
+            starts = dict(zip((r.number for r in by_number), offsets, strict=True))
+            number = np.repeat(np.array([r.number for r in by_number], np.uint64), counts)
+            values = np.concatenate([r.entries[c] for r in by_number]).astype(np.uint64)
+            keys.append((number << np.uint64(32)) | values)
+            first.append(np.array([starts[int(n)] for n in rows], np.int64))
+        return cls(devices, rows, keys, first)
