@@ -133,3 +133,20 @@ def test_the_seeded_fast_path_codes_as_the_device_by_device_path() -> None:
     more_codes, more_rows = fast.code_mixed(devices[order][:5], extra)
     assert fast._seeded_index() is None  # a grown row is no longer sorted
     assert_exact(decode_all(more_codes, more_rows, extra, fast.new_rows()), extra)
+
+
+def test_a_first_block_is_coded_as_the_hash_look_up_codes_it() -> None:
+    """A device's first block takes the numpy path (no entries yet); the same windows coded
+    after a one-window block take the pandas look-up. Both give first-seen entries, so the rows
+    are equal and the codes of the shared windows too."""
+    windows = calibrated(400, seed=12)
+    fresh = RowCoder()
+    codes, rows = fresh.code(5, windows)
+    looked_up = RowCoder()
+    first_codes, _ = looked_up.code(5, windows[:1])
+    rest_codes, _ = looked_up.code(5, windows[1:])
+    a, b = fresh.new_rows(), looked_up.new_rows()
+    assert np.array_equal(a.values.view(np.uint32), b.values.view(np.uint32))
+    assert np.array_equal(a.start, b.start)
+    assert np.array_equal(codes, np.concatenate([first_codes, rest_codes]))
+    assert_exact(decode_all(codes, rows, windows, a), windows)

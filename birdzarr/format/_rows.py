@@ -197,6 +197,8 @@ class RowCoder:
         import pandas as pd
 
         n = len(bits)
+        if not any(len(e) for e in row.entries) and not row.frozen:
+            return self._code_fresh(row, bits, codes, rows)
         found, added = [], []
         for c in range(N_CODED):
             values = bits[:, :, c].reshape(-1)
@@ -218,6 +220,29 @@ class RowCoder:
                     row.seeded = False
                     if self._seeded is not None:
                         self._seeded.valid = False
+        for c, position in enumerate(found):
+            codes[:n, :, c] = position.reshape(n, WINDOW_LENGTH)
+        rows[:n] = row.number
+        return n
+
+    def _code_fresh(self, row: _Row, bits: np.ndarray, codes: np.ndarray, rows: np.ndarray) -> int:
+        """``_code_into`` for a row without entries (a device's first block): its entries are the
+        block's distinct values in first-seen order, found with numpy alone. The same codes as the
+        hash look-up, without its fixed cost (~0.3 ms a channel: two pandas indexes and a unique),
+        which made a 20,000-device conversion of 15-window devices spend half its CPU here."""
+        n = len(bits)
+        entries, found = [], []
+        for c in range(N_CODED):
+            values = bits[:, :, c].reshape(-1)
+            distinct, first, inverse = np.unique(values, return_index=True, return_inverse=True)
+            if len(distinct) > MAX_ENTRIES:
+                return self._code_prefix(row, bits, codes, rows)
+            order = np.argsort(first, kind="stable")  # the distinct values by first occurrence
+            rank = np.empty(len(distinct), np.int64)
+            rank[order] = np.arange(len(distinct))
+            entries.append(distinct[order])
+            found.append(rank[inverse.reshape(-1)])
+        row.entries, row._lookups = entries, []
         for c, position in enumerate(found):
             codes[:n, :, c] = position.reshape(n, WINDOW_LENGTH)
         rows[:n] = row.number
