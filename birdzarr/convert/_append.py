@@ -37,7 +37,7 @@ from birdzarr.convert._input import split_suffix
 from birdzarr.convert._memory import arrow_pool
 from birdzarr.convert._slabs import writable_arrays
 from birdzarr.convert._sources import DeviceSource, file_name, find_inputs
-from birdzarr.convert._writer import CSV_TAILS, Writer, _now, csv_tails_record, remove_other_tables
+from birdzarr.convert._writer import CSV_TAILS, Writer, _now, csv_tails_record
 from birdzarr.format import _v2
 from birdzarr.format._digest import window_hashes
 from birdzarr.format._rows import RowCoder
@@ -52,7 +52,7 @@ from birdzarr.format._spec import (
 )
 from birdzarr.storage._location import Location, StoreLike, resolve, zarr_store
 from birdzarr.store._device_table import merged
-from birdzarr.store._tail import discard_uncommitted
+from birdzarr.store._tail import discard_format2_leftovers, discard_uncommitted
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator
@@ -90,7 +90,7 @@ class AppendWriter(Writer):
         self.unknown_tails: set[int] = set()
         self.continued: dict[int, int] = {}  # device -> rows of a committed burst continued
         self.window_arrays: tuple[str, ...] = ()  # the store's per-window arrays
-        self.committed_rows: tuple[int, int] | None = None  # format 2: (rows, entries) committed
+        self.committed_format2: dict[str, Any] | None = None  # format 2: the commit record appended to
 
     def _open(self) -> tuple[dict[str, Any], int]:
         from birdzarr.storage._root import read_root as _read_root
@@ -118,10 +118,9 @@ class AppendWriter(Writer):
         # a killed run's would not grow them back (the commit's arrays kept the committed length)
         arrays = writable_arrays(group)
         if _v2.CODES in arrays:  # format 2: new windows reuse or extend the committed rows
-            self.committed_rows = committed_dictionary(committed, group)
-            self.cleaned += cut_dictionary(group, self.committed_rows)
-            self.coder = RowCoder.appending_to(read_dictionary(group, self.committed_rows))
-            remove_other_tables(self.location, keep=committed["device_table"])  # a killed commit's
+            self.cleaned += discard_format2_leftovers(self.location, group, committed)
+            self.coder = RowCoder.appending_to(read_dictionary(group, committed_dictionary(committed, group)))
+            self.committed_format2 = committed
         self.group = group  # from here on, a failure cuts the arrays back again (_abandon)
         self.devices = {e.device_id: e for e in (DeviceEntry.from_json(d) for d in meta.get("devices", []))}
         report = meta.get("report", {}).get("devices", {})
@@ -164,8 +163,8 @@ class AppendWriter(Writer):
             # the append's own error is the one to report; `birdzarr repair` can finish this
             with contextlib.suppress(Exception):
                 discard_uncommitted(self.location, self.group, self.previous_windows, self.window_arrays)
-                if self.committed_rows is not None:
-                    cut_dictionary(self.group, self.committed_rows)
+                if self.committed_format2 is not None:  # the rows and table group it wrote
+                    discard_format2_leftovers(self.location, self.group, self.committed_format2)
 
     def write_device(self, device_id: int, blocks: Iterable[WindowBlock], sources: list[str],
                      continued: int = 0) -> DeviceReport:
@@ -239,19 +238,6 @@ def committed_dictionary(committed: dict[str, Any], group: Any) -> tuple[int, in
     rows = recorded.get("rows", group[_v2.DEVICE].shape[0])
     values = recorded.get("values", group[_v2.VALUES].shape[0])
     return int(rows), int(values)
-
-
-def cut_dictionary(group: Any, committed: tuple[int, int]) -> list[str]:
-    """Format 2: cut the dictionary arrays back to the committed rows and entries (rows an
-    interrupted append added); what was done, for the report."""
-    rows, values = committed
-    actions = []
-    for name, length in ((_v2.VALUES, values), (_v2.START, rows), (_v2.DEVICE, rows)):
-        array = group[name]
-        if array.shape[0] != length:
-            actions.append(f"resized '{name}' from {array.shape[0]:,} to the committed {length:,}")
-            array.resize((length, *array.shape[1:]))
-    return actions
 
 
 def read_dictionary(group: Any, committed: tuple[int, int]) -> _v2.Dictionaries:

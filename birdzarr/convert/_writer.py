@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
-import os
 from collections.abc import Iterable
 from typing import Any, Self
 
@@ -49,8 +48,9 @@ from birdzarr.format._spec import (
     DeviceReport,
     array_attributes,
 )
-from birdzarr.storage._location import Location, exists, zarr_store
+from birdzarr.storage._location import Location, exists, write_json, zarr_store
 from birdzarr.storage._lock import LOCK_NAME, StoreLock, clear_except_lock, release_and_tidy
+from birdzarr.store._tail import discard_format2_leftovers
 
 _PER_WINDOW_DTYPES = {DEVICE: np.int32, TIMESTAMP: np.int64, LABEL: np.int32}
 _FILL = {DEVICE: -1, TIMESTAMP: TIMESTAMP_UNKNOWN, LABEL: LABEL_UNLABELLED}
@@ -206,8 +206,9 @@ class Writer:
             root = self._write_device_table(attrs)
         self.group.attrs.put({ATTRS_KEY: root})
         self._committed = True
-        if self.coder is not None:
-            remove_other_tables(self.location, keep=root["committed"]["device_table"])
+        if self.coder is not None:  # the generation this commit replaced, a killed one's: leftovers now
+            with contextlib.suppress(OSError):  # best effort: the next writer or repair removes them too
+                discard_format2_leftovers(self.location, self.group, root["committed"])
         return attrs
 
     def _write_device_table(self, attrs: dict[str, Any]) -> dict[str, Any]:
@@ -274,9 +275,7 @@ class StoreWriter(Writer):
         (birdzarr/format/_v2.py): core codecs only. Returns the per-window ones."""
         self.coder = RowCoder()
         for name, meta in _v2.array_metadata(0, 0, 0, chunk_windows=self.chunk_windows).items():
-            if self.location.is_local:  # object stores have no directories
-                os.makedirs(self.location.join(name), exist_ok=True)
-            self.location.fs.pipe_file(self.location.join(name, "zarr.json"), json.dumps(meta).encode())
+            write_json(self.location, f"{name}/zarr.json", meta)
         return {name: _array(group, name).with_config(EVERY_CHUNK) for name in (_v2.CODES, _v2.GPS, _v2.ROW)}
 
     def _create_format1_window_array(self, group: zarr.Group) -> dict[str, Any]:
@@ -385,28 +384,11 @@ def write_device_table(location: Location, where: str, details: dict[str, Any],
     for name, values in arrays.items():
         documents[f"{where}/{name}"] = device_table.array_metadata(len(values))
     for key, document in documents.items():
-        if location.is_local:  # object stores have no directories
-            os.makedirs(location.join(key), exist_ok=True)
-        location.fs.pipe_file(location.join(key, "zarr.json"), json.dumps(document).encode())
+        write_json(location, f"{key}/zarr.json", document)
     for name, values in arrays.items():
         if len(values):
             # every chunk stored, even one equal to the fill value (a table of one device at 0)
             zarr.open_array(store, path=f"{where}/{name}", mode="r+").with_config(EVERY_CHUNK)[:] = values
-
-
-def remove_other_tables(location: Location, *, keep: str) -> None:
-    """Remove device table generations other than ``keep`` (a replaced commit's, or one a
-    killed commit left); best effort: a leftover is harmless and the next writer tries again."""
-    root = location.join(device_table.GROUP)
-    try:
-        entries = location.fs.ls(root, detail=False)
-    except (FileNotFoundError, OSError):
-        return
-    for entry in entries:
-        name = entry.rstrip("/").rsplit("/", 1)[-1]
-        if name.isdigit() and f"{device_table.GROUP}/{name}" != keep:
-            with contextlib.suppress(FileNotFoundError, OSError):
-                location.fs.rm(entry, recursive=True)
 
 
 def csv_tails_record(known: dict[int, dict[str, Any] | None], unknown: Iterable[int]) -> dict[str, Any]:

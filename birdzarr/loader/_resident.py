@@ -304,11 +304,7 @@ class ResidentSelection:
             _fill_ldt(reader, chunk, local, ldt_np, labels_np, at)
             return len(rows)
 
-        bar = progress_bar(progress, total=n, desc=f"loading {url}", unit=" windows")
-        pool = ThreadPoolExecutor(max_workers=max(1, prefetch), thread_name_prefix="birdzarr-resident")
-        with bar, pool as threads:
-            for count in threads.map(load_one, range(len(keep))):
-                bar.update(count)
+        _load_chunks(load_one, len(keep), n, prefetch=prefetch, progress=progress, url=url)
         values, offsets = held_dictionaries(dictionaries, row_np)
         held = HeldCodes(codes, gps, row, torch.from_numpy(values), torch.from_numpy(offsets))
         global_index = np.concatenate([rows for _, rows in keep]) if keep else np.empty(0, np.int64)
@@ -357,11 +353,7 @@ class ResidentSelection:
             _fill_ldt(reader, chunk, local, ldt_np, labels_np, at)
             return len(rows)
 
-        bar = progress_bar(progress, total=n, desc=f"loading {url}", unit=" windows")
-        pool = ThreadPoolExecutor(max_workers=max(1, prefetch), thread_name_prefix="birdzarr-resident")
-        with bar, pool as threads:
-            for count in threads.map(load_one, range(len(keep))):
-                bar.update(count)
+        _load_chunks(load_one, len(keep), n, prefetch=prefetch, progress=progress, url=url)
         table = row_offsets = bounds = None
         if layout is not None:
             columns = [layout.columns(c) for c in range(N_CHANNELS)]
@@ -567,3 +559,14 @@ def _host_empty(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> tor
     nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
     storage = torch.UntypedStorage._new_shared(max(nbytes, 1))
     return torch.empty(0, dtype=dtype).set_(storage, 0, shape)  # type: ignore[call-overload]
+
+
+def _load_chunks(load_one: Any, n_chunks: int, n_windows: int, *, prefetch: int, progress: bool,
+                 url: str) -> None:
+    """Run ``load_one(i)`` (it returns the windows it loaded) for every kept chunk on ``prefetch``
+    threads, with one progress bar: how both resident layouts fill their host arrays."""
+    bar = progress_bar(progress, total=n_windows, desc=f"loading {url}", unit=" windows")
+    pool = ThreadPoolExecutor(max_workers=max(1, prefetch), thread_name_prefix="birdzarr-resident")
+    with bar, pool as threads:
+        for count in threads.map(load_one, range(n_chunks)):
+            bar.update(count)

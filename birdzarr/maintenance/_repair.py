@@ -56,7 +56,7 @@ from birdzarr.storage._lock import StoreLock, clear_except_lock, read_holder
 from birdzarr.storage._lock import break_lock as _break_lock
 from birdzarr.storage._root import parse_root
 from birdzarr.store._chunks import array_names, read_array_meta
-from birdzarr.store._tail import discard_uncommitted
+from birdzarr.store._tail import discard_format2_leftovers, discard_uncommitted
 
 if TYPE_CHECKING:
     from birdzarr.store._handle import Store
@@ -171,7 +171,7 @@ def repair(
         report.actions += discard_uncommitted(location, group, n_windows,
                                               window_arrays(int(meta["format_version"])))
         if int(meta["format_version"]) >= 2:
-            report.actions += _discard_format2_leftovers(location, group, committed)
+            report.actions += discard_format2_leftovers(location, group, committed)
         if opened is not None:
             _write_rebuilds(opened, plans, report)
     finally:
@@ -180,24 +180,6 @@ def repair(
             _remove_if_empty(location)
     report.notes += shuffle_leftovers()
     return report
-
-
-def _discard_format2_leftovers(location: Location, group: Any, committed: dict[str, Any]) -> list[str]:
-    """Cut the dictionary arrays back to the lengths the commit counts and remove device table
-    groups of other generations (what an interrupted append or commit leaves)."""
-    from birdzarr.maintenance._verify import format2_leftovers
-
-    actions = []
-    for kind, name, length, counted in format2_leftovers(location, committed):
-        if kind == "array":
-            array = group[name]
-            array.resize((counted, *array.shape[1:]))  # zarr deletes the chunks wholly outside
-            unit = "entries" if name == _v2.VALUES else "rows"
-            actions.append(f"resized '{name}' from {length:,} to the committed {counted:,} {unit}")
-        else:
-            location.fs.rm(location.join(name), recursive=True)
-            actions.append(f"removed '{name}', a device table the commit does not name")
-    return actions
 
 
 def shuffle_leftovers(directory: str | None = None) -> list[str]:

@@ -61,7 +61,7 @@ from birdzarr.storage._location import Location, StoreLike, read_object, resolve
 from birdzarr.storage._lock import read_holder
 from birdzarr.storage._root import RESTORE_HINT
 from birdzarr.store._handle import Store, open_store
-from birdzarr.store._tail import leftovers, short_arrays
+from birdzarr.store._tail import describe_leftover, format2_leftovers, leftovers, short_arrays
 
 if TYPE_CHECKING:
     from birdzarr.convert._sources import DeviceSource
@@ -773,39 +773,6 @@ def _zip_longest(a: Iterator[Any], b: Iterator[Any]) -> Iterator[tuple[Any, Any]
 
 
 # -- format version 2 ------------------------------------------------------------------------------
-
-
-def format2_leftovers(location: Location, committed: dict[str, Any]) -> list[tuple[str, str, int, int]]:
-    """What an interrupted format-2 writer leaves beyond the per-window arrays: dictionary
-    arrays longer than the commit counts (``("array", name, length, committed)``) and device
-    table groups of other generations than the committed one (``("table", key, 0, 0)``)."""
-    from birdzarr.format import _device_table
-    from birdzarr.store._chunks import read_array_meta
-
-    found: list[tuple[str, str, int, int]] = []
-    counted = committed.get("dictionary") or {}
-    for name, key in ((_v2.VALUES, "values"), (_v2.START, "rows"), (_v2.DEVICE, "rows")):
-        if key in counted:
-            length = int(read_array_meta(location, name)["shape"][0])
-            if length > int(counted[key]):
-                found.append(("array", name, length, int(counted[key])))
-    keep = committed.get("device_table")
-    try:
-        entries = location.fs.ls(location.join(_device_table.GROUP), detail=False)
-    except (FileNotFoundError, OSError):
-        entries = []
-    for entry in sorted(entries):
-        name = entry.rstrip("/").rsplit("/", 1)[-1]
-        if keep and name.isdigit() and f"{_device_table.GROUP}/{name}" != keep:
-            found.append(("table", f"{_device_table.GROUP}/{name}", 0, 0))
-    return found
-
-
-def describe_leftover(kind: str, name: str, length: int, committed: int) -> str:
-    if kind == "table":
-        return f"device table group '{name}' is not the committed generation's"
-    unit = "entries" if name == _v2.VALUES else "rows"
-    return f"array '{name}' holds {length:,} {unit}; the commit counts {committed:,}"
 
 
 def window_arrays(format_version: int) -> tuple[str, ...]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import os
 import random
 import re
@@ -530,6 +531,15 @@ def _obstore_fetch(location: Location, path: str) -> bytes:
         )
     _obstore_pid = os.getpid()
     return bytes(obstore.get(_obstore_stores[token], key).bytes())
+
+
+def write_json(location: Location, key: str, document: Any) -> None:
+    """Write ``document`` as the JSON object ``key`` under the location (a local file's
+    directories made first: object stores have none)."""
+    path = location.join(key)
+    if location.is_local:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    location.fs.pipe_file(path, json.dumps(document).encode())
 
 
 def read_object(location: Location, key: str) -> bytes:

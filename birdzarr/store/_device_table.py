@@ -18,6 +18,7 @@ from birdzarr.format import _device_table as device_table
 from birdzarr.format._codec import ChunkCodec
 from birdzarr.storage._location import Location, read_object
 from birdzarr.storage._root import RESTORE_HINT
+from birdzarr.store._chunks import read_array_meta
 
 
 def table_path(root: dict[str, Any]) -> str | None:
@@ -62,7 +63,7 @@ def columns(location: Location, where: str) -> dict[str, np.ndarray]:
     out = {}
     for name in (*device_table.COLUMNS, *device_table.RANGES):
         key = f"{where}/{name}"
-        meta = json.loads(read_object(location, f"{key}/zarr.json"))
+        meta = read_array_meta(location, key)  # damaged or missing: the readers' one-line error
         length = int(meta["shape"][0])
         chunk = int(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
         codec = ChunkCodec.parse(meta["codecs"], dtype="int64")

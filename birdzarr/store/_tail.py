@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from birdzarr.format import _v2
+from birdzarr.format import _device_table, _v2
 from birdzarr.format._spec import GIMU, PER_WINDOW_ARRAYS
 from birdzarr.storage._location import Location
 from birdzarr.storage._lock import read_holder
@@ -113,4 +113,50 @@ def discard_uncommitted(location: Location, group: Any, n_windows: int,
         location.fs.rm_file(path)
     if temps:
         actions.append(f"deleted {len(temps)} partial temp file(s)")
+    return actions
+
+
+def format2_leftovers(location: Location, committed: dict[str, Any]) -> list[tuple[str, str, int, int]]:
+    """What an interrupted format-2 writer leaves beyond the per-window arrays: dictionary
+    arrays longer than the commit counts (``("array", name, length, committed)``) and device
+    table groups of other generations than the committed one (``("table", key, 0, 0)``)."""
+    found: list[tuple[str, str, int, int]] = []
+    counted = committed.get("dictionary") or {}
+    for name, key in ((_v2.VALUES, "values"), (_v2.START, "rows"), (_v2.DEVICE, "rows")):
+        if key in counted:
+            length = int(read_array_meta(location, name)["shape"][0])
+            if length > int(counted[key]):
+                found.append(("array", name, length, int(counted[key])))
+    keep = committed.get("device_table")
+    try:
+        entries = location.fs.ls(location.join(_device_table.GROUP), detail=False)
+    except (FileNotFoundError, OSError):
+        entries = []
+    for entry in sorted(entries):
+        name = entry.rstrip("/").rsplit("/", 1)[-1]
+        if keep and name.isdigit() and f"{_device_table.GROUP}/{name}" != keep:
+            found.append(("table", f"{_device_table.GROUP}/{name}", 0, 0))
+    return found
+
+
+def describe_leftover(kind: str, name: str, length: int, committed: int) -> str:
+    if kind == "table":
+        return f"device table group '{name}' is not the committed generation's"
+    unit = "entries" if name == _v2.VALUES else "rows"
+    return f"array '{name}' holds {length:,} {unit}; the commit counts {committed:,}"
+
+
+def discard_format2_leftovers(location: Location, group: Any, committed: dict[str, Any]) -> list[str]:
+    """Cut the dictionary arrays back to the lengths the commit counts and remove device table
+    groups of other generations (what an interrupted append or commit leaves)."""
+    actions = []
+    for kind, name, length, counted in format2_leftovers(location, committed):
+        if kind == "array":
+            array = group[name]
+            array.resize((counted, *array.shape[1:]))  # zarr deletes the chunks wholly outside
+            unit = "entries" if name == _v2.VALUES else "rows"
+            actions.append(f"resized '{name}' from {length:,} to the committed {counted:,} {unit}")
+        else:
+            location.fs.rm(location.join(name), recursive=True)
+            actions.append(f"removed '{name}', a device table the commit does not name")
     return actions
