@@ -201,25 +201,6 @@ def test_workers_beyond_four_per_core_are_lowered_with_a_warning() -> None:
         assert resolve_workers(10_000) == 4 * cores
 
 
-def test_loader_options_of_the_wrong_kind_are_named(small_store: birdzarr.Store) -> None:
-    assert small_store.device(str(small_store.device_table[0].device_id)) == small_store.device_table[0]
-    for options, error, message in [
-        ({"batch_size": 1.5}, TypeError, "batch_size must be an integer, got 1.5"),
-        ({"batch_size": "8"}, TypeError, "batch_size must be an integer, got '8'"),
-        ({"shuffle_buffer": 0}, ValueError, "shuffle_buffer must be positive, got 0"),
-        ({"devices": "200"}, TypeError, "devices and exclude_devices are lists of device ids, got '200': "
-                                        "write ['200']"),
-        ({"exclude_devices": 200}, TypeError, "devices and exclude_devices are lists of device ids, got "
-                                              "200: write [200]"),
-    ]:
-        with pytest.raises(error) as refused:
-            birdzarr.WindowDataset(small_store, allow_device_order=True, **options)  # type: ignore[arg-type]
-        assert str(refused.value) == message
-    if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match=r"^resident='cuda': this PyTorch sees no CUDA device"):
-            birdzarr.WindowDataset(small_store, resident="cuda")
-
-
 def test_an_empty_path_names_nothing(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(birdzarr.StoreNotFoundError, match="^an empty path names no store or source"):
         birdzarr.open_store("")
@@ -254,6 +235,7 @@ def test_a_device_id_is_the_same_device_everywhere(
                                 seed=3, progress=False)
     device = shuffled.device_table[0]
     as_text = str(device.device_id)  # as a table or the command line gives it
+    assert shuffled.device(as_text) == device
     assert len(shuffled.device_indices(as_text)) == device.n_windows
     assert np.array_equal(shuffled.device_windows(as_text), shuffled.device_windows(device.device_id))
     for call in (shuffled.device, shuffled.device_indices, shuffled.device_windows):
