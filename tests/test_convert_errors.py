@@ -209,21 +209,6 @@ def _convert(source: pathlib.Path, dest: pathlib.Path, **options: object) -> bir
     return birdzarr.convert(source, dest, progress=False, chunk_windows=512, **options)  # type: ignore[arg-type]
 
 
-def test_failed_overwrite_keeps_the_old_store(tmp_path: pathlib.Path) -> None:
-    good, bad = _sources(tmp_path)
-    _bad_parquet("truncated", bad / "9.parquet")  # fails after device 1 was written
-    dest = tmp_path / "s.zarr"
-    old = _convert(good, dest)
-    before = _files(dest)
-    with pytest.raises(BadInputError):
-        _convert(bad, dest, overwrite=True)
-    assert _files(dest) == before, "the old store must be byte-identical after a failed --overwrite"
-    assert not list(dest.glob("*lock*")), "a failed --overwrite releases DEST's lock"
-    assert len(birdzarr.open_store(dest)) == len(old) == 3000
-    assert verify(dest).ok
-    assert _siblings(dest) == []
-
-
 def test_overwrite_replaces_the_store_and_leaves_no_siblings(tmp_path: pathlib.Path) -> None:
     first, second = _sources(tmp_path)
     dest = tmp_path / "s.zarr"

@@ -372,46 +372,6 @@ def test_optional_obstore_fetcher(
     assert np.array_equal(bits(store.windows[:CHUNK]), bits(s3_store.windows[:CHUNK]))  # via s3fs
 
 
-def test_overwrite_with_bad_input_keeps_the_old_store_on_s3(
-    parquet_source: Any, moto: MotoEndpoint, bucket: str, tmp_path: Path  # noqa: F811
-) -> None:
-    """Bad input for an overwrite leaves the old store on S3 byte for byte: the replacement is
-    written under a sibling prefix and replaces the old store only once it has committed."""
-    from birdzarr._errors import BadInputError
-
-    directory, _ = parquet_source
-    options = s3_options(moto.url)
-    dest = f"s3://{bucket}/replace.zarr"
-    birdzarr.convert(directory, dest, chunk_windows=CHUNK, progress=False, storage_options=options)
-    location = resolve(dest, options)
-
-    def objects() -> dict[str, bytes]:
-        location.fs.invalidate_cache()
-        return {p: location.fs.cat_file(p) for p in location.fs.find(location.path)}
-
-    before = objects()
-    bad = tmp_path / "bad"
-    bad.mkdir()
-    for path in sorted(directory.iterdir())[:3]:
-        (bad / path.name).write_bytes(path.read_bytes())
-    (bad / "999.parquet").write_bytes(b"not parquet at all")
-    with pytest.raises(BadInputError, match="999.parquet"):
-        birdzarr.convert(bad, dest, overwrite=True, chunk_windows=CHUNK, progress=False,
-                         storage_options=options)
-    assert objects() == before
-    assert not location.fs.glob(f"{bucket}/replace.zarr.birdzarr-new-*")
-    (bad / "999.parquet").unlink()
-    store = birdzarr.convert(bad, dest, overwrite=True, chunk_windows=CHUNK, progress=False,
-                             storage_options=options)
-    assert len(store.device_table) == 3
-    from birdzarr.maintenance._verify import verify
-
-    assert verify(dest, storage_options=options).ok
-    location.fs.invalidate_cache()
-    assert not location.fs.glob(f"{bucket}/replace.zarr.birdzarr-new-*")
-    assert not location.fs.exists(f"{bucket}/replace.zarr/.birdzarr.lock")
-
-
 # -- conversions into a bucket in worker processes (input of 64 MB and more) ------------------------
 def padded_csv_dir(directory: Path, *, min_bytes: int) -> int:
     """Four devices of CSV exports whose value fields carry trailing zeros (``1.910000...0``: the

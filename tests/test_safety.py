@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
+from s3_support import MotoEndpoint, moto, new_bucket, s3_options  # noqa: F401  (moto: a fixture)
 
 import birdzarr
 from birdzarr._errors import (
@@ -143,28 +144,71 @@ def test_copy_takes_the_destination_lock(csv_source: pathlib.Path, tmp_path: pat
     assert len(birdzarr.open_store(dest)) == 6 and not (dest / ".birdzarr.lock").exists()
 
 
-# -- 2. an object store keeps the old store when the new input is bad ------------------------------
+# -- 2. an overwrite keeps the old store when the new input is bad --------------------------------
 
 
-def test_memory_overwrite_with_bad_input_keeps_the_old_store(csv_source: pathlib.Path) -> None:
-    dest = "memory://safety/keep.zarr"
-    birdzarr.convert(csv_source, dest, progress=False)
-    location = resolve(dest)
-    before = {p: location.fs.cat_file(p) for p in location.fs.find(location.path)}
-    bad = csv_source.parent / "bad"
-    bad.mkdir()
-    (bad / "500_0.csv").write_text(_csv(500, range(2)))
-    (bad / "500_1.csv").write_text(_csv(500, range(2, 4)).replace("0.9,", "oops,", 1))
-    with pytest.raises(BadInputError, match="500_1.csv, line 1"):
-        birdzarr.convert(bad, dest, overwrite=True, progress=False)
+def _objects(location: Location) -> dict[str, bytes]:
+    """Every object of a store (a lock included, were there one) and its bytes."""
     location.fs.invalidate_cache()
-    assert {p: location.fs.cat_file(p) for p in location.fs.find(location.path)} == before
-    assert not location.fs.glob(location.path + ".birdzarr-new-*")  # the staged attempt is gone
-    # a good replacement goes through, and nothing of the staging is left
-    (bad / "500_1.csv").write_text(_csv(500, range(2, 4)))
-    assert len(birdzarr.convert(bad, dest, overwrite=True, progress=False)) == 4
-    assert len(birdzarr.open_store(dest)) == 4
-    assert not location.fs.glob(location.path + ".birdzarr-new-*")
+    return {p: location.fs.cat_file(p) for p in location.fs.find(location.path)}
+
+
+@pytest.mark.parametrize("where", ["local", "memory",
+                                   pytest.param("s3", marks=[pytest.mark.s3, pytest.mark.slow])])
+def test_an_overwrite_with_bad_input_keeps_the_old_store(
+    where: str, parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]], tmp_path: pathlib.Path,
+    request: pytest.FixtureRequest,
+) -> None:
+    """Bad input for an overwrite, found after part of the replacement was written, leaves the old
+    store byte for byte and unlocked, on a local disk, in memory and on S3: the replacement is written
+    under a sibling name and replaces the old store only once it has committed; a failed one leaves
+    no sibling, and a good replacement then goes through."""
+    options: dict[str, Any] = {}
+    if where == "local":
+        dest = str(tmp_path / "keep.zarr")
+    elif where == "memory":
+        dest = f"memory://safety/{tmp_path.name}/keep.zarr"
+    else:
+        moto: MotoEndpoint = request.getfixturevalue("moto")
+        options = s3_options(moto.url)
+        dest = f"s3://{new_bucket(moto)}/keep.zarr"
+    directory, truth = parquet_source
+    files = sorted(directory.glob("*.parquet"))
+    old, good = files[:6], files[6:9]
+    (tmp_path / "old").mkdir()
+    (tmp_path / "bad").mkdir()
+    for path in old:
+        (tmp_path / "old" / path.name).write_bytes(path.read_bytes())
+    for path in good:
+        (tmp_path / "bad" / path.name).write_bytes(path.read_bytes())
+    # fails while the replacement is written: its first devices are staged by then
+    (tmp_path / "bad" / "999.parquet").write_bytes(files[9].read_bytes()[:-300])
+    n_old, n_good = (sum(len(truth[int(p.stem)]) for p in part) for part in (old, good))
+
+    def convert(source: pathlib.Path) -> birdzarr.Store:
+        return birdzarr.convert(source, dest, overwrite=True, chunk_windows=1024, progress=False,
+                                storage_options=options)
+
+    convert(tmp_path / "old")
+    location = resolve(dest, options)
+    before = _objects(location)
+    assert not [p for p in before if "lock" in p.rsplit("/", 1)[-1]]
+
+    with pytest.raises(BadInputError, match="999.parquet: not a readable Parquet file"):
+        convert(tmp_path / "bad")
+    assert _objects(location) == before  # byte for byte, and no lock left behind
+    assert not location.fs.glob(location.path + ".birdzarr-*")  # the staged attempt is gone
+    assert len(birdzarr.open_store(dest, storage_options=options)) == n_old
+    assert verify(dest, storage_options=options).ok
+
+    (tmp_path / "bad" / "999.parquet").unlink()  # a good replacement goes through
+    store = convert(tmp_path / "bad")
+    assert len(store) == len(birdzarr.open_store(dest, storage_options=options)) == n_good
+    assert len(store.device_table) == 3
+    assert verify(dest, storage_options=options).ok
+    location.fs.invalidate_cache()
+    assert not location.fs.glob(location.path + ".birdzarr-*")
+    assert not [p for p in _objects(location) if "lock" in p.rsplit("/", 1)[-1]]
 
 
 # -- 6. the local swap has no moment without a store and a lock ------------------------------------
