@@ -7,14 +7,23 @@ keys), writes the six arrays of format 2 from ``_v2.array_metadata`` documents w
 deletes ``gimu``, sets ``format_version`` 2 in the root attributes and records the dictionary's
 committed lengths as the converter does (``committed.dictionary``: rows, values); nothing else
 changes.
+
+It also holds what several test modules set up alike: the documented decoding lines
+(``documented_decode``), a script run where birdzarr cannot be imported (``run_without_birdzarr``),
+the core-codecs check of the per-window arrays (``assert_core_codecs``) and a consistent rewrite of a
+format-2 store's device table (``rewrite_device_table``).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -54,6 +63,86 @@ def to_format2(path: str | Path) -> None:
     meta["format_version"] = 2
     meta["committed"]["dictionary"] = {"rows": encoded.new.n_rows, "values": len(encoded.new.values)}
     root_file.write_text(json.dumps(root, indent=2))
+
+
+# -- reading a format-2 store as a reader without birdzarr does ------------------------------------
+
+
+def documented_decode() -> str:
+    """The decoding lines of birdzarr/format/_v2.py's docstring, as a reader copies them."""
+    doc = _v2.__doc__ or ""
+    block = doc[doc.index("faster)::\n\n") + len("faster)::\n\n") :]
+    lines = []
+    for line in block.splitlines():
+        if not line.startswith("    "):
+            break
+        lines.append(line)
+    return textwrap.dedent("\n".join(lines))
+
+
+def run_without_birdzarr(lines: list[str]) -> None:
+    """Run ``lines`` in a new Python process in which birdzarr cannot be imported: it must succeed
+    and have loaded nothing of birdzarr."""
+    script = "\n".join([
+        "import sys",
+        "sys.modules['birdzarr'] = None  # any import of birdzarr fails",
+        "try:",
+        "    import birdzarr",
+        "except ImportError:",
+        "    pass",
+        "else:",
+        "    raise SystemExit('birdzarr was importable')",
+        *lines,
+        "print(sorted(m for m in sys.modules if m.startswith('birdzarr')))",
+    ])
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr + "\n" + script
+    # only the blocked entry: nothing of birdzarr loaded
+    assert done.stdout.strip() == "['birdzarr']", done.stdout
+
+
+def assert_core_codecs(root: str | Path) -> None:
+    """Every per-window and dictionary array of the format-2 store at ``root`` uses core Zarr v3
+    codecs only, and the store has no version-1 ``gimu`` array."""
+    for name in _v2.ARRAYS:
+        codecs = json.loads((Path(root) / name / "zarr.json").read_text())["codecs"]
+        assert {codec["name"] for codec in codecs} <= _v2.CORE_CODECS, name
+    assert not (Path(root) / GIMU).exists()
+
+
+# -- damaging a format-2 store consistently ----------------------------------------------------------
+
+T = TypeVar("T")
+
+
+def device_table_file(store: Path) -> Path:
+    """The zarr.json that holds the device table's entries on disk: the committed device table
+    group's on a format-2 store (the default), whose attributes hold them as format 1's root did."""
+    root = json.loads((store / "zarr.json").read_text())
+    return store / root["attributes"][ATTRS_KEY]["committed"]["device_table"] / "zarr.json"
+
+
+def rewrite_device_table(store: Path, edit: Callable[[list[dict[str, Any]]], T]) -> T:
+    """Damage the device table as a consistent rewrite of it would: ``edit`` changes the entries in
+    the committed group's zarr.json and the group's index arrays are written again from them (left
+    as they were, verify would name the index arrays that disagree with the entries first); what
+    ``edit`` returns."""
+    import zarr
+
+    from birdzarr.format import _device_table
+    from birdzarr.format._spec import DeviceEntry
+
+    path = device_table_file(store)
+    document = json.loads(path.read_text())
+    devices = document["attributes"][ATTRS_KEY]["devices"]
+    result = edit(devices)
+    path.write_text(json.dumps(document))
+    group = zarr.open_group(str(path.parent), mode="r+", zarr_format=3)
+    for name, values in _device_table.columns([DeviceEntry.from_json(d) for d in devices]).items():
+        array: Any = group[name]
+        array.resize(values.shape)
+        array[:] = values
+    return result
 
 
 # -- fixtures (import them into a test module to use them) --------------------------------------

@@ -4,13 +4,11 @@ stores written with core Zarr v3 codecs only, read by TensorStore and by zarr-py
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
+from format2_support import documented_decode, run_without_birdzarr
 
 from birdzarr.format import _v2
 
@@ -225,18 +223,6 @@ def test_slabs_of_devices_code_as_one_table_does(monkeypatch: pytest.MonkeyPatch
 # -- interop: a store written with core codecs only, read without birdzarr ------------------------
 
 
-def documented_decode() -> str:
-    """The decoding lines of _v2's docstring, as a reader copies them."""
-    doc = _v2.__doc__ or ""
-    block = doc[doc.index("faster)::\n\n") + len("faster)::\n\n") :]
-    lines = []
-    for line in block.splitlines():
-        if not line.startswith("    "):
-            break
-        lines.append(line)
-    return textwrap.dedent("\n".join(lines))
-
-
 @pytest.fixture(scope="module", params=["device", "shuffled"])
 def v2_store(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
              ) -> tuple[Path, np.ndarray]:
@@ -302,15 +288,7 @@ def test_zarr_without_birdzarr_reads_the_store_and_the_documented_lines_decode_i
 ) -> None:
     path, windows = v2_store
     out = tmp_path / "decoded.npy"
-    script = "\n".join([
-        "import sys",
-        "sys.modules['birdzarr'] = None  # any import of birdzarr fails",
-        "try:",
-        "    import birdzarr",
-        "except ImportError:",
-        "    pass",
-        "else:",
-        "    raise SystemExit('birdzarr was importable')",
+    run_without_birdzarr([
         "import numpy as np, zarr",
         f"root = {str(path)!r}",
         "z = {name: zarr.open_array(root + '/' + name, mode='r', zarr_format=3)",
@@ -318,9 +296,5 @@ def test_zarr_without_birdzarr_reads_the_store_and_the_documented_lines_decode_i
         f"a, b = 100, {len(windows)}",
         documented_decode(),
         f"np.save({str(out)!r}, windows)",
-        "print(sorted(m for m in sys.modules if m.startswith('birdzarr')))",
     ])
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "['birdzarr']"  # only the blocked entry: nothing of birdzarr loaded
     assert_exact(np.load(out), windows[100:])

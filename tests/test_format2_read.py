@@ -8,6 +8,7 @@ import json
 import pickle
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,16 @@ def pair(request: pytest.FixtureRequest) -> Pair:
 def writable_copy(store: birdzarr.Store, dest: Path) -> Path:
     shutil.copytree(store.location.path, dest)
     return dest
+
+
+def assert_cannot_decode(store: birdzarr.Store, read: Callable[[birdzarr.Store], object], chunk: str,
+                         why: str) -> None:
+    """``read(store)`` raises CorruptChunkError saying that ``chunk`` cannot be decoded, and ``why``."""
+    with pytest.raises(CorruptChunkError) as refused:
+        read(store)
+    assert str(refused.value) == (
+        f"{store.url}: chunk '{chunk}' cannot be decoded ({why}). The store is damaged; run "
+        "`birdzarr verify`.")
 
 
 def test_every_read_path_gives_the_version_1_windows_bit_for_bit(pair: Pair) -> None:
@@ -176,12 +187,8 @@ def test_a_damaged_chunk_raises_naming_its_array_and_key(v2_pair: Pair, tmp_path
     data = bytearray((path / array / key).read_bytes())
     data[len(data) // 2] ^= 0x10
     (path / array / key).write_bytes(bytes(data))
-    store = birdzarr.open_store(path)
-    with pytest.raises(CorruptChunkError) as damaged:
-        store.windows[2048:2100]
-    assert str(damaged.value) == (
-        f"{store.url}: chunk '{array}/{key}' cannot be decoded (crc32c checksum mismatch: the chunk's "
-        "bytes were changed or truncated). The store is damaged; run `birdzarr verify`.")
+    assert_cannot_decode(birdzarr.open_store(path), lambda store: store.windows[2048:2100], f"{array}/{key}",
+                         "crc32c checksum mismatch: the chunk's bytes were changed or truncated")
 
 
 def _store_rows(path: Path) -> tuple[Any, np.ndarray, np.ndarray]:
@@ -207,11 +214,8 @@ def test_a_code_past_its_dictionary_is_refused_not_misread(v2_pair: Pair, tmp_pa
     codes[window, 7, 1] = sizes[row[window], 1]  # one past the last entry
     store = birdzarr.open_store(path)
     assert_exact(store.windows[: chunk * 1024], v2_pair[0].windows[: chunk * 1024])  # the rest reads
-    with pytest.raises(CorruptChunkError) as refused:
-        store.windows[window]
-    assert str(refused.value) == (
-        f"{store.url}: chunk 'gimu_codes/c/{chunk}/0/0' cannot be decoded (a gimu code is past the end "
-        "of its dictionary). The store is damaged; run `birdzarr verify`.")
+    assert_cannot_decode(store, lambda store: store.windows[window], f"gimu_codes/c/{chunk}/0/0",
+                         "a gimu code is past the end of its dictionary")
     with pytest.raises(CorruptChunkError):
         store.reader.read_coded(chunk)
 
@@ -222,12 +226,8 @@ def test_a_row_past_the_dictionary_is_refused(v2_pair: Pair, tmp_path: Path) -> 
     path = writable_copy(v2_pair[1], tmp_path / "s.zarr")
     rows = zarr.open_array(str(path / _v2.ROW), mode="r+", zarr_format=3)
     rows[4100] = 12  # the store has rows 0..11
-    store = birdzarr.open_store(path)
-    with pytest.raises(CorruptChunkError) as refused:
-        store.windows[4096:4200]
-    assert str(refused.value) == (
-        f"{store.url}: chunk 'gimu_codes/c/4/0/0' cannot be decoded (gimu_row refers to row 12; the "
-        "dictionary has 12 rows). The store is damaged; run `birdzarr verify`.")
+    assert_cannot_decode(birdzarr.open_store(path), lambda store: store.windows[4096:4200],
+                         "gimu_codes/c/4/0/0", "gimu_row refers to row 12; the dictionary has 12 rows")
 
 
 def test_dictionary_arrays_that_disagree_are_refused(v2_pair: Pair, tmp_path: Path) -> None:

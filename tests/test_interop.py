@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import socket
 import subprocess
 import sys
-import textwrap
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -15,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from format2_support import assert_core_codecs, documented_decode, run_without_birdzarr
 from s3_support import (  # noqa: F401  (moto is a fixture)
     ACCESS_KEY,
     REGION,
@@ -206,18 +205,6 @@ def test_static_http_server_is_read_only_and_exact(
 # -- format 2: every array in core Zarr v3 codecs, read without birdzarr ---------------------------
 
 
-def _documented_decode() -> str:
-    """The decoding lines of birdzarr/format/_v2.py's docstring, as a reader copies them."""
-    doc = _v2.__doc__ or ""
-    block = doc[doc.index("faster)::\n\n") + len("faster)::\n\n") :]
-    lines = []
-    for line in block.splitlines():
-        if not line.startswith("    "):
-            break
-        lines.append(line)
-    return textwrap.dedent("\n".join(lines))
-
-
 _READ_WITH = {
     "tensorstore": [
         "import tensorstore as ts",
@@ -246,33 +233,18 @@ def test_a_format_2_store_is_read_without_birdzarr_and_decoded_with_the_document
         pytest.importorskip("tensorstore")
     v1, v2 = request.getfixturevalue("v2_pair" if order == "device order" else "v2_shuffled_pair")
     root = Path(v2.location.path)
-    for name in _v2.ARRAYS:
-        codecs = json.loads((root / name / "zarr.json").read_text())["codecs"]
-        assert {codec["name"] for codec in codecs} <= _v2.CORE_CODECS, name
-    assert not (root / "gimu").exists()
+    assert_core_codecs(root)
     a, b = 1000, len(v2) - 5
     out = tmp_path / "out.npz"
-    script = "\n".join([
-        "import sys",
-        "sys.modules['birdzarr'] = None  # any import of birdzarr fails",
-        "try:",
-        "    import birdzarr",
-        "except ImportError:",
-        "    pass",
-        "else:",
-        "    raise SystemExit('birdzarr was importable')",
+    run_without_birdzarr([
         "import numpy as np",
         f"root = {str(root)!r}",
         *_READ_WITH[reader],
         f"z = {{name: read(name) for name in {(*_v2.ARRAYS, 'device', 'label')!r}}}",
         f"a, b = {a}, {b}",
-        _documented_decode(),
+        documented_decode(),
         f"np.savez({str(out)!r}, windows=windows, device=z['device'][a:b], label=z['label'][a:b])",
-        "print(sorted(m for m in sys.modules if m.startswith('birdzarr')))",
     ])
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "['birdzarr']"  # only the blocked entry: nothing of birdzarr loaded
     got = np.load(out)
     expected = v2.windows[a:b]
     assert got["windows"].dtype == np.float32 and np.array_equal(bits(got["windows"]), bits(expected))
@@ -346,10 +318,7 @@ def test_a_default_store_is_decoded_without_birdzarr_by_the_lines_of_docs_format
     store = default_stores[order]
     root = Path(store.location.path)
     assert store.format_version == 2 and store.shuffled == (order == "shuffled")
-    assert not (root / "gimu").exists()
-    for name in _v2.ARRAYS:
-        codecs = json.loads((root / name / "zarr.json").read_text())["codecs"]
-        assert {codec["name"] for codec in codecs} <= _v2.CORE_CODECS, name
+    assert_core_codecs(root)
     zarr_lines = _format_doc_block("## Decoding the windows")
     assert zarr_lines[:2] == ["import numpy as np, zarr",
                               f'z = zarr.open_group("{_DOC_PATH}", mode="r", zarr_format=3)'], zarr_lines
@@ -378,23 +347,12 @@ def test_a_default_store_is_decoded_without_birdzarr_by_the_lines_of_docs_format
         ]
     decode = [line.replace(_DOC_PATH, "{root}") for line in decode]
     out = tmp_path / "out.npz"
-    script = "\n".join([
-        "import json, sys",
-        "sys.modules['birdzarr'] = None  # any import of birdzarr fails",
-        "try:",
-        "    import birdzarr",
-        "except ImportError:",
-        "    pass",
-        "else:",
-        "    raise SystemExit('birdzarr was importable')",
+    run_without_birdzarr([
+        "import json",
         f"root = {str(root)!r}",
         *(line.replace('"{root}"', "root").replace('f"{root}/', 'root + f"/') for line in decode),
         f"np.savez({str(out)!r}, windows=windows, a=a, b=b)",
-        "print(sorted(m for m in sys.modules if m.startswith('birdzarr')))",
     ])
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr + "\n" + script
-    assert done.stdout.strip() == "['birdzarr']"  # only the blocked entry: nothing of birdzarr loaded
     got = np.load(out)
     assert (int(got["a"]), int(got["b"])) == (0, len(store)) == (0, 30_000)
     expected = store.windows[:]

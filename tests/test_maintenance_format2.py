@@ -68,6 +68,14 @@ def converted_v2(request: pytest.FixtureRequest, parquet_source: tuple[pathlib.P
     return path
 
 
+@pytest.fixture()
+def converted_copy(converted_v2: pathlib.Path, tmp_path: pathlib.Path) -> pathlib.Path:
+    """A private copy of converted_v2 (in each order), free to damage."""
+    path = tmp_path / "v2.zarr"
+    shutil.copytree(converted_v2, path)
+    return path
+
+
 def _flip(path: pathlib.Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -178,10 +186,9 @@ def test_a_converted_format2_store_verifies_and_copies_in_either_order(
 
 
 def test_verify_says_once_that_damaged_dictionaries_stop_every_check(
-    converted_v2: pathlib.Path, parquet_source: tuple[pathlib.Path, dict], tmp_path: pathlib.Path
+    converted_copy: pathlib.Path, parquet_source: tuple[pathlib.Path, dict]
 ) -> None:
-    path = tmp_path / "v2.zarr"
-    shutil.copytree(converted_v2, path)
+    path = converted_copy
     (path / "dict_device" / "c" / "0").unlink()
     shuffled = birdzarr.open_store(path).shuffled
     result = verify(path, source=parquet_source[0])
@@ -196,10 +203,9 @@ def test_verify_says_once_that_damaged_dictionaries_stop_every_check(
 
 
 def test_verify_and_copy_check_the_device_table_arrays(
-    converted_v2: pathlib.Path, tmp_path: pathlib.Path
+    converted_copy: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
-    path = tmp_path / "v2.zarr"
-    shutil.copytree(converted_v2, path)
+    path = converted_copy
     table = "device_table/1"
     assert (path / table / "zarr.json").exists()
     (path / table / "first_time" / "c" / "0").unlink()
@@ -215,10 +221,9 @@ def test_verify_and_copy_check_the_device_table_arrays(
 
 
 def test_verify_finds_a_device_table_index_that_disagrees_with_its_entries(
-    converted_v2: pathlib.Path, tmp_path: pathlib.Path
+    converted_copy: pathlib.Path
 ) -> None:
-    path = tmp_path / "v2.zarr"
-    shutil.copytree(converted_v2, path)
+    path = converted_copy
     column = _array(path, "device_table/1/n_windows", "r+")
     counts = column[:]
     counts[3] += 1
@@ -467,10 +472,9 @@ def test_repair_chooses_the_first_row_of_the_device_holding_all_values(
 
 
 def test_repair_rebuilds_chunks_of_either_order_as_the_converter_wrote_them(
-    converted_v2: pathlib.Path, parquet_source: tuple[pathlib.Path, dict], tmp_path: pathlib.Path
+    converted_v2: pathlib.Path, converted_copy: pathlib.Path, parquet_source: tuple[pathlib.Path, dict]
 ) -> None:
-    path = tmp_path / "v2.zarr"
-    shutil.copytree(converted_v2, path)
+    path = converted_copy
     (path / "gps_speed" / "c" / "3" / "0").unlink()
     _flip(path / "gimu_row" / "c" / "7")
     _flip(path / "gps_speed" / "c" / "29" / "0")
@@ -487,10 +491,9 @@ def test_repair_rebuilds_chunks_of_either_order_as_the_converter_wrote_them(
 
 
 def test_repair_of_a_shuffled_store_places_windows_nothing_tells_apart_in_source_order(
-    converted_v2: pathlib.Path, parquet_source: tuple[pathlib.Path, dict], tmp_path: pathlib.Path
+    converted_v2: pathlib.Path, converted_copy: pathlib.Path, parquet_source: tuple[pathlib.Path, dict]
 ) -> None:
-    path = tmp_path / "v2.zarr"
-    shutil.copytree(converted_v2, path)
+    path = converted_copy
     for name in ("gimu_codes/c/2/0/0", "gimu_row/c/2", "gps_speed/c/2/0"):  # all of chunk 2 lost
         (path / name).unlink()
     report = repair(path, source=parquet_source[0])
@@ -519,10 +522,9 @@ def test_repair_of_a_shuffled_store_places_windows_nothing_tells_apart_in_source
 
 
 def test_repair_refuses_a_source_that_fails_the_recorded_checksum_or_digest(
-    converted_v2: pathlib.Path, parquet_source: tuple[pathlib.Path, dict], tmp_path: pathlib.Path
+    converted_copy: pathlib.Path, parquet_source: tuple[pathlib.Path, dict], tmp_path: pathlib.Path
 ) -> None:
-    path = tmp_path / "v2.zarr"
-    shutil.copytree(converted_v2, path)
+    path = converted_copy
     store = birdzarr.open_store(path)
     dicts = store.reader.dictionaries()
     row = int(np.flatnonzero(dicts.device == 207)[0])
@@ -551,10 +553,9 @@ def test_repair_refuses_a_source_that_fails_the_recorded_checksum_or_digest(
 
 
 def test_verify_names_and_repair_removes_what_an_interrupted_format2_append_leaves(
-    converted_v2: pathlib.Path, tmp_path: pathlib.Path
+    converted_copy: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
-    path = tmp_path / "v2.zarr"
-    shutil.copytree(converted_v2, path)
+    path = converted_copy
     n_values = _array(path, _v2.VALUES).shape[0]
     rows = _array(path, _v2.DEVICE, "r+")
     rows.resize((15,))

@@ -8,13 +8,12 @@ from __future__ import annotations
 import json
 import pathlib
 import shutil
-from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from format2_support import rewrite_device_table
 
 import birdzarr
 from birdzarr._errors import DeviceNotFoundError
@@ -62,35 +61,6 @@ def many(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     birdzarr.convert(str(source), str(store), chunk_windows=CHUNK, workers=1, progress=False)
     return {"source": source, "store": store, "ids": ids, "sizes": sizes, "starts": starts,
             "windows": windows, "labels": labels, "total": total}
-
-
-def _table_file(store: pathlib.Path) -> pathlib.Path:
-    """The zarr.json that holds the device table's entries on disk: the committed device table
-    group's on a format-2 store (the default), whose attributes hold them as format 1's root did."""
-    root = json.loads((store / "zarr.json").read_text())
-    return store / root["attributes"]["birdzarr"]["committed"]["device_table"] / "zarr.json"
-
-
-def _rewrite_table(store: pathlib.Path, edit: Callable[[list[dict]], Any]) -> Any:
-    """Damage the device table as a consistent rewrite of it would: ``edit`` changes the entries in
-    the committed group's zarr.json and the group's index arrays are written again from them (left
-    as they were, verify would name the index arrays that disagree with the entries first)."""
-    import zarr
-
-    from birdzarr.format import _device_table
-    from birdzarr.format._spec import DeviceEntry
-
-    path = _table_file(store)
-    document = json.loads(path.read_text())
-    devices = document["attributes"]["birdzarr"]["devices"]
-    result = edit(devices)
-    path.write_text(json.dumps(document))
-    group = zarr.open_group(str(path.parent), mode="r+", zarr_format=3)
-    for name, values in _device_table.columns([DeviceEntry.from_json(d) for d in devices]).items():
-        array: Any = group[name]
-        array.resize(values.shape)
-        array[:] = values
-    return result
 
 
 def _unknown_row(store: pathlib.Path, device: int) -> str:
@@ -151,7 +121,7 @@ def test_comparing_with_the_source_decodes_each_chunk_once(many: dict) -> None:
 def test_verify_names_windows_of_a_device_missing_from_the_table(many: dict, tmp_path: pathlib.Path) -> None:
     copy = tmp_path / "copy.zarr"
     shutil.copytree(many["store"], copy)
-    gone = _rewrite_table(copy, lambda table: table.pop(2500))
+    gone = rewrite_device_table(copy, lambda table: table.pop(2500))
     start, stop = gone["ranges"][0][:2]
     first = start // CHUNK * CHUNK
     last = min(first + CHUNK, many["total"]) - 1
@@ -196,7 +166,7 @@ def test_verify_checks_every_device_of_a_shuffled_store(many: dict, shuffled: pa
     assert len(holding) == many["sizes"][4321]
     damaged = shuffled.parent / "damaged.zarr"
     shutil.copytree(shuffled, damaged)
-    _rewrite_table(damaged, lambda table: table.pop(4321))
+    rewrite_device_table(damaged, lambda table: table.pop(4321))
     where = sorted({int(i) // CHUNK for i in holding})
     expected = [f"device table: its window counts add up to {many['total'] - len(holding):,}, but "
                 f"{many['total']:,} windows are committed", _unknown_row(damaged, device)]
@@ -230,7 +200,7 @@ def test_verify_counts_windows_carrying_another_devices_id(many: dict, tmp_path:
     def swap(table: list[dict]) -> None:
         table[100]["device_id"], table[101]["device_id"] = table[101]["device_id"], table[100]["device_id"]
 
-    _rewrite_table(copy, swap)
+    rewrite_device_table(copy, swap)
     ids, sizes, starts = many["ids"], many["sizes"], many["starts"]
     assert verify(copy).problems == [
         f"device {ids[101]}, windows [{starts[100]:,}, {starts[101]:,}): {sizes[100]:,} window(s) carry "

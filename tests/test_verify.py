@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import pathlib
 import shutil
-from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import pytest
 import zarr
+from format2_support import rewrite_device_table
 
 import birdzarr
 from birdzarr._errors import BadInputError, MissingChunkError, StoreNotFoundError
@@ -36,25 +35,6 @@ def _swap_windows(store: pathlib.Path, i: int, j: int) -> None:
         data_a, data_b = a.read_bytes(), b.read_bytes()
         a.write_bytes(data_b)
         b.write_bytes(data_a)
-
-
-def _rewrite_table(store: pathlib.Path, edit: Callable[[list[dict]], None]) -> None:
-    """``edit`` changes a format-2 store's device table entries where they are on disk (the
-    committed device_table/<g> group's zarr.json); its index arrays are written again from them."""
-    from birdzarr.format import _device_table
-    from birdzarr.format._spec import DeviceEntry
-
-    root = json.loads((store / "zarr.json").read_text())
-    path = store / root["attributes"]["birdzarr"]["committed"]["device_table"] / "zarr.json"
-    document = json.loads(path.read_text())
-    devices = document["attributes"]["birdzarr"]["devices"]
-    edit(devices)
-    path.write_text(json.dumps(document))
-    group = zarr.open_group(str(path.parent), mode="r+", zarr_format=3)
-    for name, values in _device_table.columns([DeviceEntry.from_json(d) for d in devices]).items():
-        array: Any = group[name]
-        array.resize(values.shape)
-        array[:] = values
 
 
 def test_a_clean_store_verifies(store_copy: pathlib.Path, parquet_source: tuple[pathlib.Path, dict]) -> None:
@@ -124,7 +104,7 @@ def test_wrong_device_ids_and_an_inconsistent_table(store_copy: pathlib.Path) ->
         devices[1]["ranges"][0][0] -= 1  # now overlaps device 0's range
         devices[1]["n_windows"] += 1
 
-    _rewrite_table(store_copy, overlap)
+    rewrite_device_table(store_copy, overlap)
     result = verify(store_copy)
     text = result.format()
     assert "carry another device id" in text
