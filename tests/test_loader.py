@@ -179,20 +179,26 @@ def test_spawned_workers_after_the_main_process_has_read(small_store: birdzarr.S
 
 
 @pytest.mark.slow
-def test_resume_mid_epoch_equals_uninterrupted(small_store: birdzarr.Store) -> None:
-    full = _dataset(small_store, batch_size=900, seed=9)
+@pytest.mark.parametrize("mode", [{"allow_device_order": True}, {"resident": "cpu"}],
+                         ids=["streaming", "resident"])
+def test_resume_mid_epoch_equals_uninterrupted(small_store: birdzarr.Store, mode: dict[str, object]) -> None:
+    def dataset() -> birdzarr.WindowDataset:
+        return birdzarr.WindowDataset(small_store.url, batch_size=900, seed=9, **mode)  # type: ignore[arg-type]
+
+    full = dataset()
     full.set_epoch(4)
     expected = [x.clone() for x in full]
-    first = _dataset(small_store, batch_size=900, seed=9)
+    first = dataset()
     first.set_epoch(4)
     iterator = iter(first)
     head = [next(iterator).clone() for _ in range(7)]
     state = first.state_dict()
     assert state["next_batch"] == 7 and state["epoch"] == 4
-    resumed = _dataset(small_store, batch_size=900, seed=9)
+    resumed = dataset()
     resumed.load_state_dict(state)
     resumed.set_epoch(4)  # the usual loop calls set_epoch; the resume point of epoch 4 survives
     tail = [x.clone() for x in resumed]
+    assert len(head) + len(tail) == len(expected)
     assert all(torch.equal(x, y) for x, y in zip(head + tail, expected, strict=True))
     resumed.set_epoch(5)
     assert len(list(resumed)) == len(resumed), "the next epoch starts from its first batch"

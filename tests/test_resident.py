@@ -102,24 +102,6 @@ def test_workers_share_one_copy_and_keep_the_order(small_store: birdzarr.Store) 
     assert all(torch.equal(x, y) for x, y in zip(got, in_process, strict=True))
 
 
-@pytest.mark.slow
-def test_resume_equals_uninterrupted(small_store: birdzarr.Store) -> None:
-    full = _resident(small_store, batch_size=900, seed=9)
-    full.set_epoch(2)
-    expected = [x.clone() for x in full]
-    first = _resident(small_store, batch_size=900, seed=9)
-    first.set_epoch(2)
-    iterator = iter(first)
-    head = [next(iterator).clone() for _ in range(5)]
-    state = first.state_dict()
-    resumed = _resident(small_store, batch_size=900, seed=9)
-    resumed.load_state_dict(state)
-    resumed.set_epoch(2)
-    tail = [x.clone() for x in resumed]
-    assert len(head) + len(tail) == len(expected)
-    assert all(torch.equal(x, y) for x, y in zip(head + tail, expected, strict=True))
-
-
 def test_refused_before_loading_when_it_does_not_fit(
     small_store: birdzarr.Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
