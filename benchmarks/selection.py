@@ -12,7 +12,9 @@ device table's label counts are left as converted, which the loader does not rea
 Each case makes a dataset (timed: the selection's one pass over the per-window arrays, or over
 ``gimu`` for ``split_by="window"``; with ``resident="cpu"`` also loading the selected windows),
 then reads one epoch in the main process (batch 8192, no DataLoader workers) and reports
-windows/s. After one warm-up dataset, rounds are interleaved; medians are reported.
+windows/s, and windows per CPU second of the process (every thread: on a shared machine the
+CPU a window costs, which the load does not change as much). After one warm-up dataset, rounds
+are interleaved; medians are reported.
 """
 
 from __future__ import annotations
@@ -71,15 +73,17 @@ def cases() -> dict[str, dict[str, object]]:
     }
 
 
-def run(store: str, options: dict[str, object]) -> tuple[float, float, int]:
+def run(store: str, options: dict[str, object]) -> tuple[float, float, int, float]:
+    """Seconds to make the dataset; windows per second of one epoch; its windows; and windows per
+    CPU second of this process (all its threads: the pool's decoding threads too)."""
     import birdzarr
 
     started = time.perf_counter()
     ds = birdzarr.WindowDataset(store, batch_size=8192, seed=1, progress=False, **options)  # type: ignore[arg-type]
     made = time.perf_counter() - started
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     n = sum(len(x) for x in ds)
-    return made, n / (time.perf_counter() - started), n
+    return made, n / (time.perf_counter() - started), n, n / max(time.process_time() - cpu, 1e-9)
 
 
 def main() -> None:
@@ -93,19 +97,23 @@ def main() -> None:
     with work_directory(args.workdir, prefix="birdzarr-selection-", keep=args.keep) as workdir:
         store = prepare(workdir, args.windows, args.devices)
         run(store, {})  # warm-up: imports, page cache
-        results: dict[str, list[tuple[float, float, int]]] = {name: [] for name in cases()}
+        results: dict[str, list[tuple[float, float, int, float]]] = {name: [] for name in cases()}
         for _ in range(args.rounds):
             for name, options in cases().items():
                 results[name].append(run(store, options))
         base = statistics.median(r[1] for r in results["everything"])
+        base_cpu = statistics.median(r[3] for r in results["everything"])
         print(f"{args.windows:,} windows, {args.devices} devices, --shuffle store, batch 8192, "
               f"0 workers, medians of {args.rounds} round(s)")
-        print("| selection | windows | construction s | M windows/s | vs everything |")
-        print("|---|---:|---:|---:|---:|")
+        print("| selection | windows | construction s | M windows/s | vs everything "
+              "| M windows a CPU s | vs everything |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
         for name, runs in results.items():
             made = statistics.median(r[0] for r in runs)
             speed = statistics.median(r[1] for r in runs)
-            print(f"| {name} | {runs[0][2]:,} | {made:.2f} | {speed / 1e6:.2f} | {speed / base:.2f} |")
+            cpu = statistics.median(r[3] for r in runs)
+            print(f"| {name} | {runs[0][2]:,} | {made:.2f} | {speed / 1e6:.2f} | {speed / base:.2f} "
+                  f"| {cpu / 1e6:.2f} | {cpu / base_cpu:.2f} |")
 
 
 if __name__ == "__main__":

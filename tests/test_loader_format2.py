@@ -292,3 +292,40 @@ def test_a_selection_reads_the_device_table_index_not_its_entries(
     split = _dataset(str(path), split="train", split_by="device", val_fraction=0.25, split_seed=3,
                      shuffle=False, batch_size=4096)
     assert len(split) > 0
+
+
+def test_a_selection_decodes_only_its_windows_and_streams_the_version1_batches(
+        stores: dict[str, tuple[str, str]]) -> None:
+    """A selection keeping about a third of every chunk of a shuffled store: a pool holds only the
+    selected windows of each chunk, packed at the start of its slot, with their labels, devices
+    and times; the batches equal the version-1 store's, bit for bit."""
+    from birdzarr.loader._pool import PoolBuffers
+    from birdzarr.loader._sampling import Pool
+
+    v1, v2 = stores["shuffled"]
+    store, old = birdzarr.open_store(v2), birdzarr.open_store(v1)
+    devices = np.unique(store.window_devices[:])[::3].tolist()
+    ds = _dataset(v2, devices=devices)
+    _same(_epochs(ds, (0,), workers=0), _epochs(_dataset(v1, devices=devices), (0,), workers=0))
+
+    selection, width = ds.selection, store.chunk_windows
+    counts = selection.counts()
+    chunks = np.array([0, 7, store.reader.n_chunks - 1])
+    lo = np.array([0, 5, 0])
+    hi = counts[chunks]
+    pool = PoolBuffers(store.reader, selection, with_ldt=True, threads=2)
+    try:
+        loaded = pool.load(Pool(chunks, lo, hi, np.array([int((hi - lo).sum())])))
+    finally:
+        pool.close()
+    wanted = np.concatenate([selection.selected_indices(None, int(c))[a:b]
+                             for c, a, b in zip(chunks, lo, hi, strict=True)])
+    packed = np.concatenate([slot * width + np.arange(a, b)
+                             for slot, (a, b) in enumerate(zip(lo, hi, strict=True))])
+    assert 0 < len(wanted) < 0.5 * len(chunks) * width
+    assert np.array_equal(loaded.rows, packed)
+    assert np.array_equal(loaded.gimu[loaded.rows].view(np.uint32), old.windows[wanted].view(np.uint32))
+    assert loaded.ldt is not None
+    assert np.array_equal(loaded.ldt["device"][loaded.rows], _array(v2, "device")[wanted])
+    assert np.array_equal(loaded.ldt["timestamp"][loaded.rows], _array(v2, "timestamp")[wanted])
+    assert np.array_equal(loaded.ldt["label"][loaded.rows], _array(v2, "label")[wanted])

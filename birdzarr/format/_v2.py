@@ -235,14 +235,20 @@ def decode(
     n = len(row)
     if out is None:
         out = np.empty((n, WINDOW_LENGTH, N_CHANNELS), np.float32)
-    base = start[row]  # (n, 3)
+    # Each choice measured against the others on shuffled chunks (benchmarks/chunk_decode.py
+    # --variants): np.take of whole rows, ~3x faster than fancy indexing start[row]; each
+    # channel's index is its codes cast to int64, then its base added in place (one dtype: no
+    # buffered casting); mode="wrap", ~20% faster than "clip" for in-range indices and as
+    # memory-safe for any other.
+    base = np.take(start, row, axis=0)  # (n, 3)
     index = np.empty((n, WINDOW_LENGTH), np.int64)
     looked_up = np.empty((n, WINDOW_LENGTH), np.float32)
     for c in range(N_CODED):
-        np.add(codes[:, :, c], base[:, c : c + 1], out=index)
+        np.copyto(index, codes[:, :, c])
+        index += base[:, c : c + 1]
         # a contiguous take, then one copy into the strided channel: ~10% faster than a take
         # straight into the channel or a new array a channel
-        np.take(values, index, out=looked_up, mode="clip")
+        np.take(values, index, out=looked_up, mode="wrap")
         out[:, :, c] = looked_up
     out[:, :, 3] = gps
     return out

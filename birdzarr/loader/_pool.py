@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from birdzarr.format._spec import DEVICE, GIMU, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH
+from birdzarr.format._spec import DEVICE, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH
 from birdzarr.loader._sampling import Pool
 from birdzarr.loader._selection import Selection
 from birdzarr.store._chunks import ChunkReader
@@ -194,19 +194,18 @@ class PoolBuffers:
         return LoadedPool(rows.astype(np.int64, copy=False), held.gimu, held.ldt if self.with_ldt else None)
 
     def _load_chunk(self, bank: int, slot: int, chunk: int) -> np.ndarray:
-        """Decode one chunk into ``slot`` of ``bank``; return the rows (within the chunk) of
-        selected windows."""
+        """Decode the selected windows of one chunk into ``slot`` of ``bank``; return their rows
+        within the slot, in stored order (a version-2 chunk: only they are looked up, packed at
+        the slot's start; version 1: the whole chunk, each where it is)."""
         reader, width, held = self.reader, self.reader.chunk_windows, self._banks[bank]
-        start, stop = reader.chunk_span(chunk)
-        reader.read(GIMU, chunk, out=held.gimu[slot * width : (slot + 1) * width])
-        device_ids = None
+        mask = self.selection.chunk_mask(reader, chunk)
+        selected = None if mask is None else np.flatnonzero(mask)
+        rows = reader.read_windows(chunk, selected, held.gimu[slot * width : (slot + 1) * width])
         if self.with_ldt:
             for name in PER_WINDOW:
                 values = reader.read(name, chunk)
-                held.ldt[name][slot * width : slot * width + len(values)] = values
-            device_ids = held.ldt[DEVICE][slot * width : slot * width + stop - start]
-        mask = self.selection.read_mask(reader, chunk, device_ids)
-        return np.arange(stop - start) if mask is None else np.flatnonzero(mask)
+                held.ldt[name][slot * width + rows] = values if selected is None else values[selected]
+        return rows
 
 
 def _same(a: Pool, b: Pool) -> bool:

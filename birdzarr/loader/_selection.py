@@ -284,14 +284,17 @@ class Selection:
 
     def channel_stats(self, reader: ChunkReader, *, threads: int = 4) -> SelectionStats:
         """Per-channel count, mean, std (population), min and max of the selected windows, from
-        one pass over the ``gimu`` chunks holding them (one chunk per thread in memory; partial
-        results merged with Chan et al.'s pairwise update, in float64)."""
+        one pass over the chunks holding them (a version-2 chunk: only their codes looked up; one
+        chunk per thread in memory; partial results merged with Chan et al.'s pairwise update,
+        in float64)."""
         chunks = np.flatnonzero(self.counts() > 0).tolist()
 
         def one(chunk: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-            windows = reader.read(GIMU, chunk)
             mask = self.chunk_mask(reader, chunk)
-            values = (windows if mask is None else windows[mask]).reshape(-1, N_CHANNELS).astype(np.float64)
+            out = np.empty((reader.chunk_windows, WINDOW_LENGTH, N_CHANNELS), np.float32)
+            # only the selected windows are looked up (format 2), in stored order
+            rows = reader.read_windows(chunk, None if mask is None else np.flatnonzero(mask), out)
+            values = out[rows].reshape(-1, N_CHANNELS).astype(np.float64)
             mean = values.mean(axis=0)
             return (len(values), mean, ((values - mean) ** 2).sum(axis=0), values.min(axis=0),
                     values.max(axis=0))

@@ -329,17 +329,23 @@ class ChunkReader:
             array = flat.reshape(self.chunk_windows, *tail)[:n]
         return np.array(array, order="C") if owned else array
 
-    def _v2_chunk(self, index: int, *, owned: bool
+    def _v2_chunk(self, index: int, *, owned: bool, selected: np.ndarray | None = None
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, _v2.Dictionaries]:
         """Codes, rows and gps_speed of chunk ``index`` of a version-2 store, every code checked
-        against the dictionaries; and the dictionaries."""
+        against the dictionaries; and the dictionaries. ``selected`` (positions within the chunk):
+        only those windows, gathered (new memory) before the check."""
         if self.format_version != 2:
             raise ValueError(f"{self.location.display} is a format-{self.format_version} store: it has no "
                              "dictionary codes (read float32 windows with read(GIMU, i))")
         self._check_index(index)
-        row = self._v2_part(_v2.ROW, index, owned=owned)
-        gps = self._v2_part(_v2.GPS, index, owned=owned)
-        codes = self._v2_part(_v2.CODES, index, owned=owned)
+        row = self._v2_part(_v2.ROW, index, owned=owned and selected is None)
+        gps = self._v2_part(_v2.GPS, index, owned=owned and selected is None)
+        codes = self._v2_part(_v2.CODES, index, owned=owned and selected is None)
+        if selected is not None:
+            row = np.take(row, selected)
+            gps = np.take(gps, selected, axis=0)
+            # the channel-major chunk's rows of 20 codes a channel: (3, k, 20), viewed (k, 20, 3)
+            codes = np.take(codes.transpose(2, 0, 1), selected, axis=1).transpose(1, 2, 0)
         dictionaries = self.dictionaries()
         problem = self._out_of_dictionary(codes, row)
         if problem is not None:
@@ -362,14 +368,15 @@ class ChunkReader:
             if any(int(codes[:, :, c].max()) >= int(limits[first, c]) for c in range(_v2.N_CODED)):
                 return "a gimu code is past the end of its dictionary"
             return None
-        limit = limits[row]
+        limit = np.take(limits, row, axis=0)  # ~3x faster than limits[row]
         for c in range(_v2.N_CODED):
             if (codes[:, :, c] >= limit[:, c : c + 1]).any():
                 return "a gimu code is past the end of its dictionary"
         return None
 
-    def _decode_v2(self, index: int, out: np.ndarray | None) -> np.ndarray:
-        codes, row, gps, dictionaries = self._v2_chunk(index, owned=False)
+    def _decode_v2(self, index: int, out: np.ndarray | None, selected: np.ndarray | None = None
+                   ) -> np.ndarray:
+        codes, row, gps, dictionaries = self._v2_chunk(index, owned=False, selected=selected)
         n = len(row)
         if out is None or out.dtype != np.float32 or out.ndim != 3 or len(out) < n or (
             out.shape[1:] != (WINDOW_LENGTH, N_CHANNELS)
@@ -382,6 +389,34 @@ class ChunkReader:
             b = a + _DECODE_BLOCK
             _v2.decode(codes[a:b], row[a:b], gps[a:b], values, start, out=target[a:b])
         return target
+
+    def read_windows(self, index: int, selected: np.ndarray | None, out: np.ndarray) -> np.ndarray:
+        """Windows ``selected`` of chunk ``index`` (ascending positions within the chunk; None:
+        every committed window) as float32, decoded into ``out`` (a C-contiguous float32
+        ``(chunk_windows, 20, 4)`` buffer). Returns where they went: ``out[rows[i]]`` is selected
+        window ``i``.
+
+        A version-2 chunk's blosc frames are decompressed whole, but only the selected windows'
+        rows, codes and gps_speed are gathered, checked and looked up, packed into
+        ``out[:len(selected)]`` (``rows`` is ``arange``): a selection that keeps a small part of
+        each chunk costs that part of the lookup. A version-1 chunk decodes whole into ``out``
+        (``rows`` is ``selected``).
+        """
+        if self.format_version != 2:
+            n = len(self.read(GIMU, index, out=out))
+            return np.arange(n) if selected is None else np.asarray(selected, dtype=np.int64)
+        self._check_index(index)
+        if selected is not None:
+            selected = np.asarray(selected, dtype=np.intp)
+            start, stop = self.chunk_span(index)
+            if len(selected) == stop - start:  # every window: nothing to gather
+                selected = None
+            elif not len(selected):
+                return np.arange(0)
+        decoded = self._decode_v2(index, out, selected)
+        if not np.shares_memory(decoded, out):  # out is not such a buffer
+            out[: len(decoded)] = decoded
+        return np.arange(len(decoded))
 
     def read_coded(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Chunk ``index`` of a version-2 store undecoded, trimmed to committed windows:
