@@ -103,7 +103,7 @@ def epoch(url: str, options: dict[str, Any] | None, args: argparse.Namespace) ->
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "stored in device order": irrelevant to throughput
         dataset = birdzarr.WindowDataset(url, batch_size=args.batch_size, shuffle=True, seed=0,
-                                         prefetch=args.prefetch, storage_options=options)
+                                         requests=args.prefetch, storage_options=options)
     loader = DataLoader(dataset, batch_size=None, num_workers=args.workers,
                         persistent_workers=args.workers > 0,
                         multiprocessing_context="fork" if args.workers else None)
@@ -227,7 +227,7 @@ def main() -> None:
         results["upload"] = {"mb": copied.bytes_copied / 1e6, "seconds": copied.seconds,
                              "mb_per_s": copied.bytes_copied / 1e6 / copied.seconds,
                              "objects": copied.objects}
-        print(f"upload: {copied.summary()}", flush=True)
+        print(f"upload: {copied.format()}", flush=True)
 
         rows: list[dict[str, Any]] = []
         local_url = str(workdir / "shuffled.zarr")

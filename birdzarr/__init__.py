@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 import pathlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from birdzarr import explore as _explore
 from birdzarr._errors import (
@@ -58,17 +58,32 @@ from birdzarr._errors import (
     TransferError,
     UnknownProtocolError,
     WindowIndexError,
+    warn_renamed,
 )
 from birdzarr._version import __version__
 from birdzarr.convert import append, convert
+from birdzarr.convert._append import AppendResult
 from birdzarr.explore import StoreStats
-from birdzarr.format._spec import CHANNELS, FORMAT_VERSION, TIMESTAMP_UNKNOWN, Curation
+from birdzarr.format._spec import (
+    CHANNELS,
+    FORMAT_VERSION,
+    TIMESTAMP_UNKNOWN,
+    Curation,
+    DeviceEntry,
+    DeviceReport,
+)
 from birdzarr.maintenance._copy import CopyResult
 from birdzarr.maintenance._copy import copy_store as copy
-from birdzarr.maintenance._repair import RepairReport, repair
+from birdzarr.maintenance._repair import RepairResult, repair
 from birdzarr.maintenance._verify import VerifyResult, verify
 from birdzarr.storage._cache import ChunkCache, attach_cache
 from birdzarr.store._handle import Store, WindowsView, open_store
+
+if TYPE_CHECKING:  # imported on first use (``__getattr__`` below); named here for typing and the docs
+    from birdzarr.loader._config import LoaderConfig
+    from birdzarr.loader._dataset import WindowDataset
+    from birdzarr.loader._sampling import EpochPlan
+    from birdzarr.loader._selection import SelectionStats
 
 _explore.attach(Store)  # store.to_xarray(), .plot_window(), .plot_device(), .stats(), the summaries
 
@@ -83,6 +98,7 @@ __all__ = [
     "FORMAT_VERSION",
     "TIMESTAMP_UNKNOWN",
     "AppendError",
+    "AppendResult",
     "ArgumentError",
     "BadInputError",
     "BirdzarrError",
@@ -94,20 +110,25 @@ __all__ = [
     "CorruptChunkError",
     "Curation",
     "DestinationError",
+    "DeviceEntry",
     "DeviceNotFoundError",
+    "DeviceReport",
     "DuplicateWindowsWarning",
+    "EpochPlan",
     "FallbackWarning",
     "FormatVersionError",
     "IgnoredColumnsWarning",
     "IncompleteStoreError",
+    "LoaderConfig",
     "MissingChunkError",
     "MissingDependencyError",
     "NotAStoreError",
     "ReadOnlyLocationError",
-    "RepairReport",
+    "RepairResult",
     "ResidentMemoryError",
     "SamplingError",
     "SchedulerError",
+    "SelectionStats",
     "StorageError",
     "Store",
     "StoreAccessError",
@@ -117,9 +138,9 @@ __all__ = [
     "StoreStats",
     "TransferError",
     "UnknownProtocolError",
-    "WindowIndexError",
     "VerifyResult",
     "WindowDataset",
+    "WindowIndexError",
     "WindowsView",
     "__version__",
     "append",
@@ -150,15 +171,31 @@ def generate_demo(
     return pathlib.Path(directory)
 
 
+# what the loader hands out, imported from it on first use (the loader's modules are not imported
+# by `import birdzarr`; those that need torch say so)
+_LOADER_NAMES = {
+    "WindowDataset": "birdzarr.loader._dataset",
+    "LoaderConfig": "birdzarr.loader._config",
+    "EpochPlan": "birdzarr.loader._sampling",
+    "SelectionStats": "birdzarr.loader._selection",
+}
+_RENAMED = {"RepairReport": "RepairResult"}  # old name -> new, kept for one release
+
+
 def __getattr__(name: str) -> Any:
     # torch is imported only when the dataset is first used, so conversion and exploration
     # never pay for it.
-    if name == "WindowDataset":
+    if name in _LOADER_NAMES:
+        import importlib
+
         try:
-            from birdzarr.loader._dataset import WindowDataset
+            module = importlib.import_module(_LOADER_NAMES[name])
         except ModuleNotFoundError as exc:
             if exc.name is None or exc.name.split(".")[0] != "torch":
                 raise
-            raise MissingDependencyError(f"birdzarr.WindowDataset needs torch: {_TORCH_HINT}") from exc
-        return WindowDataset
+            raise MissingDependencyError(f"birdzarr.{name} needs torch: {_TORCH_HINT}") from exc
+        return getattr(module, name)
+    if name in _RENAMED:
+        warn_renamed(f"birdzarr.{name}", f"birdzarr.{_RENAMED[name]}")
+        return globals()[_RENAMED[name]]
     raise AttributeError(f"module 'birdzarr' has no attribute {name!r}")

@@ -139,3 +139,12 @@ class IgnoredColumnsWarning(BirdzarrWarning):
 class FallbackWarning(BirdzarrWarning):
     """birdzarr fell back to a weaker mechanism (a non-exclusive lock, fsspec instead of obstore);
     the message says what and what it costs."""
+
+
+def warn_renamed(old: str, new: str, *, stacklevel: int = 3) -> None:
+    """A renamed option, method or class used under its old name: it keeps working for one
+    release, with a ``DeprecationWarning`` naming the new spelling (docs/format.md#glossary)."""
+    import warnings
+
+    warnings.warn(f"{old} is deprecated and will be removed in the next release; use {new} instead",
+                  DeprecationWarning, stacklevel=stacklevel)

@@ -31,8 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=8192)
     parser.add_argument("--workers", type=int, default=2, help="DataLoader worker processes")
-    parser.add_argument("--prefetch", type=int, default=4,
-                        help="chunks fetched ahead per worker (raise it on S3)")
+    parser.add_argument("--requests", type=int, default=4,
+                        help="chunk reads in flight per worker (raise it on S3)")
     args = parser.parse_args(argv)
 
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1  # set by torchrun
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # WindowDataset splits every epoch over ranks (torch.distributed) and DataLoader workers.
     dataset = birdzarr.WindowDataset(args.store, batch_size=args.batch_size, shuffle=True, seed=0,
-                                     prefetch=args.prefetch)
+                                     requests=args.requests)
     # Persistent workers keep their S3 clients and buffers between epochs; set_epoch reaches them.
     loader = DataLoader(dataset, batch_size=None, num_workers=args.workers, pin_memory=cuda,
                         persistent_workers=args.workers > 0)

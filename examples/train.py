@@ -2,7 +2,7 @@
 
     python examples/train.py STORE --epochs 2 --batch-size 8192 --workers 4 --checkpoint ckpt.pt
     python examples/train.py STORE ... --checkpoint ckpt.pt --resume    # continue where it stopped
-    python examples/train.py s3://bucket/store.zarr ... --prefetch 16     # object stores
+    python examples/train.py s3://bucket/store.zarr ... --requests 16     # object stores
     python examples/train.py STORE ... --resident cuda    # the selection held on the GPU, no workers
     torchrun --nproc_per_node=4 examples/train.py STORE ... --checkpoint ckpt.pt [--resume]
 
@@ -93,8 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shuffle-buffer", type=int, default=None, help="WindowDataset shuffle_buffer")
     p.add_argument("--resident", default=None, choices=["cpu", "cuda"],
                    help="hold the data in memory (WindowDataset resident=); 'cuda' also drops the workers")
-    p.add_argument("--prefetch", type=int, default=4,
-                   help="chunks each reader fetches ahead (raise it, e.g. 16, for object stores)")
+    p.add_argument("--requests", type=int, default=4,
+                   help="chunk reads in flight per reader (raise it, e.g. 16, for object stores)")
     p.add_argument("--max-steps", type=int, default=None,
                    help="stop (after checkpointing) once this process has taken this many steps")
     p.add_argument("--log-file", default=None, help="append one JSON line per step here (rank 0)")
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.resident is not None:
         options["resident"] = device if args.resident == "cuda" else "cpu"
     ds = birdzarr.WindowDataset(args.store, batch_size=args.batch_size, shuffle=True, seed=args.seed,
-                                channel_first=True, prefetch=args.prefetch, **options)
+                                channel_first=True, requests=args.requests, **options)
     loader: Any = ds  # batches already on the GPU: no DataLoader workers to feed it
     if args.resident != "cuda":
         workers = args.workers

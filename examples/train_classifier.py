@@ -97,7 +97,7 @@ def make_datasets(args: argparse.Namespace, device: torch.device
     common: dict[str, Any] = dict(
         batch_size=args.batch_size, channel_first=True, with_ldt=True, labelled_only=True,
         split_by="device", val_fraction=args.val_fraction, split_seed=args.split_seed,
-        prefetch=args.prefetch,
+        requests=args.requests,
     )
     if args.resident is not None:
         common["resident"] = device if args.resident == "cuda" else "cpu"
@@ -187,8 +187,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shuffle-buffer", type=int, default=None, help="WindowDataset shuffle_buffer")
     p.add_argument("--resident", default=None, choices=["cpu", "cuda"],
                    help="hold the data in memory (WindowDataset resident=); 'cuda' also drops the workers")
-    p.add_argument("--prefetch", type=int, default=4,
-                   help="chunks each reader fetches ahead (raise it, e.g. 16, for object stores)")
+    p.add_argument("--requests", type=int, default=4,
+                   help="chunk reads in flight per reader (raise it, e.g. 16, for object stores)")
     p.add_argument("--max-steps", type=int, default=None,
                    help="stop (after checkpointing) once this process has taken this many steps")
     p.add_argument("--log-file", default=None, help="append one JSON line per step and epoch here (rank 0)")

@@ -54,7 +54,7 @@ RANK_SCRIPT = textwrap.dedent(
     assert len(by_bytes) == len(truth), "generated windows must be unique"
 
     ds = birdzarr.WindowDataset(store_url, batch_size=batch_size, seed=11, with_ldt=False)
-    assert (ds.world_size, ds.rank) == (world, rank), (ds.world_size, ds.rank)
+    assert (ds.config.world_size, ds.config.rank) == (world, rank), (ds.config.world_size, ds.config.rank)
     loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
     for epoch in epochs:
         ds.set_epoch(epoch)

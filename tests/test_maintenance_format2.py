@@ -292,7 +292,7 @@ def test_copy_up_to_and_down_from_s3_and_repair_there(
     assert up.copied == up.objects == len(_objects(converted_v2))
     assert verify(remote, storage_options=options).ok
     down = tmp_path / "down.zarr"
-    birdzarr.copy(remote, down, progress=False, storage_options=options)
+    birdzarr.copy(remote, down, progress=False, source_storage_options=options)
     assert _objects(down) == _objects(converted_v2)
     moto.client().delete_object(Bucket=bucket, Key="v2.zarr/gimu_row/c/4")
     assert not verify(remote, storage_options=options).ok

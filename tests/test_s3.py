@@ -217,7 +217,7 @@ def test_copy_upload_download_and_resume(
     remote = f"s3://{bucket}/up.zarr"
     up = copy_store(small_store.location, remote, progress=False, dest_storage_options=options)
     assert up.copied == up.objects and up.skipped == 0
-    down = copy_store(remote, tmp_path / "down.zarr", progress=False, storage_options=options)
+    down = copy_store(remote, tmp_path / "down.zarr", progress=False, source_storage_options=options)
     assert down.copied == down.objects
     local = birdzarr.open_store(tmp_path / "down.zarr")
     assert np.array_equal(bits(local.windows[:]), bits(small_store.windows[:]))
@@ -330,7 +330,7 @@ def test_local_cache_serves_the_second_epoch(s3_store: birdzarr.Store, bucket: s
 @pytest.mark.filterwarnings("ignore:.*stored in device order")
 def test_window_dataset_full_epoch_on_s3(s3_store: birdzarr.Store, bucket: str, moto: MotoEndpoint) -> None:  # noqa: F811
     dataset = birdzarr.WindowDataset(
-        f"s3://{bucket}/small.zarr", batch_size=1000, shuffle=True, seed=3, prefetch=8,
+        f"s3://{bucket}/small.zarr", batch_size=1000, shuffle=True, seed=3, requests=8,
         storage_options=s3_options(moto.url),
     )
     from torch.utils.data import DataLoader

@@ -14,7 +14,7 @@ def _cmd_copy(args: argparse.Namespace) -> int:
     result = copy_store(
         args.source, args.dest, overwrite=args.overwrite, requests=args.requests, progress=not args.quiet
     )
-    print(f"{redact(args.dest)}: {result.summary()}")
+    print(f"{redact(args.dest)}: {result.format()}")
     return 0
 
 

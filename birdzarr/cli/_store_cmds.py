@@ -48,7 +48,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 def _cmd_info(args: argparse.Namespace) -> int:
     from birdzarr.store._handle import open_store
-    from birdzarr.store._summary import format_summary, summary
+    from birdzarr.store._summary import format_summary
 
     store = open_store(args.store)
     if args.devices:
@@ -56,7 +56,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
         print(json.dumps(device_records(store), indent=2) if args.json else device_table_text(store))
         return 0
-    info = summary(store)
+    info = store.summary()
     if args.json:
         print(json.dumps(info, indent=2, default=str))
     else:

@@ -306,6 +306,7 @@ class AppendResult:
     unknown_files: list[str] = field(default_factory=list)  # not input files, skipped on request
 
     def format(self) -> str:
+        """What the append did, as ``birdzarr append`` prints it (``str(result)`` is the same)."""
         lines = [f"appended {self.windows_added:,} windows: {len(self.devices_added)} new device(s), "
                  f"{len(self.devices_extended)} extended"]
         if self.skipped_files:
@@ -319,6 +320,9 @@ class AppendResult:
                          f"device(s) {sorted(self.duplicate_windows)[:10]}")
         lines += [f"cleaned up first: {c}" for c in self.cleaned]
         return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()
 
 
 def plan_append(

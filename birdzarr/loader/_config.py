@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from birdzarr._checks import require_bool, require_int
-from birdzarr._errors import ArgumentError
+from birdzarr._errors import ArgumentError, warn_renamed
 from birdzarr.loader._balanced import check_epoch_windows, check_label_weights
 from birdzarr.loader._selection import SPLIT_BY, SPLITS, TimeMask, WindowFilter, unix_seconds
 
@@ -175,7 +175,7 @@ class LoaderConfig:
     channel_first: bool
     with_ldt: bool
     transform: Transform | LdtTransform | None
-    prefetch: int  # at least 1
+    requests: int  # chunk reads in flight per reader, at least 1 (``prefetch`` before)
     reuse_batch_memory: bool
     allow_device_order: bool
     world_size: int
@@ -190,15 +190,15 @@ class LoaderConfig:
         for name in ("shuffle", "drop_last", "channel_first", "with_ldt", "reuse_batch_memory",
                      "allow_device_order", "transform_ldt"):
             require_bool(name, getattr(self, name))  # shuffle="no" would read as True
-        for name in ("batch_size", "shuffle_buffer", "prefetch", "world_size", "rank", "seed"):
+        for name in ("batch_size", "shuffle_buffer", "requests", "world_size", "rank", "seed"):
             # a float or a string would fail later, deep in the planning, with numpy's words
             require_int(name, getattr(self, name))
         if self.batch_size < 1:
             raise ArgumentError(f"batch_size must be positive, got {self.batch_size}")
         if self.shuffle_buffer < 1:
             raise ArgumentError(f"shuffle_buffer must be positive, got {self.shuffle_buffer}")
-        if self.prefetch < 1:
-            raise ArgumentError(f"prefetch must be positive, got {self.prefetch}")
+        if self.requests < 1:
+            raise ArgumentError(f"requests must be positive, got {self.requests}")
         require_int("seed", self.seed, minimum=0)  # numpy's seeds are non-negative
         if self.world_size < 1:
             raise ArgumentError(f"world_size must be positive, got {self.world_size}")
@@ -218,6 +218,12 @@ class LoaderConfig:
             if not self.shuffle:
                 raise ArgumentError(
                     "label_weights draws every epoch's windows at random: it needs shuffle=True")
+
+    @property
+    def prefetch(self) -> int:
+        """Deprecated name of ``requests``."""
+        warn_renamed("LoaderConfig.prefetch", "LoaderConfig.requests")
+        return self.requests
 
     def pool_chunks(self, chunk_windows: int) -> int:
         """Chunks per pool: ``shuffle_buffer`` windows rounded up to whole chunks."""

@@ -34,7 +34,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from birdzarr._checks import require_int
-from birdzarr._errors import ArgumentError, SamplingError
+from birdzarr._errors import ArgumentError, SamplingError, warn_renamed
 from birdzarr.format._spec import DEVICE, LABEL, TIMESTAMP
 from birdzarr.loader._balanced import LabelRows, resolve_shares
 from birdzarr.loader._config import (
@@ -69,6 +69,28 @@ def _few(ids: tuple[int, ...] | None) -> str:
         return "None"
     more = f", ... ({len(ids)} in all)" if len(ids) > 10 else ""
     return "[" + ", ".join(str(i) for i in ids[:10]) + more + "]"
+
+
+def _renamed_prefetch(prefetch: Any, requests: int) -> int:
+    """``WindowDataset(prefetch=n)``: the deprecated name of ``requests``, checked under its own name."""
+    warn_renamed("WindowDataset(prefetch=...)", "WindowDataset(requests=...)", stacklevel=4)
+    if requests != 4:
+        raise ArgumentError("prefetch is the deprecated name of requests: give one of them")
+    if require_int("prefetch", prefetch) < 1:
+        raise ArgumentError(f"prefetch must be positive, got {prefetch}")
+    return int(prefetch)
+
+
+def _forwarded(option: str, name: str | None = None) -> Any:
+    """A deprecated read-only attribute ``ds.<name>`` for ``ds.config.<option>``."""
+    name = name or option
+
+    def get(self: WindowDataset) -> Any:
+        warn_renamed(f"WindowDataset.{name}", f"WindowDataset.config.{option}")
+        return getattr(self.config, option)
+
+    get.__doc__ = f"Deprecated: ``ds.config.{option}``."
+    return property(get)
 
 
 @dataclass
@@ -117,7 +139,8 @@ class WindowDataset(IterableDataset[Batch]):
         shuffle_buffer: windows shuffled together per pool, rounded up to whole chunks (default
             524,288 = 160 MiB of float32 per reader). Larger pools make batches less likely to meet
             again next epoch (docs/training.md#shuffle-quality).
-        prefetch: chunks fetched and decoded at once per reader (raise it for object stores).
+        requests: chunk reads in flight per reader: chunks fetched and decoded at once (raise it
+            for object stores). ``prefetch`` is its deprecated name.
         transform: optional callable applied to each batch in the reader: ``transform(x) -> x``
             (a tensor); with ``transform_ldt=True`` (needs ``with_ldt``) ``transform(x, ldt) ->
             (x, ldt)``, a tuple of two tensors, for label mapping or label-aware augmentation
@@ -151,8 +174,9 @@ class WindowDataset(IterableDataset[Batch]):
             custom ``collate_fn`` must see tensors inside the worker. A ``transform`` keeping
             shape and dtype writes into the slot.
 
-    The validated options are ``ds.config`` (a frozen ``LoaderConfig``); each is also readable as
-    an attribute (``ds.batch_size``, ``ds.world_size``, ...).
+    The validated options are ``ds.config`` (a frozen ``birdzarr.LoaderConfig``:
+    ``ds.config.batch_size``, ``ds.config.world_size``, ...). The attributes ``ds.batch_size``,
+    ``ds.shuffle``, ... that repeated them are deprecated.
     """
 
     def __init__(
@@ -177,7 +201,7 @@ class WindowDataset(IterableDataset[Batch]):
         stop: Any = None,
         time_mask: Callable[[np.ndarray], np.ndarray] | None = None,
         shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER,
-        prefetch: int = 4,
+        requests: int = 4,
         transform: Transform | LdtTransform | None = None,
         transform_ldt: bool = False,
         label_weights: str | Mapping[int, float] | None = None,
@@ -193,13 +217,16 @@ class WindowDataset(IterableDataset[Batch]):
         cache_dir: str | os.PathLike[str] | None = None,
         cache_max_bytes: int = 50 * 2**30,
         reuse_batch_memory: bool = True,
+        prefetch: int | None = None,  # deprecated: requests
     ) -> None:
         super().__init__()
+        if prefetch is not None:
+            requests = _renamed_prefetch(prefetch, requests)
         world_size, rank = resolve_ranks(world_size, rank)
         self._config = LoaderConfig(
             batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
             shuffle_buffer=shuffle_buffer, channel_first=channel_first, with_ldt=with_ldt,
-            transform=transform, transform_ldt=transform_ldt, prefetch=prefetch,
+            transform=transform, transform_ldt=transform_ldt, requests=requests,
             reuse_batch_memory=reuse_batch_memory,
             allow_device_order=allow_device_order, world_size=world_size, rank=rank,
             subset=SubsetOptions.of(devices, exclude_devices, split, split_by, val_fraction, split_seed,
@@ -249,7 +276,7 @@ class WindowDataset(IterableDataset[Batch]):
             opened.device_columns, reader=opened.reader, shuffled_store=opened.shuffled,
             devices=subset.devices, exclude_devices=subset.exclude_devices, split=subset.split,
             split_by=subset.split_by, val_fraction=subset.val_fraction, split_seed=subset.split_seed,
-            filters=subset.filters, threads=config.prefetch,
+            filters=subset.filters, threads=config.requests,
         )
         self.counts = self.selection.counts(opened.reader)
         self.n_selected = int(self.counts.sum())
@@ -279,7 +306,7 @@ class WindowDataset(IterableDataset[Batch]):
 
             self.resident = ResidentSelection.load(
                 opened, self.selection, device=config.resident.device, with_ldt=config.with_ldt,
-                prefetch=config.prefetch, progress=config.resident.progress, codes=config.resident.codes,
+                prefetch=config.requests, progress=config.resident.progress, codes=config.resident.codes,
                 labels=config.balance is not None,
             )
             if config.balance is not None:
@@ -298,53 +325,19 @@ class WindowDataset(IterableDataset[Batch]):
         """Every option, validated (frozen)."""
         return self._config
 
-    @property
-    def batch_size(self) -> int:
-        return self.config.batch_size
-
-    @property
-    def shuffle(self) -> bool:
-        return self.config.shuffle
-
-    @property
-    def seed(self) -> int:
-        return self.config.seed
-
-    @property
-    def drop_last(self) -> bool:
-        return self.config.drop_last
-
-    @property
-    def channel_first(self) -> bool:
-        return self.config.channel_first
-
-    @property
-    def with_ldt(self) -> bool:
-        return self.config.with_ldt
-
-    @property
-    def prefetch(self) -> int:
-        return self.config.prefetch
-
-    @property
-    def transform(self) -> Transform | LdtTransform | None:
-        return self.config.transform
-
-    @property
-    def transform_ldt(self) -> bool:
-        return self.config.transform_ldt
-
-    @property
-    def reuse_batch_memory(self) -> bool:
-        return self.config.reuse_batch_memory
-
-    @property
-    def world_size(self) -> int:
-        return self.config.world_size
-
-    @property
-    def rank(self) -> int:
-        return self.config.rank
+    # deprecated: ds.config.<name> is the one spelling of an option (docs/format.md#glossary)
+    batch_size = _forwarded("batch_size")
+    shuffle = _forwarded("shuffle")
+    seed = _forwarded("seed")
+    drop_last = _forwarded("drop_last")
+    channel_first = _forwarded("channel_first")
+    with_ldt = _forwarded("with_ldt")
+    prefetch = _forwarded("requests", "prefetch")
+    transform = _forwarded("transform")
+    transform_ldt = _forwarded("transform_ldt")
+    reuse_batch_memory = _forwarded("reuse_batch_memory")
+    world_size = _forwarded("world_size")
+    rank = _forwarded("rank")
 
     @property
     def epoch(self) -> int:
@@ -379,7 +372,7 @@ class WindowDataset(IterableDataset[Batch]):
         out); with ``label_weights`` an epoch draws by the weights instead (``label_shares()``).
         Reads the ``label`` array of the chunks holding selected windows (once; cached)."""
         if self._label_counts is None:
-            self._label_counts = self.selection.label_counts(self._reader(), threads=self.config.prefetch)
+            self._label_counts = self.selection.label_counts(self._reader(), threads=self.config.requests)
         return dict(self._label_counts)
 
     def stats(self) -> SelectionStats:
@@ -388,7 +381,7 @@ class WindowDataset(IterableDataset[Batch]):
         float64 arrays in channel order, ``.to_dataframe()`` a table. One pass over the ``gimu``
         chunks holding selected windows, computed once per dataset (cached)."""
         if self._stats is None:
-            self._stats = self.selection.channel_stats(self._reader(), threads=self.config.prefetch)
+            self._stats = self.selection.channel_stats(self._reader(), threads=self.config.requests)
         return self._stats
 
     def _reader(self) -> ChunkReader:
@@ -551,7 +544,7 @@ class WindowDataset(IterableDataset[Batch]):
             location = resolve(self.location.url, self.location.storage_options)
             reader = ChunkReader(location, self._layouts, self.n_windows)
             reader.cache = self._cache
-            pool = PoolBuffers(reader, self.selection, with_ldt=c.with_ldt, threads=c.prefetch)
+            pool = PoolBuffers(reader, self.selection, with_ldt=c.with_ldt, threads=c.requests)
             sink = make_sink(BatchLayout(c.batch_size, c.channel_first, c.with_ldt), c.transform,
                              in_worker=get_worker_info() is not None, reuse_slots=c.reuse_batch_memory,
                              transform_ldt=c.transform_ldt)
@@ -663,10 +656,11 @@ class WindowDataset(IterableDataset[Batch]):
 
     def __repr__(self) -> str:
         mode = "streaming" if self.resident is None else f"resident={self.resident.device}"
+        c = self.config
         return (
-            f"WindowDataset({self.location.display!r}, batch_size={self.batch_size}, "
-            f"shuffle={self.shuffle}, seed={self.seed}, epoch={self.epoch}, rank={self.rank}/"
-            f"{self.world_size}, {mode}, windows={self.windows_per_epoch:,}, batches={len(self)})"
+            f"WindowDataset({self.location.display!r}, batch_size={c.batch_size}, "
+            f"shuffle={c.shuffle}, seed={c.seed}, epoch={self.epoch}, rank={c.rank}/"
+            f"{c.world_size}, {mode}, windows={self.windows_per_epoch:,}, batches={len(self)})"
         )
 
 

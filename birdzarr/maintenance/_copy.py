@@ -47,11 +47,13 @@ import google_crc32c
 
 from birdzarr._checks import require_bool
 from birdzarr._errors import (
+    ArgumentError,
     ChecksumMismatchError,
     CorruptChunkError,
     MissingChunkError,
     StoreExistsError,
     TransferError,
+    warn_renamed,
 )
 from birdzarr._progress import progress_bar
 from birdzarr.format import _v2
@@ -93,7 +95,8 @@ class CopyResult:
     bytes_copied: int = 0
     seconds: float = 0.0
 
-    def summary(self) -> str:
+    def format(self) -> str:
+        """What the copy did, in one line (``str(result)`` is the same)."""
         mb = self.bytes_copied / 1e6
         rate = mb / self.seconds if self.seconds else 0.0
         return (
@@ -101,6 +104,14 @@ class CopyResult:
             f"({mb:,.1f} MB, {rate:,.1f} MB/s), {self.skipped} already present and identical, "
             f"{self.deleted} stale removed; checksums verified; committed in {self.seconds:.1f} s"
         )
+
+    def __str__(self) -> str:
+        return self.format()
+
+    def summary(self) -> str:
+        """Deprecated spelling of ``format()``."""
+        warn_renamed("CopyResult.summary()", "CopyResult.format() or str(result)")
+        return self.format()
 
 
 @dataclass(frozen=True)
@@ -117,8 +128,9 @@ def copy_store(
     overwrite: bool = False,
     requests: int = 16,
     progress: bool = True,
-    storage_options: dict[str, Any] | None = None,
+    source_storage_options: dict[str, Any] | None = None,
     dest_storage_options: dict[str, Any] | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> CopyResult:
     """Copy the committed store at ``source`` to ``dest`` (any two URLs or paths); see module doc.
 
@@ -127,6 +139,10 @@ def copy_store(
     first, objects that are identical are kept, stale ones removed, and the new root written last.
     Anything else at ``dest`` (a file, a directory with other things in it) is refused, as is a
     ``dest`` that is, holds or sits inside ``source``. The copy holds ``dest``'s writer lock.
+
+    ``requests``: objects transferred at once (requests in flight). ``source_storage_options`` /
+    ``dest_storage_options``: fsspec options of each side (``storage_options``, the source's,
+    is the deprecated spelling of ``source_storage_options``).
     """
     from birdzarr.convert._overwrite import check_destination
     from birdzarr.store._handle import open_store
@@ -135,9 +151,15 @@ def copy_store(
     overwrite = require_bool("overwrite", overwrite)
     progress = require_bool("progress", progress)
     if not isinstance(requests, int) or isinstance(requests, bool) or requests < 1:
-        raise ValueError(f"requests must be a positive integer, got {requests!r}")
+        raise ArgumentError(f"requests must be a positive integer, got {requests!r}")
+    if storage_options is not None:
+        if source_storage_options is not None:
+            raise ArgumentError("storage_options is the deprecated spelling of source_storage_options: "
+                                "give one of them")
+        warn_renamed("copy(storage_options=...)", "copy(source_storage_options=...)")
+        source_storage_options = storage_options
     started = time.perf_counter()
-    src = resolve(source, storage_options)
+    src = resolve(source, source_storage_options)
     dst = resolve(dest, dest_storage_options)
     require_writable(dst)
     opened = open_store(src)  # a committed birdzarr store of a supported version, or a clear error

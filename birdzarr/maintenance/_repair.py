@@ -63,8 +63,8 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class RepairReport:
-    """What repair found and did."""
+class RepairResult:
+    """What repair found and did (``birdzarr.RepairReport`` is its deprecated name)."""
 
     url: str
     committed_windows: int | None = None
@@ -72,6 +72,7 @@ class RepairReport:
     notes: list[str] = field(default_factory=list)  # found, not changed: for the user to decide
 
     def format(self) -> str:
+        """What repair did, as ``birdzarr repair`` prints it (``str(result)`` is the same)."""
         head = f"{self.url}: "
         if self.committed_windows is None:
             head += "no committed store"
@@ -82,11 +83,14 @@ class RepairReport:
             return head + "; nothing to repair." + notes
         return head + "\n" + "\n".join(f"  - {a}" for a in self.actions) + notes
 
+    def __str__(self) -> str:
+        return self.format()
+
 
 def repair(
     store: StoreLike, *, break_lock: bool = False, source: StoreLike | Sequence[StoreLike] | None = None,
     storage_options: dict[str, Any] | None = None, source_storage_options: dict[str, Any] | None = None,
-) -> RepairReport:
+) -> RepairResult:
     """Remove uncommitted leftovers; a live writer's lock is respected unless ``break_lock``
     (the CLI's ``--break-lock``). With ``source`` (the files the store was converted from, one
     source or several as ``verify`` takes them), a format-2 store's damaged per-window chunks
@@ -104,7 +108,7 @@ def repair(
     if source is not None:
         many: list[StoreLike] = list(source) if isinstance(source, list | tuple) else [source]  # type: ignore[list-item]
         given = [resolve(one, source_storage_options) for one in many]
-    report = RepairReport(url=location.display)
+    report = RepairResult(url=location.display)
     holder = read_holder(location)
     meta: dict[str, Any]
     try:
@@ -666,7 +670,7 @@ def _encode_chunk(location: Location, name: str, index: int, start: int, data: n
             return f.read()
 
 
-def _write_rebuilds(store: Store, plans: list[_Rebuild], report: RepairReport) -> None:
+def _write_rebuilds(store: Store, plans: list[_Rebuild], report: RepairResult) -> None:
     from birdzarr.maintenance._copy import _write
     from birdzarr.store._handle import open_store
 

@@ -110,6 +110,8 @@ class VerifyResult:
         }
 
     def format(self) -> str:
+        """What was checked and every difference, as ``birdzarr verify`` prints it (``str(result)``
+        is the same)."""
         checked = (f"{self.n_windows:,} committed windows (generation {self.generation}): "
                    f"{self.chunks_checked} chunks, {self.checksums_checked} checksums")
         if self.devices_compared:
@@ -122,6 +124,9 @@ class VerifyResult:
                 lines.append(f"  ... and {self.more_problems} more")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()
 
 
 @dataclass

@@ -122,6 +122,15 @@ class Store:
         devices = self.meta.get("report", {}).get("devices", {})
         return {int(k): DeviceReport.from_json(v) for k, v in devices.items()}
 
+    def summary(self) -> dict[str, Any]:
+        """The store's facts as ``birdzarr info --json`` prints them (the same keys and values;
+        ``info`` without ``--json`` shows them as text): url, format version, windows, devices,
+        stored bytes per array, layout, curation, the commit, the conversion report's totals and
+        the appends. Lists the window arrays' chunk files once to count their bytes."""
+        from birdzarr.store._summary import summary
+
+        return summary(self)
+
     @property
     def appends(self) -> list[dict[str, Any]]:
         """Every append to the store, oldest first, as the report keeps it (``report.appends``:
