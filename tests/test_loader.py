@@ -643,7 +643,7 @@ def test_state_dict_format_round_trips_and_options_fail_at_once(small_store: bir
             _dataset(small_store, **options)
     with pytest.raises(dataclasses.FrozenInstanceError):
         ds.config.batch_size = 7  # type: ignore[misc]
-    assert (ds.batch_size, ds.seed, ds.world_size) == (ds.config.batch_size, 3, 1)
+    assert (ds.config.seed, ds.config.world_size) == (3, 1)  # ds.seed, ...: deprecated spellings
     assert not ds.plan().batch_pool.flags.writeable and not ds.plan().first_batch.flags.writeable
 
 
