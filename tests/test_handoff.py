@@ -175,3 +175,42 @@ def test_transforms_in_workers_equal_torchs_transport(small_store: birdzarr.Stor
     assert len(got) == len(expected)
     for (x, ldt), (want_x, want_ldt) in zip(got, expected, strict=True):
         assert x.dtype == want_x.dtype and torch.equal(x, want_x) and torch.equal(ldt, want_ldt)
+
+
+def _slot_of(tensor: torch.Tensor) -> _handoff.SlotKey:
+    """The key of the received slot whose mapping holds ``tensor``'s data."""
+    for key, mapping in _handoff._RECEIVED.items():
+        view = np.frombuffer(mapping, dtype=np.uint8)
+        start = view.ctypes.data
+        del view  # the mapping must stay closable
+        if start <= tensor.data_ptr() < start + len(mapping):
+            return key
+    raise AssertionError("the batch lies in no received slot")
+
+
+def test_a_persistent_worker_starts_each_later_epoch_on_the_slots_it_handed_over(
+    small_store: birdzarr.Store,
+) -> None:
+    """The slots outlive the iteration: the first batch of every later epoch arrives in a slot
+    the training process mapped in an earlier epoch (no new shared memory, no file descriptor
+    to hand over), and every batch holds exactly the planned windows."""
+    ds = birdzarr.WindowDataset(small_store.url, batch_size=400, seed=4)
+    loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True,
+                        multiprocessing_context="fork")
+    mapped_before: set[_handoff.SlotKey] = set()
+    firsts = []
+    for epoch in range(4):
+        ds.set_epoch(epoch)
+        plan = ds.plan(num_workers=2)
+        expected = [small_store.windows[ds.batch_indices(b, plan)] for b in ds.delivery_order(2)]
+        got = []
+        for n, x in enumerate(loader):
+            if n == 0:
+                firsts.append(_slot_of(x) in mapped_before)
+            got.append(x.numpy().copy())
+            del x
+        assert len(got) == len(expected) == len(ds)
+        assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True)), epoch
+        gc.collect()  # every batch of the epoch dropped: the workers' slots are all free
+        mapped_before |= set(_handoff._RECEIVED)
+    assert firsts == [False, True, True, True]

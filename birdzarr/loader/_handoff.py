@@ -16,18 +16,23 @@ then the data):
    tensors on a fresh memoryview of the mapping and registers a finalizer on that memoryview.
    The tensors (and every view of them) keep it alive.
 3. When the last of them is freed, the finalizer clears the lease flag.
-4. At the end of each iteration the worker retires its slots (sets the retired flag, unmaps its
-   side); the receiver drops a retired mapping once it is not leased (a leased one may still
+4. A slot the worker no longer keeps is retired (the retired flag set, the worker's side
+   unmapped); the receiver drops a retired mapping once it is not leased (a leased one may still
    have a batch on its way), checked whenever it receives or releases a batch.
-5. The receiver also drops every mapping of a worker that has exited (its pid is in the key).
-   A loop that stops mid-epoch (``break``) shuts the workers down with batches still queued:
-   those are never received, so their slots stay leased, and no batch can arrive any more.
+5. At the end of an iteration the worker keeps its slots for its next one (``end_iteration``):
+   a persistent DataLoader worker starts each later epoch on slots the receiver has already
+   mapped, so its first batches fault in no new shared memory and hand over no file descriptor
+   (retiring them every epoch made each epoch's first batches wait for both: 0.05-0.25 s each
+   on the 2-core development machine at a load of 9, docs/benchmarks.md).
+6. The receiver also drops every mapping of a worker that has exited (its pid is in the key):
+   a worker that is not persistent exits after its epoch, and a loop that stops mid-epoch
+   (``break``) shuts the workers down with batches still queued, which are never received.
 
 The worker reuses only slots whose flag is clear and creates a new slot otherwise, so a training
 loop that keeps batches (``list(loader)``) is safe: it costs memory, as with torch's own
 transport, never correctness. Free slots beyond ``keep`` are retired, so a worker holds at most
-``keep`` idle slots, and the receiver at most one iteration's slots per worker beyond those in
-use, finished or abandoned. Linux only (``os.memfd_create``); elsewhere batches go through
+``keep`` idle slots, within an iteration and between iterations, and the receiver maps at most
+those and the ones in use, per living worker. Linux only (``os.memfd_create``); elsewhere batches go through
 torch's path.
 """
 
@@ -111,6 +116,15 @@ class SlotRing:
 
     def __len__(self) -> int:
         return len(self._slots)
+
+    def end_iteration(self) -> None:
+        """An iteration is over: keep the slots for the next iteration of this worker (already
+        mapped by the receiver), retiring free slots beyond ``keep``. Slots still leased come
+        back when the receiver frees their batches."""
+        free = [slot for slot in self._slots if not slot.leased]
+        for extra in free[self.keep :]:
+            self._slots.remove(extra)
+            extra.retire()
 
     def retire(self) -> None:
         for slot in self._slots:

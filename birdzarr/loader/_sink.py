@@ -205,7 +205,7 @@ class SlotSink(_Sink):
         return SharedBatch(slot, fields)
 
     def end_iteration(self) -> None:
-        self.slots.retire()  # the receiver may drop its mappings
+        self.slots.end_iteration()  # kept for this worker's next iteration (a persistent worker)
 
 
 Sink = TensorSink | SlotSink
