@@ -3,6 +3,8 @@
     python benchmarks/loader.py                      # 186 devices, 2.5 M windows, + 2x scale check
     python benchmarks/loader.py --windows 500000 --no-scale-check   # quicker
     python benchmarks/loader.py --format-version 1   # the stores in format version 1 (dict16, gdict16)
+    python benchmarks/loader.py --only "(f) WindowDataset default, --shuffle store" --epochs 4
+                                                     # + the first batch of epochs 1..3
 
 Generates realistic data (186 devices as skewed as the real set, calibrated values) into
 --workdir (under /tmp; removed at the end unless --keep, or unless it existed before the run),
@@ -27,7 +29,10 @@ the first --item-batches batches for the slow per-item loaders (b)-(d)), time to
 (from creating the DataLoader iterator, so it includes starting the workers), peak private RAM of
 the process tree (sum of USS of the process and its workers, sampled every 0.2 s from outside),
 and the shuffle quality ratio of the first --quality-batches batches (birdzarr: device ids from
-``with_ldt=True``; the others: the known device of each index the sampler handed out).
+``with_ldt=True``; the others: the known device of each index the sampler handed out). With
+``--epochs N`` the WindowDataset cases go on for epochs 1..N-1 with the same persistent workers
+(``set_epoch`` before each): the table adds the median (and the largest) time to the first batch
+of those epochs, from creating each epoch's iterator, and their median rate.
 """
 
 from __future__ import annotations
@@ -209,6 +214,13 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
         loader = DataLoader(ds, batch_size=None, num_workers=workers, persistent_workers=workers > 0)
         ids_of = (lambda batch: batch[1][:, 1].numpy().copy()) if spec["ldt"] else None
         out = _iterate(loader, max_batches=None, quality_batches=q, ids_of=ids_of)
+        later = []  # epochs 1.. of the same (persistent) workers: their first batch and rate
+        for epoch in range(1, spec.get("epochs", 1)):
+            ds.set_epoch(epoch)
+            later.append(_iterate(loader, max_batches=None, quality_batches=0))
+        if later:
+            result["later_first_batch_s"] = [e["first_batch_s"] for e in later]
+            result["later_windows_per_s"] = [e["windows_per_s"] for e in later]
         # batch membership of epochs 0 and 1 (from the plan, not timed): fresh batches every epoch?
         members = []
         for epoch in (0, 1):
@@ -278,7 +290,7 @@ def measure(spec: dict[str, Any], *, interval: float = 0.2) -> dict[str, Any]:
 
 # -- the run -------------------------------------------------------------------------------------
 def cases(meta: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
-    common = {"meta": meta, "quality_batches": args.quality_batches}
+    common = {"meta": meta, "quality_batches": args.quality_batches, "epochs": args.epochs}
     items = {"max_batches": args.item_batches}
     out: list[dict[str, Any]] = [
         {"label": "(a) in-RAM BirdDataset (baseline)", "kind": "old", "max_batches": None},
@@ -399,6 +411,9 @@ def main() -> int:
     parser.add_argument("--quality-batches", type=int, default=100)
     parser.add_argument("--only", default=None,
                         help="run only cases whose label contains this (several: separated by |)")
+    parser.add_argument("--epochs", type=int, default=1,
+                        help="epochs the WindowDataset cases run with the same persistent workers; "
+                             "from 2, the table adds the first batch and the rate of epochs 1..")
     parser.add_argument("--repeat", type=int, default=1,
                         help="run every case this many times, interleaved; report the median run")
     parser.add_argument("--plot", default=os.path.join(REPO, "benchmarks", "out", "loader.png"))
@@ -478,6 +493,11 @@ def main() -> int:
                           + ("" if "load_s" not in r else f"; load {r['load_s']:.1f} s")
                           + ("" if not spec.get("resident") else f"; load {r['open_s']:.1f} s"),
         }
+        if args.epochs > 1:  # the same run's later epochs (persistent workers)
+            firsts, rates = r.get("later_first_batch_s", []), r.get("later_windows_per_s", [])
+            row["first batch, later epochs s (max)"] = (f"{np.median(firsts):.3f} ({max(firsts):.3f})"
+                                                        if firsts else "")
+            row["later epochs M/s"] = float(np.median(rates)) / MB if rates else ""
         if "pool_chunks" in r:
             row["timed over"] += f"; {r['pool_chunks']:.0f} chunks a pool"
             if spec["store"].startswith("device"):

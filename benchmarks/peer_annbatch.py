@@ -2,6 +2,7 @@
 
     python benchmarks/peer_annbatch.py                          # 2.5 M windows of 186 devices
     python benchmarks/peer_annbatch.py --windows 600000 --rounds 1
+    python benchmarks/peer_annbatch.py --format-version 1       # the birdzarr stores in format 1
 
 The data is the loader benchmark's (``benchmarks/loader.py``: 186 devices as skewed as the real
 set, calibrated values, one ``all.npy`` and a ``--shuffle`` birdzarr store, under --workdir).
@@ -16,14 +17,19 @@ Cases, each in its own process, interleaved over --rounds (ratios come from one 
 
 * the in-RAM numpy gather of a random permutation (the limit: no decoding, no DataLoader);
 * birdzarr ``WindowDataset`` defaults on the ``--shuffle`` store, 2 persistent DataLoader workers;
+* birdzarr ``resident="cpu"`` (the store's codes held in shared memory), 2 persistent workers;
 * annbatch defaults (``chunk_size=512, preload_nchunks=32``) and its README's recommended
   ``chunk_size=32, preload_nchunks=256``, in-process (its README advises against DataLoader
   workers), zarrs decoding, numpy batches.
 
-Every case runs two epochs of batch 8192. Reported: time to the first batch of epoch 0 (from
-creating the iterator: it includes starting workers) and of epoch 1, windows/s after the first
-batch of each epoch (epoch 1 is the steady state), peak private RAM of the process tree (USS),
-and the three shuffle-quality figures (docs/training.md#shuffle-quality) of epochs 0 and 1.
+Every case runs --epochs epochs (default 3) of batch 8192 in one process (DataLoader workers
+persist across them). Reported: time to the first batch of epoch 0 (from creating the iterator:
+it includes starting workers) and of the later epochs (the median and the largest over epochs
+1.. of every round), windows/s after the first batch of each epoch (epoch 0 apart; the later
+epochs are the steady state), peak private RAM of the process tree (USS), the three
+shuffle-quality figures (docs/training.md#shuffle-quality) of epochs 0 and 1, and the 1-minute
+load average (``/proc/loadavg``) at the start and end of the case's runs: the machine may be
+shared, and every rate is then a fraction of what the same code does on a quiet one.
 """
 
 from __future__ import annotations
@@ -92,14 +98,14 @@ PEER = textwrap.dedent(
         print(json.dumps({"source_s": wrote_source, "collection_s": time.perf_counter() - started,
                           "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3}))
         sys.exit(0)
-    chunk_size, preload, batch, seed = (int(a) for a in sys.argv[3:7])
+    chunk_size, preload, batch, seed, n_epochs = (int(a) for a in sys.argv[3:8])
     collection = DatasetCollection(collection_path)
     window_of = collection.obs(columns=["window"])["window"].to_numpy()  # collection row -> window
     loader = Loader(batch_size=batch, chunk_size=chunk_size, preload_nchunks=preload, shuffle=True,
                     return_index=True, rng=np.random.default_rng(seed))
     loader.use_collection(collection, load_adata=lambda g: ad.AnnData(X=g["X"]))
     epochs, members = [], []
-    for epoch in (0, 1):
+    for epoch in range(n_epochs):
         started = time.perf_counter()
         first = None
         n = n_first = 0
@@ -109,11 +115,13 @@ PEER = textwrap.dedent(
             n += len(x)
             if first is None:
                 first, n_first = time.perf_counter(), len(x)
-            kept.append(window_of[out["index"]])
+            if epoch < 2:
+                kept.append(window_of[out["index"]])
         ended = time.perf_counter()
         epochs.append({"first_batch_s": first - started, "windows_per_s": (n - n_first) / (ended - first),
                        "windows": n})
-        members.append(kept)
+        if epoch < 2:
+            members.append(kept)
     path = os.path.join(workdir, f"members-annbatch-{chunk_size}-{preload}.npz")
     np.savez(path, **{f"e{e}": np.concatenate(m) for e, m in enumerate(members)},
              **{f"s{e}": np.array([len(b) for b in m]) for e, m in enumerate(members)})
@@ -159,49 +167,59 @@ def peer_environment(log: Any) -> tuple[str | None, str]:
 
 
 # -- cases -----------------------------------------------------------------------------------------
-def own_case(kind: str, workdir: str, store: str) -> dict[str, Any]:
-    """In this environment's child process: the gather limit, or birdzarr's default streaming."""
+def _timed_epochs(epochs_of: Any, n_epochs: int) -> list[dict[str, float]]:
+    """Time each epoch: ``epochs_of(epoch)`` gives an iterable of batches (x first, or a pair)."""
+    epochs = []
+    for epoch in range(n_epochs):
+        batches = epochs_of(epoch)
+        started = time.perf_counter()
+        first, n, n_first = None, 0, 0
+        for batch in batches:
+            x = batch[0] if isinstance(batch, tuple) else batch
+            n += len(x)
+            if first is None:
+                first, n_first = time.perf_counter(), len(x)
+        ended = time.perf_counter()
+        assert first is not None, "no batch"
+        epochs.append({"first_batch_s": first - started, "windows_per_s": (n - n_first) / (ended - first),
+                       "windows": n})
+    return epochs
+
+
+def own_case(kind: str, workdir: str, store: str, n_epochs: int) -> dict[str, Any]:
+    """In this environment's child process: the gather limit, or birdzarr (streaming, resident)."""
     if kind == "gather":
         import _loader_baselines as base
 
         data = np.load(os.path.join(workdir, "all.npy"))  # fully into RAM
-        epochs, members = [], []
-        for epoch in (0, 1):
-            started = time.perf_counter()
-            first, n, n_first, kept = None, 0, 0, []
+        members: list[list[np.ndarray]] = [[], []]
+
+        def gather(epoch: int) -> Any:
             for x, indices in base.ideal_gather(data, BATCH, seed=SEED + epoch):
-                n += len(x)
-                if first is None:
-                    first, n_first = time.perf_counter(), len(x)
-                kept.append(indices)
-            ended = time.perf_counter()
-            epochs.append({"first_batch_s": first - started, "windows_per_s": (n - n_first) / (ended - first),
-                           "windows": n})
-            members.append(kept)
+                if epoch < 2:
+                    members[epoch].append(indices)
+                yield x
+
+        epochs = _timed_epochs(gather, n_epochs)
         devices = None
     else:
         from torch.utils.data import DataLoader
 
         import birdzarr
 
-        ds = birdzarr.WindowDataset(store, batch_size=BATCH, seed=SEED)
+        options: dict[str, Any] = {"resident": "cpu", "progress": False} if kind == "resident" else {}
+        ds = birdzarr.WindowDataset(store, batch_size=BATCH, seed=SEED, **options)
         loader = DataLoader(ds, batch_size=None, num_workers=WORKERS, persistent_workers=True)
-        epochs = []
-        for epoch in (0, 1):
+
+        def stream(epoch: int) -> Any:
             ds.set_epoch(epoch)
-            started = time.perf_counter()
-            first, n, n_first = None, 0, 0
-            for x in loader:
-                n += len(x)
-                if first is None:
-                    first, n_first = time.perf_counter(), len(x)
-            ended = time.perf_counter()
-            epochs.append({"first_batch_s": first - started, "windows_per_s": (n - n_first) / (ended - first),
-                           "windows": n})
+            return loader
+
+        epochs = _timed_epochs(stream, n_epochs)
         members = []
         for epoch in (0, 1):  # from the plan (pure), not timed
             ds.set_epoch(epoch)
-            plan = ds.plan(num_workers=WORKERS)
+            plan = ds.plan(num_workers=WORKERS) if ds.resident is None else None
             members.append([ds.batch_indices(b, plan) for b in ds.delivery_order(WORKERS)])
         devices = birdzarr.open_store(store).window_devices[:]
     path = os.path.join(workdir, f"members-{kind}.npz")
@@ -213,6 +231,7 @@ def own_case(kind: str, workdir: str, store: str) -> dict[str, Any]:
 
 def measure(argv: list[str]) -> dict[str, Any]:
     """Run one case in a child process; sample the private memory of its process tree from here."""
+    load_before = os.getloadavg()[0]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     with PeakSampler(lambda: tree_private(proc.pid), 0.2) as sampler:
         out, _ = proc.communicate()
@@ -220,6 +239,7 @@ def measure(argv: list[str]) -> dict[str, Any]:
         raise RuntimeError(f"{' '.join(argv[:4])} failed (exit {proc.returncode})")
     result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     result["peak_uss_mb"] = sampler.peak[0] / MB
+    result["load"] = (load_before, os.getloadavg()[0])
     return result
 
 
@@ -238,35 +258,66 @@ def quality(members_path: str, devices_by_window: np.ndarray, proportions: tuple
     }
 
 
+def loadavg() -> str:
+    with open("/proc/loadavg") as handle:
+        return handle.read().strip()
+
+
+CASES = ("gather", "birdzarr", "resident", "annbatch", "annbatch-recommended")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--windows", type=int, default=2_500_000)
     parser.add_argument("--devices", type=int, default=186)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
+    parser.add_argument("--epochs", type=int, default=3,
+                        help="epochs a case runs in one process (>= 2: epoch 0, then the steady state)")
+    parser.add_argument("--format-version", type=int, default=2, choices=[1, 2],
+                        help="format of the birdzarr stores (default 2)")
+    parser.add_argument("--cases", default=",".join(CASES),
+                        help=f"comma-separated, of {', '.join(CASES)} (default: all)")
     parser.add_argument("--workdir", default="/tmp/birdzarr-peer-bench")
     parser.add_argument("--keep", action="store_true", help="keep the generated data (reused next time)")
     parser.add_argument("--quality-batches", type=int, default=100)
     parser.add_argument("--no-peer", action="store_true", help="skip annbatch")
-    parser.add_argument("--own-case", nargs=3, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--own-case", nargs=4, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.own_case:
-        print(json.dumps(own_case(*args.own_case)))
+        kind, workdir, store, n_epochs = args.own_case
+        print(json.dumps(own_case(kind, workdir, store, int(n_epochs))))
         return 0
+    chosen = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = sorted(set(chosen) - set(CASES))
+    if unknown or not chosen:
+        parser.error(f"--cases: unknown {', '.join(unknown) or '(none given)'}; "
+                     f"choose from {', '.join(CASES)}")
+    if args.epochs < 2:
+        parser.error("--epochs must be at least 2 (epoch 0, then the steady state)")
     workdir = outside_repository(parser, args.workdir)
+    started_at = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
 
     with work_directory(workdir, prefix="", keep=args.keep):
-        meta = prepare(workdir, args.windows, args.devices, scale_check=False, log=log)
+        meta = prepare(workdir, args.windows, args.devices, scale_check=False, log=log,
+                       format_version=args.format_version)
         store = meta["stores"]["shuffled"]
         devices_by_window = np.repeat(np.asarray(meta["device_ids"]), np.asarray(meta["sizes"]))
         proportions = (np.asarray(meta["device_ids"]), np.asarray(meta["sizes"]))
         me = [sys.executable, os.path.abspath(__file__), "--workdir", workdir, "--own-case"]
+        own = {
+            "gather": ("in-RAM numpy gather (the limit)", "gather"),
+            "birdzarr": ("birdzarr defaults: streaming a --shuffle store, 2 persistent workers", "birdzarr"),
+            "resident": ('birdzarr resident="cpu" (codes), --shuffle store, 2 persistent workers',
+                         "resident"),
+        }
         cases: list[tuple[str, list[str]]] = [
-            ("in-RAM numpy gather (the limit)", [*me, "gather", workdir, store]),
-            ("birdzarr defaults: streaming a --shuffle store, 2 persistent workers",
-             [*me, "birdzarr", workdir, store]),
-        ]
-        python, why = (None, "--no-peer") if args.no_peer else peer_environment(log)
+            (own[c][0], [*me, own[c][1], workdir, store, str(args.epochs)]) for c in CASES
+            if c in own and c in chosen]
+        wanted_peers = [c for c in ("annbatch", "annbatch-recommended") if c in chosen]
+        python, why = (None, "--no-peer") if args.no_peer else (
+            peer_environment(log) if wanted_peers else (None, "not in --cases"))
+        peer_label = None
         if python is None:
             print(f"annbatch: skipped ({why})")
         else:
@@ -280,13 +331,17 @@ def main() -> int:
                     f"peak RSS {wrote['maxrss_mb']:.0f} MB")
             sizes = {"annbatch": dir_bytes(os.path.join(workdir, "annbatch.zarr")),
                      "birdzarr": dir_bytes(store), "parquet": dir_bytes(meta["parquet"])}
-            log(f"store vs Parquet: birdzarr --shuffle {sizes['birdzarr'] / sizes['parquet']:.2f}x, annbatch "
-                f"{sizes['annbatch'] / sizes['parquet']:.2f}x")
-            peers = ((512, 32, "annbatch 0.3.1 defaults (512-row slices, 32 preloaded)"),
-                     (32, 256, "annbatch, README's recommended 32 / 256"))
-            for chunk_size, preload, label in peers:
+            log(f"store vs Parquet: birdzarr --shuffle (format {args.format_version}) "
+                f"{sizes['birdzarr'] / sizes['parquet']:.2f}x, "
+                f"annbatch {sizes['annbatch'] / sizes['parquet']:.2f}x")
+            peers = {"annbatch": (512, 32, "annbatch 0.3.1 defaults (512-row slices, 32 preloaded)"),
+                     "annbatch-recommended": (32, 256, "annbatch, README's recommended 32 / 256")}
+            for name in wanted_peers:
+                chunk_size, preload, label = peers[name]
+                peer_label = peer_label or (label if name == "annbatch" else None)
                 cases.append((label, [python, peer, "read", workdir, str(chunk_size), str(preload),
-                                      str(BATCH), str(SEED)]))
+                                      str(BATCH), str(SEED), str(args.epochs)]))
+        log(f"load average at the start: {loadavg()}")
         runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in cases}
         for round_number in range(args.rounds):  # interleaved: a noisy minute does not hit one case only
             for label, argv in cases:
@@ -295,38 +350,47 @@ def main() -> int:
                     result.update(quality(result["members"], devices_by_window, proportions,
                                           args.quality_batches))
                 runs[label].append(result)
-                e0, e1 = result["epochs"]
+                e0, later = result["epochs"][0], result["epochs"][1:]
+                rates = " ".join(f"{e['windows_per_s'] / MB:.2f}" for e in later)
+                waits = " ".join(f"{e['first_batch_s']:.3f}" for e in later)
                 log(f"{label}: epoch 0 {e0['windows_per_s'] / MB:.2f} M/s (first batch "
-                    f"{e0['first_batch_s']:.2f} s), epoch 1 {e1['windows_per_s'] / MB:.2f} M/s (first batch "
-                    f"{e1['first_batch_s']:.3f} s), "
-                    f"peak private {result['peak_uss_mb']:.0f} MB")
+                    f"{e0['first_batch_s']:.2f} s), later epochs {rates} M/s (first batch {waits} s), "
+                    f"peak private {result['peak_uss_mb']:.0f} MB, load {result['load'][0]:.1f}-"
+                    f"{result['load'][1]:.1f}")
+        log(f"load average at the end: {loadavg()}")
         rows = []
 
-        def median(label: str, epoch: int, key: str) -> float:
-            return float(np.median([r["epochs"][epoch][key] for r in runs[label]]))
+        def values(label: str, key: str, later: bool) -> list[float]:
+            return [e[key] for r in runs[label] for e in (r["epochs"][1:] if later else r["epochs"][:1])]
 
-        limit = median(cases[0][0], 1, "windows_per_s")
-        peer_label = cases[2][0] if len(cases) > 2 else None
+        limit_label = own["gather"][0] if "gather" in chosen else None
+        limit = float(np.median(values(limit_label, "windows_per_s", True))) if limit_label else None
+        peer_steady = float(np.median(values(peer_label, "windows_per_s", True))) if peer_label else None
         for label, _ in cases:
             first = runs[label][0]
-            steady = median(label, 1, "windows_per_s")
+            steady = float(np.median(values(label, "windows_per_s", True)))
+            firsts = values(label, "first_batch_s", True)
+            loads = [x for r in runs[label] for x in r["load"]]
             rows.append({
                 "loader": label,
-                "epoch 1 M windows/s": round(steady / MB, 2),
-                "% of gather": round(100 * steady / limit),
-                "x annbatch defaults": (round(steady / median(peer_label, 1, "windows_per_s"), 2)
-                                        if peer_label else "-"),
-                "epoch 0 M/s": round(median(label, 0, "windows_per_s") / MB, 2),
-                "first batch, epoch 0 (s)": round(median(label, 0, "first_batch_s"), 3),
-                "first batch, epoch 1 (s)": round(median(label, 1, "first_batch_s"), 3),
+                "later epochs M windows/s": round(steady / MB, 2),
+                "% of gather": round(100 * steady / limit) if limit else "-",
+                "x annbatch defaults": round(steady / peer_steady, 2) if peer_steady else "-",
+                "epoch 0 M/s": round(float(np.median(values(label, "windows_per_s", False))) / MB, 2),
+                "first batch, epoch 0 (s)": round(float(np.median(values(label, "first_batch_s", False))), 3),
+                "first batch, later epochs: median / max (s)":
+                    f"{float(np.median(firsts)):.3f} / {max(firsts):.3f}",
                 "device mix": round(first["device_mix"], 2),
                 "repeated": f"{100 * first['repeated']:.0f}%",
                 "co-occurrence": round(first["cooccurrence"], 2),
                 "peak private MB": round(float(np.median([r["peak_uss_mb"] for r in runs[label]]))),
+                "load (1 min)": f"{min(loads):.1f}-{max(loads):.1f}",
             })
         print()
-        print(f"{args.windows:,} windows of {args.devices} devices, batch {BATCH}, {args.rounds} interleaved "
-              f"round(s), medians; {machine()}")
+        print(f"{args.windows:,} windows of {args.devices} devices, format {args.format_version} birdzarr "
+              f"store, batch {BATCH}, {args.epochs} epochs a case, {args.rounds} interleaved round(s), "
+              f"medians (later epochs: epochs 1..{args.epochs - 1} of every round); started {started_at}; "
+              f"{machine()}")
         print(table(rows))
     return 0
 
