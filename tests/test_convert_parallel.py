@@ -1,6 +1,7 @@
-"""Conversion on several workers: every stored byte is the same whatever the number of workers;
-the worker pipeline hands results over in order, raises in order and stops cleanly; the usable
-core count follows CPU affinity and the cgroup quota."""
+"""Conversion on several workers: every stored byte is the same whatever the number of workers and
+whichever engine runs the tasks (this thread, threads, worker processes for input of at least
+``PROCESS_MIN_BYTES``: real files that large, padded); the usable core count follows CPU affinity
+and the cgroup quota. (The runner's own order, failure and bound: tests/test_engine.py.)"""
 
 from __future__ import annotations
 
@@ -9,8 +10,6 @@ import json
 import os
 import pathlib
 import threading
-import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -18,7 +17,7 @@ import pytest
 
 import birdzarr
 from birdzarr._errors import BadInputError, DuplicateWindowsWarning
-from birdzarr.convert import _cpus, _pipeline, _segments, _shuffle, _shuffle_processes
+from birdzarr.convert import _cpus, _segments, _shuffle, _shuffle_processes
 from birdzarr.demo import _synthetic
 from birdzarr.maintenance._verify import verify
 from birdzarr.store._summary import format_summary, summary
@@ -76,14 +75,58 @@ def parquet_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return directory
 
 
+def padded_parquet(source: pathlib.Path, into: pathlib.Path, at_least: int) -> pathlib.Path:
+    """``source``'s Parquet files, the same windows, each with a key-value metadata entry in its
+    footer (which birdzarr does not read) so that together they hold at least ``at_least`` bytes."""
+    import pyarrow.parquet as pq
+
+    into.mkdir()
+    files = sorted(source.glob("*.parquet"))
+    # the schema's metadata is stored twice (the key-value entry and the serialised Arrow schema)
+    pad = "0" * (at_least // len(files) // 2 + 1)
+    for file in files:
+        table = pq.read_table(file)
+        pq.write_table(table.replace_schema_metadata({"padding": pad}), into / file.name,
+                       row_group_size=2500)
+    assert sum(f.stat().st_size for f in into.iterdir()) >= at_least
+    return into
+
+
+def padded_csv(source: pathlib.Path, into: pathlib.Path, at_least: int) -> pathlib.Path:
+    """``source``'s CSV files with trailing zeros on every value field (``1.910000...0``: the same
+    values, and a field that is not a number stays one), at least ``at_least`` bytes in all."""
+    into.mkdir()
+    files = sorted(source.iterdir())
+    lines = [path.read_text().splitlines() for path in files]
+    size = sum(path.stat().st_size for path in files)
+    zeros = "0" * (-(-(at_least - size) // (4 * sum(map(len, lines)))) + 1)
+    for path, rows in zip(files, lines, strict=True):
+        fields = (row.split(",") for row in rows)
+        text = "".join(",".join(f[:4] + [v + zeros for v in f[4:]]) + "\n" for f in fields)
+        (into / path.name).write_text(text)
+    assert sum(p.stat().st_size for p in into.iterdir()) >= at_least
+    return into
+
+
+@pytest.fixture(scope="module")
+def parquet_dir_large(parquet_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """``parquet_dir``'s windows in files of PROCESS_MIN_BYTES: converted in worker processes."""
+    into = tmp_path_factory.mktemp("pq-large") / "src"
+    return padded_parquet(parquet_dir, into, _segments.PROCESS_MIN_BYTES)
+
+
+@pytest.fixture(scope="module")
+def parquet_dir_48mb(parquet_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """``parquet_dir``'s windows in files of 48 MB: converted on threads, and shuffled through
+    four buckets (their number follows the input's size: ``_shuffle.bucket_count``)."""
+    return padded_parquet(parquet_dir, tmp_path_factory.mktemp("pq-48mb") / "src", 48 << 20)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("codec", "split"), [("dict16", True), ("dict16", False), ("standard", True)])
+@pytest.mark.parametrize("codec", ["dict16", "standard"])
 def test_parquet_store_is_byte_identical_for_any_worker_count(
-    parquet_dir: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, codec: str,
-    split: bool,
+    parquet_dir: pathlib.Path, tmp_path: pathlib.Path, codec: str
 ) -> None:
-    # split: one task per row group (files this small are otherwise one task each)
-    monkeypatch.setattr(_pipeline, "SPLIT_MIN_BYTES", 0 if split else 1 << 62)
     stores = []
     for workers in (1, 2, 3):
         dest = tmp_path / f"w{workers}.zarr"
@@ -100,18 +143,16 @@ def test_parquet_store_is_byte_identical_for_any_worker_count(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("chunk_windows", [1024, 8192])
+@pytest.mark.parametrize("chunk_windows", [64, 100])
 def test_parquet_store_converted_in_worker_processes_is_byte_identical(
-    parquet_dir: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, chunk_windows: int,
-    in_processes: None,
+    parquet_dir_large: pathlib.Path, tmp_path: pathlib.Path, chunk_windows: int,
 ) -> None:
-    # segments of one device or two (8 joins 15, 16 joins 40): chunks written by this process from
-    # the windows of two or three segments, and a padded last chunk
-    monkeypatch.setattr(_segments, "SEGMENTS_PER_WORKER", 100)
-    one = birdzarr.convert(parquet_dir, tmp_path / "one.zarr", workers=1, chunk_windows=chunk_windows,
+    # segments of at least 8 chunks and ~1/8 of the windows: 3 (9,000), 8 and 15 (7,040), 16 and
+    # 40 (3,001); chunks written by this process from the windows of two segments, a padded last chunk
+    one = birdzarr.convert(parquet_dir_large, tmp_path / "one.zarr", workers=1, chunk_windows=chunk_windows,
                            progress=False)
     assert "segments" not in one.meta["report"]
-    processes = birdzarr.convert(parquet_dir, tmp_path / "processes.zarr", workers=2,
+    processes = birdzarr.convert(parquet_dir_large, tmp_path / "processes.zarr", workers=2,
                                  chunk_windows=chunk_windows, progress=False)
     report = processes.meta["report"]
     assert (report["segments"], report["worker_processes"]) == (3, 2)
@@ -119,56 +160,58 @@ def test_parquet_store_converted_in_worker_processes_is_byte_identical(
     assert_same_store(tmp_path / "one.zarr", tmp_path / "processes.zarr")
 
 
-@pytest.fixture
-def in_processes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Worker processes for input of any size, a segment for each device (or two)."""
-    monkeypatch.setattr(_segments, "PROCESS_MIN_BYTES", 0)
-    monkeypatch.setattr(_segments, "MIN_SEGMENT_CHUNKS", 0)
-
-
-def _parquet_devices(directory: pathlib.Path, sizes: dict[int, int]) -> pathlib.Path:
-    """``{device}.parquet`` of ``sizes[device]`` generated windows each (seeded by the device)."""
+def _parquet_devices(directory: pathlib.Path, sizes: dict[int, int], *, large: bool = False) -> pathlib.Path:
+    """``{device}.parquet`` of ``sizes[device]`` generated windows each (seeded by the device);
+    ``large``: padded to PROCESS_MIN_BYTES (worker processes convert them)."""
     directory.mkdir()
     for device, size in sizes.items():
         windows = _synthetic.curated_windows(size, seed=device)
         _synthetic.write_parquet(windows, directory / f"{device}.parquet")
+    if not large:
+        return directory
+    padded = padded_parquet(directory, directory.with_name(directory.name + "-large"),
+                            _segments.PROCESS_MIN_BYTES)
+    for file in directory.iterdir():
+        file.unlink()
+    for file in padded.iterdir():
+        file.rename(directory / file.name)
+    padded.rmdir()
     return directory
 
 
-def test_worker_processes_count_repeated_windows_as_threads_do(
-    tmp_path: pathlib.Path, in_processes: None
-) -> None:
-    src = _parquet_devices(tmp_path / "src", {9: 300})
+def test_worker_processes_count_repeated_windows_as_threads_do(tmp_path: pathlib.Path) -> None:
     windows = _synthetic.curated_windows(500, seed=1)
-    _synthetic.write_parquet(np.concatenate([windows, windows[:30]]), src / "7.parquet")  # 30 windows twice
     for workers in (1, 2):
+        src = _parquet_devices(tmp_path / f"src{workers}", {9: 300}, large=workers == 2)
+        twice = np.concatenate([windows, windows[:30]])  # 30 windows twice
+        _synthetic.write_parquet(twice, src / "7.parquet")
         with pytest.warns(DuplicateWindowsWarning, match=r"30 window\(s\) repeat .* device\(s\) 7 \(30\)"):
-            store = birdzarr.convert(src, tmp_path / f"w{workers}.zarr", workers=workers, chunk_windows=128,
+            store = birdzarr.convert(src, tmp_path / f"w{workers}.zarr", workers=workers, chunk_windows=16,
                                      progress=False)
         assert store.meta["report"]["duplicate_windows"] == {"7": 30}
         assert ("segments" in store.meta["report"]) == (workers == 2)
 
 
-def test_fewer_segments_than_workers_are_converted_on_threads(
-    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+def test_fewer_segments_than_workers_read_ahead_and_encode_on_threads_of_their_own(
+    tmp_path: pathlib.Path
 ) -> None:
-    # one segment (the minimum segment is 8 chunks): a process for it would leave a core idle,
-    # where threads decode and encode the device's parts at once
-    monkeypatch.setattr(_segments, "PROCESS_MIN_BYTES", 0)
-    src = _parquet_devices(tmp_path / "src", {1: 300, 2: 300})
+    """The engine follows the input's size and the workers only: one segment (the minimum segment
+    is 8 chunks) runs in one worker process, which reads ahead and encodes on threads of its
+    own; the same store as one worker's."""
+    src = _parquet_devices(tmp_path / "src", {1: 300, 2: 300}, large=True)
+    one = birdzarr.convert(src, tmp_path / "one.zarr", workers=1, chunk_windows=128, progress=False)
+    assert "segments" not in one.meta["report"] and one.meta["report"]["workers"] == 1
     report = birdzarr.convert(src, tmp_path / "s.zarr", workers=2, chunk_windows=128,
                               progress=False).meta["report"]
-    assert "segments" not in report and report["workers"] == 2
-    monkeypatch.setattr(_segments, "MIN_SEGMENT_CHUNKS", 0)  # a segment a device: processes
-    report = birdzarr.convert(src, tmp_path / "p.zarr", workers=2, chunk_windows=128,
+    assert (report["segments"], report["worker_processes"], report["workers"]) == (1, 2, 2)
+    assert_same_store(tmp_path / "one.zarr", tmp_path / "s.zarr")
+    report = birdzarr.convert(src, tmp_path / "p.zarr", workers=2, chunk_windows=16,  # a segment a device
                               progress=False).meta["report"]
     assert (report["segments"], report["worker_processes"]) == (2, 2)
 
 
-def test_a_bad_row_in_a_worker_process_fails_the_conversion_cleanly(
-    tmp_path: pathlib.Path, in_processes: None
-) -> None:
-    src = _parquet_devices(tmp_path / "src", {1: 400, 3: 400})
+def test_a_bad_row_in_a_worker_process_fails_the_conversion_cleanly(tmp_path: pathlib.Path) -> None:
+    src = _parquet_devices(tmp_path / "src", {1: 400, 3: 400}, large=True)
     windows = _synthetic.curated_windows(400, seed=2)
     windows[123, 4, 1] = np.nan
     _synthetic.write_parquet(windows, src / "2.parquet")
@@ -179,9 +222,9 @@ def test_a_bad_row_in_a_worker_process_fails_the_conversion_cleanly(
 
 
 def test_input_that_changes_under_the_worker_processes_is_refused(
-    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, in_processes: None
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    src = _parquet_devices(tmp_path / "src", {4: 300, 5: 300})
+    src = _parquet_devices(tmp_path / "src", {4: 300, 5: 300}, large=True)
     counted = _segments.footer_count
 
     def one_more_for_4(device: Any, *args: Any) -> int | None:
@@ -219,14 +262,17 @@ def csv_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 @pytest.mark.slow
 @pytest.mark.parametrize("processes", [False, True])
 def test_csv_store_is_byte_identical_for_any_worker_count(
-    csv_dir: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, processes: bool
+    csv_dir: pathlib.Path, tmp_path: pathlib.Path, processes: bool
 ) -> None:
-    monkeypatch.setattr(_segments, "PROCESS_MIN_BYTES", 0 if processes else 1 << 62)
+    """Threads (small input) or worker processes (input of PROCESS_MIN_BYTES: the same values
+    padded with trailing zeros) read the parts; the same store with any number of workers."""
+    source = padded_csv(csv_dir, tmp_path / "large", _segments.PROCESS_MIN_BYTES) if processes else csv_dir
     stores = []
     for workers in (1, 2, 3):
         dest = tmp_path / f"w{workers}.zarr"
-        birdzarr.convert(csv_dir, dest, workers=workers, chunk_windows=256, on_bad_rows="skip",
-                         progress=False)
+        store = birdzarr.convert(source, dest, workers=workers, chunk_windows=256, on_bad_rows="skip",
+                                 progress=False)
+        assert ("worker_processes" in store.meta["report"]) == (processes and workers > 1)
         stores.append(dest)
     for other in stores[1:]:
         assert_same_store(stores[0], other)
@@ -254,57 +300,6 @@ def test_csv_parts_give_the_windows_of_one_file(tmp_path: pathlib.Path) -> None:
     right = many.meta["report"]["devices"]["77"]
     assert left["windows_written"] == right["windows_written"]
     assert left["dropped"] == right["dropped"]
-
-
-# -- the ordered worker pipeline ---------------------------------------------------------------
-def _task(key: int, n: int, fail_at: int | None = None, delay: float = 0.0):  # type: ignore[no-untyped-def]
-    def run() -> Iterator[tuple[int, int]]:
-        for i in range(n):
-            if delay:
-                time.sleep(delay)
-            if i == fail_at:
-                raise ValueError(f"task {key} failed at {i}")
-            yield key, i
-    return run
-
-
-def test_ordered_streams_keeps_task_order() -> None:
-    # later tasks are quicker: they finish first but are handed over after the earlier ones
-    tasks = [(k, _task(k, 30, delay=0.002 if k == 0 else 0.0)) for k in range(6)]
-    got = list(_pipeline.ordered_streams(iter(tasks), workers=3, ahead=4))
-    assert got == [(k, (k, i)) for k in range(6) for i in range(30)]
-
-
-def test_ordered_streams_raises_in_order_and_stops_its_threads() -> None:
-    before = threading.active_count()
-    tasks = [(0, _task(0, 5)), (1, _task(1, 5, fail_at=3)), (2, _task(2, 50, fail_at=0))]
-    got = []
-    with pytest.raises(ValueError, match="task 1 failed at 3"):
-        for item in _pipeline.ordered_streams(iter(tasks), workers=3, ahead=2):
-            got.append(item)
-    assert got == [(0, (0, i)) for i in range(5)] + [(1, (1, i)) for i in range(3)]
-    assert threading.active_count() == before
-
-
-def test_ordered_streams_bounds_what_runs_ahead() -> None:
-    """A consumer that stops reading leaves at most head_depth + ahead items buffered."""
-    produced = []
-
-    def counting(key: int):  # type: ignore[no-untyped-def]
-        def run() -> Iterator[int]:
-            for i in range(1000):
-                produced.append(key)
-                yield i
-        return run
-
-    stream = _pipeline.ordered_streams(iter([(k, counting(k)) for k in range(4)]), workers=4, ahead=5,
-                                       head_depth=3)
-    next(stream)
-    time.sleep(0.3)
-    # consumed + the head's queue (items buffered before it became the head stay there) + the
-    # later tasks' + one item each worker could not hand over yet
-    assert len(produced) <= 1 + max(3, 5) + 5 + 4
-    stream.close()
 
 
 # -- usable cores --------------------------------------------------------------------------------
@@ -338,16 +333,15 @@ def test_usable_cpus_follows_affinity_and_quota(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_shuffled_store_is_byte_identical_and_uses_device_dictionaries(
-    parquet_dir: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+    parquet_dir_48mb: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
-    monkeypatch.setattr(_pipeline, "SPLIT_MIN_BYTES", 0)
-    # 7 buckets: pass 2 loads two at once with 2 or more workers, one at a time with 1
-    monkeypatch.setattr(_shuffle, "BUCKET_WINDOWS", 3000)
+    # 4 buckets (48 MB of input): pass 2 runs them on 2 or 3 threads at once, one run with 1 worker
     stores = []
     for workers in (1, 2, 3):
         dest = tmp_path / f"s{workers}.zarr"
-        store = birdzarr.convert(parquet_dir, dest, workers=workers, shuffle=True, seed=5, chunk_windows=4096,
-                                 format_version=1, progress=False, shuffle_tmp=str(tmp_path))
+        store = birdzarr.convert(parquet_dir_48mb, dest, workers=workers, shuffle=True, seed=5,
+                                 chunk_windows=4096, format_version=1, progress=False,
+                                 shuffle_tmp=str(tmp_path))
         assert store.meta["layout"]["codec"] == "gdict16"
         assert store.meta["layout"]["compressor"] == {"cname": "lz4", "clevel": 5}
         stores.append(dest)
@@ -366,22 +360,24 @@ def test_shuffled_store_is_byte_identical_and_uses_device_dictionaries(
 @pytest.mark.slow
 @pytest.mark.parametrize("codec", ["gdict16", "dict16"])
 def test_shuffled_store_in_worker_processes_is_byte_identical(
-    parquet_dir: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, codec: str
+    parquet_dir_large: pathlib.Path, tmp_path: pathlib.Path, codec: str
 ) -> None:
     """Pass 1 by groups of devices and pass 2 by runs of buckets in worker processes: the store
-    of one worker on threads, every chunk, device table and all."""
-    # 7 buckets in runs of 2, 2, 1, 2: chunks two buckets share inside a run and between runs
-    monkeypatch.setattr(_shuffle, "BUCKET_WINDOWS", 3000)
-    assert [len(r) for r in _shuffle_processes.plan_bucket_runs(7, workers=2)] == [2, 2, 1, 2]
-    monkeypatch.setattr(_segments, "PROCESS_MIN_BYTES", 0)
+    of one worker in this thread, every chunk, device table and all."""
     stores = {}
     for workers in (1, 2):
         dest = tmp_path / f"s{workers}.zarr"
-        store = birdzarr.convert(parquet_dir, dest, workers=workers, shuffle=True, seed=5, chunk_windows=2048,
-                                 codec=codec, format_version=1, progress=False, shuffle_tmp=str(tmp_path))
+        store = birdzarr.convert(parquet_dir_large, dest, workers=workers, shuffle=True, seed=5,
+                                 chunk_windows=2048, codec=codec, format_version=1, progress=False,
+                                 shuffle_tmp=str(tmp_path))
         stores[workers] = store
     assert "worker_processes" not in stores[1].meta["report"]
     assert stores[2].meta["report"]["worker_processes"] == 2
+    # 6 buckets (64 MB of input) in 4 runs, some of two: chunks two buckets share inside a run and
+    # between runs
+    buckets = stores[2].meta["layout"]["shuffle_buckets"]
+    assert buckets == stores[1].meta["layout"]["shuffle_buckets"] == 6
+    assert [len(r) for r in _shuffle_processes.plan_bucket_runs(buckets, workers=2)] == [2, 1, 1, 2]
     for store in stores.values():  # each pass's share of the time and CPU, both passes counted
         report = store.meta["report"]
         walls, cpus = report["shuffle"]["pass_seconds"], report["shuffle"]["pass_cpu_seconds"]
@@ -433,12 +429,11 @@ class _RecordingBar:
 @pytest.mark.slow
 @pytest.mark.parametrize("workers", [1, 2])
 def test_the_progress_bar_counts_every_window_once_in_each_shuffle_pass(
-    parquet_dir: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, workers: int
+    parquet_dir_large: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, workers: int
 ) -> None:
-    """Pass 1 counts the windows read and spilled (in worker processes: group by group), pass 2
-    the windows written, each pass all of them once."""
-    monkeypatch.setattr(_shuffle, "BUCKET_WINDOWS", 3000)
-    monkeypatch.setattr(_segments, "PROCESS_MIN_BYTES", 0)
+    """Pass 1 counts the windows read and spilled (in worker processes: group by group; in this
+    thread: block by block), pass 2 the windows written, each pass all of them once. (The bar
+    stands in for tqdm's, whose output shows a pass's count only every 0.1 s.)"""
     bars: list[_RecordingBar] = []
 
     def recording_bar(enabled: bool, **kwargs: object) -> _RecordingBar:
@@ -446,7 +441,7 @@ def test_the_progress_bar_counts_every_window_once_in_each_shuffle_pass(
         return bars[-1]
 
     monkeypatch.setattr(importlib.import_module("birdzarr.convert"), "progress_bar", recording_bar)
-    store = birdzarr.convert(parquet_dir, tmp_path / "s.zarr", workers=workers, shuffle=True, seed=5,
+    store = birdzarr.convert(parquet_dir_large, tmp_path / "s.zarr", workers=workers, shuffle=True, seed=5,
                              chunk_windows=2048, progress=True, shuffle_tmp=str(tmp_path))
     assert ("worker_processes" in store.meta["report"]) == (workers > 1)
     n = len(store)
@@ -462,12 +457,11 @@ def test_bucket_runs_take_every_bucket_once_in_order(buckets: int, workers: int)
 
 
 def test_a_shuffle_whose_spill_is_damaged_fails_cleanly(
-    parquet_dir: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+    parquet_dir_48mb: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A bucket that cannot be read in pass 2 (its spill file cut short between the passes)
     stops the conversion with that error, while the next bucket is loading beside it: no hang,
-    no store, no spill left behind."""
-    monkeypatch.setattr(_shuffle, "BUCKET_WINDOWS", 3000)
+    no store, no spill left behind. (The damage is done where the spill files close.)"""
     close = _shuffle.SpillBuckets.close
 
     def close_then_damage(self: _shuffle.SpillBuckets) -> None:
@@ -482,7 +476,7 @@ def test_a_shuffle_whose_spill_is_damaged_fails_cleanly(
 
     def run() -> None:
         try:
-            birdzarr.convert(parquet_dir, tmp_path / "s.zarr", workers=2, shuffle=True, seed=5,
+            birdzarr.convert(parquet_dir_48mb, tmp_path / "s.zarr", workers=2, shuffle=True, seed=5,
                              chunk_windows=4096, progress=False, shuffle_tmp=str(spill_dir))
         except BaseException as exc:  # noqa: BLE001 (the test inspects it)
             outcome.append(exc)

@@ -13,8 +13,16 @@ import pytest
 
 import birdzarr
 from birdzarr._errors import ArgumentError
-from birdzarr.convert import _segments, _shuffle, _shuffle_processes
-from birdzarr.convert._engine import Engine, Runner, local_engine, run_all
+from birdzarr.convert import _engine, _segments, _shuffle, _shuffle_processes
+from birdzarr.convert._engine import (
+    Engine,
+    Runner,
+    in_process_engine,
+    local_engine,
+    ordered,
+    run_all,
+    thread_engine,
+)
 from birdzarr.convert._sources import find_inputs
 from birdzarr.demo import _synthetic
 from birdzarr.format._spec import Curation
@@ -109,3 +117,89 @@ def test_a_spill_directory_the_workers_do_not_share_is_refused_in_one_line(
                          progress=False, shuffle_tmp=str(spill))
     assert not (tmp_path / "s.zarr").exists()
     assert list(spill.iterdir()) == []
+
+
+# -- results in the order of the calls (CSV parts: _pipeline.py) ----------------------------------
+def test_ordered_keeps_the_order_of_the_calls_when_later_ones_finish_first() -> None:
+    first_may_end = threading.Event()
+    ended: list[int] = []
+
+    def task(i: int) -> int:
+        if i == 0:
+            assert first_may_end.wait(30)
+        ended.append(i)
+        if len(ended) == 3:  # 1, 2 and 3 (of the 4 in flight with width 2) ended before 0
+            first_may_end.set()
+        return i * 10
+
+    with thread_engine(2) as engine:
+        assert list(ordered(engine, task, [(i,) for i in range(8)])) == [i * 10 for i in range(8)]
+    assert ended[:3] == sorted(ended[:3]) and 0 not in ended[:3]
+
+
+def test_ordered_raises_in_order_and_every_submitted_call_ends_first() -> None:
+    before = threading.active_count()
+    running: list[int] = []
+    ended: list[int] = []
+
+    def task(i: int) -> int:
+        running.append(i)
+        if i == 2:
+            raise ValueError("call 2 failed")
+        ended.append(i)
+        return i
+
+    got = []
+    with thread_engine(2) as engine, pytest.raises(ValueError, match="^call 2 failed$"):
+        for result in ordered(engine, task, [(i,) for i in range(50)]):
+            got.append(result)
+    assert got == [0, 1]  # the results before the failure, in order
+    # 4 in flight (width 2) as each result was taken: calls 0-5 were submitted, and all ended
+    assert sorted(running) == list(range(6)) and sorted(ended) == [0, 1, 3, 4, 5]
+    assert threading.active_count() == before  # the engine's threads ended with it
+
+
+def test_ordered_bounds_what_is_submitted_ahead_of_the_result_taken() -> None:
+    """A consumer that stops taking results leaves at most 2 x width calls submitted beyond it."""
+    calls: list[int] = []
+
+    def task(i: int) -> int:
+        calls.append(i)
+        return i
+
+    with in_process_engine() as engine:
+        results = ordered(engine, task, [(i,) for i in range(1000)])
+        assert next(results) == 0
+        assert calls == [0, 1]  # width 1: the one taken and one more
+        assert next(results) == 1 and calls == [0, 1, 2]
+        results.close()
+    assert calls == [0, 1, 2]
+
+
+def test_an_in_process_engine_runs_each_call_when_submitted_in_this_thread() -> None:
+    threads: list[threading.Thread] = []
+    with in_process_engine() as engine:
+        assert (engine.width, engine.in_process, engine.facts) == (1, True, {})
+        future = engine.executor.submit(lambda: threads.append(threading.current_thread()) or 7)
+        assert future.done() and future.result() == 7 and threads == [threading.current_thread()]
+        failed = engine.executor.submit(divmod, 1, 0)
+        assert isinstance(failed.exception(), ZeroDivisionError)
+
+
+def test_the_engine_is_chosen_by_client_processes_and_workers_only(tmp_path: pathlib.Path) -> None:
+    """Below PROCESS_MIN_BYTES, with one worker, into memory:// (worker processes would each
+    write a store of their own) or without fork: threads of this process; else processes."""
+    fork = _engine.fork_available()
+    big = _segments.PROCESS_MIN_BYTES
+    assert _engine.processes_pay(big, workers=2, dest_shared=True) == fork
+    assert not _engine.processes_pay(big - 1, workers=2, dest_shared=True)
+    assert not _engine.processes_pay(big, workers=1, dest_shared=True)
+    assert not _engine.processes_pay(big, workers=2, dest_shared=False)
+    with _engine.choose_engine(None, processes=False, workers=1) as engine:
+        assert isinstance(engine.executor, _engine.InProcess) and engine.in_process
+    with _engine.choose_engine(None, processes=False, workers=3) as engine:
+        assert isinstance(engine.executor, ThreadPoolExecutor)
+        assert (engine.width, engine.in_process) == (3, True)
+    if fork:
+        with _engine.choose_engine(None, processes=True, workers=2) as engine:
+            assert (engine.width, engine.in_process, engine.facts) == (2, False, {"worker_processes": 2})

@@ -17,7 +17,7 @@ import pytest
 import birdzarr
 from birdzarr import BadInputError
 from birdzarr.cli import main
-from birdzarr.convert import _parquet, _pipeline, _segments
+from birdzarr.convert import _parquet, _segments
 from birdzarr.demo import _synthetic
 
 SIZES = {3: 700, 8: 45, 15: 1300, 16: 1, 40: 380, 1000: 260}
@@ -95,7 +95,6 @@ def layouts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]
 def test_partition_files_give_the_per_device_store(
     layouts: dict[str, pathlib.Path], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, workers: int
 ) -> None:
-    monkeypatch.setattr(_pipeline, "SPLIT_MIN_BYTES", 0)  # a task per row group
     monkeypatch.setattr(_parquet._GROUPS, "max_bytes", 1)  # the cache keeps only the last group
     birdzarr.convert(layouts["per_device"], tmp_path / "one.zarr", chunk_windows=256, workers=workers,
                      progress=False)

@@ -17,17 +17,16 @@ import zarr
 from birdzarr._checks import require_bool, require_int
 from birdzarr._errors import ArgumentError, BadInputError, IgnoredColumnsWarning
 from birdzarr._progress import progress_bar
-from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._cpus import cpu_report, cpu_seconds, resolve_workers
 from birdzarr.convert._duplicates import DuplicateCounter
-from birdzarr.convert._engine import Engine, cluster_engine, local_engine
+from birdzarr.convert._engine import Engine, choose_engine, processes_pay
 from birdzarr.convert._memory import arrow_pool
 from birdzarr.convert._overwrite import check_destination, replacing, staged_location
 from birdzarr.convert._parquet import clear_group_cache, ignored_from_notes
-from birdzarr.convert._pipeline import count_on_bar, counted, device_blocks
-from birdzarr.convert._segments import convert_segments, count_devices, plan_processes, plan_segments
-from birdzarr.convert._shuffle import bucket_count, write_shuffled
-from birdzarr.convert._shuffle_processes import plan_spill_groups, write_shuffled_on
+from birdzarr.convert._pipeline import bar_counter, write_csv_devices
+from birdzarr.convert._segments import convert_segments, count_devices, input_bytes, plan_segments
+from birdzarr.convert._shuffle import bucket_count
+from birdzarr.convert._shuffle_processes import write_shuffled_on
 from birdzarr.convert._sources import DeviceSource, find_inputs, natural_key, refuse_repeated_devices
 from birdzarr.convert._writer import StoreWriter
 from birdzarr.format._codec import compressor_of
@@ -276,9 +275,9 @@ def _convert_here(
     shuffle_tmp: str | None, duplicates: DuplicateCounter | None = None, format_version: int = FORMAT_VERSION,
     client: Any = None,
 ) -> None:
-    """The conversion, driven from this process: on its threads, or as tasks on an engine
-    (``_engine.py``): forked worker processes where ``plan_processes``/``plan_spill_groups`` find
-    them worth it, or the Dask cluster behind ``client``. The tasks and the store are the same
+    """The conversion, driven from this process as tasks on one engine (``_engine.py``): the Dask
+    cluster behind ``client``; else forked worker processes where they pay (``processes_pay``);
+    else threads of this process (one worker: this thread). The tasks and the store are the same
     on every engine."""
     started, cpu = time.perf_counter(), cpu_seconds()
     config = {"threading.max_workers": workers}
@@ -298,38 +297,19 @@ def _convert_here(
             bar.set_postfix_str("", refresh=False)  # pass 1's MB/s is not pass 2's
             bar.reset(total=windows)
 
-        def windows_done(windows: int) -> None:  # windows/s and MB/s on the bar, in either pass
-            count_on_bar(bar, windows)
+        windows_done = bar_counter(bar)  # windows/s and MB/s on the bar, in either pass (from any thread)
 
-        # the one choice: which engine runs the tasks (none: this process's threads)
-        plan: Any = None
-        if client is None:
-            plan = (plan_spill_groups(devices, workers=workers, dest=dst) if shuffle else
-                    plan_processes(kind, devices, curation=curation, on_bad_rows=on_bad_rows,
-                                   workers=workers, chunk_windows=chunk_windows, dest=dst))
-        if client is not None or plan is not None:
+        # the one choice: which engine runs the tasks (a Dask cluster, worker processes, threads)
+        processes = client is None and processes_pay(input_bytes(devices), workers=workers,
+                                                     dest_shared=dst.shared_between_processes)
 
-            def engines() -> contextlib.AbstractContextManager[Engine]:
-                return cluster_engine(client) if client is not None else local_engine(
-                    max(1, min(workers, len(plan))))
+        def engines() -> contextlib.AbstractContextManager[Engine]:
+            return choose_engine(client, processes=processes, workers=workers)
 
-            extra.update(_on_engine(engines, plan, writer, src, dst, devices, curation=curation,
-                                    on_bad_rows=on_bad_rows, chunk_windows=chunk_windows, shuffle=shuffle,
-                                    seed=seed, buckets=buckets, shuffle_tmp=shuffle_tmp,
-                                    duplicates=duplicates, bar=bar, second_pass=second_pass,
-                                    windows_done=windows_done))
-        else:
-            inputs = _device_inputs(src.display, devices, curation, on_bad_rows, bar, workers)
-            if duplicates is not None:  # counts windows repeated within a device (convert/_duplicates.py)
-                inputs = ((d, sources, duplicates.watch(d, blocks)) for d, sources, blocks in inputs)
-            if shuffle:
-                assert seed is not None
-                extra["shuffle"] = write_shuffled(writer, inputs, seed=seed, buckets=buckets,
-                                                  tmp_dir=shuffle_tmp, on_pass=second_pass,
-                                                  on_written=windows_done)
-            else:
-                for device_id, sources, blocks in inputs:
-                    writer.write_device(device_id, blocks, sources)
+        extra.update(_on_engine(engines, writer, src, dst, kind, devices, curation=curation,
+                                on_bad_rows=on_bad_rows, chunk_windows=chunk_windows, shuffle=shuffle,
+                                seed=seed, buckets=buckets, shuffle_tmp=shuffle_tmp, duplicates=duplicates,
+                                bar=bar, second_pass=second_pass, windows_done=windows_done))
         # the last slabs are written (and waited for) before the clock stops: the time and CPU
         # reported are the whole conversion's (commit only writes the root attributes)
         writer.slabs.drain()
@@ -353,26 +333,30 @@ def _convert_here(
 
 
 def _on_engine(
-    engines: Callable[[], contextlib.AbstractContextManager[Engine]], plan: Any, writer: StoreWriter,
-    src: Location, dst: Location, devices: list[DeviceSource], *, curation: Curation, on_bad_rows: str,
-    chunk_windows: int, shuffle: bool, seed: int | None, buckets: int, shuffle_tmp: str | None,
-    duplicates: DuplicateCounter | None, bar: Any, second_pass: Callable[[str, int], None],
-    windows_done: Callable[[int], None],
+    engines: Callable[[], contextlib.AbstractContextManager[Engine]], writer: StoreWriter,
+    src: Location, dst: Location, kind: str, devices: list[DeviceSource], *, curation: Curation,
+    on_bad_rows: str, chunk_windows: int, shuffle: bool, seed: int | None, buckets: int,
+    shuffle_tmp: str | None, duplicates: DuplicateCounter | None, bar: Any,
+    second_pass: Callable[[str, int], None], windows_done: Callable[[int], None],
 ) -> dict[str, Any]:
-    """The conversion's tasks on engines from ``engines()`` (whichever they are): the segments or
-    the shuffle's two passes (``plan``; None: planned for the engine's width). Facts for the report."""
+    """The conversion's tasks on engines from ``engines()``, whichever they are: the shuffle's two
+    passes, CSV parts (``_pipeline.py``) or the segments of Parquet devices (``_segments.py``).
+    Facts for the report."""
     refuse_repeated_devices(src.display, devices)
     if shuffle:
         assert seed is not None
         shuffled, facts = write_shuffled_on(
-            engines, writer, devices, plan, seed=seed, buckets=buckets, tmp_dir=shuffle_tmp,
+            engines, writer, devices, seed=seed, buckets=buckets, tmp_dir=shuffle_tmp,
             curation=curation, on_bad_rows=on_bad_rows, dest=dst, duplicates=duplicates, on_pass=second_pass,
             on_written=windows_done, on_spilled=windows_done)
         return {"shuffle": shuffled, **facts}
     with engines() as engine:
-        if plan is None:
-            counts = count_devices(devices, curation=curation, on_bad_rows=on_bad_rows, engine=engine)
-            plan = plan_segments(devices, counts, workers=engine.width, chunk_windows=chunk_windows)
+        if kind == "csv":
+            write_csv_devices(engine, writer, devices, curation=curation, on_bad_rows=on_bad_rows,
+                              duplicates=duplicates, bar=bar)
+            return dict(engine.facts)
+        counts = count_devices(devices, curation=curation, on_bad_rows=on_bad_rows, engine=engine)
+        plan = plan_segments(devices, counts, workers=engine.width, chunk_windows=chunk_windows)
         return {**convert_segments(engine, writer, plan, curation=curation, on_bad_rows=on_bad_rows,
                                    dest=dst, duplicates=duplicates, bar=bar), **engine.facts}
 
@@ -394,17 +378,6 @@ def require_windows(where: str, writer: StoreWriter) -> None:
         f"{bad_files} unreadable file(s) skipped; windows dropped: {why}), so nothing was "
         "committed. Check the input (without --on-bad-rows skip the first bad line is named)."
     )
-
-
-def _device_inputs(
-    where: str, devices: list[DeviceSource], curation: Curation, on_bad_rows: str, bar: Any,
-    workers: int = 1,
-) -> Iterator[tuple[int, list[str], Iterator[WindowBlock]]]:
-    """(device id, source file names, curated blocks) per device, in device order; ``workers``
-    read and curate ahead (birdzarr/convert/_pipeline.py)."""
-    refuse_repeated_devices(where, devices)
-    for device, blocks in device_blocks(devices, curation, on_bad_rows, workers=workers):
-        yield device.device_id, device.source_names(), counted(blocks, bar)
 
 
 def _estimated_windows(kind: str, devices: list[DeviceSource]) -> int:

@@ -111,7 +111,7 @@ def _parse_fast(data: bytes) -> _Rows | None:
     try:
         table = pacsv.read_csv(
             pa.BufferReader(data),
-            # one thread a part: the parallelism is the pipeline's workers (_pipeline.py)
+            # one thread a part: the parallelism is the engine's, a part a task (_pipeline.py)
             read_options=pacsv.ReadOptions(column_names=list(COLUMNS), use_threads=False),
             # a blank line becomes a row of empty fields, which fail conversion: the line-by-line
             # parser then reports it with its exact line number (no recount of the lines here)

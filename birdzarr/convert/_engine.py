@@ -4,9 +4,14 @@ A conversion that runs outside this process is a plan of tasks: picklable functi
 picklable arguments (``_segments.convert_segment`` for a device-order segment,
 ``_shuffle_processes.spill_group`` and ``write_bucket_run`` for the shuffle's passes). The
 ``Runner`` submits them to an ``Engine``'s executor, at most ``2 x width`` at once, and hands
-back each result as it arrives (a failure as soon as it is known). Two engines exist, and
-choosing one is the only thing that differs between them:
+back each result as it arrives (a failure as soon as it is known); ``ordered`` hands them back
+in the order of the calls instead. Every conversion runs this way; choosing the engine is the
+only thing that differs between conversions (``choose_engine``):
 
+- ``in_process_engine()``: one worker, this thread: a task runs when it is submitted
+  (``workers=1``);
+- ``thread_engine(n)``: ``n`` threads of this process (input too small to pay for worker
+  processes, a ``memory://`` destination, no ``fork``);
 - ``local_engine(n)``: ``n`` worker processes started with ``fork`` (Linux; a worker starts in
   milliseconds, imports nothing again and ends with this process: ``die_with_parent``);
 - ``cluster_engine(client)``: a Dask cluster, through ``client.get_executor()``.
@@ -29,8 +34,15 @@ import multiprocessing
 import os
 import signal
 import sys
-from collections.abc import Callable, Hashable, Iterator
-from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
+from collections.abc import Callable, Generator, Hashable, Iterable, Iterator
+from concurrent.futures import (
+    FIRST_COMPLETED,
+    Executor,
+    Future,
+    ProcessPoolExecutor,
+    ThreadPoolExecutor,
+    wait,
+)
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +57,21 @@ class Engine:
     executor: Executor
     width: int
     facts: dict[str, Any] = field(default_factory=dict)
+    # its tasks run in this process (they share its memory: a memory:// store, its CPU count)
+    in_process: bool = False
+
+
+class InProcess(Executor):
+    """An executor that runs each call in the calling thread, when it is submitted (one worker:
+    nothing is started, and a task's exception is its future's)."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - the future's, raised where it is read
+            future.set_exception(exc)
+        return future
 
 
 def fork_available() -> bool:
@@ -81,6 +108,47 @@ def local_engine(processes: int) -> Iterator[Engine]:
         yield Engine(pool, processes, {"worker_processes": processes})
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+@contextlib.contextmanager
+def in_process_engine() -> Iterator[Engine]:
+    """Every task in this thread, one after another (``workers=1``)."""
+    yield Engine(InProcess(), 1, in_process=True)
+
+
+@contextlib.contextmanager
+def thread_engine(threads: int) -> Iterator[Engine]:
+    """``threads`` threads of this process (one: ``in_process_engine``)."""
+    if threads <= 1:
+        with in_process_engine() as engine:
+            yield engine
+        return
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="birdzarr-task")
+    try:
+        yield Engine(pool, threads, in_process=True)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def processes_pay(input_bytes: int, *, workers: int, dest_shared: bool) -> bool:
+    """Whether a local conversion runs in worker processes: more than one worker, ``fork``
+    available, a destination they can write to (not ``memory://``) and input of at least
+    ``PROCESS_MIN_BYTES`` (below it, starting them costs more than they save: threads)."""
+    from birdzarr.convert import _segments  # the threshold lives beside the segments' plan
+
+    return (workers > 1 and dest_shared and fork_available()
+            and input_bytes >= _segments.PROCESS_MIN_BYTES)
+
+
+def choose_engine(client: Any, *, processes: bool, workers: int) -> contextlib.AbstractContextManager[Engine]:
+    """The one choice a conversion makes: the Dask cluster behind ``client``; else ``workers``
+    forked processes where ``processes`` (``processes_pay``); else ``workers`` threads (one: this
+    thread)."""
+    if client is not None:
+        return cluster_engine(client)
+    if processes:
+        return local_engine(workers)
+    return thread_engine(workers)
 
 
 @contextlib.contextmanager
@@ -146,6 +214,30 @@ def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any])
     """``fn(*args, **kwargs)``: the task's keywords never reach the executor's ``submit``, whose own
     keywords (Dask's ``key``, ``workers``, ``priority``, ...) they could collide with."""
     return fn(*args, **kwargs)
+
+
+def ordered(engine: Engine, fn: Callable[..., Any], calls: Iterable[tuple[Any, ...]],
+            **kwargs: Any) -> Generator[Any, None, None]:
+    """``fn(*call, **kwargs)`` for each call, run on the engine, the results handed back in the
+    order of the calls. At most ``2 x width`` calls are submitted beyond the one being handed
+    back (what is held here is bounded). A failure is raised where its result would come;
+    closing the iterator, however it ends, submits nothing more and waits for every submitted
+    call to end."""
+    limit = IN_FLIGHT_PER_SLOT * engine.width
+    pending: collections.deque[Future[Any]] = collections.deque()
+    calls = iter(calls)
+    try:
+        while True:
+            while len(pending) < limit:
+                call = next(calls, None)
+                if call is None:
+                    break
+                pending.append(engine.executor.submit(_call, fn, call, kwargs))
+            if not pending:
+                return
+            yield pending.popleft().result()
+    finally:
+        wait(pending)
 
 
 def run_all(engine: Engine, fn: Callable[..., Any], calls: list[tuple[Any, ...]], **kwargs: Any) -> list[Any]:

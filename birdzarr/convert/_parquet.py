@@ -315,23 +315,6 @@ class ParquetDeviceReader:
     path: Location
     on_bad_rows: str = "error"
 
-    def row_groups(self) -> int | None:
-        """The file's number of row groups (a footer read), or None where the file is best read
-        as one task: it cannot tell (``blocks`` of the whole file then reports why, in the order
-        the file comes in), or a partition file (this device's rows sit in the few row groups
-        its statistics allow; a task per group would open the file once per group and device)."""
-        if names_its_device(self.path) is None:
-            return None
-        try:
-            local = self.path.is_local
-            with pa.OSFile(self.path.path) if local else self.path.fs.open(self.path.path, "rb") as handle:
-                file = pq.ParquetFile(handle, buffer_size=READ_BUFFER, pre_buffer=False)
-                if _schema_problem(file.schema_arrow) is not None:
-                    return None
-                return int(file.num_row_groups)
-        except (OSError, ValueError, pa.ArrowException):
-            return None
-
     def blocks(self, row_group: int | None = None) -> Iterator[WindowBlock]:
         """The windows of the whole file, or of one of its row groups (read on its own)."""
         source = self.path.display
@@ -393,7 +376,7 @@ class ParquetDeviceReader:
         self, file: pq.ParquetFile, group: int, columns: list[str], source: str
     ) -> Iterator[WindowBlock]:
         first_row = 0
-        # one thread a task: the parallelism is the pipeline's workers (birdzarr/convert/_pipeline.py)
+        # one thread a reader: the parallelism is the engine's, a segment a task (_segments.py)
         batches = file.iter_batches(
             batch_size=BATCH_ROWS, row_groups=[group], columns=columns, use_threads=False
         )

@@ -12,10 +12,11 @@ this process, which writes that chunk once all its windows have arrived.
 
 Every window's place must be known before the tasks start (``count_devices``): each device's
 window count comes from its Parquet footers where ``on_bad_rows="error"`` makes them exact (a
-bad row fails the conversion); other devices (CSV, ``on_bad_rows="skip"``) are read and curated
-once to count them, by tasks on the engine. A local conversion takes worker processes only for
-Parquet whose footers count it (``plan_processes``) and converts other input on threads
-(``birdzarr/convert/_pipeline.py``); on a Dask cluster every input runs as tasks.
+bad row fails the conversion); other Parquet devices (``on_bad_rows="skip"``) are read once to
+count them, by tasks on the engine. CSV, whose counting would cost most of its conversion, is
+converted part by part instead (``_pipeline.py``). Every engine runs the same segments: forked
+worker processes, a Dask cluster, threads of this process or this thread (``_engine.py``); a
+segment whose engine has more width than segments reads ahead and encodes on threads of its own.
 
 The store is byte-identical to one written on threads or by one worker: same window order and
 chunking, chunks encoded by the same code, the device table from the same ``Summarizer``.
@@ -40,12 +41,13 @@ from birdzarr._errors import BadInputError
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._chunkwrite import CODES
 from birdzarr.convert._duplicates import DeviceKeys, DuplicateCounter
-from birdzarr.convert._engine import Engine, Runner, fork_available, run_all
-from birdzarr.convert._pipeline import count_on_bar
+from birdzarr.convert._engine import Engine, Runner, run_all
+from birdzarr.convert._pipeline import bar_counter, count_on_bar
+from birdzarr.convert._readahead import read_ahead
 from birdzarr.convert._slabs import SlabWriter, writable_arrays
 from birdzarr.convert._sources import DeviceSource
 from birdzarr.convert._summary import DeviceSummary, Summarizer
-from birdzarr.convert._writer import StoreWriter
+from birdzarr.convert._writer import SLABS_IN_FLIGHT, StoreWriter
 from birdzarr.format import _v2
 from birdzarr.format._rows import RowCoder
 from birdzarr.format._spec import DEVICE, GIMU, LABEL, TIMESTAMP, Curation
@@ -56,9 +58,8 @@ from birdzarr.storage._location import Location, resolve
 SEGMENTS_PER_WORKER = 4
 MIN_SEGMENT_CHUNKS = 8  # a segment of fewer chunks would send back a large share of its windows
 SLAB_CHUNKS = 8  # chunks a worker process encodes at a time (its memory bound)
-# Local input smaller than this (bytes) is converted on threads, in either order (CSV parts are
-# parsed on threads too: ``_pipeline._csv_executor``): starting worker processes costs more than
-# they save. The one threshold of every conversion; tests lower it to exercise the processes.
+# Local input smaller than this (bytes) is converted on threads, in either order and either input
+# kind (``_engine.processes_pay``): starting worker processes costs more than they save.
 PROCESS_MIN_BYTES = 64 << 20
 
 
@@ -122,25 +123,6 @@ def count_batch(devices: list[DeviceSource], curation: Curation, on_bad_rows: st
     return [count_device(d, curation, on_bad_rows) for d in devices]
 
 
-def plan_processes(kind: str, devices: list[DeviceSource], *, curation: Curation, on_bad_rows: str,
-                   workers: int, chunk_windows: int, dest: Location | None = None) -> list[Segment] | None:
-    """The segments a local conversion runs in worker processes (``convert_segments`` on a
-    ``local_engine``), or None where threads convert it: input other than Parquet whose footers
-    give the window counts, input too small to pay for the processes, fewer segments than
-    workers (a few large devices: threads decode a device's row groups at once), where ``fork``
-    cannot start processes in milliseconds, or a ``dest`` that worker processes cannot write to
-    (``memory://``)."""
-    if workers <= 1 or kind != "parquet" or on_bad_rows != "error":
-        return None
-    if dest is not None and not dest.shared_between_processes:
-        return None
-    if not fork_available() or input_bytes(devices) < PROCESS_MIN_BYTES:
-        return None
-    counts = count_devices(devices, curation=curation, on_bad_rows=on_bad_rows)
-    segments = plan_segments(devices, counts, workers=workers, chunk_windows=chunk_windows)
-    return segments if len(segments) >= workers else None
-
-
 def input_bytes(devices: list[DeviceSource]) -> int:
     """The input's size (a partition file, listed by each of its devices, once)."""
     files = {f.url: f for d in devices for f in d.files}
@@ -159,8 +141,12 @@ class Segment:
 def plan_segments(devices: list[DeviceSource], counts: list[int], *, workers: int,
                   chunk_windows: int) -> list[Segment]:
     """Consecutive devices grouped into segments of at least the target size (the last may be
-    smaller); every device in exactly one segment, in order."""
+    smaller); every device in exactly one segment, in order. One worker: one segment (nothing to
+    even out, no chunk shared)."""
     total = sum(counts)
+    if workers <= 1:
+        return [Segment(0, total, [(d, int(first), c) for d, c, first in
+                                   zip(devices, counts, np.cumsum([0, *counts[:-1]]), strict=True)])]
     target = max(math.ceil(total / (SEGMENTS_PER_WORKER * workers)), MIN_SEGMENT_CHUNKS * chunk_windows)
     segments: list[Segment] = []
     members: list[tuple[DeviceSource, int, int]] = []
@@ -263,9 +249,13 @@ class ChunkRouter:
 
 
 def convert_segment(segment: Segment, dest_url: str, dest_options: dict[str, Any], curation: Curation,
-                    on_bad_rows: str) -> SegmentResult:
+                    on_bad_rows: str, threads: int = 1,
+                    progress: Callable[[int], None] | None = None) -> SegmentResult:
     """Read, summarise and write one segment (in a worker process): its whole chunks go to the
-    store, the windows of the chunks it shares come back."""
+    store, the windows of the chunks it shares come back. ``threads`` > 1: each device is read
+    a few blocks ahead on a thread and slabs are encoded on ``threads`` threads (the engine has
+    fewer segments than width); ``progress`` (a task in this process) is told the windows of
+    each block as it is placed."""
     import zarr
 
     from birdzarr.storage._location import zarr_store
@@ -275,8 +265,8 @@ def convert_segment(segment: Segment, dest_url: str, dest_options: dict[str, Any
     arrays = writable_arrays(group)  # sized by the writer before any worker started
     first = whole_chunks(segment.start, segment.stop, int(arrays[DEVICE].chunks[0]))[0]
     coder = RowCoder() if _v2.CODES in arrays else None
-    slabs = SlabWriter(location, arrays, start=first, slab_chunks=SLAB_CHUNKS, workers=1, in_flight=0,
-                       coder=coder)
+    slabs = SlabWriter(location, arrays, start=first, slab_chunks=SLAB_CHUNKS, workers=threads,
+                       in_flight=0 if threads <= 1 else SLABS_IN_FLIGHT, coder=coder)
     router = ChunkRouter(segment.start, segment.stop, slabs)
     result = SegmentResult([], {})
     try:
@@ -284,7 +274,9 @@ def convert_segment(segment: Segment, dest_url: str, dest_options: dict[str, Any
             summary = Summarizer(device.device_id, device.source_names(), first)
             keys = DeviceKeys()
             position = first
-            for block in device.blocks(curation=curation, on_bad_rows=on_bad_rows):
+            blocks = (read_ahead(device, curation, on_bad_rows) if threads > 1 else
+                      device.blocks(curation=curation, on_bad_rows=on_bad_rows))
+            for block in blocks:
                 summary.add(block)
                 if not len(block):
                     continue
@@ -293,6 +285,8 @@ def convert_segment(segment: Segment, dest_url: str, dest_options: dict[str, Any
                 keys.add(block)
                 router.add(device.device_id, block, position)
                 position += len(block)
+                if progress is not None:
+                    progress(len(block))
             finished = summary.finish()
             if position != first + count or finished.entry.n_windows != count:
                 raise BadInputError(
@@ -323,8 +317,10 @@ class SegmentCollector:
 
     def __init__(self, writer: StoreWriter, segments: list[Segment], *,
                  duplicates: DuplicateCounter | None, bar: Any | None,
-                 write_chunk: Callable[[int, int, dict[str, np.ndarray]], Any] | None = None) -> None:
+                 write_chunk: Callable[[int, int, dict[str, np.ndarray]], Any] | None = None,
+                 count_segments: bool = True) -> None:
         self.writer, self.segments, self.duplicates, self.bar = writer, segments, duplicates, bar
+        self.count_segments = count_segments  # False: the tasks count their windows on the bar
         # how a shared chunk is written once complete (default: encoded here, by the writer's sink)
         self.write_chunk = write_chunk or writer.slabs.sink.write
         self.total = segments[-1].stop if segments else 0
@@ -351,7 +347,7 @@ class SegmentCollector:
         if self.duplicates is not None:
             for device_id, repeated in result.repeated.items():
                 self.duplicates.add(device_id, repeated)
-        if self.bar is not None:
+        if self.bar is not None and self.count_segments:
             count_on_bar(self.bar, segment.stop - segment.start)
 
     def finish(self) -> None:
@@ -412,15 +408,19 @@ def largest_first(segments: list[Segment]) -> list[Segment]:
 def convert_segments(engine: Engine, writer: StoreWriter, segments: list[Segment], *, curation: Curation,
                      on_bad_rows: str, dest: Location, duplicates: DuplicateCounter | None,
                      bar: Any) -> dict[str, Any]:
-    """Convert the segments (``plan_processes``, or ``plan_segments`` for a cluster) on
-    ``engine``'s workers into the store ``writer`` has open, which must be empty; records every
-    device with ``writer``. Returns facts for the conversion report."""
-    collector = SegmentCollector(writer, segments, duplicates=duplicates, bar=bar)
+    """Convert the segments (``plan_segments``) on ``engine``'s workers into the store ``writer``
+    has open, which must be empty; records every device with ``writer``. Returns facts for the
+    conversion report (the segments, where they ran outside this process)."""
+    # tasks in this process count their windows on the bar as they go; others when they end
+    progress = bar_counter(bar) if engine.in_process and bar is not None else None
+    collector = SegmentCollector(writer, segments, duplicates=duplicates, bar=bar,
+                                 count_segments=progress is None)
+    threads = max(1, engine.width // len(segments)) if segments else 1
     with Runner(engine) as runner:
         for segment in largest_first(segments):
             runner.submit(segment, convert_segment, segment, dest.url, dest.storage_options, curation,
-                          on_bad_rows)
+                          on_bad_rows, threads, progress)
         for segment, result in runner.results():
             collector.add(segment, result)
     collector.finish()
-    return {"segments": len(segments)}
+    return {} if engine.in_process else {"segments": len(segments)}

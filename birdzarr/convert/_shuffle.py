@@ -2,12 +2,14 @@
 
 Pass 1 reads every device as usual and sends each window to one of K bucket files, the bucket
 drawn uniformly by a generator seeded with ``(seed, device)`` (so devices can be spilled apart,
-in any order: ``_shuffle_processes.py``). Pass 2 loads one bucket at a time, permutes
+in any order). Pass 2 loads one bucket at a time, permutes
 it with a generator seeded with ``(seed, bucket)`` and appends it to the store. A uniform bucket
 per window followed by a uniform permutation inside each bucket is a uniform permutation of all
 windows, and the same input and seed give the same store. Each chunk of the store is therefore a
 uniform sample of all windows; inside it, the windows are then grouped by device, which decodes
-faster (docs/format.md, shuffled stores) and changes no chunk's membership.
+faster (docs/format.md, shuffled stores) and changes no chunk's membership. The passes run as
+tasks on any engine (``_shuffle_processes.write_shuffled_on``): pass 1 by groups of devices
+(``Spiller``), pass 2 by runs of buckets (``BucketLoader``).
 
 Pass 1 spills each window as codes into its device's dictionaries (``DeviceCoder``: a device's
 distinct values per channel, found as its windows pass in order). After it, every device's
@@ -26,9 +28,7 @@ import collections
 import math
 import os
 import queue
-import shutil
 import struct
-import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -40,11 +40,9 @@ from numcodecs import Blosc
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._gdict_encode import BlockValues, DeviceCoder, DictionaryTable, block_values
 from birdzarr.convert._summary import DeviceSummary, Summarizer
-from birdzarr.convert._writer import StoreWriter
 from birdzarr.format import _v2
 from birdzarr.format._rows import RowCoder
 from birdzarr.format._spec import (
-    GIMU,
     N_CHANNELS,
     WINDOW_LENGTH,
     DeviceReport,
@@ -52,9 +50,6 @@ from birdzarr.format._spec import (
 
 BUCKET_WINDOWS = 131_072  # target windows per bucket (pass 2 holds about two: docs/conversion.md)
 MAX_BUCKETS = 512  # open files in pass 1
-# Buckets pass 2 loads at once, each on a thread of its own into buffers of its own: loading is
-# most of pass 2, and one at a time it left a core idle
-LOADS_IN_FLIGHT = 2
 # Blocks (or device ends) pass 1 has queued per worker while their values are being found
 FINDING_PER_WORKER = 2
 # Pass 1 keeps a device's windows per bucket until a piece is this large (or the device ends):
@@ -157,72 +152,6 @@ def encode_piece(piece: _Piece) -> bytes:
     packed = _META_CODEC.encode(piece.meta)
     code_bytes = piece.codes.dtype.itemsize
     return _FRAME.pack(len(piece.meta), piece.device_id, code_bytes, len(codes), len(packed)) + codes + packed
-
-
-def write_shuffled(
-    writer: StoreWriter,
-    devices: Iterable[tuple[int, list[str], Iterator[WindowBlock]]],
-    *,
-    seed: int,
-    buckets: int,
-    tmp_dir: str | None = None,
-    on_pass: Callable[[str, int], Any] | None = None,
-    on_written: Callable[[int], Any] | None = None,
-) -> dict[str, Any]:
-    """Write every device's windows to ``writer`` in one seeded global random order.
-
-    Records every device with ``writer`` (no ranges; ``scattered_digest`` set); returns facts
-    for the conversion report (buckets, spill bytes). ``on_pass`` is told when the second pass
-    starts, with the number of windows it writes; ``on_written`` how many windows each of its
-    buckets handed to the writer (a progress bar's steps).
-    """
-    directory = tempfile.mkdtemp(prefix="birdzarr-shuffle-", dir=tmp_dir)
-    workers = max(1, writer.workers)
-    pool = ThreadPoolExecutor(workers, thread_name_prefix="birdzarr-spill") if workers > 1 else None
-    file_writer = ThreadPoolExecutor(1, thread_name_prefix="birdzarr-spill-write") if workers > 1 else None
-    try:
-        spill = SpillBuckets(directory, buckets)
-        spiller = Spiller(spill, seed=seed, buckets=buckets, pool=pool, file_writer=file_writer,
-                           workers=workers)
-        for device_id, sources, blocks in devices:
-            spiller.device(device_id, sources, blocks)
-        spiller.finish()
-        spill.close()
-        summaries, dictionaries = spiller.summaries, spiller.dictionaries
-        if on_pass is not None:
-            on_pass("write", sum(s.entry.n_windows for s in summaries.values()))
-        table = DictionaryTable({d: [np.sort(k) for k in known] for d, known in dictionaries.items()},
-                                N_CHANNELS)
-        if writer.coder is not None:
-            seed_rows(writer.coder, dictionaries)
-        sink = writer.slabs.sink
-        gimu_codec = sink.codecs.get(GIMU)
-        coded = gimu_codec is not None and gimu_codec.kind == "gdict16"
-        if coded:
-            sink.code_encoder = table.encode  # gdict16 from the codes, without a sort
-        in_flight = min(workers, LOADS_IN_FLIGHT)
-        load = BucketLoader(spill.reading(), table, dictionaries, seed=seed, coded=coded,
-                            chunk_windows=writer.slabs.chunk_windows, slots=in_flight).load
-        del spiller, dictionaries
-        # the next buckets are read and decoded on the pool while this one is written
-        loading: collections.deque[Future[WindowBlock]] = collections.deque()
-        for bucket in range(buckets):
-            for ahead in range(bucket + len(loading), min(buckets, bucket + in_flight)):
-                loading.append(_submit(pool, load, ahead))
-            block = loading.popleft().result()
-            writer.write_mixed(block)
-            if on_written is not None:
-                on_written(len(block))
-            del block
-        for summary in summaries.values():
-            writer.record(summary)  # with its digest, found in pass 1 (``Summarizer``)
-        return {"buckets": buckets, "spill_bytes": spill.bytes_written}
-    finally:
-        # the pool first: a piece waiting to be written then ends with its cancelled compression
-        for executor in (pool, file_writer):
-            if executor is not None:
-                executor.shutdown(wait=True, cancel_futures=True)
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def seed_rows(coder: RowCoder, dictionaries: dict[int, list[np.ndarray]]) -> list[int]:

@@ -1,10 +1,9 @@
 """The shuffle on an engine's workers (``_engine.py``): pass 1 by groups of whole devices, pass 2
 by runs of buckets.
 
-The same two passes as ``_shuffle.py``, which runs them on threads of this process (the GIL
-then caps them near two cores, as it does an ordered conversion: ``_segments.py``). Here every
-piece of work is a task that the ``Runner`` submits to forked worker processes
-(``local_engine``) or to a Dask cluster (``cluster_engine``), the same tasks either way:
+The two passes of ``_shuffle.py`` as tasks that the ``Runner`` submits to any engine: forked
+worker processes (``local_engine``), a Dask cluster (``cluster_engine``), threads of this
+process (``thread_engine``) or this thread (``in_process_engine``), the same tasks on each:
 
 - **Pass 1** (``spill_group``): consecutive devices are cut into groups of about
   ``input bytes / (4 x width)``, and each group is read, coded and spilled by one task into bucket
@@ -28,7 +27,11 @@ path: any local directory for worker processes and a Dask ``LocalCluster``; a sh
 (NFS, Lustre, a mounted bucket) for a cluster of several machines (docs/scaling.md). A pass-2
 task reads the bucket files other tasks wrote.
 
-The store is byte-identical to the one written on threads. Memory: each pass-1 task holds at
+One worker: one group and one run (nothing to even out). A device with more than 65,535
+distinct values in a channel (format 2) opens rows as pass 2 codes it, which only one task can
+number: pass 2 is then one run, whose task hands back the rows it opened.
+
+The store is byte-identical on every engine. Memory: each pass-1 task holds at
 most ``PASS1_BUFFER_WINDOWS / width`` windows waiting to be spilled (so all together as on
 threads) and one block; each pass-2 worker thread the dictionaries, one bucket's buffers (176
 bytes a window as codes) and one slab; this process the dictionaries, as on threads. A worker
@@ -45,17 +48,19 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from birdzarr._errors import ArgumentError, BadInputError
+from birdzarr._errors import ArgumentError
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._chunkwrite import ChunkSink
 from birdzarr.convert._duplicates import DeviceKeys, DuplicateCounter
-from birdzarr.convert._engine import Engine, Runner, fork_available
+from birdzarr.convert._engine import Engine, Runner
 from birdzarr.convert._gdict_encode import DictionaryTable
+from birdzarr.convert._readahead import read_ahead
 from birdzarr.convert._segments import (
     SEGMENTS_PER_WORKER,
     SLAB_CHUNKS,
@@ -83,25 +88,11 @@ from birdzarr.format._spec import DEVICE, GIMU, N_CHANNELS, Curation
 from birdzarr.storage._location import Location, resolve
 
 
-def plan_spill_groups(devices: list[DeviceSource], *, workers: int,
-                      dest: Location | None = None) -> list[list[DeviceSource]] | None:
-    """The groups a local shuffle spills in worker processes (``local_engine``), or None where
-    it runs on threads (one worker, no ``fork``, input under ``_segments.PROCESS_MIN_BYTES``,
-    fewer groups than workers, or a ``dest`` that worker processes cannot write to:
-    ``memory://``)."""
-    from birdzarr.convert import _segments
-
-    if workers <= 1 or not fork_available() or (dest is not None and not dest.shared_between_processes):
-        return None
-    if _segments.input_bytes(devices) < _segments.PROCESS_MIN_BYTES:
-        return None
-    groups = spill_groups(devices, width=workers)
-    return groups if len(groups) >= workers else None
-
-
 def spill_groups(devices: list[DeviceSource], *, width: int) -> list[list[DeviceSource]]:
     """Consecutive devices in about ``SEGMENTS_PER_WORKER x width`` groups of about equal input
-    bytes (the last may be smaller); every device in one group, in order."""
+    bytes (the last may be smaller); every device in one group, in order. One worker: one group."""
+    if width <= 1:
+        return [list(devices)]
     sizes = [sum(int(f.fs.size(f.path) or 0) for f in d.files) for d in devices]
     target = sum(sizes) / (SEGMENTS_PER_WORKER * width)
     groups: list[list[DeviceSource]] = []
@@ -132,31 +123,45 @@ class SpillResult:
 
 
 def spill_group(devices: list[DeviceSource], directory: str, *, seed: int, buckets: int,
-                buffer_windows: int, curation: Curation, on_bad_rows: str) -> SpillResult:
-    """Pass 1 for a group of devices (in a worker process)."""
+                buffer_windows: int, curation: Curation, on_bad_rows: str, threads: int = 1,
+                progress: Callable[[int], None] | None = None) -> SpillResult:
+    """Pass 1 for a group of devices (a task). ``threads`` > 1 (fewer groups than the engine's
+    width): each device read ahead on a thread, its blocks' values found and its pieces
+    compressed on ``threads`` threads (the spill is the same). ``progress`` (a task in this
+    process) is told the windows of each block as it is read."""
     os.makedirs(directory)
     spill = SpillBuckets(directory, buckets)
-    spiller = Spiller(spill, seed=seed, buckets=buckets, pool=None, file_writer=None, workers=1,
-                       buffer_windows=buffer_windows)
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="birdzarr-spill") if threads > 1 else None
+    file_writer = ThreadPoolExecutor(1, thread_name_prefix="birdzarr-spill-write") if threads > 1 else None
     repeated: dict[int, int] = {}
     try:
+        spiller = Spiller(spill, seed=seed, buckets=buckets, pool=pool, file_writer=file_writer,
+                          workers=threads, buffer_windows=buffer_windows)
         for device in devices:
             keys = DeviceKeys()
-            blocks = _keyed(device.blocks(curation=curation, on_bad_rows=on_bad_rows), keys)
-            spiller.device(device.device_id, device.source_names(), blocks)  # placed as read
+            blocks = (read_ahead(device, curation, on_bad_rows) if threads > 1 else
+                      device.blocks(curation=curation, on_bad_rows=on_bad_rows))
+            spiller.device(device.device_id, device.source_names(), _keyed(blocks, keys, progress))
             if count := keys.repeated():
                 repeated[device.device_id] = count
         spiller.finish()
     finally:
+        # the pool first: a piece waiting to be written then ends with its cancelled compression
+        for executor in (pool, file_writer):
+            if executor is not None:
+                executor.shutdown(wait=True, cancel_futures=True)
         spill.close()
     return SpillResult(spiller.summaries, spiller.dictionaries, spill.paths, spill.windows,
                        spill.bytes_written, repeated)
 
 
-def _keyed(blocks: Iterator[WindowBlock], keys: DeviceKeys) -> Iterator[WindowBlock]:
-    """The blocks, each one's duplicate-check keys kept as it passes."""
+def _keyed(blocks: Iterator[WindowBlock], keys: DeviceKeys,
+           progress: Callable[[int], None] | None) -> Iterator[WindowBlock]:
+    """The blocks, each one's duplicate-check keys kept (and its windows counted) as it passes."""
     for block in blocks:
         keys.add(block)
+        if progress is not None:
+            progress(len(block))
         yield block
 
 
@@ -175,6 +180,7 @@ class Pass2Plan:
     coded: bool  # gdict16: chunks encoded from codes into the dictionary table
     chunk_windows: int
     coder: RowCoder | None  # format 2: every device's row, seeded
+    seeded_rows: int = 0  # the rows the coder holds (a device left unseeded opens more)
 
 
 @dataclass
@@ -188,6 +194,7 @@ class _Pass2:
     coder: RowCoder | None
     dest: Location
     arrays: dict[str, Any]
+    seeded_rows: int
 
 
 _LOCAL = threading.local()  # per worker thread: the _Pass2 of the plan it last ran
@@ -212,7 +219,7 @@ def _pass2(plan_path: str, dest_url: str, dest_options: dict[str, Any]) -> _Pass
         dest = resolve(dest_url, dest_options)
         group = zarr.open_group(zarr_store(dest, read_only=False), mode="r+", zarr_format=3)
         state = _Pass2(plan_path, loader, table, plan.coded, plan.coder, dest,
-                       writable_arrays(group))  # sized before any task started
+                       writable_arrays(group), plan.seeded_rows)  # sized before any task started
         _LOCAL.state = state
     return state
 
@@ -248,10 +255,14 @@ def require_shared(directory: str, written: list[str]) -> None:
             "at the same path (docs/scaling.md#dask)")
 
 
-def write_bucket_run(plan_path: str, dest_url: str, dest_options: dict[str, Any],
-                     buckets: range) -> SegmentResult:
+def write_bucket_run(plan_path: str, dest_url: str, dest_options: dict[str, Any], buckets: range,
+                     progress: Callable[[int], None] | None = None,
+                     opens_rows: bool = False) -> SegmentResult:
     """Pass 2 for a run of consecutive buckets (a task), loaded one at a time: every chunk wholly
-    inside the run written, the windows of its first and last chunk sent back."""
+    inside the run written, the windows of its first and last chunk sent back. ``progress`` (a
+    task in this process) is told each bucket's windows once they are placed. ``opens_rows``
+    (the one run of pass 2: format 2 rows of devices left unseeded): the rows its coder opened
+    after the seeded ones come back too, numbered as they are stored."""
     state = _pass2(plan_path, dest_url, dest_options)
     starts = state.loader.starts
     start = int(starts[buckets.start])
@@ -266,41 +277,61 @@ def write_bucket_run(plan_path: str, dest_url: str, dest_options: dict[str, Any]
         for bucket in buckets:
             block = state.loader.load(bucket)
             router.add(-1, block, int(starts[bucket]))  # the block carries each window's device
+            if progress is not None:
+                progress(len(block))
         slabs.drain()
     finally:
         slabs.close()
-    return SegmentResult([], {}, router.shared())
+    rows = None
+    if opens_rows:
+        assert state.coder is not None
+        rows = _rows_after(state.coder.new_rows(), state.seeded_rows)
+        state.coder = None  # this plan's coder has coded its one run: never again
+        _LOCAL.state = None
+    return SegmentResult([], {}, router.shared(), rows)
+
+
+def _rows_after(rows: _v2.Dictionaries, seeded: int) -> _v2.Dictionaries:
+    """The rows after the first ``seeded`` of a coder's ``new_rows`` (their starts are absolute)."""
+    if rows.n_rows <= seeded:
+        return _v2.Dictionaries.empty()
+    first = int(rows.start[seeded, 0] - rows.start[0, 0])
+    return _v2.Dictionaries(rows.values[first:], rows.start[seeded:], rows.device[seeded:])
 
 
 def write_shuffled_on(
     engines: Callable[[], contextlib.AbstractContextManager[Engine]], writer: StoreWriter,
-    devices: list[DeviceSource], groups: list[list[DeviceSource]] | None, *, seed: int, buckets: int,
+    devices: list[DeviceSource], *, seed: int, buckets: int,
     tmp_dir: str | None, curation: Curation, on_bad_rows: str, dest: Location,
     duplicates: DuplicateCounter | None, on_pass: Callable[[str, int], Any] | None = None,
     on_written: Callable[[int], Any] | None = None, on_spilled: Callable[[int], Any] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``write_shuffled`` on an engine's workers; the same store and the same facts. Each pass
-    runs on an engine of its own, ``engines()`` (local worker processes then end with their pass:
-    pass 1's memory is freed and its CPU counted before pass 2). ``tmp_dir`` must be reached at
-    the same path by every worker (module docstring). ``groups`` None: ``spill_groups`` for the
-    engine's width. Returns the shuffle's facts and the engine's. ``on_spilled`` is told
-    how many windows each group spilled in pass 1 (a progress bar's steps, as ``on_written`` in
-    pass 2)."""
+    """Write every device's windows to ``writer`` in one seeded global random order
+    (``_shuffle.py``), both passes as tasks on engines from ``engines()``. Each pass runs on an
+    engine of its own (local worker processes then end with their pass: pass 1's memory is
+    freed and its CPU counted before pass 2). ``tmp_dir`` must be reached at the same path by
+    every worker (module docstring). Records every device with ``writer`` (no ranges;
+    ``scattered_digest`` set). Returns the shuffle's facts for the report (buckets, spill bytes)
+    and the engine's. ``on_pass`` is told when the second pass starts, with the number of
+    windows it writes; ``on_spilled`` and ``on_written`` how many windows were spilled in pass 1
+    and written in pass 2, as they go (a progress bar's steps)."""
     directory = tempfile.mkdtemp(prefix="birdzarr-shuffle-", dir=tmp_dir)
     try:
         results: dict[int, SpillResult] = {}
         with engines() as engine, Runner(engine) as runner:
-            if groups is None:
-                groups = spill_groups(devices, width=engine.width)
+            groups = spill_groups(devices, width=engine.width)
             facts = engine.facts
+            # tasks in this process count their windows as they go; others when they end
+            progress = on_spilled if engine.in_process else None
             buffer_windows = max(256 * buckets, PASS1_BUFFER_WINDOWS // engine.width)
+            threads = max(1, engine.width // len(groups)) if groups else 1
             for i, group in enumerate(groups):
                 runner.submit(i, spill_group, group, os.path.join(directory, f"group-{i:04d}"), seed=seed,
                               buckets=buckets, buffer_windows=buffer_windows, curation=curation,
-                              on_bad_rows=on_bad_rows)
+                              on_bad_rows=on_bad_rows, threads=threads, progress=progress)
             for i, result in runner.results():
                 results[i] = result
-                if on_spilled is not None:
+                if on_spilled is not None and progress is None:
                     on_spilled(int(result.windows.sum()))
         ordered = [results[i] for i in range(len(groups))]
         require_shared(directory, [os.path.join(directory, f"group-{i:04d}") for i in range(len(groups))])
@@ -314,22 +345,22 @@ def write_shuffled_on(
         files = SpillFiles([[r.paths[k] for r in ordered] for k in range(buckets)], windows)
         if on_pass is not None:
             on_pass("write", int(windows.sum()))
-        if writer.coder is not None and (left_out := seed_rows(writer.coder, dictionaries)):
-            # a row opened in one pass-2 task would take a number another task also gives
-            raise BadInputError(
-                f"device {left_out[0]} has more than {_v2.MAX_ENTRIES:,} distinct values in an IMU channel "
-                "(not 12-bit counts): a shuffled format 2 store codes it on one process only. Convert "
-                "with workers=1 (--workers 1), or without shuffle.")
+        # format 2: a device left unseeded opens rows in pass 2, which one task only can number
+        left_out = seed_rows(writer.coder, dictionaries) if writer.coder is not None else []
+        seeded = 0 if writer.coder is None else writer.coder.n_rows
         gimu_codec = writer.slabs.sink.codecs.get(GIMU)
         coded = gimu_codec is not None and gimu_codec.kind == "gdict16"
         plan_path = os.path.join(directory, "pass2.pickle")
         with open(plan_path, "wb") as handle:
-            pickle.dump(Pass2Plan(files, dictionaries, seed, coded, writer.slabs.chunk_windows, writer.coder),
+            pickle.dump(Pass2Plan(files, dictionaries, seed, coded, writer.slabs.chunk_windows, writer.coder,
+                                  seeded),
                         handle, protocol=pickle.HIGHEST_PROTOCOL)
         del dictionaries
         where = (plan_path, dest.url, dest.storage_options)
         with engines() as engine, Runner(engine) as runner:
-            runs = plan_bucket_runs(buckets, workers=engine.width)
+            one_run = bool(left_out) or engine.width <= 1
+            runs = [range(buckets)] if one_run else plan_bucket_runs(buckets, workers=engine.width)
+            progress = on_written if engine.in_process else None
             ends = np.concatenate(([0], np.cumsum(windows)))
             segments = [Segment(int(ends[run.start]), int(ends[run.stop]), []) for run in runs]
             collector = SegmentCollector(
@@ -337,12 +368,12 @@ def write_shuffled_on(
                 write_chunk=lambda start, stop, data: runner.submit(None, write_shared_chunk, *where, start,
                                                                     stop, data))
             for i, run in enumerate(runs):
-                runner.submit(i, write_bucket_run, *where, run)
+                runner.submit(i, write_bucket_run, *where, run, progress, bool(left_out))
             for i, result in runner.results():
                 if i is None:  # a shared chunk written
                     continue
                 collector.add(segments[i], result)
-                if on_written is not None:
+                if on_written is not None and progress is None:
                     on_written(segments[i].stop - segments[i].start)
             collector.finish()  # (may submit the last shared chunks)
             for _ in runner.results():
