@@ -5,8 +5,8 @@
 
 STORE defaults to the ``--shuffle`` store that ``python benchmarks/loader.py --keep`` leaves in
 /tmp/birdzarr-loader-bench. For a sample of chunks (spread over the store) it prints, per chunk,
-the best of ``--repeat`` interleaved passes (this machine's speed varies from minute to minute;
-the best pass is the least disturbed):
+the best of ``--repeat`` interleaved passes, averaged over the chunks (this machine's speed
+varies from minute to minute; the best pass is the least disturbed):
 
 - fetch + CRC-32C: the chunk's bytes from the store, checksum verified;
 - blosc: decompressing them;
@@ -45,15 +45,16 @@ CLOCK = time.perf_counter  # --cpu: time.thread_time, this thread's CPU time (ev
 
 
 def best_ms(steps: dict[str, Callable[[Any], Any]], items: list[Any], repeat: int) -> dict[str, float]:
-    """Best-of-``repeat`` milliseconds per item of each step, the steps interleaved each pass."""
-    best = dict.fromkeys(steps, float("inf"))
+    """Milliseconds per item of each step: each item's best of ``repeat`` passes, averaged over
+    the items; the steps interleaved each pass."""
+    best = {name: [float("inf")] * len(items) for name in steps}
     for _ in range(repeat):
         for name, step in steps.items():
-            started = CLOCK()
-            for item in items:
+            for i, item in enumerate(items):
+                started = CLOCK()
                 step(item)
-            best[name] = min(best[name], (CLOCK() - started) / len(items) * 1e3)
-    return best
+                best[name][i] = min(best[name][i], CLOCK() - started)
+    return {name: sum(times) / len(times) * 1e3 for name, times in best.items()}
 
 
 def main() -> None:
