@@ -135,7 +135,7 @@ def _call(store: birdzarr.Store, call: str) -> object:
     # out of range
     ("_dataset(store, batch_size=0)", birdzarr.ArgumentError, "batch_size must be positive, got 0"),
     ("_dataset(store, shuffle_buffer=0)", birdzarr.ArgumentError, "shuffle_buffer must be positive, got 0"),
-    ("_dataset(store, prefetch=-5)", birdzarr.ArgumentError, "prefetch must be positive, got -5"),
+    ("_dataset(store, requests=-5)", birdzarr.ArgumentError, "requests must be positive, got -5"),
     ("_dataset(store, seed=-1)", birdzarr.ArgumentError, "seed must be an integer of 0 or more, got -1"),
     ("_dataset(store, split='val', split_seed=-1)", birdzarr.ArgumentError,
      "split_seed must be an integer of 0 or more, got -1"),
