@@ -11,7 +11,11 @@ equal size, consecutive in the files), in ``--workdir``. Each step runs in its o
 1``, device order; ``convert_shuffle`` with ``--shuffle --seed 1``), ``open`` (``open_store``
 alone, after the imports), ``info``, ``verify``, ``verify_source`` (``verify --source``),
 ``verify_shuffled`` (``verify`` of the shuffled store), ``device_all`` (``Store.device(id)`` for
-every device, after opening) and ``summary`` (``repr`` and the HTML summary of an opened store).
+every device, after opening) and ``summary`` (``repr`` and the HTML summary of an opened store);
+``code_devices`` and ``code_slabs`` time format 2's row coder alone on the source's windows (read
+first, not timed): ``RowCoder.code`` a device at a time, as the writers call it today, and
+``RowCoder.code_runs`` on slabs of 65,536 windows of many devices (skipped where the coder has no
+``code_runs``), each device closed after its last window.
 Each reports its wall seconds, CPU seconds (``time.process_time``: threads included) and peak
 RSS (``VmHWM``: Linux). On a shared machine compare CPU seconds, not wall time.
 """
@@ -56,6 +60,31 @@ elif step == "device_all":
     ids = [e.device_id for e in opened.device_table]
     started, cpu = time.perf_counter(), time.process_time()
     assert sum(opened.device(i).n_windows for i in ids) == len(opened)
+elif step in ("code_devices", "code_slabs"):
+    import pathlib
+    import numpy as np
+    import pyarrow.parquet as pq
+    from birdzarr.format._rows import RowCoder
+    files = sorted(pathlib.Path(src).glob("part-*.parquet"), key=lambda f: int(f.stem.split("-")[1]))
+    tables = [pq.read_table(f) for f in files]
+    devices = np.concatenate([t["device_id"].to_numpy() for t in tables]).astype(np.int64)
+    windows = np.concatenate([t["gimu"].combine_chunks().flatten().to_numpy() for t in tables])
+    windows = windows.reshape(-1, 20, 4)
+    bounds = np.flatnonzero(np.r_[True, devices[1:] != devices[:-1], True])
+    coder = RowCoder()
+    started, cpu = time.perf_counter(), time.process_time()
+    if step == "code_devices":
+        for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+            coder.code(int(devices[a]), windows[a:b])
+            coder.close_device(int(devices[a]))
+    elif hasattr(coder, "code_runs"):
+        for a in range(0, len(devices), 65536):
+            coder.code_runs(devices[a : a + 65536], windows[a : a + 65536])
+            ended = bounds[1:][(bounds[1:] > a) & (bounds[1:] <= a + 65536)]
+            coder.close_devices(devices[ended - 1])
+    else:
+        out["skipped"] = "no RowCoder.code_runs"
+    out["rows"] = coder.new_rows().n_rows
 elif step == "summary":
     import birdzarr
     opened = birdzarr.open_store(store)
@@ -68,7 +97,7 @@ out.update(seconds=round(time.perf_counter() - started, 3), cpu=round(time.proce
 print("RESULT" + json.dumps(out))
 '''
 STEPS = ["convert", "convert_shuffle", "open", "info", "verify", "verify_source", "verify_shuffled",
-         "device_all", "summary"]
+         "device_all", "summary", "code_devices", "code_slabs"]
 
 
 def _gimu(windows: np.ndarray) -> pa.Array:

@@ -150,3 +150,93 @@ def test_a_first_block_is_coded_as_the_hash_look_up_codes_it() -> None:
     assert np.array_equal(a.start, b.start)
     assert np.array_equal(codes, np.concatenate([first_codes, rest_codes]))
     assert_exact(decode_all(codes, rows, windows, a), windows)
+
+
+def per_run(coder: RowCoder, devices: np.ndarray, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """What code_runs must equal: ``code(device, run)`` for each run of equal consecutive ids."""
+    bounds = np.flatnonzero(np.r_[True, devices[1:] != devices[:-1], True])
+    coded = [coder.code(int(devices[a]), windows[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    return np.concatenate([c for c, _ in coded]), np.concatenate([r for _, r in coded])
+
+
+def assert_same_coders(a: RowCoder, b: RowCoder) -> None:
+    x, y = a.new_rows(), b.new_rows()
+    assert np.array_equal(x.values.view(np.uint32), y.values.view(np.uint32))
+    assert np.array_equal(x.start, y.start) and np.array_equal(x.device, y.device)
+    assert a.n_rows == b.n_rows and sorted(a._open) == sorted(b._open)
+    assert all(a._open_row(d).number == b._open_row(d).number for d in a._open)  # type: ignore[union-attr]
+
+
+def test_many_devices_coded_at_once_equal_the_device_by_device_coding() -> None:
+    """code_runs (a slab of many devices' blocks in one call) gives the codes, rows, row numbers
+    and entries of coding each run on its own, wherever the slabs are cut: small devices with
+    ids out of order, one device whose imu_y overflows a row (3,276 windows fit) in the middle,
+    a device split over two slabs, and a device that comes back later in a slab without being
+    closed (its row continues)."""
+    rng = np.random.default_rng(3)
+    sizes = {40: 12, 3: 30, 17: 1, 9: 4000, 25: 35, 2: 20, 31: 7}
+    parts = []
+    for seed, (device, size) in enumerate(sizes.items()):
+        w = calibrated(size, seed=20 + seed)
+        if device == 9:
+            w[:, :, 1] = rng.permutation(size * 20).reshape(size, 20).astype(np.float32) / 7.0
+        parts.append((device, w))
+    parts.append((3, calibrated(5, seed=40)))  # device 3 again, its row still open
+    devices = np.concatenate([np.full(len(w), d, np.int64) for d, w in parts])
+    windows = np.concatenate([w for _, w in parts])
+    reference = RowCoder(first_row=4, first_value=100)
+    ref_codes, ref_rows = per_run(reference, devices, windows)
+    assert ref_rows.max() - 4 + 1 == reference.n_rows == len(sizes) + 1  # device 9: two rows
+    for cuts in ([], [43, 1000, 3500], [1, 2, 3, 44, 3000, 3319, 3320, 4090]):
+        bounds = [0, *cuts, len(devices)]
+        coder = RowCoder(first_row=4, first_value=100)
+        coded = [coder.code_runs(devices[a:b], windows[a:b])
+                 for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        assert np.array_equal(np.concatenate([c for c, _ in coded]), ref_codes)
+        assert np.array_equal(np.concatenate([r for _, r in coded]), ref_rows)
+        assert_same_coders(coder, reference)
+    # the decode from the dictionaries gives the windows back (starts count from first_value)
+    table = reference.new_rows()
+    shifted = _v2.Dictionaries(np.concatenate([np.zeros(100, np.float32), table.values]),
+                               np.concatenate([np.zeros((4, 3), np.int64), table.start]),
+                               np.concatenate([np.zeros(4, np.int64), table.device]))
+    assert_exact(decode_all(ref_codes, ref_rows, windows, shifted), windows)
+    assert table.device.tolist() == [40, 3, 17, 9, 9, 25, 2, 31]  # rows in the order they opened
+
+
+def test_an_append_coded_at_once_equals_the_device_by_device_append() -> None:
+    """code_runs after appending_to: a device whose stored row holds every value reuses it, one
+    with new values gets a new row (stored entries first), new devices get rows of their own,
+    all numbered as device-by-device coding numbers them; closed devices start new rows."""
+    first = {5: calibrated(60, seed=50), 8: calibrated(30, seed=51), 1: calibrated(20, seed=52)}
+    coder = RowCoder()
+    for d, w in first.items():
+        coder.code(d, w)
+        coder.close_device(d)
+    stored = coder.new_rows()
+    parts = [(7, calibrated(10, seed=53)), (5, first[5][::-1].copy()), (12, calibrated(25, seed=54)),
+             (8, calibrated(15, seed=55)), (1, first[1][:5].copy()), (4, calibrated(3, seed=56))]
+    devices = np.concatenate([np.full(len(w), d, np.int64) for d, w in parts])
+    windows = np.concatenate([w for _, w in parts])
+    reference = RowCoder.appending_to(stored)
+    ref_codes, ref_rows = per_run(reference, devices, windows)
+    at_once = RowCoder.appending_to(stored)
+    codes, rows = at_once.code_runs(devices, windows)
+    assert np.array_equal(codes, ref_codes) and np.array_equal(rows, ref_rows)
+    assert_same_coders(at_once, reference)
+    # stored rows 0-2 (5, 8, 1) serve 5 and 1; new rows 3.. in first-window order: 7, 12, 8, 4
+    assert at_once.new_rows().device.tolist() == [7, 12, 8, 4]
+    assert rows[devices == 5].tolist() == [0] * 60 and rows[devices == 8].tolist() == [5] * 15
+    total = stored.extend(at_once.new_rows())
+    assert_exact(decode_all(codes, rows, windows, total), windows)
+    # closed devices start new rows, as code does after close_device
+    at_once.close_devices(np.array([7, 12]))
+    reference.close_device(7)
+    reference.close_device(12)
+    again = np.repeat([12, 7], [4, 6])
+    more = np.concatenate([parts[2][1][:4], parts[0][1][:6]])
+    codes, rows = at_once.code_runs(again, more)
+    ref_codes, ref_rows = per_run(reference, again, more)
+    assert np.array_equal(codes, ref_codes) and np.array_equal(rows, ref_rows)
+    assert rows.tolist() == [7] * 4 + [8] * 6
+    assert_same_coders(at_once, reference)
