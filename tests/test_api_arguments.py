@@ -249,15 +249,6 @@ def test_plot_window_refuses_an_index_below_minus_the_length(small_store: birdza
     assert str(refused.value) == f"window {-n - 1} is out of range: the store holds {n} windows"
 
 
-def test_device_lookups_refuse_a_float_device_id(small_store: birdzarr.Store) -> None:
-    device = small_store.device_table[0].device_id
-    for call in (small_store.device_windows, small_store.plot_device):
-        with pytest.raises(TypeError) as refused:  # it was truncated to the device before
-            call(device + 0.5)
-        assert str(refused.value) == f"device_id must be an integer, got {device + 0.5!r}"
-    assert len(small_store.device_windows(np.int64(device))) == small_store.device_table[0].n_windows
-
-
 @pytest.mark.parametrize(("options", "error", "message"), [
     ({"bins": -1}, ArgumentError, "bins must be an integer of 1 or more, got -1"),
     ({"bins": 0}, ArgumentError, "bins must be an integer of 1 or more, got 0"),

@@ -228,19 +228,48 @@ def test_window_views_index_as_numpy_does(small_store: birdzarr.Store) -> None:
     assert np.array_equal(windows[mask, [2, 3]], first[[1, 3], [2, 3]])
 
 
-def test_a_device_id_is_the_same_device_everywhere(
-    parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]], tmp_path: pathlib.Path
-) -> None:
-    shuffled = birdzarr.convert(parquet_source[0], tmp_path / "s.zarr", chunk_windows=1024, shuffle=True,
-                                seed=3, progress=False)
-    device = shuffled.device_table[0]
+@pytest.fixture(scope="module")
+def shuffled_store(parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]],
+                   tmp_path_factory: pytest.TempPathFactory) -> birdzarr.Store:
+    """The parquet_source converted with shuffle=True: its device lookups scan the chunks."""
+    dest = tmp_path_factory.mktemp("shuffled") / "s.zarr"
+    return birdzarr.convert(parquet_source[0], dest, chunk_windows=1024, shuffle=True, seed=3, progress=False)
+
+
+def test_a_device_id_is_the_same_device_everywhere(shuffled_store: birdzarr.Store) -> None:
+    device = shuffled_store.device_table[0]
     as_text = str(device.device_id)  # as a table or the command line gives it
-    assert shuffled.device(as_text) == device
-    assert len(shuffled.device_indices(as_text)) == device.n_windows
-    assert np.array_equal(shuffled.device_windows(as_text), shuffled.device_windows(device.device_id))
-    for call in (shuffled.device, shuffled.device_indices, shuffled.device_windows):
-        with pytest.raises(TypeError, match=r"^device_id must be an integer, got 200\.5$"):
-            call(200.5)  # type: ignore[arg-type]
+    assert shuffled_store.device(as_text) == device
+    assert len(shuffled_store.device_indices(as_text)) == device.n_windows
+    assert np.array_equal(shuffled_store.device_windows(as_text),
+                          shuffled_store.device_windows(device.device_id))
+
+
+@pytest.mark.parametrize("store", ["small_store", "shuffled_store"])
+@pytest.mark.parametrize("lookup", ["device", "device_indices", "device_windows", "plot_device"])
+def test_device_lookups_refuse_a_float_device_id(
+    store: str, lookup: str, request: pytest.FixtureRequest
+) -> None:
+    if lookup == "plot_device":
+        pytest.importorskip("matplotlib")
+    opened: birdzarr.Store = request.getfixturevalue(store)
+    call = getattr(opened, lookup)
+    device = opened.device_table[0]
+    for float_id in (device.device_id + 0.5, 200.5):  # the first was truncated to the device before
+        with pytest.raises(TypeError) as refused:
+            call(float_id)
+        assert str(refused.value) == f"device_id must be an integer, got {float_id!r}"
+    # a numpy integer is an integer
+    found = call(np.int64(device.device_id))
+    if lookup == "device":
+        assert found == device
+    elif lookup == "plot_device":
+        import matplotlib.pyplot as plt
+
+        assert found.axes
+        plt.close(found)
+    else:
+        assert len(found) == device.n_windows
 
 
 def test_more_python_arguments_of_the_wrong_kind(small_store: birdzarr.Store, tmp_path: pathlib.Path) -> None:
