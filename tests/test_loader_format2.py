@@ -297,8 +297,8 @@ def test_a_selection_reads_the_device_table_index_not_its_entries(
 def test_a_selection_decodes_only_its_windows_and_streams_the_version1_batches(
         stores: dict[str, tuple[str, str]]) -> None:
     """A selection keeping about a third of every chunk of a shuffled store: a pool holds only the
-    selected windows of each chunk, packed at the start of its slot, with their labels, devices
-    and times; the batches equal the version-1 store's, bit for bit."""
+    selected windows of its piece of each chunk, packed at the start of its slot, with their
+    labels, devices and times; the batches equal the version-1 store's, bit for bit."""
     from birdzarr.loader._pool import PoolBuffers
     from birdzarr.loader._sampling import Pool
 
@@ -320,7 +320,7 @@ def test_a_selection_decodes_only_its_windows_and_streams_the_version1_batches(
         pool.close()
     wanted = np.concatenate([selection.selected_indices(None, int(c))[a:b]
                              for c, a, b in zip(chunks, lo, hi, strict=True)])
-    packed = np.concatenate([slot * width + np.arange(a, b)
+    packed = np.concatenate([slot * width + np.arange(b - a)  # only the piece [lo, hi) is decoded
                              for slot, (a, b) in enumerate(zip(lo, hi, strict=True))])
     assert 0 < len(wanted) < 0.5 * len(chunks) * width
     assert np.array_equal(loaded.rows, packed)

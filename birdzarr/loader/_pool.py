@@ -152,8 +152,9 @@ class PoolBuffers:
 
     def _submit(self, bank: int, pool: Pool) -> list[Future[np.ndarray]]:
         self._banks[bank].reserve(len(pool.chunks), self.reader.chunk_windows)
-        return [self._threads.submit(self._load_chunk, bank, slot, chunk)
-                for slot, chunk in enumerate(pool.chunks.tolist())]
+        return [self._threads.submit(self._load_chunk, bank, slot, chunk, lo, hi)
+                for slot, (chunk, lo, hi) in enumerate(zip(pool.chunks.tolist(), pool.lo.tolist(),
+                                                           pool.hi.tolist(), strict=True))]
 
     def prefetch(self, key: Hashable, pool: Pool) -> None:
         """Start decoding ``pool`` into the bank not being served; ``load(pool, key)`` takes it."""
@@ -182,24 +183,28 @@ class PoolBuffers:
         self._drop_pending()
         return self._loaded(pool, _results(self._submit(0, pool)), 0)
 
-    def _loaded(self, pool: Pool, selected: list[np.ndarray], bank: int) -> LoadedPool:
+    def _loaded(self, pool: Pool, pieces: list[np.ndarray], bank: int) -> LoadedPool:
         width = self.reader.chunk_windows
         rows = np.concatenate(
-            [slot * width + chosen[lo:hi] for slot, (chosen, lo, hi)
-             in enumerate(zip(selected, pool.lo.tolist(), pool.hi.tolist(), strict=True))]
-        ) if selected else np.empty(0, np.int64)
+            [slot * width + piece for slot, piece in enumerate(pieces)]
+        ) if pieces else np.empty(0, np.int64)
         self.decoded += len(pool.chunks)
         self._serving = bank
         held = self._banks[bank]
         return LoadedPool(rows.astype(np.int64, copy=False), held.gimu, held.ldt if self.with_ldt else None)
 
-    def _load_chunk(self, bank: int, slot: int, chunk: int) -> np.ndarray:
-        """Decode the selected windows of one chunk into ``slot`` of ``bank``; return their rows
-        within the slot, in stored order (a version-2 chunk: only they are looked up, packed at
-        the slot's start; version 1: the whole chunk, each where it is)."""
+    def _load_chunk(self, bank: int, slot: int, chunk: int, lo: int, hi: int) -> np.ndarray:
+        """Decode the pool's piece of one chunk (its selected windows ``[lo, hi)``, ranks among
+        the chunk's selected windows) into ``slot`` of ``bank``; return their rows within the
+        slot, in stored order (a version-2 chunk: only they are looked up, packed at the slot's
+        start; version 1: the whole chunk, each where it is)."""
         reader, width, held = self.reader, self.reader.chunk_windows, self._banks[bank]
+        start, stop = reader.chunk_span(chunk)
         mask = self.selection.chunk_mask(reader, chunk)
-        selected = None if mask is None else np.flatnonzero(mask)
+        if mask is None:
+            selected = None if (lo, hi) == (0, stop - start) else np.arange(lo, hi)
+        else:
+            selected = np.flatnonzero(mask)[lo:hi]
         rows = reader.read_windows(chunk, selected, held.gimu[slot * width : (slot + 1) * width])
         if self.with_ldt:
             for name in PER_WINDOW:
