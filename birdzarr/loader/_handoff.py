@@ -23,7 +23,7 @@ then the data):
    a persistent DataLoader worker starts each later epoch on slots the receiver has already
    mapped, so its first batches fault in no new shared memory and hand over no file descriptor
    (retiring them every epoch made each epoch's first batches wait for both: 0.05-0.25 s each
-   on the 2-core development machine at a load of 9, docs/benchmarks.md).
+   on the 2-core development machine at a load of 9).
 6. The receiver also drops every mapping of a worker that has exited (its pid is in the key):
    a worker that is not persistent exits after its epoch, and a loop that stops mid-epoch
    (``break``) shuts the workers down with batches still queued, which are never received.
