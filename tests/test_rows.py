@@ -240,3 +240,35 @@ def test_an_append_coded_at_once_equals_the_device_by_device_append() -> None:
     assert np.array_equal(codes, ref_codes) and np.array_equal(rows, ref_rows)
     assert rows.tolist() == [7] * 4 + [8] * 6
     assert_same_coders(at_once, reference)
+
+
+def test_random_slabs_of_devices_code_as_device_by_device() -> None:
+    """Random devices (ids repeated, out of order, some coming back after others), random run
+    lengths and random slab cuts, some devices closed between slabs, on a new store and on an
+    append: code_runs equals code run by run, window for window and row for row."""
+    for seed in range(4):
+        rng = np.random.default_rng(100 + seed)
+        ids = rng.choice(np.arange(1, 40), size=60)
+        runs = [(int(d), calibrated(int(rng.integers(1, 30)), seed=1000 * seed + i))
+                for i, d in enumerate(ids)]
+        devices = np.concatenate([np.full(len(w), d, np.int64) for d, w in runs])
+        windows = np.concatenate([w for _, w in runs])
+        stored = None
+        if seed % 2:  # an append: some of these devices have stored rows
+            first = RowCoder()
+            for d in range(1, 40, 3):
+                first.code(d, calibrated(8, seed=d) if d % 2 else windows[devices == d][:3])
+            stored = first.new_rows()
+        cuts = np.sort(rng.choice(np.arange(1, len(devices)), size=5, replace=False))
+        bounds = [0, *cuts.tolist(), len(devices)]
+        reference = RowCoder() if stored is None else RowCoder.appending_to(stored)
+        at_once = RowCoder() if stored is None else RowCoder.appending_to(stored)
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            ref_codes, ref_rows = per_run(reference, devices[a:b], windows[a:b])
+            codes, rows = at_once.code_runs(devices[a:b], windows[a:b])
+            assert np.array_equal(codes, ref_codes) and np.array_equal(rows, ref_rows)
+            closed = rng.choice(devices[a:b], size=3)
+            at_once.close_devices(closed)
+            for d in closed.tolist():
+                reference.close_device(d)
+        assert_same_coders(at_once, reference)
