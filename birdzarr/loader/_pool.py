@@ -4,7 +4,9 @@ A reader (the main process, or one DataLoader worker) owns one ``PoolBuffers``: 
 array of ``capacity`` chunks for the windows, plus label, device and timestamp arrays when the
 dataset yields ``ldt``. Each chunk of a pool decodes straight into its slot of those arrays (on a
 small thread pool: decoding releases the GIL, and remote fetches overlap), so a batch is then one
-vectorised gather from memory the reader already owns. Nothing is handed back to a free list and
+vectorised gather from memory the reader already owns. Of a version-2 chunk only the pool's
+piece of its selected windows is looked up, packed at the start of the slot
+(``ChunkReader.read_windows``). Nothing is handed back to a free list and
 nothing grows with the store: memory is ``capacity x chunk_windows x (320 B + 16 B with ldt)``.
 
 A DataLoader worker's fetch threads are idle while it serves a pool: ``prefetch`` starts

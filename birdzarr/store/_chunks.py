@@ -11,7 +11,8 @@ float32 ``gps_speed`` and uint32 ``gimu_row`` per window, plus the dictionary ar
 ``dict_values`` / ``dict_start`` / ``dict_device`` (birdzarr/format/_v2.py), core Zarr v3 codecs
 only. ``ChunkReader.read(GIMU, i)`` returns float32 windows for both: on a version-2 store it
 fetches the chunk of each per-window array, checks every code against its dictionary
-(``_v2.check``: a damaged chunk is refused, never misread) and decodes with ``_v2.decode``. The
+(``_v2.check``: a damaged chunk is refused, never misread) and decodes with ``_v2.decode``;
+``ChunkReader.read_windows`` checks and decodes only the windows a selection keeps. The
 dictionaries are read once per reader, on the first decode, and kept.
 """
 
