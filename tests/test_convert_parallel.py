@@ -344,6 +344,8 @@ def test_shuffled_store_is_byte_identical_and_uses_device_dictionaries(
                                  shuffle_tmp=str(tmp_path))
         assert store.meta["layout"]["codec"] == "gdict16"
         assert store.meta["layout"]["compressor"] == {"cname": "lz4", "clevel": 5}
+        # pass 2 in this thread (one worker) keeps no dictionaries or buffers past the conversion
+        assert getattr(_shuffle_processes._LOCAL, "state", None) is None
         stores.append(dest)
     assert_same_store(stores[0], stores[1])
     assert_same_store(stores[0], stores[2])

@@ -18,11 +18,11 @@ converted part by part instead (``_pipeline.py``). Every engine runs the same se
 worker processes, a Dask cluster, threads of this process or this thread (``_engine.py``); a
 segment whose engine has more width than segments reads ahead and encodes on threads of its own.
 
-The store is byte-identical to one written on threads or by one worker: same window order and
+The store is byte-identical on every engine and with any number of workers: same window order and
 chunking, chunks encoded by the same code, the device table from the same ``Summarizer``.
 
-Memory: each task holds one reader batch (16,384 windows), one slab (8 chunks of all
-four arrays: 8 x chunk_windows x 336 B, 22 MB at 8,192 windows a chunk), the duplicate check's
+Memory: each task holds one reader batch (16,384 windows), one slab (``SLAB_WINDOWS``, 65,536
+windows of all the per-window arrays, at least one chunk: 22 MB in format 1), the duplicate check's
 8 B a window of the device it reads, and at most two chunks of shared windows; this process
 holds the shared windows of segments whose neighbours have not finished yet (at most two chunks
 a segment).
@@ -57,7 +57,7 @@ from birdzarr.storage._location import Location, resolve
 # a conversion; each costs the store's metadata read once and up to two chunks sent back here
 SEGMENTS_PER_WORKER = 4
 MIN_SEGMENT_CHUNKS = 8  # a segment of fewer chunks would send back a large share of its windows
-SLAB_CHUNKS = 8  # chunks a worker process encodes at a time (its memory bound)
+SLAB_CHUNKS = 8  # chunks of gimu_row shifted at a time (format 2's row numbers of later segments)
 # Local input smaller than this (bytes) is converted on threads, in either order and either input
 # kind (``_engine.processes_pay``): starting worker processes costs more than they save.
 PROCESS_MIN_BYTES = 64 << 20
@@ -265,7 +265,7 @@ def convert_segment(segment: Segment, dest_url: str, dest_options: dict[str, Any
     arrays = writable_arrays(group)  # sized by the writer before any worker started
     first = whole_chunks(segment.start, segment.stop, int(arrays[DEVICE].chunks[0]))[0]
     coder = RowCoder() if _v2.CODES in arrays else None
-    slabs = SlabWriter(location, arrays, start=first, slab_chunks=SLAB_CHUNKS, workers=threads,
+    slabs = SlabWriter(location, arrays, start=first, workers=threads,
                        in_flight=0 if threads <= 1 else SLABS_IN_FLIGHT, coder=coder)
     router = ChunkRouter(segment.start, segment.stop, slabs)
     result = SegmentResult([], {})

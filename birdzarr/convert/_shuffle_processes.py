@@ -32,11 +32,12 @@ distinct values in a channel (format 2) opens rows as pass 2 codes it, which onl
 number: pass 2 is then one run, whose task hands back the rows it opened.
 
 The store is byte-identical on every engine. Memory: each pass-1 task holds at
-most ``PASS1_BUFFER_WINDOWS / width`` windows waiting to be spilled (so all together as on
-threads) and one block; each pass-2 worker thread the dictionaries, one bucket's buffers (176
-bytes a window as codes) and one slab; this process the dictionaries, as on threads. A worker
-keeps the last conversion's pass-2 state (the dictionaries and one bucket's buffers per thread)
-until it runs the next conversion's.
+most ``PASS1_BUFFER_WINDOWS / width`` windows waiting to be spilled (so all together as one
+task's) and one block; each pass-2 worker thread the dictionaries, one bucket's buffers (176
+bytes a window as codes) and one slab (``SLAB_WINDOWS``); this process the dictionaries. A
+worker process keeps the last conversion's pass-2 state (the dictionaries and one bucket's
+buffers per thread) until it runs the next conversion's; threads of this process end with
+their engine, and this thread (one worker) drops it when the conversion ends.
 """
 
 from __future__ import annotations
@@ -63,7 +64,6 @@ from birdzarr.convert._gdict_encode import DictionaryTable
 from birdzarr.convert._readahead import read_ahead
 from birdzarr.convert._segments import (
     SEGMENTS_PER_WORKER,
-    SLAB_CHUNKS,
     ChunkRouter,
     Segment,
     SegmentCollector,
@@ -268,7 +268,7 @@ def write_bucket_run(plan_path: str, dest_url: str, dest_options: dict[str, Any]
     start = int(starts[buckets.start])
     stop = start + int(state.loader.spill.windows[buckets.start : buckets.stop].sum())
     first = whole_chunks(start, stop, int(state.arrays[DEVICE].chunks[0]))[0]
-    slabs = SlabWriter(state.dest, state.arrays, start=first, slab_chunks=SLAB_CHUNKS, workers=1, in_flight=0,
+    slabs = SlabWriter(state.dest, state.arrays, start=first, workers=1, in_flight=0,
                        coder=state.coder)
     if state.coded:
         slabs.sink.code_encoder = state.table.encode
@@ -337,6 +337,8 @@ def write_shuffled_on(
         require_shared(directory, [os.path.join(directory, f"group-{i:04d}") for i in range(len(groups))])
         summaries = {d: s for r in ordered for d, s in r.summaries.items()}
         dictionaries = {d: known for r in ordered for d, known in r.dictionaries.items()}
+        for r in ordered:  # held once, here, until pass2.pickle is written
+            r.dictionaries = {}
         if duplicates is not None:
             for r in ordered:
                 for device_id, count in r.repeated.items():
@@ -382,4 +384,6 @@ def write_shuffled_on(
             writer.record(summary)  # with its digest, found in pass 1 (``Summarizer``)
         return {"buckets": buckets, "spill_bytes": sum(r.bytes_written for r in ordered)}, facts
     finally:
+        # pass 2 in this thread (one worker) leaves its state here: not kept past the conversion
+        _LOCAL.state = None
         shutil.rmtree(directory, ignore_errors=True)
