@@ -242,3 +242,25 @@ def test_any_weighting_keeps_every_batch_within_three_windows_of_its_shares() ->
                                 for i in range(0, len(drawn) - size + 1, size)])
                 worst = max(worst, float(np.abs(mix - asked * size).max()))
     assert 2 < worst < 3
+
+
+@pytest.mark.parametrize("replacement", [True, False])
+def test_each_epoch_takes_its_draw_made_ahead_exactly(rare: birdzarr.Store, replacement: bool) -> None:
+    """Iterated in this process, the next epoch's class-balanced draw is made once an epoch's
+    first batch is out, and taken by that epoch: exactly the batches a dataset that drew each
+    epoch directly gives; a set_epoch elsewhere drops it; len() draws nothing."""
+    options = {"seed": 13, "replacement": replacement, "batch_size": 50 if not replacement else BATCH}
+    ds, reference = _balanced(rare, **options), _balanced(rare, **options)
+    len(ds), ds.windows_per_epoch  # noqa: B018 - counted, not drawn
+    assert ds.resident.plans_drawn == 0
+    windows = rare.windows[:]
+    ahead = ds._local().ahead
+    for epoch in (0, 1, 3):
+        ds.set_epoch(epoch)
+        got = [x.clone() for x in ds]
+        reference.set_epoch(epoch)
+        expected = [windows[reference.batch_indices(b)] for b in range(len(reference))]
+        assert len(got) == len(expected) == len(ds)
+        assert all(np.array_equal(x.numpy(), y) for x, y in zip(got, expected, strict=True)), epoch
+    # epochs 0 and 1 prepared their next; epoch 3 is not the prepared 2 (dropped), and prepared 4
+    assert (ahead.prepared, ahead.taken, ahead.discarded) == (3, 1, 1)

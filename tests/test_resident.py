@@ -239,3 +239,107 @@ def test_a_device_ordered_store_holds_fewer_dictionary_values_than_its_chunks(
         assert got is not None
         per_chunk += sum(len(d) for d in got[1])
     assert held.table is not None and held.table.numel() < per_chunk / 2
+
+
+def _expected(reference: birdzarr.WindowDataset, store: birdzarr.Store, epoch: int, skip: int = 0
+              ) -> list[np.ndarray]:
+    """The windows of an epoch's batches, from a plan drawn directly: ``reference`` is never
+    iterated, so it never has a plan prepared ahead."""
+    reference.set_epoch(epoch)
+    return [store.windows[reference.batch_indices(b)] for b in range(skip, len(reference))]
+
+
+def test_len_counts_batches_without_drawing_a_permutation(small_store: birdzarr.Store) -> None:
+    for world_size, drop_last in ((1, False), (3, False), (2, True)):
+        ds = _resident(small_store, batch_size=700, world_size=world_size, rank=world_size - 1,
+                       drop_last=drop_last, progress=False)
+        counted = (len(ds), ds.windows_per_epoch, repr(ds))
+        assert ds.resident.plans_drawn == 0, "len(), windows_per_epoch and repr() only count"
+        plan = ds._resident_plan()
+        assert ds.resident.plans_drawn == 1
+        assert counted[:2] == (plan.n_batches, int(plan.offsets[-1]))
+        # the plan holds this rank's rows only (8 B a window of the rank), not the whole permutation
+        assert plan.order.untyped_storage().nbytes() == 8 * ds.windows_per_epoch
+
+
+def _ahead(ds: birdzarr.WindowDataset) -> tuple[int, int, int]:
+    """This process's next-epoch plans: (started ahead, taken when their epoch began, dropped)."""
+    ahead = ds._local().ahead
+    return ahead.prepared, ahead.taken, ahead.discarded
+
+
+def test_the_next_epochs_plan_is_drawn_ahead_in_process(small_store: birdzarr.Store) -> None:
+    """Iterated in this process: once an epoch's first batch is out, the next epoch's plan is
+    being drawn; that epoch takes it (exactly the batches of a plan drawn directly); a set_epoch
+    elsewhere drops it; a resume point inside the prepared epoch is exact."""
+    options = {"batch_size": 700, "seed": 11, "progress": False}
+    ds, reference = _resident(small_store, **options), _resident(small_store, **options)
+    for epoch in (0, 1, 2):
+        ds.set_epoch(epoch)
+        iterator = iter(ds)
+        first = next(iterator).clone()
+        # before the next epoch's iterator exists, its plan is under way
+        assert _ahead(ds) == (epoch + 1, epoch, 0), epoch
+        got = [first] + [x.clone() for x in iterator]
+        expected = _expected(reference, small_store, epoch)
+        assert len(got) == len(expected) == len(ds)
+        assert all(np.array_equal(x.numpy(), y) for x, y in zip(got, expected, strict=True)), epoch
+    ds.set_epoch(7)  # not the prepared epoch 3: dropped, epoch 7 drawn on the spot
+    got = [x.clone() for x in ds]
+    assert _ahead(ds) == (4, 2, 1)
+    assert all(np.array_equal(x.numpy(), y) for x, y in zip(got, _expected(reference, small_store, 7),
+                                                               strict=True))
+    # epoch 8 was prepared during epoch 7: a resume point inside it, on a fresh iteration
+    ds.set_epoch(8)
+    iterator = iter(ds)
+    head = [next(iterator).clone() for _ in range(2)]
+    state = ds.state_dict()
+    del iterator
+    ds.load_state_dict(state)
+    tail = [x.clone() for x in ds]
+    assert _ahead(ds)[1] == 3, "epoch 8 came from its prepared plan"
+    expected = _expected(reference, small_store, 8)
+    assert len(head) + len(tail) == len(expected)
+    assert all(np.array_equal(x.numpy(), y) for x, y in zip(head + tail, expected, strict=True))
+
+
+def _with_plan_counts(batch: object) -> tuple[object, tuple[int, int, int, int]]:
+    """collate_fn (it runs in the worker): the batch, and the worker's plans drawn ahead."""
+    from torch.utils.data import get_worker_info
+
+    info = get_worker_info()
+    assert info is not None
+    ahead = info.dataset._local().ahead  # type: ignore[attr-defined]
+    return batch, (info.id, ahead.prepared, ahead.taken, ahead.discarded)
+
+
+@pytest.mark.slow
+def test_persistent_workers_start_each_epoch_on_a_plan_drawn_ahead(small_store: birdzarr.Store) -> None:
+    """Each persistent worker draws the next epoch's plan while it serves this one; the next
+    epoch takes it (exactly the batches of plans drawn directly, as with 0 workers); a set_epoch
+    elsewhere drops it; a resume point inside a prepared epoch is exact."""
+    options = {"batch_size": 700, "seed": 12, "progress": False}
+    ds, reference = _resident(small_store, **options), _resident(small_store, **options)
+    loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True,
+                        multiprocessing_context="fork", collate_fn=_with_plan_counts)
+
+    def epoch(number: int, skip: int = 0) -> dict[int, tuple[int, int, int]]:
+        """Each worker's (prepared, taken, discarded) at its first batch of the epoch."""
+        got = [(x.clone(), counts) for x, counts in loader]  # type: ignore[union-attr]
+        expected = _expected(reference, small_store, number, skip)
+        assert len(got) == len(expected)
+        assert all(np.array_equal(x.numpy(), y) for (x, _), y in zip(got, expected, strict=True)), number
+        first: dict[int, tuple[int, int, int]] = {}
+        for _, (worker, *counts) in got:
+            first.setdefault(worker, tuple(counts))  # type: ignore[arg-type]
+        return first
+
+    for number in (0, 1, 2):
+        ds.set_epoch(number)
+        # at its first batch a worker has started the next epoch's plan and taken this one's
+        assert epoch(number) == {w: (number + 1, number, 0) for w in (0, 1)}, number
+    ds.set_epoch(5)  # the prepared epoch 3 is dropped
+    assert epoch(5) == {w: (4, 2, 1) for w in (0, 1)}
+    state = ds.state_dict(batches_seen=0)
+    ds.load_state_dict({**state, "epoch": 6, "next_batch": 3})  # inside the prepared epoch 6
+    assert epoch(6, skip=3) == {w: (5, 3, 1) for w in (0, 1)}

@@ -26,7 +26,8 @@ import math
 import numbers
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
@@ -48,7 +49,7 @@ from birdzarr.loader._config import (
     Transform,
     resolve_ranks,
 )
-from birdzarr.loader._pool import LoadedPool, PoolBuffers
+from birdzarr.loader._pool import LoadedPool, PoolBuffers, _DaemonThreads
 from birdzarr.loader._sampling import EpochPlan, plan_epoch
 from birdzarr.loader._selection import SPLIT_RULE, SelectionStats, make_selection
 from birdzarr.loader._sink import Batch, BatchLayout, Filler, SharedBatch, Sink, device_batch, make_sink
@@ -93,6 +94,47 @@ def _forwarded(option: str, name: str | None = None) -> Any:
     return property(get)
 
 
+class _PlanAhead:
+    """The next epoch's plan, computed on a daemon thread of this process while the current
+    epoch is served (plans are pure functions of their key), as ``PoolBuffers.prefetch``
+    decodes the next pool: ``take`` hands it over only for the same key, else drops it."""
+
+    def __init__(self) -> None:
+        self._threads: _DaemonThreads | None = None  # started on the first prepare
+        self._pending: tuple[tuple[Any, ...], Future[Any]] | None = None
+        self.prepared = 0  # plans started ahead (tests count them)
+        self.taken = 0  # plans asked for and found prepared
+        self.discarded = 0  # prepared plans asked for under another key, or never
+
+    def prepare(self, key: tuple[Any, ...], compute: Callable[[], Any]) -> None:
+        if self._pending is not None and self._pending[0] == key:
+            return
+        self._drop()
+        if self._threads is None:
+            self._threads = _DaemonThreads(1, "birdzarr-plan")
+        self._pending = (key, self._threads.submit(compute))
+        self.prepared += 1
+
+    def take(self, key: tuple[Any, ...]) -> tuple[bool, Any]:
+        """``(True, plan)`` if the plan of ``key`` was prepared (waiting for it if still drawn),
+        else ``(False, None)``, dropping a prepared plan of the same kind (the key's first
+        item) and another key."""
+        pending = self._pending
+        if pending is None or pending[0] != key:
+            if pending is not None and pending[0][0] == key[0]:
+                self._drop()
+            return False, None
+        self._pending = None
+        self.taken += 1
+        return True, pending[1].result()
+
+    def _drop(self) -> None:
+        if self._pending is not None:
+            self._pending[1].cancel()  # one being drawn finishes on its thread, unused
+            self._pending = None
+            self.discarded += 1
+
+
 @dataclass
 class _PerProcess:
     """What one process (the main one, or a DataLoader worker) opens for itself."""
@@ -102,6 +144,7 @@ class _PerProcess:
     pool: PoolBuffers
     sink: Sink  # where its batches are gathered to
     iterations: int = 0  # iterations started here: only the latest may use the pool buffer
+    ahead: _PlanAhead = field(default_factory=_PlanAhead)  # the next epoch's resident plan
 
 
 class WindowDataset(IterableDataset[Batch]):
@@ -356,15 +399,24 @@ class WindowDataset(IterableDataset[Batch]):
 
     def _n_batches(self, epoch: int) -> int:
         if self.resident is not None:
-            return self._resident_plan(epoch).n_batches
+            return self._resident_size()[1]
         return self.plan(epoch).n_batches
 
     @property
     def windows_per_epoch(self) -> int:
         """Windows this rank yields this epoch."""
         if self.resident is not None:
-            return self.resident.rank_windows(self._resident_plan())
+            return self._resident_size()[0]
         return self.plan().n_windows
+
+    def _resident_size(self) -> tuple[int, int]:
+        """This rank's windows and batches in a resident epoch (the same every epoch), counted
+        without drawing the epoch's permutation."""
+        c, resident = self.config, self.resident
+        assert resident is not None
+        return resident.epoch_size(world_size=c.world_size, rank=c.rank, batch_size=c.batch_size,
+                                   drop_last=c.drop_last,
+                                   epoch_windows=None if self._balanced is None else self._balanced[1])
 
     def label_counts(self) -> dict[int, int]:
         """Windows per label of the selection (``-1``: unlabelled), ascending labels: exactly the
@@ -466,12 +518,30 @@ class WindowDataset(IterableDataset[Batch]):
         self._progress.restore(saved)
 
     # -- planning ----------------------------------------------------------------------------------
+    def _plan_key(self, kind: str, epoch: int, readers: int) -> tuple[Any, ...]:
+        """Everything an epoch's plan depends on."""
+        c = self.config
+        balance = None if c.balance is None or self._balanced is None else (
+            sorted(c.balance.record().items()), self._balanced[1])
+        return (kind, epoch, readers, c.seed, c.world_size, c.rank, c.batch_size, c.drop_last, c.shuffle,
+                balance)
+
     def _memoised(self, kind: str, epoch: int, compute: Callable[[], _T], readers: int = 1) -> _T:
-        """An epoch's plan of one kind, computed once (only the latest plan is kept)."""
-        key = (kind, epoch, readers)
+        """An epoch's plan of one kind, computed once (only the latest plan is kept), or taken
+        from this process's plan prepared ahead (``_prepare``) when it is that one."""
+        key = self._plan_key(kind, epoch, readers)
         if self._plan_memo is None or self._plan_memo[0] != key:
-            self._plan_memo = (key, compute())
+            local = self._per_process  # another process's (forked): its plan thread is not here
+            found, plan = (False, None) if local is None or local.pid != os.getpid() else \
+                local.ahead.take(key)
+            self._plan_memo = (key, plan if found else compute())
         return cast(_T, self._plan_memo[1])
+
+    def _prepare(self, kind: str, epoch: int, compute: Callable[[], Any], readers: int = 1) -> None:
+        """Start computing an epoch's plan on this process's plan thread, for ``_memoised`` to
+        take when that epoch starts (one plan ahead at most)."""
+        if epoch <= MAX_EPOCH:
+            self._local().ahead.prepare(self._plan_key(kind, epoch, readers), compute)
 
     def plan(self, epoch: int | None = None, num_workers: int = 0) -> EpochPlan:
         """This rank's streaming plan of an epoch (default: the current one) for a DataLoader with
@@ -488,7 +558,12 @@ class WindowDataset(IterableDataset[Batch]):
 
     def _resident_plan(self, epoch: int | None = None) -> ResidentPlan:
         """This rank's slice of an epoch's permutation (resident mode; default: the current epoch)."""
-        c, resident, epoch = self.config, self.resident, self.epoch if epoch is None else epoch
+        epoch = self.epoch if epoch is None else epoch
+        return self._memoised("resident", epoch, self._resident_draw(epoch))
+
+    def _resident_draw(self, epoch: int) -> Callable[[], ResidentPlan]:
+        """How to draw an epoch's resident plan: a pure function, safe on another thread."""
+        c, resident = self.config, self.resident
         assert resident is not None
         balanced, balance = self._balanced, c.balance
 
@@ -501,7 +576,7 @@ class WindowDataset(IterableDataset[Batch]):
                                  batch_size=c.batch_size, drop_last=c.drop_last, shuffle=c.shuffle,
                                  epoch_rows=rows)
 
-        return self._memoised("resident", epoch, compute)
+        return compute
 
     def label_shares(self) -> dict[int, tuple[float, int]] | None:
         """With ``label_weights``: each drawn label's share of an epoch and its windows in one
@@ -640,9 +715,16 @@ class WindowDataset(IterableDataset[Batch]):
 
     def _held(self) -> Iterator[Batch | SharedBatch]:
         """Resident mode: this reader's batches of the epoch's permutation (every k-th), gathered
-        into this process's sink on the host, by torch where the selection lies on a device."""
-        resident, plan = self.resident, self._resident_plan()
+        into this process's sink on the host, by torch where the selection lies on a device.
+
+        On the host, once the first batch is gathered (or at once, for a reader without a
+        batch), the next epoch's plan is drawn on this process's plan thread while this epoch is
+        served: a persistent DataLoader worker, or the training process, then starts the next
+        epoch without drawing a permutation first. The next iteration takes it only if it asks
+        for that plan (``set_epoch`` or a resume point may ask for another), else it is dropped."""
+        resident, epoch = self.resident, self.epoch
         assert resident is not None
+        plan = self._resident_plan(epoch)
         n = plan.n_batches
         batches = self._my_batches(
             lambda worker, k: np.arange(worker, n, k), lambda k: [len(range(w, n, k)) for w in range(k)]
@@ -652,7 +734,18 @@ class WindowDataset(IterableDataset[Batch]):
             return (device_batch(resident, plan, batch, c.channel_first, c.transform, c.transform_ldt)
                     for batch in batches)
         sink = self._local().sink
-        return (sink(len(rows), resident.filler(rows)) for rows in (plan.rows(b).numpy() for b in batches))
+
+        def produce() -> Iterator[Batch | SharedBatch]:
+            for i, batch in enumerate(batches):
+                rows = plan.rows(batch).numpy()
+                gathered = sink(len(rows), resident.filler(rows))
+                if i == 0:
+                    self._prepare("resident", epoch + 1, self._resident_draw(epoch + 1))
+                yield gathered
+            if not batches:
+                self._prepare("resident", epoch + 1, self._resident_draw(epoch + 1))
+
+        return produce()
 
     def __repr__(self) -> str:
         mode = "streaming" if self.resident is None else f"resident={self.resident.device}"

@@ -190,6 +190,7 @@ class ResidentSelection:
         # each of a window's 80 values' column in its row of codes (None: the row is the window)
         self._expand_host = None if layout is None else layout.expand()
         self._expand = None if self._expand_host is None else torch.from_numpy(self._expand_host).to(device)
+        self.plans_drawn = 0  # epochs' plans drawn by this process (tests count them)
 
     def __len__(self) -> int:
         return len(self.global_index)
@@ -375,7 +376,9 @@ class ResidentSelection:
              drop_last: bool, shuffle: bool, epoch_rows: np.ndarray | None = None) -> ResidentPlan:
         """This rank's slice of the epoch's permutation (a pure function of seed, epoch, world
         size and the holding device's kind), or of ``epoch_rows``, an epoch drawn by label
-        (``_balanced``), cut into ranks and batches the same way."""
+        (``_balanced``), cut into ranks and batches the same way. Held: 8 B a window of this
+        rank (int64 rows; the whole permutation, 8 B a window of every rank, only while drawing)."""
+        self.plans_drawn += 1
         n = len(self) if epoch_rows is None else len(epoch_rows)
         per_rank, n_batches = rank_window_counts(n, world_size, batch_size, drop_last)
         if epoch_rows is not None:
@@ -388,8 +391,18 @@ class ResidentSelection:
             order = torch.arange(n, device=self.device)
         start = int(rank_starts(n, world_size)[rank])
         mine = order[start : start + int(per_rank[rank])]
+        if len(mine) < len(order):  # a copy: the plan keeps this rank's rows, not every rank's
+            mine = mine.clone()
         sizes = batch_sizes(int(per_rank[rank]), n_batches, batch_size)
         return ResidentPlan(mine, np.concatenate(([0], np.cumsum(sizes))).astype(np.int64))
+
+    def epoch_size(self, *, world_size: int, rank: int, batch_size: int, drop_last: bool,
+                   epoch_windows: int | None = None) -> tuple[int, int]:
+        """This rank's windows and batches in an epoch (of ``epoch_windows`` windows over all
+        ranks, default every held window): what ``plan`` gives, counted without drawing."""
+        n = len(self) if epoch_windows is None else epoch_windows
+        per_rank, n_batches = rank_window_counts(n, world_size, batch_size, drop_last)
+        return int(per_rank[rank]), int(n_batches)
 
     def rank_windows(self, plan: ResidentPlan) -> int:
         return int(plan.offsets[-1])
