@@ -447,7 +447,7 @@ def test_conversion_into_a_bucket_equals_a_local_one_on_both_sides_of_64_mb(
     expected = _store_objects(local)
     for store in (birdzarr.open_store(f"{url}-cli.zarr", storage_options=options), from_bucket):
         processes = store.meta["report"].get("worker_processes")
-        assert processes == (2 if shuffle and size == "over" else None)
+        assert processes == (2 if size == "over" else None)  # one engine: CSV tasks too
         assert store.meta["devices"] == local.meta["devices"] and len(store) == len(local) > 200
         assert np.array_equal(bits(store.windows[:]), bits(local.windows[:]))
         for name in ("labels", "timestamps", "window_devices"):

@@ -59,6 +59,8 @@ def counted(blocks: Iterator[WindowBlock], bar: Any) -> Iterator[WindowBlock]:
 def count_on_bar(bar: Any, windows: int, window_bytes: int = 320) -> None:
     """Windows done, on the progress bar: windows/s as its rate, MB/s of float32 windows beside."""
     bar.update(windows)
+    if getattr(bar, "disable", False):  # --quiet: no rate to show (format_dict is per block)
+        return
     elapsed = bar.format_dict.get("elapsed", 0) if hasattr(bar, "format_dict") else 0
     if elapsed:
         bar.set_postfix_str(f"{bar.n * window_bytes / elapsed / 1e6:.0f} MB/s", refresh=False)
