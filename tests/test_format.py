@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from birdzarr import FormatVersionError, NotAStoreError
+from birdzarr.format import _v2
 from birdzarr.format._spec import (
     FORMAT_VERSION,
     TIMESTAMP_UNKNOWN,
@@ -125,7 +126,8 @@ def test_array_attributes_name_units() -> None:
 
 def test_a_written_store_spells_dimension_names_and_units(small_store, small_store_v1) -> None:  # type: ignore[no-untyped-def]
     """What docs/format.md's Arrays table says, read from the arrays' zarr.json: the default store
-    (format 2, attributes on device, timestamp and label only) and format 1's (gimu's units)."""
+    (format 2: device, timestamp and label as format 1's, the others from _v2.ATTRIBUTES) and
+    format 1's (gimu's units)."""
     import json
 
     def meta(store, name):  # type: ignore[no-untyped-def]
@@ -146,7 +148,7 @@ def test_a_written_store_spells_dimension_names_and_units(small_store, small_sto
         got = meta(small_store, name)
         assert (got["dimension_names"], got["data_type"], got["fill_value"]) == (dims, dtype, fill), name
         described = name in ("device", "timestamp", "label")
-        assert got["attributes"] == (array_attributes(name) if described else {}), name
+        assert got["attributes"] == (array_attributes(name) if described else _v2.ATTRIBUTES[name]), name
     assert small_store.format_version == FORMAT_VERSION == 2
     for name, dims in (("gimu", ["window", "sample", "channel"]), ("device", ["window"]),
                        ("timestamp", ["window"]), ("label", ["window"])):

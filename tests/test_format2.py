@@ -4,6 +4,7 @@ stores written with core Zarr v3 codecs only, read by TensorStore and by zarr-py
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -298,3 +299,50 @@ def test_zarr_without_birdzarr_reads_the_store_and_the_documented_lines_decode_i
         f"np.save({str(out)!r}, windows)",
     ])
     assert_exact(np.load(out), windows[100:])
+
+
+# Each array's attributes, exactly as docs/format.md (Arrays) spells them.
+ARRAY_ATTRIBUTES = {
+    "gimu_codes": {"long_name": "imu_x, imu_y, imu_z of each window, as codes into dict_values",
+                   "channels": ["imu_x", "imu_y", "imu_z"], "units": ["g", "g", "g"]},
+    "gps_speed": {"long_name": "gps_speed of each window", "units": "m/s divided by gps_scale"},
+    "gimu_row": {"long_name": "the dictionary row of each window"},
+    "dict_values": {"long_name": "dictionary entries: imu_x, imu_y, imu_z values", "units": "g"},
+    "dict_start": {"long_name": "first dict_values entry of row r, channel c",
+                   "channels": ["imu_x", "imu_y", "imu_z"]},
+    "dict_device": {"long_name": "device (tracker) id whose windows the row codes"},
+    "device": {"long_name": "device (tracker) id"},
+    "timestamp": {"long_name": "burst start, UTC (INT64_MIN = unknown)",
+                  "units": "seconds since 1970-01-01T00:00:00Z"},
+    "label": {"long_name": "behaviour label (-1 = unlabelled)"},
+}
+
+
+@pytest.mark.parametrize("shuffle", [False, True], ids=["device", "shuffled"])
+def test_a_converted_store_names_each_array_and_its_units(
+    parquet_source: tuple[Path, dict[int, np.ndarray]], tmp_path: Path, shuffle: bool,
+) -> None:
+    """What each array holds and its units, as plain zarr-python reads them from a default store of
+    each order: the codes in the units of the values they decode to (g), gps_speed in m/s divided by
+    gps_scale (version 1 gave its gimu array the same units, one per channel)."""
+    import zarr
+
+    import birdzarr
+
+    directory, _ = parquet_source
+    birdzarr.convert(directory, tmp_path / "s.zarr", shuffle=shuffle, seed=0 if shuffle else None,
+                     progress=False)
+    for name, expected in ARRAY_ATTRIBUTES.items():
+        got = zarr.open_array(str(tmp_path / "s.zarr" / name), mode="r", zarr_format=3).attrs
+        assert dict(got) == expected, name
+
+
+def test_docs_format_spells_each_arrays_attributes() -> None:
+    """docs/format.md's attributes table is the one the tests above and the writers use."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "format.md").read_text()
+    section = text[text.index("- Array attributes"):text.index("## Decoding the windows")]
+    table = {found[1]: json.loads(found[2])
+             for found in re.finditer(r"^\| `(\w+)` \| `(\{.*\})`", section, re.MULTILINE)}
+    assert table == ARRAY_ATTRIBUTES
+    assert {name: _v2.ATTRIBUTES[name] for name in _v2.ARRAYS} == {
+        name: ARRAY_ATTRIBUTES[name] for name in _v2.ARRAYS}

@@ -123,6 +123,10 @@ def test_xarray_opens_the_store(
     # and the unknown value (INT64_MIN, all of a Parquet store) becomes NaT.
     assert ds["timestamp"].dtype.kind == "M" and np.all(np.isnat(ds["timestamp"][:n].values))
     timed = xr.open_zarr(csv_store.location.path, zarr_format=3, consolidated=False)
+    # a format-2 store's coded arrays carry the units of the values they decode to
+    assert timed["gimu_codes"].attrs["units"] == ["g", "g", "g"]
+    assert timed["gps_speed"].attrs["units"] == "m/s divided by gps_scale"
+    assert timed["dict_values"].attrs["units"] == "g"
     assert np.array_equal(timed["timestamp"].values, csv_store.timestamps[:].astype("datetime64[s]"))
 
 

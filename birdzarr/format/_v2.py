@@ -134,6 +134,7 @@ where transpose + blosc lz4 float32 decodes at 0.32x: the open question for 100K
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -572,28 +573,44 @@ DEFAULT_CHUNK_WINDOWS = 8192
 VALUE_CHUNK = 2**20  # dictionary entries a chunk (4 MiB of float32)
 ROW_CHUNK = 2**16  # dictionary rows a chunk
 
+# Each array's zarr.json attributes (informative, as version 1's: docs/format.md spells them).
+# The codes carry the units of the values they decode to; gps_speed's are version 1's fourth.
+ATTRIBUTES: dict[str, dict[str, Any]] = {
+    CODES: {"long_name": "imu_x, imu_y, imu_z of each window, as codes into dict_values",
+            "channels": ["imu_x", "imu_y", "imu_z"], "units": ["g", "g", "g"]},
+    GPS: {"long_name": "gps_speed of each window", "units": "m/s divided by gps_scale"},
+    ROW: {"long_name": "the dictionary row of each window"},
+    VALUES: {"long_name": "dictionary entries: imu_x, imu_y, imu_z values", "units": "g"},
+    START: {"long_name": "first dict_values entry of row r, channel c",
+            "channels": ["imu_x", "imu_y", "imu_z"]},
+    DEVICE: {"long_name": "device (tracker) id whose windows the row codes"},
+}
+
 
 def array_metadata(n_windows: int, n_values: int, n_rows: int, *, chunk_windows: int = DEFAULT_CHUNK_WINDOWS
                    ) -> dict[str, dict[str, Any]]:
     """The zarr.json document of each array (by name) for the given lengths."""
 
     def meta(shape: tuple[int, ...], chunks: tuple[int, ...], dtype: str, fill: Any, dims: list[str],
-             codecs: list[dict[str, Any]]) -> dict[str, Any]:
+             codecs: list[dict[str, Any]], attributes: dict[str, Any]) -> dict[str, Any]:
         return {
             "zarr_format": 3, "node_type": "array", "shape": list(shape), "data_type": dtype,
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks)}},
             "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
-            "fill_value": fill, "codecs": codecs, "attributes": {}, "dimension_names": dims,
+            "fill_value": fill, "codecs": codecs, "attributes": copy.deepcopy(attributes),
+            "dimension_names": dims,
         }
 
     return {
         CODES: meta((n_windows, WINDOW_LENGTH, N_CODED), (chunk_windows, WINDOW_LENGTH, N_CODED),
-                    "uint16", 0, ["window", "sample", "channel"], CODECS[CODES]),
+                    "uint16", 0, ["window", "sample", "channel"], CODECS[CODES], ATTRIBUTES[CODES]),
         GPS: meta((n_windows, WINDOW_LENGTH), (chunk_windows, WINDOW_LENGTH), "float32", 0.0,
-                  ["window", "sample"], CODECS[GPS]),
-        ROW: meta((n_windows,), (chunk_windows,), "uint32", 2**32 - 1, ["window"], CODECS[ROW]),
-        VALUES: meta((n_values,), (VALUE_CHUNK,), "float32", 0.0, ["entry"], CODECS[VALUES]),
+                  ["window", "sample"], CODECS[GPS], ATTRIBUTES[GPS]),
+        ROW: meta((n_windows,), (chunk_windows,), "uint32", 2**32 - 1, ["window"], CODECS[ROW],
+                  ATTRIBUTES[ROW]),
+        VALUES: meta((n_values,), (VALUE_CHUNK,), "float32", 0.0, ["entry"], CODECS[VALUES],
+                     ATTRIBUTES[VALUES]),
         START: meta((n_rows, N_CODED), (ROW_CHUNK, N_CODED), "int64", -1, ["row", "channel"],
-                    CODECS[START]),
-        DEVICE: meta((n_rows,), (ROW_CHUNK,), "int64", -1, ["row"], CODECS[DEVICE]),
+                    CODECS[START], ATTRIBUTES[START]),
+        DEVICE: meta((n_rows,), (ROW_CHUNK,), "int64", -1, ["row"], CODECS[DEVICE], ATTRIBUTES[DEVICE]),
     }
