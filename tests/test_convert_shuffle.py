@@ -223,3 +223,67 @@ def test_each_window_is_hashed_once(
     store = birdzarr.convert(parquet_source[0], tmp_path / "s.zarr", shuffle=True, seed=1, workers=workers,
                              progress=False)  # 30,000 windows: under the worker processes' 64 MB
     assert sum(hashed) == len(store) == 30_000
+
+
+def test_a_bucket_is_freed_before_the_next_one_loads(
+    parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]], tmp_path: pathlib.Path, small_buckets: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pass 2 holds one permuted bucket at a time: when a bucket loads, nothing refers to the one
+    before (the slab writer keeps a copy of its tail, not a view of it), and a format-2 store's
+    pass 2 builds no dictionary table (its rows code the windows); the store is unchanged."""
+    import gc
+    import weakref
+
+    from birdzarr.convert import _shuffle_processes
+
+    loaded: list[weakref.ref[np.ndarray]] = []
+    alive_at_load: list[bool] = []
+    load = _shuffle.BucketLoader.load
+
+    def watched(self: _shuffle.BucketLoader, bucket: int) -> object:
+        gc.collect()
+        alive_at_load.append(any(ref() is not None for ref in loaded))
+        block = load(self, bucket)
+        loaded.append(weakref.ref(block.windows))
+        return block
+
+    tables = []
+    table = _shuffle_processes.DictionaryTable
+
+    def counted(*args: object) -> object:
+        tables.append(1)
+        return table(*args)
+
+    monkeypatch.setattr(_shuffle.BucketLoader, "load", watched)
+    monkeypatch.setattr(_shuffle_processes, "DictionaryTable", counted)
+    directory, _ = parquet_source
+    watched_store = birdzarr.convert(directory, tmp_path / "a.zarr", shuffle=True, seed=3, workers=1,
+                                     chunk_windows=1024, progress=False)
+    assert len(alive_at_load) > 3 and not any(alive_at_load)
+    assert tables == []
+    monkeypatch.setattr(_shuffle.BucketLoader, "load", load)  # the same buckets, unwatched
+    plain = birdzarr.convert(directory, tmp_path / "b.zarr", shuffle=True, seed=3, workers=1,
+                             chunk_windows=1024, progress=False)
+    for name in ("gimu_codes", "gps_speed", "gimu_row", "device", "timestamp", "label", "dict_values"):
+        assert np.array_equal(watched_store.group[name][:], plain.group[name][:]), name  # type: ignore[index]
+
+
+def test_pass_2_copies_only_the_windows_that_outlive_a_bucket() -> None:
+    """A bucket at windows [5, 15) of a run whose whole chunks are [8, 40), slabs of 4 from 8:
+    [5, 8) (a chunk shared with the run before) and [12, 15) (past the last slab boundary, kept
+    by the slab writer) are copies; [8, 12), written as the bucket is added, stays a view."""
+    from birdzarr.convert._blocks import WindowBlock
+    from birdzarr.convert._shuffle_processes import _pieces
+    from birdzarr.format._spec import DeviceReport
+
+    n = 10
+    windows = np.arange(n * 80, dtype=np.float32).reshape(n, 20, 4)
+    block = WindowBlock(windows, np.arange(n, dtype=np.int64), np.zeros(n, np.int32), DeviceReport(),
+                        np.arange(n, dtype=np.int32))
+    pieces = list(_pieces(block, 5, (8, 40), 4))
+    assert [(at, len(piece)) for at, piece in pieces] == [(5, 3), (8, 4), (12, 3)]
+    assert [np.shares_memory(piece.windows, windows) for _, piece in pieces] == [False, True, False]
+    assert not np.shares_memory(pieces[2][1].devices, block.devices)  # type: ignore[arg-type]
+    assert np.array_equal(np.concatenate([piece.windows for _, piece in pieces]), windows)
+    assert np.array_equal(np.concatenate([piece.timestamps for _, piece in pieces]), block.timestamps)

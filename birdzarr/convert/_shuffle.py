@@ -48,7 +48,7 @@ from birdzarr.format._spec import (
     DeviceReport,
 )
 
-BUCKET_WINDOWS = 131_072  # target windows per bucket (pass 2 holds about two: docs/conversion.md)
+BUCKET_WINDOWS = 131_072  # target windows per bucket (pass 2 holds one at a time: docs/conversion.md)
 MAX_BUCKETS = 512  # open files in pass 1
 # Blocks (or device ends) pass 1 has queued per worker while their values are being found
 FINDING_PER_WORKER = 2
@@ -306,20 +306,24 @@ class BucketLoader:
     values. They are then permuted into new arrays (the writer keeps them until they are
     written). Loads are independent: any bucket, in any order, on any thread."""
 
-    def __init__(self, spill: SpillFiles, table: DictionaryTable, dictionaries: dict[int, list[np.ndarray]],
-                 *, seed: int, coded: bool, chunk_windows: int, slots: int = 1) -> None:
+    def __init__(self, spill: SpillFiles, table: DictionaryTable | None,
+                 dictionaries: dict[int, list[np.ndarray]], *, seed: int, coded: bool, chunk_windows: int,
+                 slots: int = 1) -> None:
         self.spill, self.seed = spill, seed
         self.chunk_windows = chunk_windows
         # the store position of each bucket's first window (a shuffled store is written from 0)
         self.starts = np.concatenate(([0], np.cumsum(spill.windows)[:-1])).astype(np.int64)
         # per device and channel, a code of pass 1 (order first seen) -> its code in the table
-        # (a gdict16 store) or its value's bit pattern (any other)
+        # (a gdict16 store) or its value's bit pattern (any other: no table needed)
+        if coded and table is None:
+            raise ValueError("a gdict16 store's pass 2 needs the dictionary table")
         self.lookups = {
-            d: [table.codes_of(d, c, known[c]) if coded else known[c] for c in range(N_CHANNELS)]
+            d: [table.codes_of(d, c, known[c]) if table is not None and coded else known[c]
+                for c in range(N_CHANNELS)]
             for d, known in dictionaries.items()
         }
         largest = int(spill.windows.max(initial=0))
-        code_dtype = table.code_dtype if coded else None
+        code_dtype = table.code_dtype if table is not None and coded else None
         self._free: queue.SimpleQueue[_Scratch] = queue.SimpleQueue()
         for _ in range(max(1, min(slots, len(spill.windows)))):
             self._free.put(_Scratch(largest, code_dtype))

@@ -33,8 +33,11 @@ number: pass 2 is then one run, whose task hands back the rows it opened.
 
 The store is byte-identical on every engine. Memory: each pass-1 task holds at
 most ``PASS1_BUFFER_WINDOWS / width`` windows waiting to be spilled (so all together as one
-task's) and one block; each pass-2 worker thread the dictionaries, one bucket's buffers (176
-bytes a window as codes) and one slab (``SLAB_WINDOWS``); this process the dictionaries. A
+task's) and one block; each pass-2 worker thread the dictionaries (and, for a gdict16 store
+only, their ``DictionaryTable``), one bucket's buffers (176 bytes a window as codes), one
+permuted bucket (the one before is freed as the next loads: the windows of it that the slab
+writer still holds are copies, ``_pieces``) and one slab (``SLAB_WINDOWS``); this process the
+dictionaries. A
 worker process keeps the last conversion's pass-2 state (the dictionaries and one bucket's
 buffers per thread) until it runs the next conversion's; threads of this process end with
 their engine, and this thread (one worker) drops it when the conversion ends.
@@ -189,7 +192,7 @@ class _Pass2:
 
     plan_path: str
     loader: BucketLoader
-    table: DictionaryTable
+    table: DictionaryTable | None  # gdict16 only: format 2 codes with the rows, not the table
     coded: bool
     coder: RowCoder | None
     dest: Location
@@ -212,8 +215,8 @@ def _pass2(plan_path: str, dest_url: str, dest_options: dict[str, Any]) -> _Pass
         _LOCAL.state = None  # the previous conversion's buffers go first
         with open(plan_path, "rb") as handle:
             plan: Pass2Plan = pickle.load(handle)
-        table = DictionaryTable({d: [np.sort(k) for k in known] for d, known in plan.dictionaries.items()},
-                                N_CHANNELS)
+        table = (DictionaryTable({d: [np.sort(k) for k in known] for d, known in plan.dictionaries.items()},
+                                 N_CHANNELS) if plan.coded else None)
         loader = BucketLoader(plan.spill, table, plan.dictionaries, seed=plan.seed, coded=plan.coded,
                               chunk_windows=plan.chunk_windows)
         dest = resolve(dest_url, dest_options)
@@ -230,7 +233,7 @@ def write_shared_chunk(plan_path: str, dest_url: str, dest_options: dict[str, An
     only gathers windows: encoding is most of a chunk's cost)."""
     state = _pass2(plan_path, dest_url, dest_options)
     sink = ChunkSink(state.dest, state.arrays, workers=1)
-    sink.code_encoder = state.table.encode if state.coded else None
+    sink.code_encoder = state.table.encode if state.table is not None and state.coded else None
     sink.write(start, stop, data)
 
 
@@ -270,15 +273,14 @@ def write_bucket_run(plan_path: str, dest_url: str, dest_options: dict[str, Any]
     first = whole_chunks(start, stop, int(state.arrays[DEVICE].chunks[0]))[0]
     slabs = SlabWriter(state.dest, state.arrays, start=first, workers=1, in_flight=0,
                        coder=state.coder)
-    if state.coded:
+    if state.table is not None and state.coded:
         slabs.sink.code_encoder = state.table.encode
     router = ChunkRouter(start, stop, slabs)
     try:
         for bucket in buckets:
-            block = state.loader.load(bucket)
-            router.add(-1, block, int(starts[bucket]))  # the block carries each window's device
+            n = _route(router, state.loader.load(bucket), int(starts[bucket]), slabs.slab_windows)
             if progress is not None:
-                progress(len(block))
+                progress(n)
         slabs.drain()
     finally:
         slabs.close()
@@ -289,6 +291,42 @@ def write_bucket_run(plan_path: str, dest_url: str, dest_options: dict[str, Any]
         state.coder = None  # this plan's coder has coded its one run: never again
         _LOCAL.state = None
     return SegmentResult([], {}, router.shared(), rows)
+
+
+def _route(router: ChunkRouter, block: WindowBlock, position: int, slab_windows: int) -> int:
+    """Send a loaded bucket to the router (``_pieces``); its windows. Nothing here refers to
+    the bucket once this returns, so the next bucket loads without it."""
+    for at, piece in _pieces(block, position, router.whole, slab_windows):
+        router.add(-1, piece, at)  # the block carries each window's device
+    return len(block)
+
+
+def _pieces(block: WindowBlock, position: int, whole: tuple[int, int],
+            slab_windows: int) -> Iterator[tuple[int, WindowBlock]]:
+    """A loaded bucket at store ``position``, cut so that only views of whole slabs stay views:
+    the windows that outlive it (past the last slab boundary, which the slab writer keeps until
+    the next bucket fills the slab, and those of chunks shared with other runs) are copies, so
+    the bucket is freed before the next one loads. Slabs start at ``whole[0]``, every
+    ``slab_windows``; a different cut only costs memory (the store is the same)."""
+    end = position + len(block)
+    inside = (max(position, whole[0]), min(end, whole[1]))
+    full = whole[0] + (inside[1] - whole[0]) // slab_windows * slab_windows  # the last boundary
+    cuts = sorted({position, end, *(c for c in (*inside, full) if position < c < end)})
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        part = block.part(a - position, b - position)
+        yield a, (part if inside[0] <= a and b <= min(full, inside[1]) else _copied(part))
+
+
+def _copied(block: WindowBlock) -> WindowBlock:
+    """``block`` with its own arrays (not views of a larger block); a placeholder ``windows``
+    (broadcast, of a block written from its codes) stays one."""
+    def own(a: np.ndarray | None) -> np.ndarray | None:
+        return None if a is None else a.copy()
+
+    windows = block.windows if 0 in block.windows.strides else block.windows.copy()
+    coded = None if block.coded is None else (block.coded[0].copy(), block.coded[1].copy())
+    return WindowBlock(windows, block.timestamps.copy(), block.labels.copy(), block.report,
+                       own(block.devices), own(block.codes), coded)
 
 
 def _rows_after(rows: _v2.Dictionaries, seeded: int) -> _v2.Dictionaries:
