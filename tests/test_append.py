@@ -63,6 +63,7 @@ def _csv_tails(dest: pathlib.Path) -> dict:
     return table["attributes"]["birdzarr"]["csv_tails"]
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_append_adds_devices_and_parts_at_the_end(
     csv_parts: dict[str, pathlib.Path], tmp_path: pathlib.Path
 ) -> None:
@@ -105,6 +106,7 @@ def test_append_adds_devices_and_parts_at_the_end(
     assert verify(dest, source=csv_parts["all"]).ok
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_append_is_idempotent(csv_parts: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
     dest = tmp_path / "s.zarr"
     birdzarr.convert(csv_parts["base"], dest, chunk_windows=CHUNK, progress=False)
@@ -151,6 +153,7 @@ def test_append_refuses_what_it_cannot_do_cleanly(
         append(shuffled, csv_parts["more"], progress=False)
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_readers_during_an_append_see_one_committed_snapshot(
     csv_parts: dict[str, pathlib.Path], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -255,6 +258,7 @@ def _rows_by_device(store: birdzarr.Store) -> dict[int, tuple[np.ndarray, ...]]:
     return found
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_append_continues_a_burst_split_between_seasons_as_one_conversion_would(
     seasons: dict[str, pathlib.Path], tmp_path: pathlib.Path
 ) -> None:

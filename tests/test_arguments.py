@@ -114,6 +114,7 @@ def test_python_refuses_a_negative_seed_or_workers_before_writing(
     assert not dest.exists()
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_append_uses_and_records_its_workers(
     parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]], tmp_path: pathlib.Path
 ) -> None:

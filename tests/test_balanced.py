@@ -55,6 +55,7 @@ def test_the_store_has_a_rare_label(rare: birdzarr.Store) -> None:
     assert np.bincount(labels).tolist() == [116, 3_273, 8_212]  # label 0: 1.0%
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_each_batch_holds_the_requested_mix(rare: birdzarr.Store) -> None:
     labels = rare.labels[:]
     ds = _balanced(rare, seed=3, with_ldt=True)

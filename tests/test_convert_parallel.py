@@ -179,6 +179,7 @@ def _parquet_devices(directory: pathlib.Path, sizes: dict[int, int], *, large: b
     return directory
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_worker_processes_count_repeated_windows_as_threads_do(tmp_path: pathlib.Path) -> None:
     windows = _synthetic.curated_windows(500, seed=1)
     for workers in (1, 2):
@@ -192,6 +193,7 @@ def test_worker_processes_count_repeated_windows_as_threads_do(tmp_path: pathlib
         assert ("segments" in store.meta["report"]) == (workers == 2)
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_fewer_segments_than_workers_read_ahead_and_encode_on_threads_of_their_own(
     tmp_path: pathlib.Path
 ) -> None:
@@ -210,6 +212,7 @@ def test_fewer_segments_than_workers_read_ahead_and_encode_on_threads_of_their_o
     assert (report["segments"], report["worker_processes"]) == (2, 2)
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_a_bad_row_in_a_worker_process_fails_the_conversion_cleanly(tmp_path: pathlib.Path) -> None:
     src = _parquet_devices(tmp_path / "src", {1: 400, 3: 400}, large=True)
     windows = _synthetic.curated_windows(400, seed=2)
@@ -221,6 +224,7 @@ def test_a_bad_row_in_a_worker_process_fails_the_conversion_cleanly(tmp_path: pa
     assert not dest.exists()
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_input_that_changes_under_the_worker_processes_is_refused(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -332,6 +336,7 @@ def test_usable_cpus_follows_affinity_and_quota(monkeypatch: pytest.MonkeyPatch)
         _cpus.resolve_workers(-1)
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_shuffled_store_is_byte_identical_and_uses_device_dictionaries(
     parquet_dir_48mb: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:

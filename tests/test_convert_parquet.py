@@ -146,6 +146,7 @@ def test_worker_count_does_not_change_the_store(
 
 
 @VERSIONS
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_fast_write_path_matches_zarr(
     parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]], tmp_path: pathlib.Path, version: int | None
 ) -> None:

@@ -52,6 +52,7 @@ def test_a_missing_committed_chunk_is_not_copied_as_verified(
     assert str(caught.value) == expected
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_a_changed_chunk_is_refused_and_not_written(
     store_copy: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str],
     small_store: birdzarr.Store,

@@ -343,6 +343,7 @@ def test_a_store_the_converter_writes_in_format_2_reads_as_its_format_1_twin(
                  small_store_v1.windows[np.arange(29_999, 0, -97)])
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_arrays_another_writer_coded_otherwise_are_read_through_zarr(v2_pair: Pair, tmp_path: Path) -> None:
     """A format-2 store whose arrays use other core chains (here zstd without blosc, and codes
     without the transpose) reads the same: chains birdzarr does not write go through zarr-python."""

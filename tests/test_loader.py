@@ -294,6 +294,7 @@ def _all_indices(ds: birdzarr.WindowDataset) -> np.ndarray:
     return np.concatenate(_epoch_indices(ds))
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_device_filters_and_splits_are_disjoint_and_complete(small_store: birdzarr.Store) -> None:
     window_devices = small_store.window_devices[:]
     ids = sorted(small_store.devices["device_id"].tolist())
@@ -672,6 +673,7 @@ def _plan_members(
     [(100_000, 1, 2, 1.7, 1.15), (600_000, 1, 2, 1.1, 1.1), (600_000, 2, 2, 2.2, 1.1),
      (2_500_000, 1, 2, 1.4, 1.1), (2_500_000, 2, 2, 1.8, 1.1), (2_500_000, 1, 15, 4.0, 1.25)],
 )
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_default_pools_are_balanced_and_mix_well_at_any_size(
     windows: int, world: int, workers: int, most_cooccurrence: float, most_share: float
 ) -> None:

@@ -46,6 +46,7 @@ def test_a_refused_epoch_leaves_the_epoch_as_it_was(small_store: birdzarr.Store)
     assert ds.epoch == 3  # unchanged by a refused value
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_a_state_of_other_windows_is_refused_by_name(
     small_store: birdzarr.Store, parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]],
     tmp_path: pathlib.Path,

@@ -115,6 +115,7 @@ def _held_bytes(url: str, devices: set[int] | None, n: int, *, gps_once: bool = 
 
 
 @pytest.mark.parametrize("order", ["device", "shuffled"])
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_resident_cpu_holds_the_codes_and_gives_the_version1_batches(
     stores: dict[str, tuple[str, str]], order: str
 ) -> None:

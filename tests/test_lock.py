@@ -88,6 +88,7 @@ def test_a_refused_first_conversion_leaves_the_lock_and_destination_alone(
     assert sorted(p.name for p in dest.iterdir()) == [LOCK_NAME]
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_stale_and_torn_locks_are_taken_over(source: pathlib.Path, tmp_path: pathlib.Path) -> None:
     dest = tmp_path / "s.zarr"
     _write_lock(dest, pid=_dead_pid())

@@ -306,6 +306,7 @@ def test_copy_up_to_and_down_from_s3_and_repair_there(
 # -- repair ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_repair_rebuilds_damaged_per_window_chunks_from_the_source(
     v2: pathlib.Path, v2_store: pathlib.Path, parquet_source: tuple[pathlib.Path, dict],
     capsys: pytest.CaptureFixture[str],
@@ -441,6 +442,7 @@ def _two_row_store(small_store: birdzarr.Store, path: pathlib.Path, split: int) 
     (path / "zarr.json").write_text(json.dumps(root))
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_repair_chooses_the_first_row_of_the_device_holding_all_values(
     small_store_v1: birdzarr.Store, tmp_path: pathlib.Path, parquet_source: tuple[pathlib.Path, dict]
 ) -> None:
@@ -593,6 +595,7 @@ def csv_source(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return directory
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_repair_rebuilds_device_timestamp_and_label_chunks_of_a_device_ordered_store(
     csv_source: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
@@ -612,6 +615,7 @@ def test_repair_rebuilds_device_timestamp_and_label_chunks_of_a_device_ordered_s
     assert _objects(path) == written
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_repair_of_a_shuffled_csv_store_places_windows_by_time_and_label(
     csv_source: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:

@@ -122,6 +122,7 @@ def test_partition_files_in_worker_processes(
     assert_same_windows_store(tmp_path / "one.zarr", tmp_path / "parts.zarr")
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_shuffled_partition_store_holds_the_per_device_windows(
     layouts: dict[str, pathlib.Path], tmp_path: pathlib.Path
 ) -> None:
@@ -270,6 +271,7 @@ def test_several_sources_refuse_a_device_twice(tmp_path: pathlib.Path) -> None:
         birdzarr.convert([], tmp_path / "s.zarr", progress=False)
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_partition_files_across_sources(layouts: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
     seasons = [tmp_path / "s1", tmp_path / "s2"]
     for season in seasons:
@@ -309,6 +311,7 @@ def test_a_hive_folder_file_saying_another_device_is_refused(tmp_path: pathlib.P
         birdzarr.convert(tmp_path / "src", tmp_path / "s.zarr", progress=False)
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_partition_files_verify_and_append(layouts: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
     whole = birdzarr.convert(layouts["partitions"], tmp_path / "whole.zarr", chunk_windows=256,
                              progress=False)

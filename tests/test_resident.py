@@ -268,6 +268,7 @@ def _ahead(ds: birdzarr.WindowDataset) -> tuple[int, int, int]:
     return ahead.prepared, ahead.taken, ahead.discarded
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_the_next_epochs_plan_is_drawn_ahead_in_process(small_store: birdzarr.Store) -> None:
     """Iterated in this process: once an epoch's first batch is out, the next epoch's plan is
     being drawn; that epoch takes it (exactly the batches of a plan drawn directly); a set_epoch

@@ -4,6 +4,7 @@ Exact round trips, the same rows whatever the blocks, the overflow and append ru
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from birdzarr.format import _v2
 from birdzarr.format._rows import RowCoder
@@ -45,6 +46,7 @@ def test_rows_round_trip_and_do_not_depend_on_the_blocks() -> None:
     assert codes1[0, 0].tolist() == [0, 0, 0]
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_a_row_that_would_pass_65535_entries_closes_at_the_exact_window() -> None:
     rng = np.random.default_rng(0)
     windows = calibrated(5000, seed=4)
@@ -167,6 +169,7 @@ def assert_same_coders(a: RowCoder, b: RowCoder) -> None:
     assert all(a._open_row(d).number == b._open_row(d).number for d in a._open)  # type: ignore[union-attr]
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_many_devices_coded_at_once_equal_the_device_by_device_coding() -> None:
     """code_runs (a slab of many devices' blocks in one call) gives the codes, rows, row numbers
     and entries of coding each run on its own, wherever the slabs are cut: small devices with

@@ -155,6 +155,7 @@ def _objects(location: Location) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("where", ["local", "memory",
                                    pytest.param("s3", marks=[pytest.mark.s3, pytest.mark.slow])])
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_an_overwrite_with_bad_input_keeps_the_old_store(
     where: str, parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]], tmp_path: pathlib.Path,
     request: pytest.FixtureRequest,
@@ -449,6 +450,7 @@ def test_writer_leaving_on_an_error_writes_no_buffered_windows(
 # -- 7. one line instead of a traceback -------------------------------------------------------------
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_cli_errors_are_one_line_with_exit_2(
     csv_source: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,

@@ -436,6 +436,7 @@ def test_a_label_aware_transform_on_the_device_gather(labelled: dict[str, birdza
 
 
 @pytest.mark.parametrize("reuse", [True, False])
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_a_label_aware_transform_in_dataloader_workers(
     labelled: dict[str, birdzarr.Store], reuse: bool
 ) -> None:

@@ -96,6 +96,7 @@ def test_transient_errors_are_retried_and_answers_are_not() -> None:
         with_retries(Path("/nonexistent/birdzarr").read_bytes, RetryPolicy(attempts=5, base_delay=10))
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_memory_url_round_trip_and_copy(
     parquet_source: Any, small_store: birdzarr.Store, tmp_path: Path
 ) -> None:

@@ -285,6 +285,7 @@ def test_entries_skipped_at_conversion_are_skipped_again_and_only_those(tmp_path
         "'later.txt'. Remove or rename it, or point --source at the converted files only.")
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_a_shuffled_csv_store_verifies_against_its_source_and_finds_a_changed_window(
     tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -312,6 +313,7 @@ def test_a_shuffled_csv_store_verifies_against_its_source_and_finds_a_changed_wi
     assert "FAILED" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_verify_takes_the_several_sources_convert_and_append_took(tmp_path: pathlib.Path) -> None:
     """A store converted from season 1 and appended season 2 verifies against both sources at
     once (``--source s1 s2``, Python ``source=[s1, s2]``), as ``convert s1 s2`` reads them; one
