@@ -204,7 +204,10 @@ class ChunkRouter:
         self.parts: dict[int, list[tuple[int, int, WindowBlock]]] = {}  # chunk -> (start, device, rows)
 
     def add(self, device_id: int, block: WindowBlock, position: int) -> None:
-        if self.slabs.format2:  # coded here, before routing: a shared chunk's windows too
+        inside = self.whole[0] <= position and position + len(block) <= self.whole[1]
+        if self.slabs.format2 and not (inside and block.devices is None and block.coded is None):
+            # coded here, before routing (a shared chunk's windows), after the blocks waiting in
+            # the slab writer; a block wholly in whole chunks waits there (SlabWriter.code_pending)
             block = self.slabs.code(device_id, block)
         end, at = position + len(block), position
         while at < end:
@@ -297,7 +300,7 @@ def convert_segment(segment: Segment, dest_url: str, dest_options: dict[str, Any
                 )
             result.summaries.append(finished)
             if coder is not None:
-                coder.close_device(device.device_id)
+                slabs.close_device(device.device_id)  # once its blocks waiting in the slab are coded
             if repeated := keys.repeated():
                 result.repeated[device.device_id] = repeated
         slabs.drain()

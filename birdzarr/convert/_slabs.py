@@ -32,6 +32,10 @@ ARRAYS_V2 = (_v2.CODES, _v2.GPS, _v2.ROW, DEVICE, TIMESTAMP, LABEL)
 # slab is encoded only once it is full, so larger slabs leave the encoders idle longer at the
 # start and end of a conversion (a --shuffle conversion with 8-chunk slabs took 1.1x as long).
 SLAB_WINDOWS = 65_536
+# Windows of blocks coded by one RowCoder.code_runs (SlabWriter.code_pending): a slab's in
+# pieces, so its temporaries (the windows copied together, 64-bit keys a value) stay ~10 MB
+# (a whole slab's at once raised a 186-device conversion's peak RSS by ~65 MB).
+CODE_BATCH = 16_384
 # Every committed chunk is written, even one equal to the fill value (an all-unlabelled label
 # chunk): readers treat a missing chunk as damage, never as fill values.
 EVERY_CHUNK: Any = {"write_empty_chunks": True}
@@ -51,7 +55,12 @@ class SlabWriter:
     memory is the bound); 0 writes each slab in the calling thread before ``add`` returns.
     ``workers``: the threads encoding one slab's chunks (``ChunkSink``).
     ``coder``: format 2 (the arrays are ``ARRAYS_V2``): codes every block that comes without codes,
-    in the order blocks are added (store order).
+    in the order blocks are added (store order). One device's blocks (``devices`` None) wait
+    uncoded in the buffer and are coded together, ``CODE_BATCH`` windows a ``RowCoder.code_runs``
+    (``code_pending``: before a slab is taken, and before any block is coded on its own), so a
+    slab of many small devices is coded without a Python pass a device; the codes and rows are
+    those of coding block after block with ``RowCoder.code``. Memory: the uncoded blocks are the
+    buffer's, at most one slab plus the last block added.
     """
 
     def __init__(self, location: Location, arrays: dict[str, Any], *, start: int,
@@ -76,6 +85,10 @@ class SlabWriter:
         # slab buffers free for reuse: at most ``in_flight + 1`` exist (being filled, in flight)
         self._free: collections.deque[dict[str, np.ndarray]] = collections.deque()
         self._coded: bool | None = None  # whether the blocks carry codes (WindowBlock.codes)
+        # format 2: the last ``_uncoded`` buffered blocks wait for ``code_pending``, and the
+        # devices in ``_closing`` are closed in the coder once they are coded
+        self._uncoded = 0
+        self._closing: set[int] = set()
 
     @property
     def end(self) -> int:
@@ -87,26 +100,62 @@ class SlabWriter:
         write every slab that is full."""
         if not len(block):
             return
-        if self.format2 and block.coded is None:
-            block = self.code(device_id, block)
+        waits = False  # format 2: the block waits uncoded for ``code_pending``
+        if self.format2:
+            waits = block.coded is None and block.devices is None and device_id not in self._closing
+            if not waits:
+                self.code_pending()  # store order: the blocks waiting before this one first
+                if block.coded is None:
+                    block = self.code(device_id, block)
         if self._coded is None:
             self._coded = block.codes is not None
         elif self._coded != (block.codes is not None):  # a slab's chunks are all codes or all floats
             raise ValueError("blocks with and without codes cannot be written by one SlabWriter")
         self._buffer.append((device_id, block))
         self._buffered += len(block)
+        if waits:
+            self._uncoded += 1
         while self._buffered >= self._slab_room():
             self._flush(self._slab_room())
 
     def code(self, device_id: int, block: WindowBlock) -> WindowBlock:
         """``block`` with its format 2 codes and rows (``WindowBlock.coded``), from this writer's
-        coder: blocks must be coded in store order."""
+        coder, after every block waiting in the buffer (blocks must be coded in store order)."""
         assert self.coder is not None
+        self.code_pending()
         if block.devices is None:
             coded = self.coder.code(device_id, block.windows)
         else:
             coded = self.coder.code_mixed(block.devices, block.windows)
         return dataclasses.replace(block, coded=coded)
+
+    def code_pending(self) -> None:
+        """Format 2: code the buffered blocks still without codes, ``CODE_BATCH`` windows of
+        blocks at a time in one ``RowCoder.code_runs`` (each block's windows are one run of its
+        device), then close the devices ``close_device`` was told of meanwhile."""
+        end = len(self._buffer)
+        at = end - self._uncoded
+        while at < end:
+            stop, n = at + 1, len(self._buffer[at][1])
+            while stop < end and n + len(self._buffer[stop][1]) <= CODE_BATCH:
+                n += len(self._buffer[stop][1])
+                stop += 1
+            self._code_blocks(at, stop)
+            at = stop
+        self._uncoded = 0
+        if self._closing:
+            assert self.coder is not None
+            self.coder.close_devices(np.fromiter(self._closing, np.int64, len(self._closing)))
+            self._closing.clear()
+
+    def close_device(self, device_id: int) -> None:
+        """Format 2: ``device_id`` has no more windows; its coder state is dropped once its
+        waiting blocks are coded (``RowCoder.close_device``)."""
+        assert self.coder is not None
+        if self._uncoded:
+            self._closing.add(device_id)
+        else:
+            self.coder.close_device(device_id)
 
     def reserve(self, n: int) -> None:
         """Windows ``[end, end + n)`` are written by others (Dask tasks): grow the arrays to hold
@@ -125,6 +174,8 @@ class SlabWriter:
         """Leaving on an error: write nothing more, only let slabs in flight finish."""
         self._buffer.clear()
         self._buffered = 0
+        self._uncoded = 0
+        self._closing.clear()
         for pending in self._pending:
             pending.cancel()
             with contextlib.suppress(BaseException):  # the original error is the one to raise
@@ -154,8 +205,27 @@ class SlabWriter:
                 for name, array in self.arrays.items()
             }
 
+    def _code_blocks(self, start: int, stop: int) -> None:
+        """Code the buffered blocks ``[start, stop)``: one ``RowCoder.code_runs``, or ``code``
+        for one block (a large device's: the same codes and rows, without a copy)."""
+        assert self.coder is not None
+        waiting = self._buffer[start:stop]
+        if len(waiting) == 1:
+            device_id, block = waiting[0]
+            self._buffer[start] = (device_id, dataclasses.replace(
+                block, coded=self.coder.code(device_id, block.windows)))
+            return
+        devices = np.repeat(np.array([d for d, _ in waiting], np.int64), [len(b) for _, b in waiting])
+        codes, rows = self.coder.code_runs(devices, np.concatenate([b.windows for _, b in waiting]))
+        at = 0
+        for i, (device_id, block) in enumerate(waiting, start=start):
+            end = at + len(block)
+            self._buffer[i] = (device_id, dataclasses.replace(block, coded=(codes[at:end], rows[at:end])))
+            at = end
+
     def _take(self, n: int) -> dict[str, np.ndarray]:
         """Remove the first ``n`` buffered windows into slab buffers (their first ``n`` rows)."""
+        self.code_pending()
         buffers = self._slab_buffers()
         at = 0
         while at < n:

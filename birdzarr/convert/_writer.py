@@ -165,7 +165,7 @@ class Writer:
             summary.add(block)
             self.slabs.add(device_id, block)
         if self.coder is not None:
-            self.coder.close_device(device_id)
+            self.slabs.close_device(device_id)  # once its blocks waiting in the slab are coded
         return summary.finish()
 
     def add_rows(self, rows: _v2.Dictionaries) -> None:
