@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import pathlib
 import re
+import tempfile
 import warnings
 from typing import Any
 
@@ -98,8 +99,13 @@ def test_repair_returns_a_repair_result() -> None:
 # -- one rendering method -------------------------------------------------------------------------
 
 def test_every_result_renders_with_format_and_str(
-    small_store: birdzarr.Store, store_copy: pathlib.Path, tmp_path: pathlib.Path
+    small_store: birdzarr.Store, store_copy: pathlib.Path, tmp_path: pathlib.Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # repair also names spill directories of --shuffle conversions in the temporary directory:
+    # an empty one here, so a conversion running elsewhere on the machine cannot add a note
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     verified = birdzarr.verify(small_store, progress=False)
     repaired = birdzarr.repair(store_copy)
     copied = birdzarr.copy(small_store.url, tmp_path / "c.zarr", progress=False)
