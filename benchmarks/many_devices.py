@@ -13,9 +13,9 @@ alone, after the imports), ``info``, ``verify``, ``verify_source`` (``verify --s
 ``verify_shuffled`` (``verify`` of the shuffled store), ``device_all`` (``Store.device(id)`` for
 every device, after opening) and ``summary`` (``repr`` and the HTML summary of an opened store);
 ``code_devices`` and ``code_slabs`` time format 2's row coder alone on the source's windows (read
-first, not timed): ``RowCoder.code`` a device at a time, as the writers call it today, and
-``RowCoder.code_runs`` on slabs of 65,536 windows of many devices (skipped where the coder has no
-``code_runs``), each device closed after its last window.
+first, not timed): ``RowCoder.code`` a device at a time (the reference), and
+``RowCoder.code_runs`` on slabs of 65,536 windows of many devices, as the writers batch it
+(skipped where the coder has no ``code_runs``), each device closed after its last window.
 Each reports its wall seconds, CPU seconds (``time.process_time``: threads included) and peak
 RSS (``VmHWM``: Linux). On a shared machine compare CPU seconds, not wall time.
 """
