@@ -31,6 +31,7 @@ def chunk_files(path: pathlib.Path) -> dict[str, bytes]:
             if p.is_file() and p.relative_to(path) != pathlib.Path("zarr.json")}
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_many_small_devices_are_coded_as_device_by_device_on_every_path(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -69,6 +69,7 @@ def every_path(source: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest
     return v1_store.windows[:], processes
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_every_device_order_path_writes_the_same_bytes_and_the_windows_of_format_1(
     source: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -94,6 +95,7 @@ def test_every_device_order_path_writes_the_same_bytes_and_the_windows_of_format
     assert committed == {"rows": len(rows), "values": int(zarr.open_group(str(root))[_v2.VALUES].shape[0])}
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_every_shuffle_path_writes_the_same_bytes_and_the_windows_of_format_1(
     source: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -109,6 +111,7 @@ def test_every_shuffle_path_writes_the_same_bytes_and_the_windows_of_format_1(
         assert (np.diff(bits.astype(np.int64)) > 0).all()
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_a_device_past_65535_values_a_channel_splits_into_rows_on_every_path(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -135,6 +138,7 @@ def test_a_device_past_65535_values_a_channel_splits_into_rows_on_every_path(
     assert chunk_files(tmp_path / "p") == chunk_files(tmp_path / "shuffle")
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_an_append_keeps_the_committed_rows_and_a_failed_one_leaves_them(tmp_path: pathlib.Path) -> None:
     raws = _synthetic.make_csv_dir(tmp_path / "all", n_devices=3, bursts_per_device=20, parts=2, seed=4)
     assert raws

@@ -61,6 +61,7 @@ def truth_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, d
 
 
 @VERSIONS
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_parquet_round_trip_is_bit_exact(
     truth_dir: tuple[pathlib.Path, dict[int, np.ndarray]], tmp_path: pathlib.Path, version: int | None
 ) -> None:

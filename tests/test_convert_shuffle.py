@@ -129,6 +129,7 @@ def test_shuffle_csv_counts_and_cli(
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("birdzarr-shuffle-")] == []  # tmp removed
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_layout_defaults_of_each_order(parquet_source, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A shuffled store defaults to 32,768-window chunks, a device-ordered one to 8192-window chunks
     (docs/format.md), and the layout records them; in format 1 the shuffled store's codec is
@@ -225,6 +226,7 @@ def test_each_window_is_hashed_once(
     assert sum(hashed) == len(store) == 30_000
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_a_bucket_is_freed_before_the_next_one_loads(
     parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]], tmp_path: pathlib.Path, small_buckets: None,
     monkeypatch: pytest.MonkeyPatch,

@@ -248,6 +248,7 @@ def test_copy_of_a_format2_store_copies_every_array(v2_store: pathlib.Path, tmp_
     assert verify(dest).ok
 
 
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_copy_of_a_format2_store_resumes_over_its_partial_copy(v2_store: pathlib.Path, tmp_path: pathlib.Path
                                                                ) -> None:
     dest = tmp_path / "dest.zarr"
