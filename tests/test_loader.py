@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 import birdzarr
+from birdzarr import ArgumentError
 
 
 def _dataset(store: birdzarr.Store, **options: object) -> birdzarr.WindowDataset:
@@ -397,6 +398,22 @@ def test_local_chunk_cache_serves_the_second_epoch(small_store: birdzarr.Store, 
 
 
 @pytest.mark.slow
+def test_batches_of_one_window_over_ranks_of_unequal_windows_are_refused() -> None:
+    """5 windows over 2 ranks in batches of 1: equal batch counts would give rank 1 an empty
+    batch (sizes [1, 0, 1] before); refused in one line, and drop_last works."""
+    from birdzarr.loader._sampling import plan_epoch
+
+    message = (r"^5 windows cannot be split over 2 ranks in equal numbers of batches of 1 window; "
+               r"use drop_last=True or a batch_size above 1$")
+    with pytest.raises(ArgumentError, match=message):
+        plan_epoch(np.array([0, 0, 0, 5]), seed=1, epoch=0, world_size=2, rank=1, batch_size=1,
+                   drop_last=False, shuffle=True, pool_chunks=1, num_workers=3)
+    for rank in range(2):
+        plan = plan_epoch(np.array([0, 0, 0, 5]), seed=1, epoch=0, world_size=2, rank=rank, batch_size=1,
+                          drop_last=True, shuffle=True, pool_chunks=1, num_workers=3)
+        assert [int(s) for p in plan.pools for s in p.sizes] == [1, 1]
+
+
 @settings(max_examples=80, deadline=None)
 @given(
     world_size=st.integers(1, 4),
@@ -420,6 +437,11 @@ def test_pools_are_balanced_and_hold_every_window_once(
     chunk_counts = np.array(counts, dtype=np.int64)
     total = int(chunk_counts.sum())
     if total < world_size or (drop_last and total // world_size < batch_size):
+        return
+    if not drop_last and batch_size == 1 and total % world_size:  # no equal batches without an empty one
+        with pytest.raises(ArgumentError, match="in equal numbers of batches of 1 window"):
+            plan_epoch(chunk_counts, seed=1, epoch=epoch, world_size=world_size, rank=0, batch_size=1,
+                       drop_last=False, shuffle=True, pool_chunks=pool_chunks, num_workers=num_workers)
         return
     seen: list[tuple[int, int]] = []
     for rank in range(world_size):

@@ -77,6 +77,11 @@ def rank_window_counts(
     if per_rank.min() == 0:
         raise ArgumentError(
             f"{total} windows cannot be split over {world_size} ranks (a rank would get none)")
+    if batch_size == 1 and per_rank.min() < per_rank.max():
+        # equal batch counts would give the ranks with a window fewer an empty batch
+        raise ArgumentError(
+            f"{total} windows cannot be split over {world_size} ranks in equal numbers of batches of "
+            f"1 window; use drop_last=True or a batch_size above 1")
     return per_rank, -(-int(per_rank.max()) // batch_size)
 
 
