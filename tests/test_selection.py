@@ -278,7 +278,7 @@ def test_a_selection_costs_a_bit_per_window_and_reading_a_chunk_reads_nothing_mo
     reader = ds._local().reader
     requests = reader.requests
     for chunk in range(selection.n_chunks):
-        selection.read_mask(reader, chunk)
+        selection.chunk_mask(reader, chunk)
     assert reader.requests == requests
     # device filters of a device-ordered store: ranges, no bits, nothing read at all
     plain = _dataset(labelled["device"], devices=[e.device_id for e in labelled["device"].device_table][:2])

@@ -315,8 +315,8 @@ class ParquetDeviceReader:
     path: Location
     on_bad_rows: str = "error"
 
-    def blocks(self, row_group: int | None = None) -> Iterator[WindowBlock]:
-        """The windows of the whole file, or of one of its row groups (read on its own)."""
+    def blocks(self) -> Iterator[WindowBlock]:
+        """The windows of the whole file, row group by row group."""
         source = self.path.display
         try:
             # Local files: pyarrow's own reader, measured 1.5x less CPU than a Python file object
@@ -348,8 +348,8 @@ class ParquetDeviceReader:
             if named is None and DEVICE_COLUMN not in schema.names:
                 raise BadInputError(f"{source}: {no_device_message()}")
             extra = ignored_columns(schema)
-            note = ignored_note(source, extra) if extra and row_group in (None, 0) else None
-            groups = range(file.num_row_groups) if row_group is None else [row_group]
+            note = ignored_note(source, extra) if extra else None
+            groups = range(file.num_row_groups)
             for group in groups:
                 if named is None:
                     blocks = self._partition_group(file, group, columns, source)

@@ -244,12 +244,6 @@ class Selection:
             return _ranges_mask(self.ranges, start, stop)
         return None
 
-    def read_mask(
-        self, reader: ChunkReader | None, chunk: int, device_ids: np.ndarray | None = None
-    ) -> np.ndarray | None:
-        """``chunk_mask`` (kept for the pool loader: nothing is read any more)."""
-        return self.chunk_mask(reader, chunk, device_ids)
-
     def selected_indices(self, reader: ChunkReader | None, chunk: int) -> np.ndarray:
         """Global indices of the selected windows of one chunk, in stored order."""
         start, stop = self.chunk_span(chunk)
