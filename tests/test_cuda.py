@@ -110,3 +110,18 @@ def test_selections_and_balanced_batches_on_the_gpu(labelled: birdzarr.Store) ->
     assert (labels >= 0).all()
     _, counts = np.unique(labels, return_counts=True)
     assert counts.max() / counts.min() < 1.2, counts
+
+
+def test_full_batches_replay_one_graph_and_kept_batches_stay_intact(small_store: birdzarr.Store) -> None:
+    """Every full batch comes from one captured CUDA graph (birdzarr.loader._cuda_graph); a batch
+    kept while the next ones are gathered keeps its values (the graph's output is copied out)."""
+    ds = _on_gpu(small_store, with_ldt=True, channel_first=True, batch_size=1100)
+    kept = list(ds)
+    assert ds.resident is not None
+    graphed = ds.resident._graphs[True]
+    assert graphed.captured and not graphed.failed
+    assert len(kept[-1][0]) < 1100, "the epoch's last batch is smaller: gathered op by op"
+    for batch, (x, ldt) in enumerate(kept):
+        idx = ds.batch_indices(batch)
+        assert np.array_equal(x.cpu().numpy(), small_store.windows[idx].transpose(0, 2, 1))
+        assert np.array_equal(ldt[:, 1].cpu().numpy(), small_store.window_devices[idx])

@@ -191,6 +191,7 @@ class ResidentSelection:
         self._expand_host = None if layout is None else layout.expand()
         self._expand = None if self._expand_host is None else torch.from_numpy(self._expand_host).to(device)
         self.plans_drawn = 0  # epochs' plans drawn by this process (tests count them)
+        self._graphs: dict[bool, Any] = {}  # a CUDA device's captured gathers, by channel_first
 
     def __len__(self) -> int:
         return len(self.global_index)
@@ -414,6 +415,19 @@ class ResidentSelection:
     def gather(self, plan: ResidentPlan, batch: int, *, channel_first: bool
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         rows = plan.rows(batch)
+        if self.device.type == "cuda":  # one graph replay instead of launching each op (_cuda_graph)
+            graphed = self._graphs.get(channel_first)
+            if graphed is None:
+                from birdzarr.loader._cuda_graph import GraphedGather
+
+                graphed = self._graphs[channel_first] = GraphedGather(
+                    lambda r: self._gather_rows(r, channel_first=channel_first), self.device)
+            return graphed(rows)
+        return self._gather_rows(rows, channel_first=channel_first)
+
+    def _gather_rows(self, rows: torch.Tensor, *, channel_first: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rows' windows (and ldt), op by op, on the holding device."""
         if self.coded is not None:  # a version-2 store: the same torch ops on any device
             x = self.coded.decode(rows)
         elif self.device.type == "cpu":  # numpy's take is ~3x torch's index_select on the host
