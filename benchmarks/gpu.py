@@ -9,7 +9,8 @@ process, one after another:
 
   (r) reference: all windows already a tensor on the device, ``torch.randperm`` + gather per epoch
   (s) WindowDataset streaming from the --shuffle store, --workers DataLoader workers, pin_memory
-  (c) WindowDataset(resident=DEVICE) on the device-ordered store (format-2 codes on the device, batches replayed from one CUDA graph)
+  (c) WindowDataset(resident=DEVICE) on the device-ordered store (format-2 codes on the device;
+      full batches replayed from one CUDA graph)
 
 For each: loader-only windows/s (an epoch, batches moved to the device and synchronised), then
 windows/s training a small 1-D CNN for one epoch, the load time, peak host memory of the process
