@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 import birdzarr
 from birdzarr.demo import _synthetic
 from birdzarr.loader._balanced import LabelRows, apportion
+from tests.labelled_support import labelled_csv_store
 
 BATCH = 256  # not a multiple of 3: a third of a batch is 85.3 windows
 
@@ -20,16 +21,8 @@ BATCH = 256  # not a multiple of 3: a third of a batch is 85.3 windows
 @pytest.fixture(scope="module")
 def rare(tmp_path_factory: pytest.TempPathFactory) -> birdzarr.Store:
     """10 CSV devices, every burst labelled: label 0 about 1% of the windows, 1 about 29%, 2 the rest."""
-    root = tmp_path_factory.mktemp("rare")
-    (root / "csv").mkdir()
-    for device in _synthetic.device_ids(10).tolist():
-        raw = _synthetic.raw_device(device, 700, seed=900 + device)
-        bursts = np.flatnonzero(np.diff(raw.time, prepend=raw.time[0] - 1)).tolist() + [len(raw.time)]
-        rng = np.random.default_rng(device)
-        for start, stop in zip(bursts[:-1], bursts[1:], strict=True):
-            raw.label[start:stop] = rng.choice(3, p=[0.01, 0.29, 0.70])
-        _synthetic.write_csv(raw, root / "csv" / f"{device}_0.csv")
-    return birdzarr.convert(root / "csv", root / "rare.zarr", chunk_windows=1024, progress=False)
+    return labelled_csv_store(tmp_path_factory.mktemp("rare"), n_devices=10, n_bursts=700,
+                              shares=[0.01, 0.29, 0.70], seed=900, name="rare.zarr")
 
 
 def _balanced(store: birdzarr.Store, **options: object) -> birdzarr.WindowDataset:

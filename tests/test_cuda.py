@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import birdzarr
-from birdzarr.demo import _synthetic
+from tests.labelled_support import labelled_csv_store
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="PyTorch sees no CUDA device")
 
@@ -87,16 +87,8 @@ def test_a_resume_gives_the_rest_of_the_epoch(small_store: birdzarr.Store) -> No
 @pytest.fixture(scope="module")
 def labelled(tmp_path_factory: pytest.TempPathFactory) -> birdzarr.Store:
     """6 CSV devices with burst times, every burst labelled 0 (about 5%), 1 or 2."""
-    root = tmp_path_factory.mktemp("labelled")
-    (root / "csv").mkdir()
-    for device in _synthetic.device_ids(6).tolist():
-        raw = _synthetic.raw_device(device, 400, seed=300 + device)
-        bursts = np.flatnonzero(np.diff(raw.time, prepend=raw.time[0] - 1)).tolist() + [len(raw.time)]
-        rng = np.random.default_rng(device)
-        for start, stop in zip(bursts[:-1], bursts[1:], strict=True):
-            raw.label[start:stop] = rng.choice(3, p=[0.05, 0.35, 0.60])
-        _synthetic.write_csv(raw, root / "csv" / f"{device}_0.csv")
-    return birdzarr.convert(root / "csv", root / "labelled.zarr", chunk_windows=1024, progress=False)
+    return labelled_csv_store(tmp_path_factory.mktemp("labelled"), n_devices=6, n_bursts=400,
+                              shares=[0.05, 0.35, 0.60], seed=300, name="labelled.zarr")
 
 
 def test_selections_and_balanced_batches_on_the_gpu(labelled: birdzarr.Store) -> None:
