@@ -12,10 +12,19 @@ def _cmd_append(args: argparse.Namespace) -> int:
     from birdzarr.convert._append import append_detailed
     from birdzarr.store._summary import format_summary, summary
 
-    result = append_detailed(
-        args.store, args.source, on_bad_rows=args.on_bad_rows, workers=args.workers,
-        progress=not args.quiet, skip_unknown_files=args.skip_unknown_files,
-    )
+    client = None
+    if args.dask_scheduler:  # read and write on a Dask cluster, as convert does (docs/scaling.md)
+        from birdzarr.convert._dask import connect
+
+        client = connect(args.dask_scheduler)
+    try:
+        result = append_detailed(
+            args.store, args.source, on_bad_rows=args.on_bad_rows, workers=args.workers,
+            progress=not args.quiet, skip_unknown_files=args.skip_unknown_files, client=client,
+        )
+    finally:
+        if client is not None:
+            client.close()
     print(format_summary(summary(result.store)))
     print(result.format())
     if result.skipped_files:
@@ -51,7 +60,10 @@ def add_append(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--skip-unknown-files", action="store_true",
                    help="skip entries of SOURCE that are not input files and list them (default: error)")
     p.add_argument("--workers", type=non_negative_int, default=None,
-                   help="encoding threads (default, or 0: all usable cores)")
+                   help="processes or threads doing the work, as convert's (default, or 0: all usable "
+                        "cores)")
+    p.add_argument("--dask-scheduler", default=None, metavar="ADDRESS",
+                   help="run on a Dask cluster (tcp://host:8786), as convert does; needs birdzarr[dask]")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_append)
 

@@ -2,6 +2,14 @@
 
 The store stays readable throughout: new windows are written past the committed count, and one
 final write of the root attributes (committed count, device table, merged report) commits them.
+
+An append runs convert's tasks on convert's engine (``_engine.choose_engine``: this thread,
+threads, forked worker processes where they pay, or the Dask cluster behind ``client``), so the
+stored bytes are the same on every engine: Parquet devices as segments placed after the committed
+windows (``_segments.py``; the chunk the commit ends inside is written again, its committed
+windows with the new ones; an extended device continues its committed dictionary row, format 2,
+and its duplicate-check keys come back to be compared with its committed windows here), CSV
+devices part by part (``_pipeline.py``), written here in store order.
 A killed append leaves the previous commit in place; the next append (or ``birdzarr repair``)
 first cuts the arrays back to the committed count.
 
@@ -31,16 +39,29 @@ from birdzarr._checks import require_bool
 from birdzarr._errors import AppendError, ArgumentError, IncompleteStoreError
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._cpus import cpu_report, cpu_seconds, resolve_workers
-from birdzarr.convert._csv import CsvDeviceReader, tail_from_json, tail_to_json
+from birdzarr.convert._csv import tail_from_json, tail_to_json
 from birdzarr.convert._duplicates import DuplicateCounter
+from birdzarr.convert._engine import Engine, choose_engine, processes_pay
 from birdzarr.convert._input import split_suffix
 from birdzarr.convert._memory import arrow_pool
+from birdzarr.convert._pipeline import Hashes, write_csv_devices
+from birdzarr.convert._segments import (
+    AppendTo,
+    Continuation,
+    Segment,
+    SharedChunkPart,
+    convert_segments,
+    count_devices,
+    input_bytes,
+    plan_segments,
+)
 from birdzarr.convert._slabs import writable_arrays
 from birdzarr.convert._sources import DeviceSource, file_name, find_inputs
+from birdzarr.convert._summary import DeviceSummary
 from birdzarr.convert._writer import CSV_TAILS, Writer, _now, csv_tails_record
 from birdzarr.format import _v2
 from birdzarr.format._digest import window_hashes
-from birdzarr.format._rows import RowCoder
+from birdzarr.format._rows import RowCoder, latest_rows
 from birdzarr.format._spec import (
     GIMU,
     TIMESTAMP,
@@ -55,7 +76,7 @@ from birdzarr.store._device_table import merged
 from birdzarr.store._tail import discard_format2_leftovers, discard_uncommitted
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Iterator
+    from collections.abc import Callable, Iterable
 
     from birdzarr.convert._csv import _Rows
     from birdzarr.store._handle import Store
@@ -91,6 +112,7 @@ class AppendWriter(Writer):
         self.continued: dict[int, int] = {}  # device -> rows of a committed burst continued
         self.window_arrays: tuple[str, ...] = ()  # the store's per-window arrays
         self.committed_format2: dict[str, Any] | None = None  # format 2: the commit record appended to
+        self.committed_rows = _v2.Dictionaries.empty()  # format 2: its dictionary rows
 
     def _open(self) -> tuple[dict[str, Any], int]:
         from birdzarr.storage._root import read_root as _read_root
@@ -119,7 +141,8 @@ class AppendWriter(Writer):
         arrays = writable_arrays(group)
         if _v2.CODES in arrays:  # format 2: new windows reuse or extend the committed rows
             self.cleaned += discard_format2_leftovers(self.location, group, committed)
-            self.coder = RowCoder.appending_to(read_dictionary(group, committed_dictionary(committed, group)))
+            self.committed_rows = read_dictionary(group, committed_dictionary(committed, group))
+            self.coder = RowCoder.appending_to(self.committed_rows)
             self.committed_format2 = committed
         self.group = group  # from here on, a failure cuts the arrays back again (_abandon)
         self.devices = {e.device_id: e for e in (DeviceEntry.from_json(d) for d in meta.get("devices", []))}
@@ -170,10 +193,17 @@ class AppendWriter(Writer):
                      continued: int = 0) -> DeviceReport:
         """Write one device's new windows as a new range; merge its table entry and report.
         ``continued``: rows of its committed unfinished burst that the blocks continued."""
-        if device_id in self.appended:
-            raise AppendError(f"device {device_id} was given twice in one append")
+        self._refuse_twice(device_id)
         summary = self._write(device_id, blocks, sources)
-        self.appended[device_id] = list(sources)
+        self.record(summary, continued)
+        return summary.report
+
+    def record(self, summary: DeviceSummary, continued: int = 0) -> None:
+        """Merge a device's new windows (written here or by tasks) into its table entry and
+        report (``write_device``)."""
+        device_id = summary.entry.device_id
+        self._refuse_twice(device_id)
+        self.appended[device_id] = list(summary.entry.sources)
         self.tails[device_id] = summary.tail
         if continued:
             self.continued[device_id] = continued
@@ -191,7 +221,23 @@ class AppendWriter(Writer):
                 merged.drop("remainder_rows", left)
             merged.merge(summary.report)
             self.reports[device_id] = merged
-        return summary.report
+
+    def _refuse_twice(self, device_id: int) -> None:
+        if device_id in self.appended:
+            raise AppendError(f"device {device_id} was given twice in one append")
+
+    def committed_part(self) -> SharedChunkPart | None:
+        """The committed windows of the chunk the first appended window falls in (None when the
+        commit ends on a chunk boundary): tasks write whole chunks, so that chunk is written
+        again, its committed windows with the new ones (``_segments.AppendTo``)."""
+        chunk_windows = self.slabs.chunk_windows
+        chunk, inside = divmod(self.previous_windows, chunk_windows)
+        if not inside:
+            return None
+        start = chunk * chunk_windows
+        data = {name: np.asarray(array[start : self.previous_windows])
+                for name, array in self.slabs.arrays.items()}
+        return SharedChunkPart(chunk, start, data)
 
     def _committed_attrs(self, extra_report: dict[str, Any] | None) -> dict[str, Any]:
         """The appended windows become visible as generation + 1."""
@@ -262,17 +308,6 @@ def _part_numbers(names: list[str]) -> list[int] | None:
             return None
         numbers.append(int(part))
     return numbers
-
-
-@dataclass
-class _ContinuedDevice(DeviceSource):
-    """A device's new CSV parts, read as the continuation of its committed unfinished burst."""
-
-    carry: Any = None  # _csv._Rows
-
-    def blocks(self, *, curation: Curation, on_bad_rows: str) -> Iterator[WindowBlock]:
-        reader = CsvDeviceReader(self.device_id, self.files, curation, on_bad_rows, carry=self.carry)
-        yield from reader.blocks()
 
 
 def _merge_entries(old: DeviceEntry, new: DeviceEntry) -> DeviceEntry:
@@ -349,12 +384,11 @@ def append_detailed(
     storage_options: dict[str, Any] | None = None,
     source_storage_options: dict[str, Any] | None = None,
     skip_unknown_files: bool = False,
+    client: Any = None,
 ) -> AppendResult:
     """``append``, returning what was done as well as the store."""
     from birdzarr._progress import progress_bar
-    from birdzarr.convert import ON_BAD_ROWS
-    from birdzarr.convert._pipeline import counted
-    from birdzarr.convert._readahead import read_ahead
+    from birdzarr.convert import ON_BAD_ROWS, _require_client
     from birdzarr.store._handle import open_store
 
     # before anything is read or written: a truthy non-bool ("no") must not act as True
@@ -363,6 +397,8 @@ def append_detailed(
     if on_bad_rows not in ON_BAD_ROWS:
         raise ArgumentError(f"on_bad_rows must be one of {ON_BAD_ROWS}, got {on_bad_rows!r}")
     workers = resolve_workers(workers)
+    if client is not None:
+        _require_client(client)
     src = resolve(source, source_storage_options)
     dst = resolve(store, storage_options)
     before = open_store(dst)  # a clear error (not a store, unfinished, newer format) before the lock
@@ -380,25 +416,38 @@ def append_detailed(
             )
         curation = store_curation(writer.meta)
         work, skipped = plan_append(devices, writer.devices)
-        extended = [d.device_id for d in work if d.device_id in writer.devices]
-        added = [d.device_id for d in work if d.device_id not in writer.devices]
-        with progress_bar(progress and bool(work), desc=f"append {kind}", unit=" windows") as bar:
-            for device in work:
-                carry = writer.carry(device.device_id, device.source_names()) if kind == "csv" else None
-                if carry is not None:  # its first new part continues the committed last burst
-                    device = _ContinuedDevice(device_id=device.device_id, kind=device.kind,
-                                              files=device.files, carry=carry)
-                blocks = counted(read_ahead(device, curation, on_bad_rows), bar)
-                entry = writer.devices.get(device.device_id)
-                existing = None if entry is None else _committed_hashes(before, entry)
-                blocks = duplicates.watch(device.device_id, blocks, existing)
-                writer.write_device(device.device_id, blocks, device.source_names(),
-                                    continued=0 if carry is None else len(carry))
+        committed = dict(writer.devices)  # the commit's device table, before any device is merged
+        extended = [d.device_id for d in work if d.device_id in committed]
+        added = [d.device_id for d in work if d.device_id not in committed]
+
+        def existing(device_id: int) -> Hashes | None:
+            entry = committed.get(device_id)
+            return None if entry is None else _committed_hashes(before, entry)
+
+        # the one choice, as convert makes it: a Dask cluster, worker processes or threads
+        processes = client is None and processes_pay(input_bytes(work), workers=workers,
+                                                     dest_shared=dst.shared_between_processes)
+        facts: dict[str, Any] = {}
+        with progress_bar(progress and bool(work), desc=f"append {kind}" + (" on dask" if client else ""),
+                          unit=" windows") as bar, \
+                choose_engine(client, processes=processes, workers=workers) as engine:
+            if kind == "csv":  # each device's first new part continues its committed last burst
+                carries = {d.device_id: carry for d in work
+                           if (carry := writer.carry(d.device_id, d.source_names())) is not None}
+                write_csv_devices(engine, writer, work, curation=curation, on_bad_rows=on_bad_rows,
+                                  duplicates=duplicates, bar=bar, carries=carries, existing=existing)
+            elif work:
+                facts = _append_segments(engine, writer, work, dest=dst, curation=curation,
+                                         on_bad_rows=on_bad_rows, duplicates=duplicates, bar=bar,
+                                         existing=existing)
+            facts.update(engine.facts)
         if work:
             writer.slabs.drain()  # the last slabs written before the clock stops
             seconds = round(time.perf_counter() - started, 3)
             extra: dict[str, Any] = {"source": src.display, "seconds": seconds, "skipped_files": len(skipped),
-                                     **cpu_report(seconds, cpu_before, workers)}
+                                     **facts}
+            if client is None:  # a cluster's CPU is its workers', which this process does not see
+                extra.update(cpu_report(seconds, cpu_before, workers))
             if duplicates.counts:
                 extra["duplicate_windows"] = duplicates.report()
             if inputs.skipped:
@@ -411,7 +460,33 @@ def append_detailed(
                         duplicate_windows=dict(duplicates.counts), unknown_files=inputs.skipped)
 
 
-def _committed_hashes(store: Store, entry: DeviceEntry) -> Callable[[np.ndarray], np.ndarray]:
+def _append_segments(engine: Engine, writer: AppendWriter, work: list[DeviceSource], *, dest: Location,
+                     curation: Curation, on_bad_rows: str, duplicates: DuplicateCounter, bar: Any,
+                     existing: Callable[[int], Hashes | None]) -> dict[str, Any]:
+    """Parquet devices appended as convert writes them (``_segments.py``): counted, cut into
+    segments that follow the committed windows, each converted by a task on ``engine``. A
+    segment's extended devices continue their committed dictionary rows (format 2) and are
+    checked for duplicates against their committed windows here. Facts for the report."""
+    counts = count_devices(work, curation=curation, on_bad_rows=on_bad_rows, engine=engine)
+    plan = plan_segments(work, counts, workers=engine.width, chunk_windows=writer.slabs.chunk_windows,
+                         first=writer.previous_windows)
+    extended = {d.device_id for d in work} & set(writer.devices)
+    rows = writer.committed_rows
+    latest = latest_rows(rows, extended) if writer.coder is not None else {}
+
+    def continuation(segment: Segment) -> Continuation:
+        mine = {device.device_id for device, _, _ in segment.devices}
+        return Continuation(first_row=rows.n_rows,
+                            rows={d: latest[d] for d in sorted(mine & set(latest))},
+                            extended=frozenset(mine & extended))
+
+    append = AppendTo(committed=writer.previous_windows, shared=writer.committed_part(),
+                      first_row=rows.n_rows, values=len(rows.values), existing=existing)
+    return convert_segments(engine, writer, plan, curation=curation, on_bad_rows=on_bad_rows, dest=dest,
+                            duplicates=duplicates, bar=bar, append=append, continuation=continuation)
+
+
+def _committed_hashes(store: Store, entry: DeviceEntry) -> Hashes:
     """For an appended device: the hashes of its committed windows whose time is among the new
     windows' times. Only timestamps are read unless times coincide (they do not, for new data),
     so an ordinary append reads 8 bytes per committed window of the device."""
@@ -440,6 +515,7 @@ class AppendOptions(TypedDict, total=False):
     storage_options: dict[str, Any] | None
     source_storage_options: dict[str, Any] | None
     skip_unknown_files: bool
+    client: Any
 
 
 def append(store: StoreLike, source: StoreLike, **options: Unpack[AppendOptions]) -> Store:
@@ -447,7 +523,9 @@ def append(store: StoreLike, source: StoreLike, **options: Unpack[AppendOptions]
 
     Same curation (the store's recorded parameters), validation and options as
     ``birdzarr.convert``: ``on_bad_rows``, ``workers``, ``progress``, ``storage_options``,
-    ``source_storage_options``, ``skip_unknown_files`` (an unknown option is a ``TypeError``).
+    ``source_storage_options``, ``skip_unknown_files``, ``client`` (an unknown option is a
+    ``TypeError``). The new windows are read and written by the tasks convert runs, on the same
+    engine (threads, worker processes, or the Dask cluster behind ``client``).
     Files already in the store are skipped, so re-running an interrupted append completes it.
     Returns the store, opened read-only, at its new commit.
     """

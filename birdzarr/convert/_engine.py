@@ -1,7 +1,7 @@
 """One runner for a conversion's worker-side work, on any ``concurrent.futures.Executor``.
 
-A conversion that runs outside this process is a plan of tasks: picklable functions of
-picklable arguments (``_segments.convert_segment`` for a device-order segment,
+A conversion (or an append) is a plan of tasks: picklable functions of picklable arguments
+(``_segments.convert_segment`` for a device-order segment, ``_csv.read_part`` for a CSV part,
 ``_shuffle_processes.spill_group`` and ``write_bucket_run`` for the shuffle's passes). The
 ``Runner`` submits them to an ``Engine``'s executor, at most ``2 x width`` at once, and hands
 back each result as it arrives (a failure as soon as it is known); ``ordered`` hands them back

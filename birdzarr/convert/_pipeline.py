@@ -8,7 +8,9 @@ converting 0.73-0.80 CPU s), so a CSV conversion does not count its windows firs
 (``_csv.read_part``): ``2 x width`` of them in flight on the engine's workers (``_engine.ordered``),
 their results taken in part order. A part's ends (a burst may continue from one part into the
 next) are joined here by ``_csv.Stitcher``, and the writer encodes and writes the windows in
-store order, so the store is the same on every engine and with any number of workers.
+store order, so the store is the same on every engine and with any number of workers. An append
+runs the same tasks, each device's first new part continuing the burst its commit left
+unfinished (``carries``), its windows checked for duplicates against the committed ones.
 """
 
 from __future__ import annotations
@@ -17,33 +19,47 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
+
 from birdzarr.convert._blocks import WindowBlock
-from birdzarr.convert._csv import PartPieces, Stitcher, read_part
+from birdzarr.convert._csv import PartPieces, Stitcher, _Rows, read_part
 from birdzarr.convert._duplicates import DuplicateCounter
 from birdzarr.convert._engine import Engine, ordered
 from birdzarr.convert._sources import DeviceSource
-from birdzarr.convert._writer import StoreWriter
+from birdzarr.convert._writer import Writer
 from birdzarr.format._spec import Curation
 
+Hashes = Callable[[np.ndarray], np.ndarray]  # timestamps -> hashes of committed windows that may match
 
-def write_csv_devices(engine: Engine, writer: StoreWriter, devices: list[DeviceSource], *, curation: Curation,
-                      on_bad_rows: str, duplicates: DuplicateCounter | None, bar: Any) -> None:
-    """Every CSV device, in order, written by ``writer``: its parts read on ``engine``."""
+
+def write_csv_devices(engine: Engine, writer: Writer, devices: list[DeviceSource], *, curation: Curation,
+                      on_bad_rows: str, duplicates: DuplicateCounter | None, bar: Any,
+                      carries: dict[int, _Rows] | None = None,
+                      existing: Callable[[int], Hashes | None] | None = None) -> None:
+    """Every CSV device, in order, written by ``writer``: its parts read on ``engine``. An
+    append's: ``carries`` (device -> the committed unfinished burst its first new part
+    continues) and ``existing`` (device -> the hashes of its committed windows, for the duplicate
+    check: ``DuplicateCounter.watch``)."""
     calls = [(device.device_id, part, curation, on_bad_rows) for device in devices for part in device.files]
     parts = ordered(engine, read_part, calls)
+    carries = carries or {}
     try:
         for device in devices:
-            blocks = counted(_stitched(parts, len(device.files), curation), bar)
+            carry = carries.get(device.device_id)
+            blocks = counted(_stitched(parts, len(device.files), curation, carry), bar)
             if duplicates is not None:  # counts windows repeated within a device (convert/_duplicates.py)
-                blocks = duplicates.watch(device.device_id, blocks)
-            writer.write_device(device.device_id, blocks, device.source_names())
+                blocks = duplicates.watch(device.device_id, blocks,
+                                          None if existing is None else existing(device.device_id))
+            writer.write_device(device.device_id, blocks, device.source_names(),
+                                continued=0 if carry is None else len(carry))
     finally:
         parts.close()  # on a failure: nothing more submitted, every submitted part ended
 
 
-def _stitched(parts: Iterator[PartPieces], n: int, curation: Curation) -> Iterator[WindowBlock]:
-    """The curated blocks of a device's next ``n`` parts."""
-    stitcher = Stitcher(curation)
+def _stitched(parts: Iterator[PartPieces], n: int, curation: Curation,
+              carry: _Rows | None = None) -> Iterator[WindowBlock]:
+    """The curated blocks of a device's next ``n`` parts (the first continuing ``carry``)."""
+    stitcher = Stitcher(curation, carry)
     for _ in range(n):
         yield from stitcher.add(next(parts))
     yield stitcher.finish()

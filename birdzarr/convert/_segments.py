@@ -21,6 +21,12 @@ segment whose engine has more width than segments reads ahead and encodes on thr
 The store is byte-identical on every engine and with any number of workers: same window order and
 chunking, chunks encoded by the same code, the device table from the same ``Summarizer``.
 
+An append (``_append.py``) runs the same segments, placed after the committed windows
+(``plan_segments``' ``first``): the chunk the commit ends inside is shared with the commit, its
+committed windows read back and written again with the new ones (``AppendTo.shared``); format
+2's segments number their new rows from the committed count, each extended device continuing its
+latest committed row (``Continuation``), and the collector shifts only the new row numbers.
+
 Memory: each task holds one reader batch (16,384 windows), one slab (``SLAB_WINDOWS``, 65,536
 windows of all the per-window arrays, at least one chunk: 22 MB in format 1), the duplicate check's
 8 B a window of the device it reads, and at most two chunks of shared windows; this process
@@ -40,14 +46,14 @@ import numpy as np
 from birdzarr._errors import BadInputError
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._chunkwrite import CODES
-from birdzarr.convert._duplicates import DeviceKeys, DuplicateCounter
+from birdzarr.convert._duplicates import DeviceKeys, DuplicateCounter, repeated_windows
 from birdzarr.convert._engine import Engine, Runner, run_all
 from birdzarr.convert._pipeline import bar_counter, count_on_bar
 from birdzarr.convert._readahead import read_ahead
 from birdzarr.convert._slabs import SlabWriter, writable_arrays
 from birdzarr.convert._sources import DeviceSource
 from birdzarr.convert._summary import DeviceSummary, Summarizer
-from birdzarr.convert._writer import SLABS_IN_FLIGHT, StoreWriter
+from birdzarr.convert._writer import SLABS_IN_FLIGHT, Writer
 from birdzarr.format import _v2
 from birdzarr.format._rows import RowCoder
 from birdzarr.format._spec import DEVICE, GIMU, LABEL, TIMESTAMP, Curation
@@ -139,18 +145,19 @@ class Segment:
 
 
 def plan_segments(devices: list[DeviceSource], counts: list[int], *, workers: int,
-                  chunk_windows: int) -> list[Segment]:
+                  chunk_windows: int, first: int = 0) -> list[Segment]:
     """Consecutive devices grouped into segments of at least the target size (the last may be
-    smaller); every device in exactly one segment, in order. One worker: one segment (nothing to
-    even out, no chunk shared)."""
+    smaller); every device in exactly one segment, in order, the first from window ``first`` (an
+    append's: the committed count). One worker: one segment (nothing to even out)."""
     total = sum(counts)
     if workers <= 1:
-        return [Segment(0, total, [(d, int(first), c) for d, c, first in
-                                   zip(devices, counts, np.cumsum([0, *counts[:-1]]), strict=True)])]
+        starts = first + np.cumsum([0, *counts[:-1]])
+        return [Segment(first, first + total,
+                        [(d, int(at), c) for d, c, at in zip(devices, counts, starts, strict=True)])]
     target = max(math.ceil(total / (SEGMENTS_PER_WORKER * workers)), MIN_SEGMENT_CHUNKS * chunk_windows)
     segments: list[Segment] = []
     members: list[tuple[DeviceSource, int, int]] = []
-    start = position = 0
+    start = position = first
     for device, count in zip(devices, counts, strict=True):
         members.append((device, position, count))
         position += count
@@ -174,6 +181,19 @@ class SharedChunkPart:
         return len(self.data[DEVICE])
 
 
+@dataclass(frozen=True)
+class Continuation:
+    """What a segment of an append needs to know of the committed store: format 2's committed
+    row count (its new rows are numbered from there) and the latest committed row of each device
+    it extends (``_rows.latest_rows``: they are continued, frozen, as ``RowCoder.appending_to``
+    does); and the devices it extends, whose duplicate-check keys come back to be compared with
+    their committed windows (``SegmentCollector``'s ``existing``)."""
+
+    first_row: int = 0
+    rows: dict[int, tuple[int, list[np.ndarray]]] = field(default_factory=dict)
+    extended: frozenset[int] = frozenset()
+
+
 @dataclass
 class SegmentResult:
     summaries: list[DeviceSummary]
@@ -182,6 +202,8 @@ class SegmentResult:
     # format 2: the dictionary rows the segment opened, numbered from 0 (and its gimu_row chunks
     # so written): the collector shifts them after the rows of the segments before it
     rows: _v2.Dictionaries | None = None
+    # an append's extended devices: their duplicate-check keys (``Continuation.extended``)
+    keys: dict[int, DeviceKeys] = field(default_factory=dict)
 
 
 # -- in a worker process -------------------------------------------------------------------------
@@ -253,12 +275,13 @@ class ChunkRouter:
 
 def convert_segment(segment: Segment, dest_url: str, dest_options: dict[str, Any], curation: Curation,
                     on_bad_rows: str, threads: int = 1,
-                    progress: Callable[[int], None] | None = None) -> SegmentResult:
+                    progress: Callable[[int], None] | None = None,
+                    continuation: Continuation | None = None) -> SegmentResult:
     """Read, summarise and write one segment (in a worker process): its whole chunks go to the
     store, the windows of the chunks it shares come back. ``threads`` > 1: each device is read
     a few blocks ahead on a thread and slabs are encoded on ``threads`` threads (the engine has
     fewer segments than width); ``progress`` (a task in this process) is told the windows of
-    each block as it is placed."""
+    each block as it is placed; ``continuation``: an append's segment."""
     import zarr
 
     from birdzarr.storage._location import zarr_store
@@ -267,7 +290,8 @@ def convert_segment(segment: Segment, dest_url: str, dest_options: dict[str, Any
     group = zarr.open_group(zarr_store(location, read_only=False), mode="r+", zarr_format=3)
     arrays = writable_arrays(group)  # sized by the writer before any worker started
     first = whole_chunks(segment.start, segment.stop, int(arrays[DEVICE].chunks[0]))[0]
-    coder = RowCoder() if _v2.CODES in arrays else None
+    more = continuation or Continuation()
+    coder = RowCoder.continuing(more.rows, first_row=more.first_row) if _v2.CODES in arrays else None
     slabs = SlabWriter(location, arrays, start=first, workers=threads,
                        in_flight=0 if threads <= 1 else SLABS_IN_FLIGHT, coder=coder)
     router = ChunkRouter(segment.start, segment.stop, slabs)
@@ -301,7 +325,9 @@ def convert_segment(segment: Segment, dest_url: str, dest_options: dict[str, Any
             result.summaries.append(finished)
             if coder is not None:
                 slabs.close_device(device.device_id)  # once its blocks waiting in the slab are coded
-            if repeated := keys.repeated():
+            if device.device_id in more.extended:
+                result.keys[device.device_id] = keys
+            elif repeated := keys.repeated():
                 result.repeated[device.device_id] = repeated
         slabs.drain()
     finally:
@@ -318,15 +344,17 @@ class SegmentCollector:
     its windows are in. Sizes the store's arrays for all segments first (before any worker opens
     them), and records every device in store order at the end."""
 
-    def __init__(self, writer: StoreWriter, segments: list[Segment], *,
+    def __init__(self, writer: Writer, segments: list[Segment], *,
                  duplicates: DuplicateCounter | None, bar: Any | None,
                  write_chunk: Callable[[int, int, dict[str, np.ndarray]], Any] | None = None,
-                 count_segments: bool = True) -> None:
+                 count_segments: bool = True, append: AppendTo | None = None) -> None:
         self.writer, self.segments, self.duplicates, self.bar = writer, segments, duplicates, bar
+        self.append = append or AppendTo()
         self.count_segments = count_segments  # False: the tasks count their windows on the bar
         # how a shared chunk is written once complete (default: encoded here, by the writer's sink)
         self.write_chunk = write_chunk or writer.slabs.sink.write
-        self.total = segments[-1].stop if segments else 0
+        first = self.append.committed
+        self.total = segments[-1].stop if segments else first
         self.chunk_windows = writer.slabs.chunk_windows
         self.summaries: dict[int, DeviceSummary] = {}
         self.waiting: dict[int, list[SharedChunkPart]] = {}
@@ -334,9 +362,11 @@ class SegmentCollector:
         # the segment they came from), written once every segment's row numbers are known
         self.rows: dict[int, _v2.Dictionaries] = {}
         self.held: list[tuple[Segment, SharedChunkPart]] = []
-        writer.reserve(self.total)
+        writer.reserve(self.total - first)
+        if self.append.shared is not None and self.total > first:  # the chunk it shares with the commit
+            self.waiting[self.append.shared.chunk] = [self.append.shared]
         if bar is not None:
-            bar.reset(total=self.total)
+            bar.reset(total=self.total - first)
 
     def add(self, segment: Segment, result: SegmentResult) -> None:
         for summary in result.summaries:
@@ -350,6 +380,10 @@ class SegmentCollector:
         if self.duplicates is not None:
             for device_id, repeated in result.repeated.items():
                 self.duplicates.add(device_id, repeated)
+            for device_id, keys in result.keys.items():  # compared with its committed windows
+                existing = self.append.existing(device_id) if self.append.existing else None
+                self.duplicates.add(device_id, repeated_windows(keys.hashes, keys.times, existing)
+                                    if keys.hashes else 0)
         if self.bar is not None and self.count_segments:
             count_on_bar(self.bar, segment.stop - segment.start)
 
@@ -368,7 +402,9 @@ class SegmentCollector:
         gimu_row chunks and its shared windows, then write the shared chunks and hand the rows
         to the writer. The gimu_row chunks are read and written again: 4 bytes a window."""
         shift: dict[int, tuple[int, int]] = {}  # segment start -> (row shift, entry shift)
-        rows, values = 0, 0
+        # an append's segments number their new rows from the committed count, and their entries
+        # go after the committed ones; committed row numbers (continued rows) stay as they are
+        rows, values, committed = 0, self.append.values, self.append.first_row
         for segment in sorted(self.segments, key=lambda s: s.start):
             opened = self.rows[segment.start]
             shift[segment.start] = (rows, values)
@@ -381,9 +417,9 @@ class SegmentCollector:
             first, last = whole_chunks(segment.start, segment.stop, self.chunk_windows)
             for start in range(first, last, step) if by else ():
                 stop = min(start + step, last)
-                row_array[start:stop] = row_array[start:stop] + np.uint32(by)
+                row_array[start:stop] = _shifted(row_array[start:stop], by, committed)
         for segment, part in self.held:
-            part.data[_v2.ROW] = part.data[_v2.ROW] + shift[segment.start][0]
+            part.data[_v2.ROW] = _shifted(part.data[_v2.ROW], shift[segment.start][0], committed)
             self._share(part)
         self.held.clear()
 
@@ -400,6 +436,28 @@ class SegmentCollector:
         self.write_chunk(start, stop, data)
 
 
+@dataclass
+class AppendTo:
+    """An append's segments (``SegmentCollector``): the committed windows, the committed part of
+    the chunk the first new window falls in (written again with the new windows, None where the
+    commit ends on a chunk boundary), format 2's committed rows and entries, and the committed
+    hashes of an extended device's windows (``_append._committed_hashes``)."""
+
+    committed: int = 0
+    shared: SharedChunkPart | None = None
+    first_row: int = 0
+    values: int = 0
+    existing: Callable[[int], Callable[[np.ndarray], np.ndarray] | None] | None = None
+
+
+def _shifted(rows: np.ndarray, by: int, committed: int) -> np.ndarray:
+    """Row numbers of a segment's windows after the rows of the segments before it: its new rows
+    (numbered from ``committed``) shifted ``by``, committed rows kept."""
+    if not committed:
+        return rows + np.asarray(by, rows.dtype)
+    return np.where(rows >= committed, rows + np.asarray(by, rows.dtype), rows)
+
+
 def largest_first(segments: list[Segment]) -> list[Segment]:
     """The order to start segments in: a segment of one large device, started last, would end
     the conversion long after the others (the order changes nothing stored)."""
@@ -408,21 +466,24 @@ def largest_first(segments: list[Segment]) -> list[Segment]:
 
 
 
-def convert_segments(engine: Engine, writer: StoreWriter, segments: list[Segment], *, curation: Curation,
+def convert_segments(engine: Engine, writer: Writer, segments: list[Segment], *, curation: Curation,
                      on_bad_rows: str, dest: Location, duplicates: DuplicateCounter | None,
-                     bar: Any) -> dict[str, Any]:
+                     bar: Any, append: AppendTo | None = None,
+                     continuation: Callable[[Segment], Continuation] | None = None) -> dict[str, Any]:
     """Convert the segments (``plan_segments``) on ``engine``'s workers into the store ``writer``
-    has open, which must be empty; records every device with ``writer``. Returns facts for the
-    conversion report (the segments, where they ran outside this process)."""
+    has open, which must be empty, or hold a commit the segments follow (an append: ``append``,
+    and each segment's ``continuation``); records every device with ``writer``. Returns facts for
+    the conversion report (the segments, where they ran outside this process)."""
     # tasks in this process count their windows on the bar as they go; others when they end
     progress = bar_counter(bar) if engine.in_process and bar is not None else None
     collector = SegmentCollector(writer, segments, duplicates=duplicates, bar=bar,
-                                 count_segments=progress is None)
+                                 count_segments=progress is None, append=append)
     threads = max(1, engine.width // len(segments)) if segments else 1
     with Runner(engine) as runner:
         for segment in largest_first(segments):
             runner.submit(segment, convert_segment, segment, dest.url, dest.storage_options, curation,
-                          on_bad_rows, threads, progress)
+                          on_bad_rows, threads, progress,
+                          None if continuation is None else continuation(segment))
         for segment, result in runner.results():
             collector.add(segment, result)
     collector.finish()

@@ -168,6 +168,21 @@ class Writer:
             self.slabs.close_device(device_id)  # once its blocks waiting in the slab are coded
         return summary.finish()
 
+    def reserve(self, n: int) -> None:
+        """Size the arrays for ``n`` more windows that tasks write (``_segments.py``); the
+        caller records the devices' summaries (``record``)."""
+        self.slabs.reserve(n)
+
+    def write_device(self, device_id: int, blocks: Iterable[WindowBlock], sources: list[str],
+                     continued: int = 0) -> DeviceReport:
+        """Write every window of one device, given in store order, and record it (``continued``:
+        rows of a committed unfinished burst its blocks continue, an append's)."""
+        raise NotImplementedError
+
+    def record(self, summary: DeviceSummary) -> None:
+        """Enter a device that tasks wrote (``reserve``) in the table and report."""
+        raise NotImplementedError
+
     def add_rows(self, rows: _v2.Dictionaries) -> None:
         """Format 2: dictionary rows coded elsewhere (a worker process, a Dask task), numbered
         after every row added before them; stored at the commit."""
@@ -312,8 +327,10 @@ class StoreWriter(Writer):
         )
 
     # -- writing ---------------------------------------------------------------------------------
-    def write_device(self, device_id: int, blocks: Iterable[WindowBlock], sources: list[str]) -> DeviceReport:
-        """Append every window of one device; returns what its input produced."""
+    def write_device(self, device_id: int, blocks: Iterable[WindowBlock], sources: list[str],
+                     continued: int = 0) -> DeviceReport:
+        """Append every window of one device; returns what its input produced (``continued``:
+        an append's, a new store continues no committed burst)."""
         self._refuse_twice(device_id)
         summary = self._write(device_id, blocks, sources)
         self.record(summary)
@@ -323,11 +340,6 @@ class StoreWriter(Writer):
         """Append windows of several devices (a shuffled bucket); the block carries each
         window's device id, and the caller records the devices' summaries (``record``)."""
         self.slabs.add(-1, block)
-
-    def reserve(self, n: int) -> None:
-        """Size the arrays for ``n`` windows that others write (Dask tasks, chunk-aligned);
-        the caller records the devices' summaries (``record``)."""
-        self.slabs.reserve(n)
 
     def record(self, summary: DeviceSummary) -> None:
         """Enter a device written by ``write_mixed`` or ``reserve`` in the table and report."""

@@ -114,6 +114,20 @@ class _Bulk:
         return counts, entries
 
 
+def latest_rows(previous: Dictionaries,
+                devices: set[int] | None = None) -> dict[int, tuple[int, list[np.ndarray]]]:
+    """Each device's latest row of committed dictionaries (of ``devices`` only, if given): its
+    number and entries (uint32 bit patterns per channel), what ``RowCoder.continuing`` takes."""
+    sizes = previous.sizes()
+    bits = previous.values.view(np.uint32)
+    latest: dict[int, tuple[int, list[np.ndarray]]] = {}
+    for r, device in enumerate(previous.device.tolist()):  # later rows of a device win
+        if devices is None or device in devices:
+            starts = previous.start[r]
+            latest[int(device)] = (r, [bits[starts[c] : starts[c] + sizes[r, c]] for c in range(N_CODED)])
+    return latest
+
+
 @dataclass
 class RowCoder:
     """Codes one store's windows into dictionary rows, device by device (module docstring)."""
@@ -130,13 +144,18 @@ class RowCoder:
     def appending_to(cls, previous: Dictionaries) -> RowCoder:
         """A coder that continues a committed store's dictionaries: each device's latest row is
         reused (frozen) where it holds every value of the new windows."""
-        coder = cls(first_row=previous.n_rows, first_value=len(previous.values))
-        sizes = previous.sizes()
-        bits = previous.values.view(np.uint32)
-        for r, device in enumerate(previous.device.tolist()):  # later rows of a device win
-            starts = previous.start[r]
-            entries = [bits[starts[c] : starts[c] + sizes[r, c]] for c in range(N_CODED)]
-            coder._open[int(device)] = _Row(r, int(device), entries, frozen=True)
+        return cls.continuing(latest_rows(previous), first_row=previous.n_rows,
+                              first_value=len(previous.values))
+
+    @classmethod
+    def continuing(cls, latest: dict[int, tuple[int, list[np.ndarray]]], *, first_row: int,
+                   first_value: int = 0) -> RowCoder:
+        """A coder that opens rows from number ``first_row`` (entries from ``first_value``) and
+        continues each device of ``latest`` (``latest_rows``: its committed row's number and
+        entries) as ``appending_to`` does: a task coding some devices of an append."""
+        coder = cls(first_row=first_row, first_value=first_value)
+        for device, (number, entries) in latest.items():
+            coder._open[device] = _Row(number, device, entries, frozen=True)
         return coder
 
     @property
