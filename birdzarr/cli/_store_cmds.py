@@ -1,4 +1,4 @@
-"""CLI commands that make and describe stores: demo, convert, info."""
+"""CLI commands that make and describe stores: demo, convert, subset, info."""
 
 from __future__ import annotations
 
@@ -115,6 +115,67 @@ def add_convert(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.set_defaults(func=_cmd_convert)
 
 
+def _cmd_subset(args: argparse.Namespace) -> int:
+    from birdzarr import subset
+    from birdzarr.store._summary import format_summary, summary
+
+    store = subset(
+        args.source, args.dest, devices=args.devices, exclude_devices=args.exclude_devices,
+        split=args.split, split_by=args.split_by, val_fraction=args.val_fraction, split_seed=args.split_seed,
+        labelled_only=args.labelled_only, labels=args.labels, start=args.start, stop=args.stop,
+        overwrite=args.overwrite, progress=not args.quiet,
+    )
+    print(format_summary(summary(store)))
+    made = store.root["subset"]
+    print(f"subset: {made['windows']:,} of the {made['source_n_windows']:,} windows of {made['source']}")
+    return 0
+
+
+def _ids(text: str) -> list[int]:
+    """Comma-separated integers (device ids, labels): ``1,2,5``."""
+    try:
+        return [int(one) for one in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers (1,2,5), got {text!r}") from None
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text}")
+    return value
+
+
+def add_subset(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("subset", help="write the windows a training selection keeps as their own store "
+                                      "(streams without reading the windows it leaves out)")
+    p.add_argument("source", help="a format-2 store (path or URL)")
+    p.add_argument("dest", help="the new store's path or URL")
+    p.add_argument("--devices", type=_ids, default=None, metavar="ID,ID,...", help="only these devices")
+    p.add_argument("--exclude-devices", type=_ids, default=None, metavar="ID,ID,...",
+                   help="leave these devices out")
+    p.add_argument("--split", choices=("train", "val"), default=None,
+                   help="one side of WindowDataset's seeded split (docs/training.md#subsets-and-splits)")
+    p.add_argument("--split-by", choices=("device", "window"), default="device",
+                   help="split whole devices (default) or single windows")
+    p.add_argument("--val-fraction", type=_fraction, default=0.1, help="the share of 'val' (default 0.1)")
+    p.add_argument("--split-seed", type=non_negative_int, default=0, help="seed of the split (default 0)")
+    p.add_argument("--labelled-only", action="store_true", help="only labelled windows (label != -1)")
+    p.add_argument("--labels", type=_ids, default=None, metavar="L,L,...",
+                   help="only windows of these labels")
+    p.add_argument("--start", default=None, metavar="TIME",
+                   help="only windows whose burst time is at or after TIME (ISO 8601, UTC: 2012-06-01)")
+    p.add_argument("--stop", default=None, metavar="TIME",
+                   help="only windows whose burst time is before TIME")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a birdzarr store at DEST, only once the subset has committed")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_subset)
+
+
 def add_info(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("info", help="summarise a store")
     p.add_argument("store")
@@ -132,4 +193,4 @@ def add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 
-COMMANDS = [add_demo, add_convert, add_info]
+COMMANDS = [add_demo, add_convert, add_subset, add_info]
