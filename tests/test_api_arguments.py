@@ -107,6 +107,7 @@ def test_verify_refuses_progress_that_is_not_a_bool_and_takes_a_numpy_bool(
 
 # -- 2. negative window indices in the xarray view ---------------------------------------------------
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_xarray_negative_window_indices_index_as_numpy_does(small_store: birdzarr.Store) -> None:
     pytest.importorskip("xarray")
     n = len(small_store)

@@ -58,6 +58,7 @@ def test_cli_refuses_a_wrong_number_in_one_line(
     assert not (tmp_path / "new").exists()
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_unknown_device_and_window_out_of_range(
     small_store: birdzarr.Store, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -135,6 +136,7 @@ def test_append_uses_and_records_its_workers(
     assert entry["cpu_seconds"] > 0 and entry["usable_cores"] >= 1
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_an_opened_store_is_accepted_where_a_location_is(small_store: birdzarr.Store) -> None:
     assert birdzarr.open_store(small_store).location is small_store.location
     by_store = birdzarr.WindowDataset(small_store, batch_size=4096, shuffle=False)
@@ -145,6 +147,7 @@ def test_an_opened_store_is_accepted_where_a_location_is(small_store: birdzarr.S
         birdzarr.open_store({"path": small_store.url})  # type: ignore[arg-type]
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_options_that_do_not_go_together_or_do_not_fit(
     parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]], small_store: birdzarr.Store,
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
@@ -237,6 +240,7 @@ def shuffled_store(parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]],
     return birdzarr.convert(parquet_source[0], dest, chunk_windows=1024, shuffle=True, seed=3, progress=False)
 
 
+@pytest.mark.slow  # with its module fixture (a shuffled conversion) over 0.2 s of CPU: not in the fast loop
 def test_a_device_id_is_the_same_device_everywhere(shuffled_store: birdzarr.Store) -> None:
     device = shuffled_store.device_table[0]
     as_text = str(device.device_id)  # as a table or the command line gives it
@@ -246,7 +250,8 @@ def test_a_device_id_is_the_same_device_everywhere(shuffled_store: birdzarr.Stor
                           shuffled_store.device_windows(device.device_id))
 
 
-@pytest.mark.parametrize("store", ["small_store", "shuffled_store"])
+# shuffled_store: its module fixture is a shuffled conversion, over 0.2 s of CPU: not in the fast loop
+@pytest.mark.parametrize("store", ["small_store", pytest.param("shuffled_store", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("lookup", ["device", "device_indices", "device_windows", "plot_device"])
 def test_device_lookups_refuse_a_float_device_id(
     store: str, lookup: str, request: pytest.FixtureRequest

@@ -42,6 +42,7 @@ def _mix(labels: np.ndarray, batches: list[np.ndarray], k: int = 3) -> np.ndarra
     return np.array([np.bincount(labels[idx], minlength=k) for idx in batches])
 
 
+@pytest.mark.slow  # the module's store takes over 2 s of CPU to write: not in the fast loop
 def test_the_store_has_a_rare_label(rare: birdzarr.Store) -> None:
     labels = rare.labels[:]
     assert len(labels) == 11_601
@@ -71,6 +72,7 @@ def test_each_batch_holds_the_requested_mix(rare: birdzarr.Store) -> None:
         assert np.array_equal(ldt[:, 0].numpy(), labels[idx])
 
 
+@pytest.mark.slow  # the module's store takes over 2 s of CPU to write: not in the fast loop
 def test_weights_set_the_shares_and_labels_left_out_are_never_drawn(rare: birdzarr.Store) -> None:
     labels = rare.labels[:]
     ds = _balanced(rare, label_weights={0: 1, 1: 2, 2: 7}, seed=1, epoch_windows=6_000)
@@ -84,6 +86,7 @@ def test_weights_set_the_shares_and_labels_left_out_are_never_drawn(rare: birdza
     assert only.label_shares() == {1: (0.5, 5_801), 2: (0.5, 5_800)}
 
 
+@pytest.mark.slow  # the module's store takes over 2 s of CPU to write: not in the fast loop
 def test_reproducible_for_a_seed_and_redrawn_every_epoch(rare: birdzarr.Store) -> None:
     a, b = _balanced(rare, seed=7), _balanced(rare, seed=7)
     a.set_epoch(2)
@@ -97,6 +100,7 @@ def test_reproducible_for_a_seed_and_redrawn_every_epoch(rare: birdzarr.Store) -
     assert not np.array_equal(_epoch(other)[0], _epoch(a)[0])
 
 
+@pytest.mark.slow  # the module's store takes over 2 s of CPU to write: not in the fast loop
 def test_without_replacement_no_window_twice(rare: birdzarr.Store) -> None:
     labels = rare.labels[:]
     ds = _balanced(rare, replacement=False, seed=2, batch_size=60)
@@ -115,6 +119,7 @@ def test_without_replacement_no_window_twice(rare: birdzarr.Store) -> None:
 
 
 @pytest.mark.parametrize("replacement", [True, False])
+@pytest.mark.slow  # the module's store takes over 2 s of CPU to write: not in the fast loop
 def test_resume_mid_epoch_equals_uninterrupted(rare: birdzarr.Store, replacement: bool) -> None:
     options = {"seed": 9, "replacement": replacement, "batch_size": 50 if not replacement else BATCH}
     full = _balanced(rare, **options)
@@ -141,6 +146,7 @@ def test_resume_mid_epoch_equals_uninterrupted(rare: birdzarr.Store, replacement
         _balanced(rare, seed=9, label_weights=None, batch_size=options["batch_size"]).load_state_dict(state)
 
 
+@pytest.mark.slow  # the module's store takes over 2 s of CPU to write: not in the fast loop
 def test_ranks_share_one_balanced_sequence(rare: birdzarr.Store) -> None:
     labels = rare.labels[:]
     ranks = [_balanced(rare, seed=4, world_size=2, rank=r, drop_last=True) for r in range(2)]
@@ -164,6 +170,7 @@ def test_dataloader_workers_deliver_the_same_batches(rare: birdzarr.Store) -> No
     assert all(torch.equal(x, y) for x, y in zip(got, in_process, strict=True))
 
 
+@pytest.mark.slow  # the module's store takes over 2 s of CPU to write: not in the fast loop
 def test_refusals_are_one_line_naming_the_fix(rare: birdzarr.Store, tmp_path: pathlib.Path) -> None:
     with pytest.raises(birdzarr.ArgumentError, match=(
             r"^label_weights \(class-balanced sampling\) needs the selection held in memory: pass "
@@ -215,6 +222,7 @@ def test_apportion_and_label_rows() -> None:
     assert all(np.isin(epoch[i : i + 2], [1, 4]).sum() == 1 for i in range(7))
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_any_weighting_keeps_every_batch_within_three_windows_of_its_shares() -> None:
     """20 seeded random weightings of 2-11 labels (some rare), batches of 256, 1000 and 8192."""
     rng = np.random.default_rng(0)
@@ -239,6 +247,7 @@ def test_any_weighting_keeps_every_batch_within_three_windows_of_its_shares() ->
 
 
 @pytest.mark.parametrize("replacement", [True, False])
+@pytest.mark.slow  # the module's store takes over 2 s of CPU to write: not in the fast loop
 def test_each_epoch_takes_its_draw_made_ahead_exactly(rare: birdzarr.Store, replacement: bool) -> None:
     """Iterated in this process, the next epoch's class-balanced draw is made once an epoch's
     first batch is out, and taken by that epoch: exactly the batches a dataset that drew each

@@ -236,6 +236,7 @@ def test_gdict16_chunk_encoder_matches_zarr_without_groups() -> None:
     assert _same_bits(zarr.open_array(store, mode="r")[:], windows)
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_gdict16_shuffled_chunk_is_smaller_than_parquet() -> None:
     """A shuffled store's chunk (its default size and compressor) mixing 40 calibrated devices:
     dict16 falls back to raw floats, gdict16 stays below the per-device Parquet size (~2.2x,

@@ -13,6 +13,7 @@ from birdzarr.cli import main
 from birdzarr.format import _v2
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_convert_then_info(
     parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]],
     tmp_path: pathlib.Path,

@@ -78,6 +78,7 @@ def csv_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return directory
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_generated_csv_equals_independent_window_curation(
     csv_dir: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
@@ -101,6 +102,7 @@ def test_generated_csv_equals_independent_window_curation(
     assert dropped > 0  # the generator makes ~3% of bursts too fast; they must be dropped, not kept
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_parts_sort_numerically(tmp_path: pathlib.Path) -> None:
     """A burst split over parts 9 and 10 only forms its windows if 10 is read after 9."""
     source = tmp_path / "src"
@@ -293,6 +295,7 @@ def test_a_complete_last_line_without_a_newline_is_read(tmp_path: pathlib.Path) 
     assert store.windows[0][-1][3] == np.float32(3.25 / GPS_SCALE)
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_progress_in_a_log_starts_with_work_done_not_an_empty_bar(
     csv_dir: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

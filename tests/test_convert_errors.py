@@ -119,6 +119,7 @@ PARQUET_FILE_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(PARQUET_FILE_CASES))
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_bad_parquet_file(case: str, tmp_path: pathlib.Path) -> None:
     source = tmp_path / "src"
     source.mkdir()
@@ -137,6 +138,7 @@ def test_bad_parquet_file(case: str, tmp_path: pathlib.Path) -> None:
 
 
 @pytest.mark.parametrize("case", ["79 values", "null row", "NaN value"])
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_bad_parquet_rows_name_row_group_and_row(case: str, tmp_path: pathlib.Path) -> None:
     rows: list[list[float] | None] = [[float(i)] * 80 for i in range(250)]
     if case == "79 values":
@@ -209,6 +211,7 @@ def _convert(source: pathlib.Path, dest: pathlib.Path, **options: object) -> bir
     return birdzarr.convert(source, dest, progress=False, chunk_windows=512, **options)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_overwrite_replaces_the_store_and_leaves_no_siblings(tmp_path: pathlib.Path) -> None:
     first, second = _sources(tmp_path)
     dest = tmp_path / "s.zarr"
@@ -249,6 +252,7 @@ def test_killed_overwrite_keeps_the_old_store(tmp_path: pathlib.Path) -> None:
     assert len(birdzarr.open_store(dest)) == 4500 and _siblings(dest) == []
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_overwrite_through_a_symlink_replaces_the_real_directory(tmp_path: pathlib.Path) -> None:
     first, second = _sources(tmp_path)
     (tmp_path / "big_disk").mkdir()

@@ -181,6 +181,7 @@ def test_an_append_keeps_the_committed_rows_and_a_failed_one_leaves_them(tmp_pat
     assert (rows[z[_v2.ROW][:]] == devices).all()
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_the_command_line_writes_format_2_and_refuses_a_format_1_codec_with_it(
     source: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -211,6 +212,7 @@ def test_chunks_equal_to_the_fill_value_are_stored_too(tmp_path: pathlib.Path) -
     assert birdzarr.verify(tmp_path / "s.zarr").ok
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_the_device_table_is_read_when_used_and_each_commit_writes_its_own(tmp_path: pathlib.Path) -> None:
     _synthetic.make_csv_dir(tmp_path / "all", n_devices=3, bursts_per_device=12, parts=2, seed=9)
     for name in ("base", "more"):

@@ -96,6 +96,7 @@ def test_parquet_round_trip_is_bit_exact(
         assert np.array_equal(decoded.view(np.uint32), expected.view(np.uint32))
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_standard_codec_is_readable_without_birdzarr_codecs(
     truth_dir: tuple[pathlib.Path, dict[int, np.ndarray]], tmp_path: pathlib.Path
 ) -> None:
@@ -235,6 +236,7 @@ def test_label_and_timestamp_columns_are_read(tmp_path: pathlib.Path, name: str)
     assert "ignored_columns" not in store.meta["report"]
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_integer_seconds_timestamps_and_bad_label_types(tmp_path: pathlib.Path) -> None:
     source = tmp_path / "src"
     source.mkdir()
@@ -252,6 +254,7 @@ def test_integer_seconds_timestamps_and_bad_label_types(tmp_path: pathlib.Path) 
         birdzarr.convert(source, tmp_path / "t.zarr", progress=False)
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_other_columns_are_named_in_the_report_and_a_warning(
     tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

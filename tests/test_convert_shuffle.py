@@ -94,6 +94,7 @@ def test_shuffled_store_is_a_seeded_permutation(
     assert small_store.device(sorted(truth)[0]).scattered_digest is None
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_shuffle_csv_counts_and_cli(
     tmp_path: pathlib.Path, small_buckets: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -152,6 +153,7 @@ def test_layout_defaults_of_each_order(parquet_source, tmp_path) -> None:  # typ
     assert np.array_equal(np.sort(shuffled.window_devices[:]), np.sort(ordered.window_devices[:]))
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_the_compressor_is_an_option_and_recorded(parquet_source, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Format 1's window compressor (format 2, the default, has one layout and refuses the option)."""
     directory, _ = parquet_source
@@ -172,7 +174,9 @@ def test_the_compressor_is_an_option_and_recorded(parquet_source, tmp_path) -> N
 
 
 @pytest.mark.parametrize(
-    ("n", "groups"), [(0, 1), (1, 1), (7, 3), (4000, 200), (163_840, 186), (163_840, 8192), (1_000_000, 8192)]
+    ("n", "groups"),
+    [(0, 1), (1, 1), (7, 3), (4000, 200), (163_840, 186), (163_840, 8192),
+     pytest.param(1_000_000, 8192, marks=pytest.mark.slow)],  # over 0.2 s of CPU: not in the fast loop
 )
 def test_gdict16_sorted_distinct_is_np_unique(n: int, groups: int) -> None:
     """The shuffled chunks' sort (position packed below the key) gives exactly np.unique's
@@ -189,6 +193,7 @@ def test_gdict16_sorted_distinct_is_np_unique(n: int, groups: int) -> None:
     np.testing.assert_array_equal(inverse, expected_inverse.reshape(-1))
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_the_second_pass_progress_bar_ends_full(
     parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]],
     tmp_path: pathlib.Path,
@@ -207,6 +212,7 @@ def test_the_second_pass_progress_bar_ends_full(
 
 
 @pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_each_window_is_hashed_once(
     parquet_source, tmp_path, monkeypatch: pytest.MonkeyPatch, workers: int  # type: ignore[no-untyped-def]
 ) -> None:

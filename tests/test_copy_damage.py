@@ -33,6 +33,7 @@ def _refusal(src: pathlib.Path, dest: object, first: str, why: str, missing: int
 FAILS_CRC = "fails its CRC-32C (its bytes were changed or truncated)"
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_a_missing_committed_chunk_is_not_copied_as_verified(
     store_copy: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -84,6 +85,7 @@ def test_a_changed_chunk_is_refused_and_not_written(
     assert birdzarr.verify(dest).ok
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_uncommitted_leftovers_are_copied_unchecked(store_copy: pathlib.Path, tmp_path: pathlib.Path) -> None:
     """A cut-short chunk file past the committed count (a killed writer's leftover, which verify
     lists as a note) is no reason to refuse: readers never see it."""

@@ -432,6 +432,7 @@ def _plotted_times(fig: Any) -> np.ndarray:
     return np.array([np.datetime64(mdates.num2date(d).replace(tzinfo=None), "s") for d in days])
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_plot_device_samples_a_shuffled_store_in_time_order(months_case) -> None:  # type: ignore[no-untyped-def]
     """Windows are spread over the device's burst times, not its stored order: a shuffled store
     gives the same plot as the device-ordered one, first and last burst included, no false gap."""
@@ -446,6 +447,7 @@ def test_plot_device_samples_a_shuffled_store_in_time_order(months_case) -> None
         assert f"{times[0]}".replace("T", " ") in fig.get_suptitle()
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_plot_device_date_ticks_over_months_name_every_month_and_the_year_once(months_case) -> None:  # type: ignore[no-untyped-def]
     fig = months_case[1].plot_device(300, max_windows=100)
     fig.canvas.draw()
@@ -592,6 +594,7 @@ def test_cli_plot_label_names(csv_case, tmp_path: pathlib.Path, capsys) -> None:
 # -- statistics ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_stats_equal_numpy(parquet_case) -> None:  # type: ignore[no-untyped-def]
     store, truth = parquet_case
     stats = store.stats(progress=False, cache=False, persist=False)
@@ -610,6 +613,7 @@ def test_stats_equal_numpy(parquet_case) -> None:  # type: ignore[no-untyped-def
     assert stats.gps_scale == GPS_SCALE
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_stats_plot_counts_in_physical_units_with_one_legend(parquet_case) -> None:  # type: ignore[no-untyped-def]
     store, _ = parquet_case
     stats = store.stats(progress=False, cache=False, persist=False)
@@ -647,6 +651,7 @@ def _files(store: birdzarr.Store) -> dict[str, tuple[int, int]]:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_stats_are_cached_on_this_machine_never_in_the_store(parquet_case, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("BIRDZARR_CACHE_DIR", str(tmp_path / "cache"))
     store = copy_of(parquet_case[0], tmp_path)

@@ -114,6 +114,7 @@ def test_gps_speed_with_over_65535_distinct_values_needs_no_split() -> None:
     assert encoded.new.n_rows == 1
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_many_small_devices_in_shuffled_order() -> None:
     rng = np.random.default_rng(9)
     sizes = rng.integers(1, 6, 3000)
@@ -204,6 +205,7 @@ def test_unique_matches_numpy() -> None:
 
 
 @pytest.mark.parametrize("shuffled", [False, True])
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_slabs_of_devices_code_as_one_table_does(monkeypatch: pytest.MonkeyPatch, shuffled: bool) -> None:
     sizes = np.random.default_rng(4).integers(1, 40, 200)
     windows = np.concatenate([calibrated(int(n), seed=2000 + i) for i, n in enumerate(sizes)])
@@ -319,6 +321,7 @@ ARRAY_ATTRIBUTES = {
 
 
 @pytest.mark.parametrize("shuffle", [False, True], ids=["device", "shuffled"])
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_a_converted_store_names_each_array_and_its_units(
     parquet_source: tuple[Path, dict[int, np.ndarray]], tmp_path: Path, shuffle: bool,
 ) -> None:

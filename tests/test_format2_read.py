@@ -58,6 +58,7 @@ def assert_cannot_decode(store: birdzarr.Store, read: Callable[[birdzarr.Store],
         "`birdzarr verify`.")
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_every_read_path_gives_the_version_1_windows_bit_for_bit(pair: Pair) -> None:
     v1, v2 = pair
     assert (v2.format_version, v2.reader.format_version, v1.reader.format_version) == (2, 2, 1)
@@ -138,6 +139,7 @@ def test_a_reader_pickles_with_its_dictionaries(v2_pair: Pair) -> None:
     assert_exact(copied.read(GIMU, 3), v1.reader.read(GIMU, 3))
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_the_chunk_cache_serves_a_version_2_store(v2_pair: Pair, tmp_path: Path) -> None:
     v1, v2 = v2_pair
     cached = birdzarr.open_store(v2.location.path, cache_dir=tmp_path / "cache")
@@ -269,6 +271,7 @@ def test_info_shows_format_2_and_the_stored_arrays(v2_pair: Pair, capsys: pytest
     assert json.loads(capsys.readouterr().out)["bytes_arrays"] == arrays
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_the_xarray_view_is_the_version_1_view(pair: Pair) -> None:
     pytest.importorskip("xarray")
     v1, v2 = pair
@@ -288,6 +291,7 @@ def test_the_xarray_view_is_the_version_1_view(pair: Pair) -> None:
     assert (a.attrs["birdzarr_format_version"], b.attrs["birdzarr_format_version"]) == (1, 2)
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_statistics_are_the_version_1_statistics(v2_pair: Pair) -> None:
     import dataclasses
 
@@ -298,6 +302,7 @@ def test_statistics_are_the_version_1_statistics(v2_pair: Pair) -> None:
         assert np.array_equal(got, expected), field.name
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_dictionary_rows_past_the_commit_are_not_read(v2_pair: Pair, tmp_path: Path) -> None:
     """An interrupted append leaves the dictionary arrays longer than the commit counts
     (committed.dictionary): readers use the committed rows and entries only."""
@@ -328,6 +333,7 @@ def test_dictionary_rows_past_the_commit_are_not_read(v2_pair: Pair, tmp_path: P
         "the commit counts 20). The store is damaged; run `birdzarr verify`.")
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_a_store_the_converter_writes_in_format_2_reads_as_its_format_1_twin(
     parquet_source: Any, small_store_v1: birdzarr.Store, tmp_path: Path,
 ) -> None:

@@ -42,7 +42,10 @@ def _shuffled(n_devices: int, per_device: int, seed: int) -> tuple[np.ndarray, n
     return np.ascontiguousarray(windows[order]), devices[order]
 
 
-@pytest.mark.parametrize(("n_devices", "per_device"), [(1, 50), (5, 400), (40, 205), (300, 30)])
+@pytest.mark.parametrize(("n_devices", "per_device"), [
+    (1, 50), (5, 400), (40, 205),
+    pytest.param(300, 30, marks=pytest.mark.slow),  # over 0.2 s of CPU: not in the fast loop
+])
 def test_chunks_are_the_reference_bytes(n_devices: int, per_device: int) -> None:
     windows, devices = _shuffled(n_devices, per_device, seed=n_devices)
     table, codes = _coded(windows, devices)
@@ -82,6 +85,7 @@ def test_special_bit_patterns_and_a_device_numbered_like_the_padding() -> None:
     assert table.encode(codes, devices, 256) == encode_gdict16(padded, groups)
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_a_group_with_too_many_values_makes_the_chunk_raw_as_the_reference() -> None:
     """A device with more than 65,535 distinct values in a chunk: the whole chunk is raw floats;
     its dictionary of 72,000 entries needs uint32 codes."""
@@ -121,6 +125,7 @@ def test_device_coder_widens_its_codes_beyond_65536_values() -> None:
     assert np.array_equal(coder.known[0][codes[0]], values.view(np.uint32)[:, :, 0])
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_shuffled_store_chunks_are_what_the_reference_encoder_writes(
     parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]], tmp_path: pathlib.Path,
     monkeypatch: pytest.MonkeyPatch,

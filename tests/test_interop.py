@@ -102,6 +102,7 @@ def test_tensorstore_reads_a_standard_store_from_s3(
 
 @pytest.mark.parametrize("codec", ["dict16", "standard"])
 @pytest.mark.filterwarnings("error")
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_xarray_opens_the_store(
     codec: str, small_store_v1: birdzarr.Store, standard_store: birdzarr.Store, csv_store: birdzarr.Store
 ) -> None:

@@ -156,6 +156,7 @@ def test_the_lock_on_an_object_store_filesystem(source: pathlib.Path) -> None:
     StoreLock(location, "third").acquire().release()
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_no_secret_reaches_the_store_or_the_lock(source: pathlib.Path, tmp_path: pathlib.Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     secret = "S3CR3T-do-not-store-9f8e7d"

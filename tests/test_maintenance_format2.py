@@ -97,6 +97,7 @@ def _sizes(path: pathlib.Path) -> np.ndarray:
 # -- verify ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_an_intact_format2_store_verifies_against_its_source(
     v2_store: pathlib.Path, parquet_source: tuple[pathlib.Path, dict], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -173,6 +174,7 @@ def test_verify_finds_a_window_coded_with_another_devices_row(v2: pathlib.Path) 
     assert len(result.problems) == 2
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_a_converted_format2_store_verifies_and_copies_in_either_order(
     converted_v2: pathlib.Path, parquet_source: tuple[pathlib.Path, dict], tmp_path: pathlib.Path
 ) -> None:
@@ -185,6 +187,7 @@ def test_a_converted_format2_store_verifies_and_copies_in_either_order(
     assert verify(dest, source=parquet_source[0]).ok
 
 
+@pytest.mark.slow  # over 0.2 s of CPU with its module fixture (two conversions): not in the fast loop
 def test_verify_says_once_that_damaged_dictionaries_stop_every_check(
     converted_copy: pathlib.Path, parquet_source: tuple[pathlib.Path, dict]
 ) -> None:
@@ -202,6 +205,7 @@ def test_verify_says_once_that_damaged_dictionaries_stop_every_check(
     assert result.devices_compared == 0
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_verify_and_copy_check_the_device_table_arrays(
     converted_copy: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
@@ -220,6 +224,7 @@ def test_verify_and_copy_check_the_device_table_arrays(
         birdzarr.copy(path, tmp_path / "dest.zarr", progress=False)
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_verify_finds_a_device_table_index_that_disagrees_with_its_entries(
     converted_copy: pathlib.Path
 ) -> None:
@@ -237,6 +242,7 @@ def test_verify_finds_a_device_table_index_that_disagrees_with_its_entries(
 # -- copy --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_copy_of_a_format2_store_copies_every_array(v2_store: pathlib.Path, tmp_path: pathlib.Path) -> None:
     dest = tmp_path / "dest.zarr"
     result = birdzarr.copy(v2_store, dest, progress=False)
@@ -369,6 +375,7 @@ def _source_with(parquet_source: tuple[pathlib.Path, dict], tmp_path: pathlib.Pa
     return source
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_repair_refuses_a_window_no_row_of_its_device_holds(
     v2: pathlib.Path, v2_store: pathlib.Path, parquet_source: tuple[pathlib.Path, dict],
     tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str],
@@ -397,6 +404,7 @@ def test_repair_refuses_a_window_no_row_of_its_device_holds(
         "was changed.")
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_repair_refuses_a_source_whose_windows_differ_from_the_checksums(
     v2: pathlib.Path, parquet_source: tuple[pathlib.Path, dict], tmp_path: pathlib.Path
 ) -> None:
@@ -474,6 +482,7 @@ def test_repair_chooses_the_first_row_of_the_device_holding_all_values(
     assert verify(path, source=parquet_source[0]).ok
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_repair_rebuilds_chunks_of_either_order_as_the_converter_wrote_them(
     converted_v2: pathlib.Path, converted_copy: pathlib.Path, parquet_source: tuple[pathlib.Path, dict]
 ) -> None:
@@ -493,6 +502,7 @@ def test_repair_rebuilds_chunks_of_either_order_as_the_converter_wrote_them(
     assert _objects(path) == _objects(converted_v2)  # in a shuffled store too: each window in its place
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_repair_of_a_shuffled_store_places_windows_nothing_tells_apart_in_source_order(
     converted_v2: pathlib.Path, converted_copy: pathlib.Path, parquet_source: tuple[pathlib.Path, dict]
 ) -> None:
@@ -524,6 +534,7 @@ def test_repair_of_a_shuffled_store_places_windows_nothing_tells_apart_in_source
     assert int(notes[0].split(" ")[0].replace(",", "")) >= int(moved.any(axis=(1, 2)).sum()) > 0
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_repair_refuses_a_source_that_fails_the_recorded_checksum_or_digest(
     converted_copy: pathlib.Path, parquet_source: tuple[pathlib.Path, dict], tmp_path: pathlib.Path
 ) -> None:
@@ -555,6 +566,7 @@ def test_repair_refuses_a_source_that_fails_the_recorded_checksum_or_digest(
     assert _objects(path) == before
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_verify_names_and_repair_removes_what_an_interrupted_format2_append_leaves(
     converted_copy: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:

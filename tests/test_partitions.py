@@ -141,6 +141,7 @@ def test_shuffled_partition_store_holds_the_per_device_windows(
     assert_same_windows_store(tmp_path / "per_device.zarr", tmp_path / "partitions.zarr")
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_a_device_named_file_with_other_devices_is_refused(
     tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -204,6 +205,7 @@ def test_partition_files_need_a_device_id_column(tmp_path: pathlib.Path) -> None
         birdzarr.convert(source, tmp_path / "s.zarr", progress=False)
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_hive_folders_are_devices(layouts: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
     hive = tmp_path / "hive"
     for file in sorted(layouts["per_device"].iterdir()):
@@ -226,6 +228,7 @@ def test_hive_folders_are_devices(layouts: dict[str, pathlib.Path], tmp_path: pa
 # -- several sources ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_several_csv_sources_equal_one_directory(tmp_path: pathlib.Path) -> None:
     whole = tmp_path / "whole"
     _synthetic.make_csv_dir(whole, n_devices=3, bursts_per_device=30, parts=4, seed=2)
@@ -283,6 +286,7 @@ def test_partition_files_across_sources(layouts: dict[str, pathlib.Path], tmp_pa
     assert_same_windows_store(tmp_path / "one.zarr", tmp_path / "two.zarr")
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_a_bad_row_of_a_partition_file_is_its_own_devices(tmp_path: pathlib.Path) -> None:
     source = tmp_path / "src"
     source.mkdir()

@@ -64,6 +64,7 @@ def test_a_dataset_option_is_read_from_its_config(name: str, small_store: birdza
     assert {"batch_size": 500, "shuffle": False, "seed": 4, "with_ldt": True}.get(name, value) == value
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_copy_names_the_source_options_source_storage_options(
     small_store: birdzarr.Store, tmp_path: pathlib.Path
 ) -> None:
@@ -98,6 +99,7 @@ def test_repair_returns_a_repair_result() -> None:
 
 # -- one rendering method -------------------------------------------------------------------------
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_every_result_renders_with_format_and_str(
     small_store: birdzarr.Store, store_copy: pathlib.Path, tmp_path: pathlib.Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -124,6 +126,7 @@ def test_every_result_renders_with_format_and_str(
     assert caught[0].filename == __file__
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_the_copy_command_prints_the_result_format(
     small_store: birdzarr.Store, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

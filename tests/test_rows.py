@@ -106,6 +106,7 @@ def test_seeded_rows_and_mixed_blocks_code_each_device_against_its_row() -> None
     assert_exact(decode_all(codes, rows, mixed[order], d), mixed[order])
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_the_seeded_fast_path_codes_as_the_device_by_device_path() -> None:
     """code_mixed's vectorised path (every device seeded with sorted entries) gives the codes and
     rows of coding each device on its own; a value a row lacks, or unsorted seeds, take the
@@ -245,6 +246,7 @@ def test_an_append_coded_at_once_equals_the_device_by_device_append() -> None:
     assert_same_coders(at_once, reference)
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_random_slabs_of_devices_code_as_device_by_device() -> None:
     """Random devices (ids repeated, out of order, some coming back after others), random run
     lengths and random slab cuts, some devices closed between slabs, on a new store and on an

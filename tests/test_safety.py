@@ -93,6 +93,7 @@ def test_dest_inside_or_equal_to_source_is_refused(csv_source: pathlib.Path) -> 
     assert sorted(p.name for p in csv_source.iterdir()) == ["500_0.csv", "500_1.csv"]
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_overwrite_replaces_a_store_but_not_a_store_with_other_files(
     csv_source: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
@@ -128,6 +129,7 @@ def test_copy_refuses_foreign_destinations_and_its_own_source(
     assert afile.read_text() == "x" and (notes / "a.txt").read_text() == "a"
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_copy_takes_the_destination_lock(csv_source: pathlib.Path, tmp_path: pathlib.Path) -> None:
     from birdzarr.maintenance._copy import copy_store
 
@@ -216,6 +218,7 @@ def test_an_overwrite_with_bad_input_keeps_the_old_store(
 
 
 @pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "entry-moves"])
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_local_overwrite_swap_keeps_dest_locked_or_committed(
     csv_source: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, exchange: bool
 ) -> None:
@@ -264,6 +267,7 @@ def test_unknown_files_are_named_or_skipped_on_request(
     assert len(store) == 6 and store.meta["skipped_files"] == [".DS_Store", "500_2.txt"]
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_compressed_and_upper_case_parts_are_read(tmp_path: pathlib.Path) -> None:
     src = tmp_path / "src"
     src.mkdir()
@@ -307,6 +311,7 @@ def test_a_damaged_gzip_names_the_file(tmp_path: pathlib.Path) -> None:
 # -- 5. duplicates counted and warned; no 0-window store -------------------------------------------
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_a_renamed_duplicate_part_is_counted_and_warned(
     csv_source: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
@@ -322,6 +327,7 @@ def test_a_renamed_duplicate_part_is_counted_and_warned(
     assert store.meta["report"]["appends"][-1]["duplicate_windows"] == {"500": 3}
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_duplicate_rows_in_a_conversion_are_counted(tmp_path: pathlib.Path) -> None:
     src = tmp_path / "src"
     src.mkdir()
@@ -586,6 +592,7 @@ def test_verify_source_of_a_shuffled_store_reads_each_chunk_once(
 # -- 10. repair names and removes what a kill leaves ------------------------------------------------
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_repair_removes_a_killed_overwrites_sibling_and_names_shuffle_spills(
     csv_source: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -615,6 +622,7 @@ def test_dead_code_is_gone() -> None:
     assert not hasattr(_lock, "lock_info") and not hasattr(_storage, "remove_tree")
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_a_concurrent_convert_waits_for_nobody(csv_source: pathlib.Path, tmp_path: pathlib.Path) -> None:
     """Two --overwrite conversions of the same store: one wins, the other is refused by the lock
     or replaces it after; the store is always complete."""

@@ -113,6 +113,7 @@ def test_splits_stay_put_when_a_season_is_appended_and_when_reconverted_shuffled
             assert all(len(sides) == 1 for sides in by_device.values())
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_a_side_is_a_function_of_the_seed_and_the_identity_alone() -> None:
     ids = np.arange(100_000, 140_000)
     in_val = device_in_val(ids, val_fraction=0.2, split_seed=7)
@@ -132,6 +133,7 @@ def test_a_side_is_a_function_of_the_seed_and_the_identity_alone() -> None:
     assert np.array_equal(again, sides[order])
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_a_split_that_leaves_a_side_without_devices_says_so(seasons: dict[str, pathlib.Path],
                                                              tmp_path: pathlib.Path) -> None:
     store = birdzarr.convert(seasons["s1"], tmp_path / "a.zarr", chunk_windows=CHUNK, progress=False)

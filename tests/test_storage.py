@@ -37,6 +37,7 @@ def test_paths_and_file_urls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert resolve("memory://bucket/m.zarr").protocol == "memory"
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_s3_defaults_and_chains_keep_user_options() -> None:
     plain = resolve("s3://bucket/store.zarr", {"anon": True})
     assert plain.fs.max_concurrency == 1  # no HEAD before each GET
@@ -120,6 +121,7 @@ _OBJECTS = 3
 _DICTIONARIES = 3
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_copy_skips_lock_and_resumes_a_torn_local_copy(small_store: birdzarr.Store, tmp_path: Path) -> None:
     dest = tmp_path / "copy.zarr"
     copy_store(small_store.location, dest, progress=False)
@@ -143,6 +145,7 @@ def test_http_locations_are_read_only() -> None:
     assert isinstance(ReadOnlyLocationError("x"), PermissionError)
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_cache_cap_and_commit_namespaces(small_store: birdzarr.Store, tmp_path: Path) -> None:
     codes = Path(small_store.location.path, "gimu_codes")
     sizes = sorted(os.path.getsize(p) for p in codes.rglob("0") if p.is_file())
@@ -165,6 +168,7 @@ def test_cache_cap_and_commit_namespaces(small_store: birdzarr.Store, tmp_path: 
     assert newer.used_bytes == 0
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_open_store_reads_through_a_local_chunk_cache(small_store: birdzarr.Store, tmp_path: Path) -> None:
     """The chunk cache is an option of open_store (issue 34); attach_cache, which changed an
     opened handle, still works for one release and warns."""

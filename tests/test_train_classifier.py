@@ -240,6 +240,7 @@ def test_classifier_balanced_draws_every_label_equally_and_learns(
     assert epochs[-1]["validation"]["balanced_accuracy"] > 0.8
 
 
+@pytest.mark.slow  # with its module fixture (a labelled conversion) over 0.2 s of CPU: not in the fast loop
 def test_classifier_balanced_without_resident_exits_2_with_one_line(
     labelled_store: birdzarr.Store, tmp_path: pathlib.Path
 ) -> None:

@@ -37,6 +37,7 @@ def _swap_windows(store: pathlib.Path, i: int, j: int) -> None:
         b.write_bytes(data_a)
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_a_clean_store_verifies(store_copy: pathlib.Path, parquet_source: tuple[pathlib.Path, dict]) -> None:
     result = verify(store_copy, source=parquet_source[0])
     assert result.ok, result.format()
@@ -112,6 +113,7 @@ def test_wrong_device_ids_and_an_inconsistent_table(store_copy: pathlib.Path) ->
     assert "add up to" in text
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_an_array_shorter_than_the_committed_count_is_damage(store_copy: pathlib.Path) -> None:
     """An array cut short in its zarr.json (a re-run append left its per-window arrays at the
     previous commit's shape): zarr-python and TensorStore miss the last windows. verify called it
@@ -148,6 +150,7 @@ def _changed_source(
     return source, device, windows
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_verify_against_changed_sources(store_copy: pathlib.Path, tmp_path: pathlib.Path,
                                         parquet_source: tuple[pathlib.Path, dict]) -> None:
     source, device, windows = _changed_source(parquet_source, tmp_path, 2, (7, 3, 1), 0.5)
@@ -161,6 +164,7 @@ def test_verify_against_changed_sources(store_copy: pathlib.Path, tmp_path: path
     assert "device 99999 is in" in text
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_cli_verify_exit_status_and_listing(
     store_copy: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -270,6 +274,7 @@ def test_a_source_of_the_other_kind_is_refused(
     assert capsys.readouterr().err == f"birdzarr verify: error: {expected}\n"
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_entries_skipped_at_conversion_are_skipped_again_and_only_those(tmp_path: pathlib.Path) -> None:
     source = tmp_path / "src"
     _synthetic.make_parquet_dir(source, n_devices=3, total_windows=3000, seed=5)
