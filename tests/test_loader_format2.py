@@ -330,3 +330,76 @@ def test_a_selection_decodes_only_its_windows_and_streams_the_version1_batches(
     assert np.array_equal(loaded.ldt["device"][loaded.rows], _array(v2, "device")[wanted])
     assert np.array_equal(loaded.ldt["timestamp"][loaded.rows], _array(v2, "timestamp")[wanted])
     assert np.array_equal(loaded.ldt["label"][loaded.rows], _array(v2, "label")[wanted])
+
+
+@pytest.mark.parametrize("order", ["device", "shuffled"])
+def test_the_host_decode_equals_the_torch_ops_and_the_store(
+    stores: dict[str, tuple[str, str]], order: str
+) -> None:
+    """``HeldCodes.decode_host`` (numpy, what DataLoader workers and the training process run with
+    resident='cpu') gives the torch ops' values (``decode``, what a GPU runs) and the store's, bit
+    for bit: rows in random order, into a new array, into a strided ``out``, and no rows."""
+    v1, v2 = stores[order]
+    held = _dataset(v2, resident="cpu").resident
+    assert held is not None and held.coded is not None
+    rows = np.random.default_rng(4).permutation(len(held))[:1300]
+    expected = birdzarr.open_store(v1).windows[held.global_index[rows]].view(np.uint32)
+    assert np.array_equal(held.coded.decode(torch.from_numpy(rows)).numpy().view(np.uint32), expected)
+    assert np.array_equal(held.coded.decode_host(rows).view(np.uint32), expected)
+    wide = np.zeros((len(rows), 20, 6), np.float32)  # out not C-contiguous: decoded, then copied in
+    assert held.coded.decode_host(rows, out=wide[:, :, 1:5]) is not None
+    assert np.array_equal(wide[:, :, 1:5].view(np.uint32), expected)
+    assert not wide[:, :, [0, 5]].any()
+    assert held.coded.decode_host(rows[:0]).shape == (0, 20, 4)
+
+
+def test_the_host_decode_groups_windows_of_more_than_65536_dictionary_rows() -> None:
+    """Past 2**16 dictionary rows the windows are grouped by a sort of the int32 rows instead of
+    the 16-bit radix sort: the same values as the torch ops and the documented lookup."""
+    from birdzarr.loader._resident import CODE_BIAS, HeldCodes
+
+    rng = np.random.default_rng(2)
+    n_rows, n, sizes = 70_000, 3000, np.array([2, 3, 4])
+    start = (np.arange(n_rows)[:, None] * sizes.sum() + np.r_[0, np.cumsum(sizes)[:-1]]).astype(np.int64)
+    values = rng.standard_normal(n_rows * int(sizes.sum())).astype(np.float32)
+    row = rng.integers(0, n_rows, n).astype(np.int32)
+    row[:2] = [n_rows - 1, 65_536]  # rows whose numbers need more than 16 bits
+    codes = (rng.integers(0, 2**16, (n, 20, 3)) % sizes).astype(np.uint16)
+    gps = rng.standard_normal(n).astype(np.float32)
+    held = HeldCodes(torch.from_numpy((codes ^ np.uint16(CODE_BIAS)).view(np.int16)), torch.from_numpy(gps),
+                     torch.from_numpy(row), torch.from_numpy(values),
+                     torch.from_numpy(np.tile((start + CODE_BIAS).astype(np.int32), (1, 20))))
+    expected = np.empty((n, 20, 4), np.float32)
+    expected[:, :, :3] = values[start[row][:, None, :] + codes]
+    expected[:, :, 3] = gps[:, None]
+    picked = rng.permutation(n)
+    assert np.array_equal(held.decode_host(picked).view(np.uint32), expected[picked].view(np.uint32))
+    assert np.array_equal(held.decode(torch.from_numpy(picked)).numpy().view(np.uint32),
+                          expected[picked].view(np.uint32))
+
+
+def test_a_resident_selection_reads_only_its_windows_of_each_chunk(
+    stores: dict[str, tuple[str, str]],
+) -> None:
+    """A device subset of a shuffled store keeps part of every chunk: loading gathers only those
+    windows from each decompressed chunk (``read_coded(chunk, selected)``, the same codes, rows and
+    gps_speed as the whole chunk's at those positions), and the batches are the version-1 store's."""
+    v1, v2 = stores["shuffled"]
+    store = birdzarr.open_store(v2)
+    devices = np.unique(store.window_devices[:])[::3].tolist()
+    reader = store.reader
+    for chunk in (0, reader.n_chunks - 1):
+        first, stop = reader.chunk_span(chunk)
+        selected = np.flatnonzero(np.isin(store.window_devices[first:stop], devices))
+        assert 0 < len(selected) < stop - first
+        whole = reader.read_coded(chunk)
+        part = reader.read_coded(chunk, selected)
+        for got, full in zip(part, whole, strict=True):
+            assert np.array_equal(got, full[selected])
+    ds = _dataset(v2, resident="cpu", devices=devices)
+    held = ds.resident
+    assert held is not None and held.coded is not None
+    kept = np.flatnonzero(np.isin(store.window_devices[:], devices))
+    assert np.array_equal(np.sort(held.global_index), kept)
+    expected = _epochs(_dataset(v1, resident="cpu", devices=devices), (0,), workers=0)
+    _same(_epochs(ds, (0,), workers=0), expected)

@@ -12,8 +12,9 @@ uint16 codes (120 B a window), the dictionary row of each window (4 B), gps_spee
 (4 B; 80 B where some window's gps_speed varies, found while loading as for dict16): 128 B a
 window, 0.40x float32 (204 B, 0.64x, with varying gps_speed); plus the dictionary rows the
 selection uses (4 B an entry, 240 B a row: 5.8 MiB for the loader benchmark's 186 devices).
-They are decoded inside the gather as ``values[start[row, c] + code]`` by torch ops only, the
-same code on the host and on a GPU. Any other store, or ``codes=False``, is held as
+They are decoded inside the gather as ``values[start[row, c] + code]``: by torch ops on a GPU
+(``HeldCodes.decode``), by numpy on the host (``HeldCodes.decode_host``, the windows grouped by
+dictionary row for the lookup). Any other store, or ``codes=False``, is held as
 float32 (320 B a window). ``ldt`` adds 16 B a window. The bytes needed are checked against what
 the device (free GPU memory) or the process (cgroup limit, available RAM, /dev/shm) can give
 before anything is allocated.
@@ -28,6 +29,7 @@ of their rank, so the order does not depend on ``num_workers``.
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -77,6 +79,12 @@ CODE_BIAS = 2**15
 # Windows a host decode takes at once in a process with several torch threads: 60 codes a
 # window stay below torch's parallel grain (at::internal::GRAIN_SIZE, 32,768 elements)
 _HOST_SLICE = 512
+# A host decode's lookups go through torch.index_select (int32 indices, no int64 copy as np.take
+# makes) this many at a time: below torch's parallel grain, as _HOST_SLICE
+_LOOKUP_SLICE = _HOST_SLICE * WINDOW_LENGTH * 3
+# The 12 bytes of a sample's three coded channels (imu x, y, z) as one item, so that a copy into
+# the batch's (n, 20, 4) float32 array moves a sample's three values at once
+_SAMPLE_CODED = np.dtype((np.void, 4 * 3))
 
 
 @dataclass(frozen=True)
@@ -85,9 +93,11 @@ class HeldCodes:
     dictionary row and gps_speed, and the dictionary rows the selection uses, renumbered.
 
     ``decode`` is the documented decode, ``x[:, :, c] = values[start[row, c] + codes[:, :, c]]``
-    and channel 3 = gps_speed, in torch ops (``index_select``, an add, copies), so the host and a
-    GPU run the same code. Bytes a window: 120 (codes) + 4 (row) + 4 (gps_speed once a window) or
-    80 (in every sample); and 4 an entry plus 240 a row for the dictionaries."""
+    and channel 3 = gps_speed, in torch ops (``index_select``, an add, copies), as a GPU runs it;
+    ``decode_host`` gives the same values with numpy on the host (DataLoader workers and the
+    training process with ``resident="cpu"``). Bytes a window: 120 (codes) + 4 (row) + 4
+    (gps_speed once a window) or 80 (in every sample); and 4 an entry plus 240 a row for the
+    dictionaries."""
 
     codes: torch.Tensor  # int16 (n, 20, 3): code - CODE_BIAS
     gps: torch.Tensor  # float32 (n,) (one gps_speed a window) or (n, 20)
@@ -135,6 +145,52 @@ class HeldCodes:
         out[:, :, : _v2.N_CODED] = self.values.index_select(0, index.view(-1)).view(n, WINDOW_LENGTH, -1)
         gps = self.gps.index_select(0, rows)
         out[:, :, _v2.N_CODED] = gps if gps.dim() == 2 else gps.unsqueeze(1)
+
+    def decode_host(self, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """``decode`` on the host, with numpy: the float32 windows ``(len(rows), 20, 4)`` of the
+        held ``rows`` (int64), into ``out`` (C-contiguous) where given. The same values, bit for bit.
+
+        The batch's windows are taken grouped by dictionary row (a stable radix sort of their
+        rows), so that the lookups of one device's windows follow one another inside its few tens
+        of KB of dictionary instead of jumping across all the held rows' entries; the looked-up
+        values are then put back in the batch's order and copied into ``out`` a sample's three
+        values at a time, and gps_speed written beside them. Each step is one numpy call over
+        the batch (the lookup: ``torch.index_select``, ``_LOOKUP_SLICE`` indices a call, so that
+        it never wakes torch's intra-op threads); the temporaries are kept per thread.
+        ``python benchmarks/resident_decode.py`` times it against ``decode``."""
+        n = len(rows)
+        if out is None:
+            out = np.empty((n, WINDOW_LENGTH, N_CHANNELS), np.float32)
+        if not out.flags.c_contiguous:  # the sample-wide copy below needs out's own memory
+            out[...] = self.decode_host(rows)
+            return out
+        if n == 0:
+            return out
+        row = np.take(self.row.numpy(), rows)
+        offsets = self.offsets.numpy()
+        # radix sort (stable) where the row numbers fit 16 bits; windows of one row keep their order
+        order = np.argsort(row.astype(np.uint16) if len(offsets) <= 2**16 else row, kind="stable")
+        index = _scratch("index", (n, WINDOW_LENGTH * _v2.N_CODED), offsets.dtype)
+        np.take(offsets, np.take(row, order), axis=0, out=index, mode="clip")  # clip: out= unbuffered
+        held = self.codes.numpy().view()
+        held.shape = (len(held), index.shape[1])  # raises rather than copy the held codes
+        codes = _scratch("codes", index.shape, np.int16)
+        np.take(held, np.take(rows, order), axis=0, out=codes, mode="clip")
+        np.add(index, codes, out=index)  # int16 (code - CODE_BIAS) + offsets (start + CODE_BIAS)
+        looked_up = _scratch("looked_up", index.shape, np.float32)
+        flat_index, flat_values = torch.from_numpy(index.reshape(-1)), torch.from_numpy(looked_up.reshape(-1))
+        for first in range(0, flat_index.numel(), _LOOKUP_SLICE):
+            last = first + _LOOKUP_SLICE
+            torch.index_select(self.values, 0, flat_index[first:last], out=flat_values[first:last])
+        back = np.empty_like(order)  # where each window of the batch lies in the grouped order
+        back[order] = np.arange(n)
+        in_order = np.take(looked_up, back, axis=0, out=_scratch("in_order", index.shape, np.float32),
+                           mode="clip")
+        samples = out.view(np.uint8).reshape(n, WINDOW_LENGTH, 4 * N_CHANNELS)[:, :, : 4 * _v2.N_CODED]
+        samples.view(_SAMPLE_CODED)[..., 0] = in_order.view(_SAMPLE_CODED).reshape(n, WINDOW_LENGTH)
+        gps = self.gps.numpy()
+        out[:, :, _v2.N_CODED] = np.take(gps, rows, axis=0) if gps.ndim == 2 else np.take(gps, rows)[:, None]
+        return out
 
 
 def memory_limit() -> tuple[int, str]:
@@ -289,14 +345,15 @@ class ResidentSelection:
 
         def load_one(i: int) -> int:
             chunk, rows = keep[i]
-            local = rows - reader.chunk_span(chunk)[0]
+            first, stop = reader.chunk_span(chunk)
+            local = rows - first
             at = slice(int(starts[i]), int(starts[i + 1]))
-            chunk_codes, chunk_row, chunk_gps = reader.read_coded(chunk)
-            held = codes_np[at].view(np.uint16)
-            np.take(chunk_codes, local, axis=0, out=held)
-            np.bitwise_xor(held, np.uint16(CODE_BIAS), out=held)  # code - CODE_BIAS, as int16
-            row_np[at] = chunk_row[local]  # below 2**31: checked against the row count above
-            speeds = np.take(chunk_gps, local, axis=0)
+            # only the selected windows are gathered from the decompressed chunk (and checked)
+            selected = None if len(rows) == stop - first else local
+            chunk_codes, chunk_row, speeds = reader.read_coded(chunk, selected)
+            # code - CODE_BIAS as int16, written straight into the held codes
+            np.bitwise_xor(chunk_codes, np.uint16(CODE_BIAS), out=codes_np[at].view(np.uint16))
+            row_np[at] = chunk_row  # below 2**31: checked against the row count above
             if once:
                 if not constant_rows(speeds.view(np.uint32)):  # bit patterns: NaN and -0.0 too
                     raise _NotOnceAWindow
@@ -466,7 +523,7 @@ class ResidentSelection:
 
         def fill(x: np.ndarray, ldt: np.ndarray | None) -> None:
             if self.coded is not None:
-                self.coded.decode(torch.from_numpy(rows), out=torch.from_numpy(x))
+                self.coded.decode_host(rows, out=x)
             elif self.table is None:
                 np.take(self.x.numpy(), rows, axis=0, out=x, mode="clip")
             else:
@@ -577,6 +634,20 @@ class _NotCodable(Exception):
 
 class _NotOnceAWindow(Exception):
     """A window's gps_speed varies: hold all 80 codes a window."""
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """A temporary of this thread, reused from batch to batch (a fresh one page-faults every
+    batch); valid until this thread asks for ``name`` again."""
+    size = int(np.prod(shape))
+    held = getattr(_SCRATCH, name, None)
+    if held is None or held.dtype != dtype or len(held) < size:
+        held = np.empty(size, dtype)
+        setattr(_SCRATCH, name, held)
+    return held[:size].reshape(shape)
 
 
 def _host_empty(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Tensor:

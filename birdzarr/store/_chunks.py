@@ -419,12 +419,15 @@ class ChunkReader:
             out[: len(decoded)] = decoded
         return np.arange(len(decoded))
 
-    def read_coded(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def read_coded(self, index: int, selected: np.ndarray | None = None
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Chunk ``index`` of a version-2 store undecoded, trimmed to committed windows:
         ``(codes, row, gps)``, uint16 ``(n, 20, 3)``, uint32 ``(n,)``, float32 ``(n, 20)``, each
         new memory, every code checked against its dictionary (``dictionaries()`` decodes them).
-        ValueError on a version-1 store."""
-        codes, row, gps, _ = self._v2_chunk(index, owned=True)
+        ``selected`` (positions within the chunk): only those windows, gathered from the
+        decompressed chunk (codes then a view of channel-major memory), never a copy of the whole
+        chunk. ValueError on a version-1 store."""
+        codes, row, gps, _ = self._v2_chunk(index, owned=selected is None, selected=selected)
         return codes, row, gps
 
     def dictionaries(self) -> _v2.Dictionaries:
