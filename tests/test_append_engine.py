@@ -249,6 +249,37 @@ def test_a_failed_append_on_worker_processes_leaves_the_previous_commit(
     assert len(birdzarr.open_store(dest)) == len(before) + 900 + 1 + 410
 
 
+@pytest.mark.parametrize("engine", ["this thread", "processes"])
+def test_an_append_that_skips_committed_partition_files_reads_the_rest(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, engine: str
+) -> None:
+    """Partition files (a device_id column): the whole export appended to a store of its first
+    two files skips those (by name, per device) and appends the third, whose devices' rows in it
+    are not known from the listing (it counted every file's): they are read to be counted."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    windows = _synthetic.curated_windows(600, seed=3)
+    devices = np.random.default_rng(3).integers(1, 5, 600)
+    devices[550:] = 5  # a device only the third file holds
+    for name, rows in (("part-0", slice(0, 200)), ("part-1", slice(200, 400)), ("part-2", slice(400, 600))):
+        flat = pa.array(windows[rows].reshape(-1), type=pa.float32())
+        offsets = pa.array(np.arange(0, 200 * 80 + 1, 80, dtype=np.int32))
+        table = pa.table({"device_id": pa.array(devices[rows]),
+                          "gimu": pa.ListArray.from_arrays(offsets, flat)})
+        for season in (["s1", "all"] if name != "part-2" else ["all"]):
+            (tmp_path / season).mkdir(exist_ok=True)
+            pq.write_table(table, tmp_path / season / f"{name}.parquet", row_group_size=64)
+    dest = tmp_path / "s.zarr"
+    birdzarr.convert(tmp_path / "s1", dest, chunk_windows=CHUNK, progress=False)
+    result = _append_on(engine, monkeypatch, dest, tmp_path / "all", repeats=False)
+    assert result.windows_added == 200 and result.devices_added == [5]
+    assert result.skipped_files == ["part-0.parquet", "part-1.parquet"] * 4  # devices 1-4
+    whole = birdzarr.convert(tmp_path / "all", tmp_path / "whole.zarr", chunk_windows=CHUNK, progress=False)
+    for device in range(1, 6):
+        assert np.array_equal(result.store.device_windows(device), whole.device_windows(device)), device
+
+
 def test_client_must_be_a_dask_client(
     parquet_seasons: dict[str, pathlib.Path], tmp_path: pathlib.Path
 ) -> None:

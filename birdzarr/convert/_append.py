@@ -369,8 +369,11 @@ def plan_append(
         known = set(table[device.device_id].sources) if device.device_id in table else set()
         fresh = [f for f in device.files if file_name(f) not in known]
         skipped += [file_name(f) for f in device.files if file_name(f) in known]
-        if fresh:
-            work.append(DeviceSource(device.device_id, device.kind, fresh))
+        if len(fresh) == len(device.files):
+            work.append(device)  # as found: its rows in partition files counted
+        elif fresh:  # rows in its remaining partition files not known: counted by reading them
+            work.append(DeviceSource(device.device_id, device.kind, fresh,
+                                     partition_rows=None if device.partition_rows else 0))
     return work, skipped
 
 

@@ -81,7 +81,7 @@ def count_device(device: DeviceSource, curation: Curation, on_bad_rows: str) -> 
 def footer_count(device: DeviceSource, on_bad_rows: str) -> int | None:
     """The device's windows from its Parquet footers, or None where they do not give them exactly
     (CSV, ``on_bad_rows="skip"``, an unreadable footer: reading the device raises the proper error)."""
-    if device.kind != "parquet" or on_bad_rows != "error":
+    if device.kind != "parquet" or on_bad_rows != "error" or device.partition_rows is None:
         return None
     try:
         import pyarrow.parquet as pq

@@ -62,8 +62,9 @@ class DeviceSource:
     device_id: int
     kind: Kind
     files: list[Location] = field(default_factory=list)
-    # rows of this device in its partition files (their device_id columns, counted by find_inputs)
-    partition_rows: int = 0
+    # rows of this device in its partition files (their device_id columns, counted by find_inputs);
+    # None: not known (an append that skips some of them), the device is read to count them
+    partition_rows: int | None = 0
 
     def source_names(self) -> list[str]:
         """The names of its files, as the device table lists them (``sources``)."""
