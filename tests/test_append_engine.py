@@ -280,6 +280,32 @@ def test_an_append_that_skips_committed_partition_files_reads_the_rest(
         assert np.array_equal(result.store.device_windows(device), whole.device_windows(device)), device
 
 
+@pytest.mark.parametrize("engine", ["this thread", "processes"])
+def test_the_chunk_shared_with_the_commit_is_replaced_whole(
+    parquet_seasons: dict[str, pathlib.Path], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+    engine: str,
+) -> None:
+    """The last committed chunk, which the first new windows complete, is written to a new file
+    that replaces the old one (a reader of the commit reads the old file or the new one, never a
+    file being written): every array's file of that chunk is a new inode, its committed windows
+    unchanged."""
+    dest = tmp_path / "s.zarr"
+    birdzarr.convert(parquet_seasons["base"], dest, chunk_windows=CHUNK, progress=False)
+    before = birdzarr.open_store(dest)
+    chunk = len(before) // CHUNK
+    files = {name: dest / name / "c" / "/".join([str(chunk), *filter(None, tail.split("/"))])
+             for name, tail in {"gimu_codes": "0/0", "gps_speed": "0", "gimu_row": "", "device": "",
+                                "timestamp": "", "label": ""}.items()}
+    inodes = {name: path.stat().st_ino for name, path in files.items()}
+    committed = before.windows[chunk * CHUNK:]
+    _append_on(engine, monkeypatch, dest, parquet_seasons["new"], repeats=False)
+    assert {name: path.stat().st_ino for name, path in files.items()}.keys() == inodes.keys()
+    for name, path in files.items():
+        assert path.stat().st_ino != inodes[name], name
+    after = birdzarr.open_store(dest)
+    assert np.array_equal(after.windows[chunk * CHUNK : len(before)], committed)
+
+
 def test_client_must_be_a_dask_client(
     parquet_seasons: dict[str, pathlib.Path], tmp_path: pathlib.Path
 ) -> None:

@@ -433,6 +433,12 @@ class SegmentCollector:
         del self.waiting[part.chunk]
         parts.sort(key=lambda p: p.start)
         data = {name: np.concatenate([p.data[name] for p in parts]) for name in parts[0].data}
+        if self.append.shared is not None and part.chunk == self.append.shared.chunk:
+            # the chunk an append shares with the commit, which readers may be reading: through
+            # zarr, whose local writes replace a file whole (a temporary file, renamed)
+            for name, array in self.writer.slabs.arrays.items():
+                array[start:stop] = data[name]
+            return
         self.write_chunk(start, stop, data)
 
 
