@@ -685,18 +685,30 @@ class WindowDataset(IterableDataset[Batch]):
         following = dict(zip(pools, pools[1:], strict=False))
 
         def produce() -> Iterator[Batch | SharedBatch]:
-            for pool, in_pool in itertools.groupby(batches.tolist(), key=lambda b: int(plan.batch_pool[b])):
-                loaded = local.pool.load(plan.pools[pool], (plan.epoch, workers, pool))
-                if info is not None:  # decode the next pool while this one is served
-                    if pool in following:
-                        ahead = following[pool]
-                        local.pool.prefetch((plan.epoch, workers, ahead), plan.pools[ahead])
-                    else:
-                        self._prefetch_next_epoch(local, plan.epoch, info.id, workers)
+            grouped = itertools.groupby(batches.tolist(), key=lambda b: int(plan.batch_pool[b]))
+            for number, (pool, in_pool) in enumerate(grouped):
+                mine = list(in_pool)
                 order = plan.pool_order(pool)
-                for batch in in_pool:
+                # the iteration's first batch: decoded on its own ahead of its pool, unless the
+                # pool was prefetched (or holds that batch alone)
+                first = plan.batch_positions(mine[0], order) if number == 0 and len(mine) > 1 else None
+                loading = local.pool.start(plan.pools[pool], (plan.epoch, workers, pool), first)
+                early = loading.early()
+                if early is not None:
+                    yield local.sink(len(early[0]), _early_filler(early))
+                for batch in mine[0 if early is None else 1 :]:
+                    loaded = loading.wait()
                     rows = loaded.rows[plan.batch_positions(batch, order)]
-                    yield local.sink(len(rows), _pool_filler(loaded, rows))
+                    gathered = local.sink(len(rows), _pool_filler(loaded, rows))
+                    if batch == mine[0 if early is None else 1] and info is not None:
+                        # decode the next pool while this one is served, from its first batch
+                        # gathered from the pool on: started before, the decode would delay it
+                        if pool in following:
+                            ahead = following[pool]
+                            local.pool.prefetch((plan.epoch, workers, ahead), plan.pools[ahead])
+                        else:
+                            self._prefetch_next_epoch(local, plan.epoch, info.id, workers)
+                    yield gathered
 
         return produce()
 
@@ -768,6 +780,20 @@ def _pool_filler(loaded: LoadedPool, rows: np.ndarray) -> Filler:
             ldt[:, 0] = loaded.ldt[LABEL][rows]
             ldt[:, 1] = loaded.ldt[DEVICE][rows]
             ldt[:, 2] = loaded.ldt[TIMESTAMP][rows]
+
+    return fill
+
+
+def _early_filler(early: tuple[np.ndarray, dict[str, np.ndarray] | None]) -> Filler:
+    """Copy a first batch decoded on its own (``Loading.early``), already in the batch's order."""
+    windows, values = early
+
+    def fill(x: np.ndarray, ldt: np.ndarray | None) -> None:
+        np.copyto(x, windows)
+        if ldt is not None and values is not None:
+            ldt[:, 0] = values[LABEL]
+            ldt[:, 1] = values[DEVICE]
+            ldt[:, 2] = values[TIMESTAMP]
 
     return fill
 

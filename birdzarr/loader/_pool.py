@@ -15,19 +15,28 @@ next epoch: plans are pure functions of the epoch) into the other of two banks o
 ``load`` takes it if the iteration asks for that pool, else cancels it. The fetch threads are
 daemon threads: a DataLoader worker that exits (a non-persistent one, at the end of its epoch)
 does not wait for a prefetch nobody will use.
+
+A pool decoded on the spot (an iteration's first pool, which no prefetch holds) keeps the
+iteration's first batch waiting for every chunk of the pool: each batch is a sample of all of
+them. ``start(pool, key, first)`` therefore decodes the windows of that first batch on their own
+first (of a version-2 chunk: its blosc frames, then the lookup of those windows alone, about a
+third of decoding the whole chunk), queued ahead of the pool's own decodes, so the first batch
+is served (``Loading.early``) while the rest of the pool decodes. The values are the same: the
+same chunks decoded by the same function.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from birdzarr.format import _v2
 from birdzarr.format._spec import DEVICE, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH
 from birdzarr.loader._sampling import Pool
 from birdzarr.loader._selection import Selection
@@ -79,15 +88,16 @@ class _DaemonThreads:
                 thread.join()
 
 
-def _results(futures: list[Future[Any]]) -> list[Any]:
-    """The futures' results in order; on the first failure the rest are cancelled (and the
-    running ones waited for: they write into the buffers) before it is raised."""
+def _results(futures: list[Future[Any]], also: Sequence[Future[Any]] = ()) -> list[Any]:
+    """The futures' results in order; on the first failure the rest (and ``also``) are
+    cancelled (and the running ones waited for: they write into the buffers) before it is raised."""
     try:
         return [future.result() for future in futures]
     except BaseException:
-        for future in futures:
+        every = [*futures, *also]
+        for future in every:
             future.cancel()
-        wait(futures)
+        wait(every)
         raise
 
 
@@ -110,6 +120,64 @@ class _Bank:
         self.capacity = chunks
 
 
+EarlyBatch = tuple[np.ndarray, "dict[str, np.ndarray] | None"]  # a first batch's windows (and ldt)
+Coded = tuple[np.ndarray, np.ndarray, np.ndarray, "dict[str, np.ndarray] | None"]  # a piece, undecoded
+
+
+class Loading:
+    """A pool being loaded into one bank (``PoolBuffers.start``): ``early()`` gives the first
+    batch's windows decoded on their own (None when none were), ``wait()`` the whole pool."""
+
+    def __init__(self, buffers: PoolBuffers, pool: Pool, futures: list[Future[np.ndarray]], bank: int,
+                 coded: list[Future[Coded]] | None = None, first: np.ndarray | None = None) -> None:
+        self._buffers = buffers
+        self._pool = pool
+        self._futures = futures
+        self._bank = bank
+        self._coded = coded  # each piece's codes, rows, gps_speed (and ldt), once read
+        self._first = first  # the pool positions of the first batch
+        self._loaded: LoadedPool | None = None
+
+    @property
+    def futures(self) -> list[Future[Any]]:
+        return [*self._futures, *(self._coded or [])]
+
+    def early(self) -> EarlyBatch | None:
+        """The first batch's windows ``(x, ldt)`` in the batch's order, looked up from its
+        pieces' codes as soon as those are read, or None (a prefetched pool, no first batch)."""
+        if self._coded is None or self._first is None:
+            return None
+        coded, first, buffers = self._coded, self._first, self._buffers
+        self._coded = None  # the decodes into the bank hold the codes they still need
+        parts = _results(coded, also=self._futures)
+        bounds = np.concatenate(([0], np.cumsum(self._pool.hi - self._pool.lo)))
+        piece = np.searchsorted(bounds, first, side="right") - 1
+        within = first - bounds[piece]  # position among the piece's windows
+        x = np.empty((len(first), WINDOW_LENGTH, N_CHANNELS), np.float32)
+        ldt = ({name: np.empty(len(first), dtype) for name, dtype in PER_WINDOW.items()}
+               if buffers.with_ldt else None)
+        dictionaries = buffers.reader.dictionaries()
+        for j in np.unique(piece).tolist():
+            members = np.flatnonzero(piece == j)
+            at = within[members]
+            codes, row, gps, values = parts[j]
+            x[members] = _v2.decode(codes[at], row[at], gps[at], dictionaries.values, dictionaries.start)
+            if ldt is not None and values is not None:
+                for name in PER_WINDOW:
+                    ldt[name][members] = values[name][at]
+        buffers.early_batches += 1
+        return x, ldt
+
+    def wait(self) -> LoadedPool:
+        """The pool in its bank, once every chunk is decoded (the same object on later calls)."""
+        if self._loaded is None:
+            pieces = _results(self._futures)
+            self._loaded = self._buffers._loaded(self._pool, pieces, self._bank)
+            if self._buffers._loading is self:
+                self._buffers._loading = None
+        return self._loaded
+
+
 class PoolBuffers:
     """One reader's pool memory and its fetch threads (create after a DataLoader worker forks).
 
@@ -129,6 +197,8 @@ class PoolBuffers:
         self.decoded = 0  # chunks decoded by this reader for pools it served (tests count them)
         self.prefetched = 0  # pools taken from a prefetch (tests count them)
         self.discarded = 0  # prefetches not used
+        self.early_batches = 0  # first batches decoded on their own (tests count them)
+        self._loading: Loading | None = None  # a pool being loaded on the spot, not yet waited for
 
     # bank 0: where every pool that was not prefetched is loaded
     @property
@@ -150,7 +220,17 @@ class PoolBuffers:
 
     def close(self) -> None:
         self._drop_pending()
+        self._settle()
         self._threads.shutdown()
+
+    def _settle(self) -> None:
+        """Cancel the decodes of a pool started on the spot and never waited for (an iteration
+        dropped after its first batch): the running ones finish first, as they write into a bank."""
+        if self._loading is not None:
+            futures, self._loading = self._loading.futures, None
+            for future in futures:
+                future.cancel()
+            wait(futures)
 
     def _submit(self, bank: int, pool: Pool) -> list[Future[np.ndarray]]:
         self._banks[bank].reserve(len(pool.chunks), self.reader.chunk_windows)
@@ -161,6 +241,7 @@ class PoolBuffers:
     def prefetch(self, key: Hashable, pool: Pool) -> None:
         """Start decoding ``pool`` into the bank not being served; ``load(pool, key)`` takes it."""
         self._drop_pending()
+        self._settle()
         bank = 1 - self._serving
         self._pending = (key, pool, self._submit(bank, pool), bank)
 
@@ -177,13 +258,68 @@ class PoolBuffers:
     def load(self, pool: Pool, key: Hashable = None) -> LoadedPool:
         """Fetch and decode every chunk of ``pool`` into the buffers (all in flight at once), or
         take the prefetch started with this ``key`` for the same pool."""
+        return self.start(pool, key).wait()
+
+    def start(self, pool: Pool, key: Hashable = None, first: np.ndarray | None = None) -> Loading:
+        """Take the prefetch started with this ``key`` for the same pool, or start decoding every
+        chunk of ``pool`` into bank 0. In that case, given ``first`` (the pool positions of its
+        first batch, in the batch's order) and a version-2 store, each chunk is read once as
+        codes, all of them queued first, then looked up into the bank: ``Loading.early`` looks up
+        the first batch's windows alone as soon as the codes are read."""
+        self._settle()
         pending = self._pending
         if pending is not None and key is not None and pending[0] == key and _same(pending[1], pool):
             self._pending = None
             self.prefetched += 1
-            return self._loaded(pool, _results(pending[2]), pending[3])
+            return Loading(self, pool, pending[2], pending[3])
         self._drop_pending()
-        return self._loaded(pool, _results(self._submit(0, pool)), 0)
+        if first is not None and len(first) and self.reader.format_version == 2:
+            self._banks[0].reserve(len(pool.chunks), self.reader.chunk_windows)
+            pieces = list(zip(pool.chunks.tolist(), pool.lo.tolist(), pool.hi.tolist(), strict=True))
+            coded = [self._threads.submit(self._read_coded, chunk, lo, hi) for chunk, lo, hi in pieces]
+            futures = [self._threads.submit(self._decode_coded, 0, slot, piece)
+                       for slot, piece in enumerate(coded)]
+            loading = Loading(self, pool, futures, 0, coded, np.asarray(first, dtype=np.int64))
+        else:
+            loading = Loading(self, pool, self._submit(0, pool), 0)
+        self._loading = loading
+        return loading
+
+    def _piece_windows(self, chunk: int, lo: int, hi: int) -> np.ndarray | None:
+        """Positions within the chunk of a piece's windows (its selected windows ``[lo, hi)``);
+        None: the whole chunk."""
+        start, stop = self.reader.chunk_span(chunk)
+        mask = self.selection.chunk_mask(self.reader, chunk)
+        if mask is None:
+            return None if (lo, hi) == (0, stop - start) else np.arange(lo, hi)
+        return np.flatnonzero(mask)[lo:hi]
+
+    def _read_coded(self, chunk: int, lo: int, hi: int) -> Coded:
+        """A version-2 piece's codes, rows and gps_speed (every code checked), and its ldt."""
+        selected = self._piece_windows(chunk, lo, hi)
+        codes, row, gps = self.reader.read_coded(chunk)
+        if selected is not None:
+            codes, row, gps = codes[selected], row[selected], gps[selected]
+        ldt = None
+        if self.with_ldt:
+            ldt = {name: self.reader.read(name, chunk) for name in PER_WINDOW}
+            if selected is not None:
+                ldt = {name: values[selected] for name, values in ldt.items()}
+        return codes, row, gps, ldt
+
+    def _decode_coded(self, bank: int, slot: int, piece: Future[Coded]) -> np.ndarray:
+        """Look a piece read by ``_read_coded`` up into ``slot`` of ``bank``, packed at its start
+        (as ``_load_chunk`` places a version-2 piece); return its rows within the slot."""
+        codes, row, gps, ldt = piece.result()
+        width, held = self.reader.chunk_windows, self._banks[bank]
+        dictionaries = self.reader.dictionaries()
+        base = slot * width
+        out = held.gimu[base : base + len(row)]
+        _v2.decode(codes, row, gps, dictionaries.values, dictionaries.start, out=out)
+        if ldt is not None:
+            for name in PER_WINDOW:
+                held.ldt[name][base : base + len(row)] = ldt[name]
+        return np.arange(len(row))
 
     def _loaded(self, pool: Pool, pieces: list[np.ndarray], bank: int) -> LoadedPool:
         width = self.reader.chunk_windows
