@@ -2,6 +2,7 @@
 
     python benchmarks/resident_decode.py [STORE] [--batches 40] [--repeat 5] [--batch-size 8192]
                                          [--loader V2STORE] [--loader-repeat 3]
+    python benchmarks/resident_decode.py --load V2STORE [--load-repeat 3]
 
 STORE defaults to the device-ordered dict16 store that ``python benchmarks/loader.py --keep``
 leaves in /tmp/birdzarr-loader-bench. The script holds the store's windows twice in this process,
@@ -38,13 +39,22 @@ other jobs, a wall clock also counts the time spent waiting for a core.
 ``WindowDataset(resident="cpu", with_ldt=True)`` through a DataLoader with 0 and 2 workers:
 STORE held as float32 (``resident_codes=False``) and as dict16 codes, V2STORE as format-2
 codes; windows/s after the first batch, medians of ``--loader-repeat`` interleaved rounds, and
-each as a share of float32 with the same workers.
+each as a share of float32 with the same workers; and windows per CPU second after the first
+batch (this process's CPU time and its workers' whole lives, which on a machine shared with
+other jobs moves less than the wall clock), with its share of float32's.
+
+``--load V2STORE`` only times resident loads (``with_ldt=True``) of every 2nd and every 10th
+device of a version-2 store, each in a new process: CPU and wall seconds of building the
+``WindowDataset``, and the process's peak RSS (interpreter and torch included).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import resource
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -74,7 +84,17 @@ def main() -> None:
     parser.add_argument("--loader", metavar="V2STORE", default=None,
                         help="also time resident epochs on STORE and this version-2 store")
     parser.add_argument("--loader-repeat", type=int, default=3)
+    parser.add_argument("--load", metavar="V2STORE", default=None,
+                        help="only time resident loads of device subsets of V2STORE, each in a new process")
+    parser.add_argument("--load-repeat", type=int, default=3)
+    parser.add_argument("--load-child", nargs=2, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.load_child:
+        load_child(args.load_child[0], int(args.load_child[1]))
+        return
+    if args.load:
+        load_selections(args)
+        return
     default_threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one core, as in a DataLoader worker
 
@@ -296,6 +316,12 @@ def loader_epochs(args: argparse.Namespace) -> None:
     cases = [("float32 (resident_codes=False)", args.store, False), ("dict16 codes", args.store, True),
              ("format 2 codes", args.loader, True)]
     rates: dict[tuple[str, int], list[float]] = {}
+    cpu_rates: dict[tuple[str, int], list[float]] = {}  # windows a CPU second: this process and its workers
+
+    def children_cpu() -> float:
+        used = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return used.ru_utime + used.ru_stime
+
     for _ in range(args.loader_repeat):
         for label, store, codes in cases:
             ds = birdzarr.WindowDataset(store, batch_size=args.batch_size, resident="cpu",
@@ -309,20 +335,61 @@ def loader_epochs(args: argparse.Namespace) -> None:
                 batches = iter(DataLoader(ds, batch_size=None, num_workers=workers,
                                           multiprocessing_context="fork" if workers else None))
                 next(batches)
-                started = time.perf_counter()
-                count = sum(len(x) for x, _ in batches)
+                started, cpu_started, workers_cpu = time.perf_counter(), time.process_time(), children_cpu()
+                count = sum(len(x) for x, _ in batches)  # the workers exit (and are waited for) at the end
                 rates.setdefault((label, workers), []).append(count / (time.perf_counter() - started))
+                cpu = time.process_time() - cpu_started + children_cpu() - workers_cpu
+                cpu_rates.setdefault((label, workers), []).append(count / cpu)
             del ds, held
     rows = []
     for label, _, _ in cases:
         for workers in (0, 2):
             rate = float(np.median(rates[(label, workers)]))
             base = float(np.median(rates[("float32 (resident_codes=False)", workers)]))
+            cpu_rate = float(np.median(cpu_rates[(label, workers)]))
+            cpu_base = float(np.median(cpu_rates[("float32 (resident_codes=False)", workers)]))
             rows.append({"resident='cpu', one epoch, with_ldt": label, "workers": workers,
                          "M windows/s": round(rate / 1e6, 2), "x float32": round(rate / base, 2),
-                         "runs M/s": " ".join(f"{r / 1e6:.2f}" for r in rates[(label, workers)])})
+                         "runs M/s": " ".join(f"{r / 1e6:.2f}" for r in rates[(label, workers)]),
+                         "M windows a CPU s": round(cpu_rate / 1e6, 2),
+                         "x float32 (CPU)": round(cpu_rate / cpu_base, 2)})
     print(f"resident epochs: {args.store} and {args.loader}; medians of {args.loader_repeat} rounds; "
           f"{machine()}")
+    print(table(rows))
+
+
+def load_child(url: str, every: int) -> None:
+    """One resident load of every ``every``-th device of ``url``, in this new process."""
+    store = birdzarr.open_store(url)
+    devices = sorted(set(store.window_devices[:].tolist()))[::every]
+    cpu, started = time.process_time(), time.perf_counter()
+    ds = birdzarr.WindowDataset(url, batch_size=8192, resident="cpu", with_ldt=True, devices=devices,
+                                allow_device_order=True, progress=False)
+    assert ds.resident is not None
+    print(json.dumps({"windows": len(ds.resident), "cpu": time.process_time() - cpu,
+                      "wall": time.perf_counter() - started,
+                      "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+
+
+def load_selections(args: argparse.Namespace) -> None:
+    """``WindowDataset(resident="cpu", with_ldt=True, devices=...)`` of every 2nd and every 10th
+    device of a version-2 store, each load in a new process: CPU and wall seconds of building
+    the dataset, and the process's peak RSS (the interpreter and torch included)."""
+    runs: dict[int, list[dict[str, float]]] = {2: [], 10: []}
+    for _ in range(args.load_repeat):
+        for every in runs:
+            done = subprocess.run([sys.executable, __file__, "--load-child", args.load, str(every)],
+                                  check=True, capture_output=True, text=True)
+            runs[every].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    rows = []
+    for every, got in runs.items():
+        rows.append({"devices": f"every {every}th" if every > 2 else "every 2nd",
+                     "windows": f"{int(got[0]['windows']):,}",
+                     "CPU s": round(float(np.median([g["cpu"] for g in got])), 2),
+                     "wall s": round(float(np.median([g["wall"] for g in got])), 2),
+                     "peak RSS MB": round(float(np.median([g["peak"] for g in got])) / 1e6),
+                     "runs CPU s": " ".join(f"{g['cpu']:.2f}" for g in got)})
+    print(f"resident loads of {args.load} (format 2), medians of {args.load_repeat}; {machine()}")
     print(table(rows))
 
 
