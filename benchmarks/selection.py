@@ -2,6 +2,7 @@
 
     python benchmarks/selection.py                       # 1 M windows, 186 devices, 3 rounds
     python benchmarks/selection.py --windows 300000 --rounds 1
+    python benchmarks/selection.py --only labelled_only "30 days" --warm-epochs 1
 
 Generates per-device Parquet files (birdzarr.demo._synthetic), converts them with ``--shuffle``
 (default 32,768-window chunks), then gives the store labels and burst times, which generated
@@ -11,10 +12,15 @@ device table's label counts are left as converted, which the loader does not rea
 
 Each case makes a dataset (timed: the selection's one pass over the per-window arrays, or over
 ``gimu`` for ``split_by="window"``; with ``resident="cpu"`` also loading the selected windows),
-then reads one epoch in the main process (batch 8192, no DataLoader workers) and reports
+then reads one epoch in the main process (batch 8192, no DataLoader workers; with
+``--warm-epochs N``, after N untimed epochs of the same dataset) and reports
 windows/s, and windows per CPU second of the process (every thread: on a shared machine the
 CPU a window costs, which the load does not change as much). After one warm-up dataset, rounds
 are interleaved; medians are reported.
+
+The "subset:" rows stream a store ``birdzarr.subset`` wrote of a selection (once, before the
+rounds; its seconds are printed below the table) with no selection of their own: the same
+windows as the selection's row, read without the chunks' other windows.
 """
 
 from __future__ import annotations
@@ -73,14 +79,45 @@ def cases() -> dict[str, dict[str, object]]:
     }
 
 
-def run(store: str, options: dict[str, object]) -> tuple[float, float, int, float]:
-    """Seconds to make the dataset; windows per second of one epoch; its windows; and windows per
-    CPU second of this process (all its threads: the pool's decoding threads too)."""
+def subsets() -> dict[str, dict[str, object]]:
+    """The selections also written as their own stores (``birdzarr.subset``)."""
+    return {
+        "subset: labelled_only (10%)": {"labelled_only": True},
+        "subset: start/stop: 30 days (6%)": {"start": START + 60 * DAY, "stop": START + 90 * DAY},
+    }
+
+
+def _wanted(name: str, wanted: list[str] | None) -> bool:
+    return wanted is None or any(text in name for text in wanted)
+
+
+def write_subsets(workdir: str, store: str, wanted: list[str] | None) -> dict[str, tuple[str, float]]:
+    """Each of ``subsets()`` (those ``wanted``) written next to the store: its path and seconds."""
+    import birdzarr
+
+    made = {}
+    for number, (name, options) in enumerate(subsets().items()):
+        if not _wanted(name, wanted):
+            continue
+        dest = os.path.join(workdir, f"subset-{number}.zarr")
+        started = time.perf_counter()
+        birdzarr.subset(store, dest, overwrite=True, progress=False, **options)  # type: ignore[arg-type]
+        made[name] = (dest, time.perf_counter() - started)
+    return made
+
+
+def run(store: str, options: dict[str, object], warm_epochs: int = 0) -> tuple[float, float, int, float]:
+    """Seconds to make the dataset; windows per second of one epoch (after ``warm_epochs``
+    untimed ones of the same dataset); its windows; and windows per CPU second of this process
+    (all its threads: the pool's decoding threads too)."""
     import birdzarr
 
     started = time.perf_counter()
     ds = birdzarr.WindowDataset(store, batch_size=8192, seed=1, progress=False, **options)  # type: ignore[arg-type]
     made = time.perf_counter() - started
+    for _ in range(warm_epochs):  # a dataset's first epoch also pays for its pool's buffers, threads
+        for _x in ds:
+            pass
     started, cpu = time.perf_counter(), time.process_time()
     n = sum(len(x) for x in ds)
     return made, n / (time.perf_counter() - started), n, n / max(time.process_time() - cpu, 1e-9)
@@ -93,18 +130,30 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--warm-epochs", type=int, default=0,
+                        help="epochs each dataset reads before the timed one (default 0: its first epoch "
+                             "is timed; 1: a later epoch, what a training run sees after its first)")
+    parser.add_argument("--only", nargs="+", default=None, metavar="TEXT",
+                        help="only the cases whose name holds one of these texts (the subset rows of "
+                             "those selections too; 'everything' is always run)")
     args = parser.parse_args()
     with work_directory(args.workdir, prefix="birdzarr-selection-", keep=args.keep) as workdir:
         store = prepare(workdir, args.windows, args.devices)
+        wanted = args.only
+        chosen = {n: o for n, o in cases().items() if _wanted(n, wanted) or n == "everything"}
+        written = write_subsets(workdir, store, wanted)
         run(store, {})  # warm-up: imports, page cache
-        results: dict[str, list[tuple[float, float, int, float]]] = {name: [] for name in cases()}
+        results: dict[str, list[tuple[float, float, int, float]]] = {name: [] for name in [*chosen, *written]}
         for _ in range(args.rounds):
-            for name, options in cases().items():
-                results[name].append(run(store, options))
+            for name, options in chosen.items():
+                results[name].append(run(store, options, args.warm_epochs))
+            for name, (path, _) in written.items():
+                results[name].append(run(path, {}, args.warm_epochs))
         base = statistics.median(r[1] for r in results["everything"])
         base_cpu = statistics.median(r[3] for r in results["everything"])
+        epoch = "the first epoch" if not args.warm_epochs else f"epoch {args.warm_epochs + 1}"
         print(f"{args.windows:,} windows, {args.devices} devices, --shuffle store, batch 8192, "
-              f"0 workers, medians of {args.rounds} round(s)")
+              f"0 workers, {epoch} of each dataset timed, medians of {args.rounds} round(s)")
         print("| selection | windows | construction s | M windows/s | vs everything "
               "| M windows a CPU s | vs everything |")
         print("|---|---:|---:|---:|---:|---:|---:|")
@@ -114,6 +163,8 @@ def main() -> None:
             cpu = statistics.median(r[3] for r in runs)
             print(f"| {name} | {runs[0][2]:,} | {made:.2f} | {speed / 1e6:.2f} | {speed / base:.2f} "
                   f"| {cpu / 1e6:.2f} | {cpu / base_cpu:.2f} |")
+        for name, (_, seconds) in written.items():
+            print(f"{name}: written by birdzarr.subset in {seconds:.2f} s")
 
 
 if __name__ == "__main__":

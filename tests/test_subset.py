@@ -108,6 +108,19 @@ def test_a_subset_holds_the_selected_windows_in_stored_order_and_verifies(
         assert made["selection"][key] == value, key
 
 
+@pytest.mark.parametrize("order", ["shuffled", "device order"])
+def test_a_subset_of_every_window_has_the_sources_device_table(
+    stores: dict[str, birdzarr.Store], tmp_path: pathlib.Path, order: str,
+) -> None:
+    """Computed again from the copied windows, every entry (counts, times, labels, sources, the
+    ranges with their CRC-32C or the scattered digest) is the converter's."""
+    source = stores[order]
+    sub = birdzarr.subset(source, tmp_path / "all.zarr", progress=False)
+    _same_windows(sub, source, np.arange(len(source)))
+    assert sub.device_table == source.device_table
+    assert sub.root["committed"]["dictionary"] == source.root["committed"]["dictionary"]
+
+
 def test_a_subset_keeps_only_the_dictionary_rows_its_windows_use(
     stores: dict[str, birdzarr.Store], tmp_path: pathlib.Path,
 ) -> None:

@@ -1,2 +1,3 @@
 """Keeping stores sound: verify (checksums, missing chunks, sources), repair (what a killed run
-left behind) and copy (resumable, verified, committed last)."""
+left behind) and copy (resumable, verified, committed last); and subset (a selection of a
+store's windows written as its own store, committed last)."""
