@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 
 import birdzarr
 from birdzarr.format import _v2
+from birdzarr.loader._resident import CODE_BIAS, HeldCodes
 from tests.format2_support import to_format2
 
 _CHUNK = 1024
@@ -353,17 +354,15 @@ def test_the_host_decode_equals_the_torch_ops_and_the_store(
     assert held.coded.decode_host(rows[:0]).shape == (0, 20, 4)
 
 
-def test_the_host_decode_groups_windows_of_more_than_65536_dictionary_rows() -> None:
-    """Past 2**16 dictionary rows the windows are grouped by a sort of the int32 rows instead of
-    the 16-bit radix sort: the same values as the torch ops and the documented lookup."""
-    from birdzarr.loader._resident import CODE_BIAS, HeldCodes
-
-    rng = np.random.default_rng(2)
-    n_rows, n, sizes = 70_000, 3000, np.array([2, 3, 4])
+def _synthetic_held(n_rows: int, n: int, seed: int) -> tuple[HeldCodes, np.ndarray]:
+    """A HeldCodes of ``n`` windows over ``n_rows`` dictionary rows of 2, 3 and 4 entries, and
+    its windows as the documented lookup gives them."""
+    rng = np.random.default_rng(seed)
+    sizes = np.array([2, 3, 4])
     start = (np.arange(n_rows)[:, None] * sizes.sum() + np.r_[0, np.cumsum(sizes)[:-1]]).astype(np.int64)
     values = rng.standard_normal(n_rows * int(sizes.sum())).astype(np.float32)
     row = rng.integers(0, n_rows, n).astype(np.int32)
-    row[:2] = [n_rows - 1, 65_536]  # rows whose numbers need more than 16 bits
+    row[:2] = [n_rows - 1, n_rows // 2]
     codes = (rng.integers(0, 2**16, (n, 20, 3)) % sizes).astype(np.uint16)
     gps = rng.standard_normal(n).astype(np.float32)
     held = HeldCodes(torch.from_numpy((codes ^ np.uint16(CODE_BIAS)).view(np.int16)), torch.from_numpy(gps),
@@ -372,10 +371,34 @@ def test_the_host_decode_groups_windows_of_more_than_65536_dictionary_rows() -> 
     expected = np.empty((n, 20, 4), np.float32)
     expected[:, :, :3] = values[start[row][:, None, :] + codes]
     expected[:, :, 3] = gps[:, None]
-    picked = rng.permutation(n)
-    assert np.array_equal(held.decode_host(picked).view(np.uint32), expected[picked].view(np.uint32))
+    return held, expected
+
+
+def test_the_host_decode_groups_windows_of_more_than_65536_dictionary_rows() -> None:
+    """Past 2**16 dictionary rows the windows are grouped by a sort of the int32 rows instead of
+    the 16-bit radix sort: the same values as the torch ops and the documented lookup."""
+    held, expected = _synthetic_held(70_000, 3000, seed=2)
+    assert int(held.row.max()) >= 2**16
+    picked = np.random.default_rng(3).permutation(3000)
+    assert np.array_equal(held.decode_host(picked).view(np.uint32),
+                          expected[picked].view(np.uint32))
     assert np.array_equal(held.decode(torch.from_numpy(picked)).numpy().view(np.uint32),
                           expected[picked].view(np.uint32))
+
+
+def test_a_huge_host_batch_decodes_exactly_and_keeps_no_temporaries() -> None:
+    """The host decode keeps its temporaries per thread up to 16 MiB each (batches up to ~70,000
+    windows); a larger batch (here 90,000 rows, some repeated) decodes as exactly, in new memory."""
+    from birdzarr.loader import _resident
+
+    held, expected = _synthetic_held(50, 2000, seed=4)
+    small = np.random.default_rng(5).permutation(2000)
+    assert np.array_equal(held.decode_host(small).view(np.uint32), expected[small].view(np.uint32))
+    kept = _resident._SCRATCH.index
+    rows = np.random.default_rng(6).integers(0, 2000, 90_000)
+    assert np.array_equal(held.decode_host(rows).view(np.uint32), expected[rows].view(np.uint32))
+    assert _resident._SCRATCH.index is kept, "the huge batch's index was not kept"
+    assert kept.nbytes <= _resident._SCRATCH_LIMIT
 
 
 def test_a_resident_selection_reads_only_its_windows_of_each_chunk(

@@ -637,12 +637,16 @@ class _NotOnceAWindow(Exception):
 
 
 _SCRATCH = threading.local()
+_SCRATCH_LIMIT = 16 * 2**20  # 16 MiB: the temporaries of batches up to ~70,000 windows are kept
 
 
 def _scratch(name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     """A temporary of this thread, reused from batch to batch (a fresh one page-faults every
-    batch); valid until this thread asks for ``name`` again."""
+    batch); valid until this thread asks for ``name`` again. One of more than
+    ``_SCRATCH_LIMIT`` bytes is new memory each time: a huge batch leaves nothing held."""
     size = int(np.prod(shape))
+    if size * np.dtype(dtype).itemsize > _SCRATCH_LIMIT:
+        return np.empty(shape, dtype)
     held = getattr(_SCRATCH, name, None)
     if held is None or held.dtype != dtype or len(held) < size:
         held = np.empty(size, dtype)
