@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 from format2_support import run_without_birdzarr
+from s3_support import MotoEndpoint, moto, new_bucket, s3_options  # noqa: F401  (moto is a fixture)
 
 import birdzarr
 from birdzarr.cli import main
@@ -196,6 +197,10 @@ def test_the_command_writes_a_subset_and_says_what_it_holds(
     idx = np.flatnonzero(np.isin(labels, [1, 2]) & (times >= START))
     assert f"subset: {len(idx):,} of the {len(source):,} windows of {source.url}" in out
     _same_windows(birdzarr.open_store(dest), source, idx)
+    # unix seconds work as well as ISO 8601
+    assert main(["subset", str(source.location.path), str(tmp_path / "secs.zarr"), "--labels", "1,2",
+                 "--start", str(START), "--quiet"]) == 0
+    _same_windows(birdzarr.open_store(tmp_path / "secs.zarr"), source, idx)
 
 
 def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
@@ -277,3 +282,25 @@ def test_overwrite_replaces_a_subset_and_a_failed_run_leaves_the_previous_one(
     assert not (tmp_path / "new.zarr").exists()  # nothing half-written is left
     json.loads((dest / "zarr.json").read_text())  # the previous subset is still committed
     assert birdzarr.verify(dest, progress=False).ok
+
+
+@pytest.mark.slow
+def test_a_subset_is_written_to_and_read_from_s3(
+    stores: dict[str, birdzarr.Store], tmp_path: pathlib.Path, moto: MotoEndpoint,  # noqa: F811
+) -> None:
+    """Through moto's S3 server: a subset written to a bucket, replaced there with overwrite (the
+    remote swap), and a subset of that S3 store written back to disk, each equal to the source's
+    selected windows and verified."""
+    source = stores["shuffled"]
+    options = s3_options(moto.url)
+    url = f"s3://{new_bucket(moto)}/sub.zarr"
+    birdzarr.subset(source, url, labels=[0], storage_options=options, progress=False)
+    remote = birdzarr.subset(source, url, labelled_only=True, overwrite=True, storage_options=options,
+                             progress=False)
+    idx = np.flatnonzero(source.labels[:] != -1)
+    _same_windows(remote, source, idx)
+    assert birdzarr.verify(url, storage_options=options, progress=False).ok
+    back = birdzarr.subset(url, tmp_path / "back.zarr", labels=[2], source_storage_options=options,
+                           progress=False)
+    _same_windows(back, source, idx[source.labels[idx] == 2])
+    assert back.root["subset"]["source"] == url

@@ -139,6 +139,12 @@ def _ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers (1,2,5), got {text!r}") from None
 
 
+def _time(text: str) -> str | int:
+    """A burst time: unix seconds (digits only) or an ISO 8601 date or time, UTC (checked by
+    ``birdzarr.subset``, as ``WindowDataset`` checks it)."""
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
 def _fraction(text: str) -> float:
     try:
         value = float(text)
@@ -166,10 +172,11 @@ def add_subset(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--labelled-only", action="store_true", help="only labelled windows (label != -1)")
     p.add_argument("--labels", type=_ids, default=None, metavar="L,L,...",
                    help="only windows of these labels")
-    p.add_argument("--start", default=None, metavar="TIME",
-                   help="only windows whose burst time is at or after TIME (ISO 8601, UTC: 2012-06-01)")
-    p.add_argument("--stop", default=None, metavar="TIME",
-                   help="only windows whose burst time is before TIME")
+    p.add_argument("--start", type=_time, default=None, metavar="TIME",
+                   help="only windows whose burst time is at or after TIME: ISO 8601, UTC (2012-06-01, "
+                        "2012-06-01T12:00) or unix seconds (1338508800)")
+    p.add_argument("--stop", type=_time, default=None, metavar="TIME",
+                   help="only windows whose burst time is before TIME (as --start)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a birdzarr store at DEST, only once the subset has committed")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
