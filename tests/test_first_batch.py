@@ -38,24 +38,24 @@ def _expected(
 def test_the_first_batch_is_served_before_its_pool_is_decoded(
     small_store: birdzarr.Store, monkeypatch: pytest.MonkeyPatch, selection: dict[str, object]
 ) -> None:
-    """With every lookup into the pool's buffer held back, the iteration's first batch still
+    """With the decode of every chunk of the pool held back, the iteration's first batch still
     comes, with the stored values and ldt; released, the rest of the epoch is exact."""
     if selection:
         selection = {"exclude_devices": [int(small_store.devices.device_id[0])]}
     ds = _dataset(small_store, with_ldt=True, seed=4, **selection)
     expected = _expected(ds, small_store)
     release, decoded = threading.Event(), []
-    into_pool = _pool.PoolBuffers._decode_coded
+    load_chunk = _pool.PoolBuffers._load_chunk
 
-    def held(self: _pool.PoolBuffers, bank: int, slot: int, piece: object) -> np.ndarray:
+    def held(self: _pool.PoolBuffers, *args: int) -> np.ndarray:
         assert release.wait(60), "the first batch never came"
-        decoded.append(slot)
-        return into_pool(self, bank, slot, piece)  # type: ignore[arg-type]
+        decoded.append(args[2])
+        return load_chunk(self, *args)
 
-    monkeypatch.setattr(_pool.PoolBuffers, "_decode_coded", held)
+    monkeypatch.setattr(_pool.PoolBuffers, "_load_chunk", held)
     iterator = iter(ds)
     x, ldt = next(iterator)
-    assert decoded == []  # no chunk of the pool looked up into its buffer yet
+    assert decoded == []  # no chunk of the pool decoded yet
     assert np.array_equal(x.numpy(), expected[0][0]) and np.array_equal(ldt.numpy(), expected[0][1])
     assert ds._local().pool.early_batches == 1
     release.set()
@@ -121,3 +121,18 @@ def test_persistent_workers_decode_only_epoch_0s_first_batch_ahead(small_store: 
         assert all(torch.equal(x, torch.from_numpy(y)) for (x, _), y in zip(got, expected, strict=True))
         early = {worker: n for _, (worker, n, _) in got}
         assert early == {0: 1, 1: 1}, (epoch, early)
+
+
+def test_a_store_read_through_a_chunk_cache_reads_each_chunk_once(
+    small_store: birdzarr.Store, tmp_path: object
+) -> None:
+    """Decoding the first batch on its own reads its chunks twice: not done through a chunk cache
+    (a remote store's bytes), where every chunk of the first epoch is fetched once."""
+    # one pool: no chunk is cut between two pools (each of which would read it)
+    ds = _dataset(small_store, seed=4, shuffle_buffer=2**19, cache_dir=tmp_path,  # type: ignore[arg-type]
+                  cache_max_bytes=2**30)
+    expected = [x for x, _ in _expected(ds, small_store)]
+    got = [x.numpy() for x in ds if isinstance(x, torch.Tensor)]
+    assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert ds._local().pool.early_batches == 0
+    assert ds._cache is not None and ds._cache.hits == 0 and ds._cache.misses > 0

@@ -16,13 +16,15 @@ next epoch: plans are pure functions of the epoch) into the other of two banks o
 daemon threads: a DataLoader worker that exits (a non-persistent one, at the end of its epoch)
 does not wait for a prefetch nobody will use.
 
-A pool decoded on the spot (an iteration's first pool, which no prefetch holds) keeps the
+A pool decoded on the spot (an iteration's first pool, which no prefetch holds) would keep the
 iteration's first batch waiting for every chunk of the pool: each batch is a sample of all of
 them. ``start(pool, key, first)`` therefore decodes the windows of that first batch on their own
-first (of a version-2 chunk: its blosc frames, then the lookup of those windows alone, about a
-third of decoding the whole chunk), queued ahead of the pool's own decodes, so the first batch
-is served (``Loading.early``) while the rest of the pool decodes. The values are the same: the
-same chunks decoded by the same function.
+first, queued ahead of the pool's own decodes: of a version-2 chunk its blosc frames, then the
+lookup of those windows alone (9 of the 22 ms of CPU a whole chunk of the default ``--shuffle``
+layout takes), so the first batch is served (``Loading.early``) while the pool decodes. The
+values are the same (the same function decodes the same chunks); the pool's chunks are read
+twice, so only a store on this machine's file system is read this way, without a chunk cache (a
+remote store's first pool is not fetched twice).
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ from typing import Any
 
 import numpy as np
 
-from birdzarr.format import _v2
 from birdzarr.format._spec import DEVICE, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH
 from birdzarr.loader._sampling import Pool
 from birdzarr.loader._selection import Selection
@@ -120,8 +121,7 @@ class _Bank:
         self.capacity = chunks
 
 
-EarlyBatch = tuple[np.ndarray, "dict[str, np.ndarray] | None"]  # a first batch's windows (and ldt)
-Coded = tuple[np.ndarray, np.ndarray, np.ndarray, "dict[str, np.ndarray] | None"]  # a piece, undecoded
+EarlyBatch = tuple[np.ndarray, "dict[str, np.ndarray] | None"]  # windows (and ldt) of a first batch
 
 
 class Loading:
@@ -129,43 +129,35 @@ class Loading:
     batch's windows decoded on their own (None when none were), ``wait()`` the whole pool."""
 
     def __init__(self, buffers: PoolBuffers, pool: Pool, futures: list[Future[np.ndarray]], bank: int,
-                 coded: list[Future[Coded]] | None = None, first: np.ndarray | None = None) -> None:
+                 early: list[tuple[np.ndarray, Future[EarlyBatch]]] | None = None, first: int = 0) -> None:
         self._buffers = buffers
         self._pool = pool
         self._futures = futures
         self._bank = bank
-        self._coded = coded  # each piece's codes, rows, gps_speed (and ldt), once read
-        self._first = first  # the pool positions of the first batch
+        self._early = early  # (the batch's members in a chunk, their windows being decoded)
+        self._first = first  # windows of the first batch
         self._loaded: LoadedPool | None = None
 
     @property
     def futures(self) -> list[Future[Any]]:
-        return [*self._futures, *(self._coded or [])]
+        return [*self._futures, *(future for _, future in self._early or [])]
 
     def early(self) -> EarlyBatch | None:
-        """The first batch's windows ``(x, ldt)`` in the batch's order, looked up from its
-        pieces' codes as soon as those are read, or None (a prefetched pool, no first batch)."""
-        if self._coded is None or self._first is None:
+        """The first batch's windows ``(x, ldt)`` in the batch's order, decoded on their own, or
+        None (a prefetched pool, no first batch asked for, a store not on this machine)."""
+        if self._early is None:
             return None
-        coded, first, buffers = self._coded, self._first, self._buffers
-        self._coded = None  # the decodes into the bank hold the codes they still need
-        parts = _results(coded, also=self._futures)
-        bounds = np.concatenate(([0], np.cumsum(self._pool.hi - self._pool.lo)))
-        piece = np.searchsorted(bounds, first, side="right") - 1
-        within = first - bounds[piece]  # position among the piece's windows
-        x = np.empty((len(first), WINDOW_LENGTH, N_CHANNELS), np.float32)
-        ldt = ({name: np.empty(len(first), dtype) for name, dtype in PER_WINDOW.items()}
-               if buffers.with_ldt else None)
-        dictionaries = buffers.reader.dictionaries()
-        for j in np.unique(piece).tolist():
-            members = np.flatnonzero(piece == j)
-            at = within[members]
-            codes, row, gps, values = parts[j]
-            x[members] = _v2.decode(codes[at], row[at], gps[at], dictionaries.values, dictionaries.start)
+        early, self._early = self._early, None
+        parts = _results([future for _, future in early], also=self._futures)
+        x = np.empty((self._first, WINDOW_LENGTH, N_CHANNELS), np.float32)
+        ldt = ({name: np.empty(self._first, dtype) for name, dtype in PER_WINDOW.items()}
+               if self._buffers.with_ldt else None)
+        for (members, _), (windows, values) in zip(early, parts, strict=True):
+            x[members] = windows
             if ldt is not None and values is not None:
                 for name in PER_WINDOW:
-                    ldt[name][members] = values[name][at]
-        buffers.early_batches += 1
+                    ldt[name][members] = values[name]
+        self._buffers.early_batches += 1
         return x, ldt
 
     def wait(self) -> LoadedPool:
@@ -263,9 +255,8 @@ class PoolBuffers:
     def start(self, pool: Pool, key: Hashable = None, first: np.ndarray | None = None) -> Loading:
         """Take the prefetch started with this ``key`` for the same pool, or start decoding every
         chunk of ``pool`` into bank 0. In that case, given ``first`` (the pool positions of its
-        first batch, in the batch's order) and a version-2 store, each chunk is read once as
-        codes, all of them queued first, then looked up into the bank: ``Loading.early`` looks up
-        the first batch's windows alone as soon as the codes are read."""
+        first batch, in the batch's order) and a version-2 store on this machine, those windows
+        are decoded on their own first (``Loading.early``), queued ahead of the pool's chunks."""
         self._settle()
         pending = self._pending
         if pending is not None and key is not None and pending[0] == key and _same(pending[1], pool):
@@ -273,53 +264,37 @@ class PoolBuffers:
             self.prefetched += 1
             return Loading(self, pool, pending[2], pending[3])
         self._drop_pending()
-        if first is not None and len(first) and self.reader.format_version == 2:
-            self._banks[0].reserve(len(pool.chunks), self.reader.chunk_windows)
-            pieces = list(zip(pool.chunks.tolist(), pool.lo.tolist(), pool.hi.tolist(), strict=True))
-            coded = [self._threads.submit(self._read_coded, chunk, lo, hi) for chunk, lo, hi in pieces]
-            futures = [self._threads.submit(self._decode_coded, 0, slot, piece)
-                       for slot, piece in enumerate(coded)]
-            loading = Loading(self, pool, futures, 0, coded, np.asarray(first, dtype=np.int64))
-        else:
-            loading = Loading(self, pool, self._submit(0, pool), 0)
+        early = None
+        if (first is not None and len(first) and self.reader.format_version == 2
+                and self.reader.location.is_local and self.reader.cache is None):
+            early = self._submit_early(pool, np.asarray(first, dtype=np.int64))
+        loading = Loading(self, pool, self._submit(0, pool), 0, early, 0 if first is None else len(first))
         self._loading = loading
         return loading
 
-    def _piece_windows(self, chunk: int, lo: int, hi: int) -> np.ndarray | None:
-        """Positions within the chunk of a piece's windows (its selected windows ``[lo, hi)``);
-        None: the whole chunk."""
-        start, stop = self.reader.chunk_span(chunk)
-        mask = self.selection.chunk_mask(self.reader, chunk)
-        if mask is None:
-            return None if (lo, hi) == (0, stop - start) else np.arange(lo, hi)
-        return np.flatnonzero(mask)[lo:hi]
+    def _submit_early(self, pool: Pool, first: np.ndarray) -> list[tuple[np.ndarray, Future[EarlyBatch]]]:
+        """Queue the decode of the windows at pool positions ``first``, chunk by chunk."""
+        bounds = np.concatenate(([0], np.cumsum(pool.hi - pool.lo)))
+        piece = np.searchsorted(bounds, first, side="right") - 1
+        ranks = pool.lo[piece] + first - bounds[piece]  # among the chunk's selected windows
+        tasks = []
+        for j in np.unique(piece).tolist():
+            members = np.flatnonzero(piece == j)
+            chunk = int(pool.chunks[j])
+            mask = self.selection.chunk_mask(self.reader, chunk)
+            positions = ranks[members] if mask is None else np.flatnonzero(mask)[ranks[members]]
+            order = np.argsort(positions, kind="stable")  # read_windows takes ascending positions
+            tasks.append((members[order], self._threads.submit(self._read_early, chunk, positions[order])))
+        return tasks
 
-    def _read_coded(self, chunk: int, lo: int, hi: int) -> Coded:
-        """A version-2 piece's codes, rows and gps_speed (every code checked), and its ldt."""
-        selected = self._piece_windows(chunk, lo, hi)
-        codes, row, gps = self.reader.read_coded(chunk)
-        if selected is not None:
-            codes, row, gps = codes[selected], row[selected], gps[selected]
+    def _read_early(self, chunk: int, positions: np.ndarray) -> EarlyBatch:
+        """Windows ``positions`` (ascending, within the chunk) of one chunk, and their ldt."""
+        x = np.empty((len(positions), WINDOW_LENGTH, N_CHANNELS), np.float32)
+        self.reader.read_windows(chunk, positions, x)
         ldt = None
         if self.with_ldt:
-            ldt = {name: self.reader.read(name, chunk) for name in PER_WINDOW}
-            if selected is not None:
-                ldt = {name: values[selected] for name, values in ldt.items()}
-        return codes, row, gps, ldt
-
-    def _decode_coded(self, bank: int, slot: int, piece: Future[Coded]) -> np.ndarray:
-        """Look a piece read by ``_read_coded`` up into ``slot`` of ``bank``, packed at its start
-        (as ``_load_chunk`` places a version-2 piece); return its rows within the slot."""
-        codes, row, gps, ldt = piece.result()
-        width, held = self.reader.chunk_windows, self._banks[bank]
-        dictionaries = self.reader.dictionaries()
-        base = slot * width
-        out = held.gimu[base : base + len(row)]
-        _v2.decode(codes, row, gps, dictionaries.values, dictionaries.start, out=out)
-        if ldt is not None:
-            for name in PER_WINDOW:
-                held.ldt[name][base : base + len(row)] = ldt[name]
-        return np.arange(len(row))
+            ldt = {name: self.reader.read(name, chunk)[positions] for name in PER_WINDOW}
+        return x, ldt
 
     def _loaded(self, pool: Pool, pieces: list[np.ndarray], bank: int) -> LoadedPool:
         width = self.reader.chunk_windows
