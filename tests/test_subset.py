@@ -284,6 +284,23 @@ def test_overwrite_replaces_a_subset_and_a_failed_run_leaves_the_previous_one(
     assert birdzarr.verify(dest, progress=False).ok
 
 
+def test_a_subset_is_refused_while_another_writer_holds_the_destination(
+    stores: dict[str, birdzarr.Store], tmp_path: pathlib.Path,
+) -> None:
+    """Another writer's lock at DEST (a conversion, an append, a copy): refused in one line, the
+    lock and what is there left alone; once it is released the subset is written."""
+    from birdzarr.storage._location import resolve
+    from birdzarr.storage._lock import StoreLock
+
+    dest = tmp_path / "sub.zarr"
+    holder = StoreLock(resolve(dest), "birdzarr convert elsewhere").acquire()
+    with pytest.raises(birdzarr.StoreLockedError, match="'birdzarr convert elsewhere'"):
+        birdzarr.subset(stores["shuffled"], dest, labelled_only=True, progress=False)
+    assert [p.name for p in dest.iterdir()] == [".birdzarr.lock"]
+    holder.release()
+    assert len(birdzarr.subset(stores["shuffled"], dest, labelled_only=True, progress=False)) > 0
+
+
 @pytest.mark.slow
 def test_a_subset_is_written_to_and_read_from_s3(
     stores: dict[str, birdzarr.Store], tmp_path: pathlib.Path, moto: MotoEndpoint,  # noqa: F811
