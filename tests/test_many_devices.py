@@ -208,3 +208,30 @@ def test_verify_counts_windows_carrying_another_devices_id(many: dict, tmp_path:
         f"device {ids[100]}, windows [{starts[101]:,}, {starts[102]:,}): {sizes[101]:,} window(s) carry "
         "another device id in the 'device' array",
     ]
+
+
+def test_a_partition_files_footer_is_read_once_for_all_its_devices(
+    many: dict, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """5,000 devices in 5 partition files: the listing opens each file once (its device_id
+    column), and the conversion each file once more, not once a device (the footer of a
+    partition file is kept for its next devices, with the decoded groups); the store is the same."""
+    from birdzarr.convert import _parquet
+
+    opened: list[str] = []
+
+    class Counted(pq.ParquetFile):
+        def __init__(self, source: object, *args: object, **kwargs: object) -> None:
+            opened.append(str(getattr(source, "path", source)))
+            super().__init__(source, *args, **kwargs)
+
+    monkeypatch.setattr(pq, "ParquetFile", Counted)
+    dest = tmp_path / "again.zarr"
+    birdzarr.convert(str(many["source"]), str(dest), chunk_windows=CHUNK, workers=1, progress=False)
+    assert len(opened) == 2 * N_FILES, len(opened)  # before: N_FILES + N_DEVICES
+    assert not _parquet._FILES  # the conversion forgot them when it ended
+    for name in ("gimu_codes", "gimu_row", "device", "label", "dict_values"):
+        ours, theirs = sorted((dest / name).rglob("*")), sorted((many["store"] / name).rglob("*"))
+        assert [p.relative_to(dest) for p in ours] == [p.relative_to(many["store"]) for p in theirs]
+        for a, b in zip(ours, theirs, strict=True):
+            assert a.is_dir() or a.read_bytes() == b.read_bytes(), a

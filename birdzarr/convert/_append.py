@@ -391,7 +391,7 @@ def append_detailed(
 ) -> AppendResult:
     """``append``, returning what was done as well as the store."""
     from birdzarr._progress import progress_bar
-    from birdzarr.convert import ON_BAD_ROWS, _require_client
+    from birdzarr.convert import ON_BAD_ROWS, _freeing_group_cache, _require_client
     from birdzarr.store._handle import open_store
 
     # before anything is read or written: a truthy non-bool ("no") must not act as True
@@ -409,7 +409,7 @@ def append_detailed(
     kind, devices = inputs.kind, inputs.devices
     started, cpu_before = time.perf_counter(), cpu_seconds()
     threads = zarr.config.set({"threading.max_workers": workers})
-    with arrow_pool(), threads, DuplicateCounter() as duplicates, \
+    with arrow_pool(), threads, _freeing_group_cache(), DuplicateCounter() as duplicates, \
             AppendWriter(dst, lock_command=f"birdzarr append {src.display}", workers=workers) as writer:
         if kind != writer.meta.get("source_kind"):
             raise AppendError(
