@@ -136,3 +136,16 @@ def test_a_store_read_through_a_chunk_cache_reads_each_chunk_once(
     assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True))
     assert ds._local().pool.early_batches == 0
     assert ds._cache is not None and ds._cache.hits == 0 and ds._cache.misses > 0
+
+
+def test_a_reader_of_one_pool_decodes_it_whole(small_store: birdzarr.Store) -> None:
+    """A reader whose iteration is one pool (a small selection) decodes it whole: decoding its
+    first batch on its own would read every chunk of its epoch twice."""
+    ds = _dataset(small_store, seed=5, shuffle_buffer=2**19)
+    assert len(ds.plan().pools) == 1
+    for epoch in (0, 1):
+        ds.set_epoch(epoch)
+        expected = [x for x, _ in _expected(ds, small_store)]
+        got = [x.numpy() for x in ds if isinstance(x, torch.Tensor)]
+        assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert ds._local().pool.early_batches == 0

@@ -698,9 +698,11 @@ class WindowDataset(IterableDataset[Batch]):
             for number, (pool, in_pool) in enumerate(grouped):
                 mine = list(in_pool)
                 order = plan.pool_order(pool)
-                # the iteration's first batch: decoded on its own ahead of its pool, unless the
-                # pool was prefetched (or holds that batch alone)
-                first = plan.batch_positions(mine[0], order) if number == 0 and len(mine) > 1 else None
+                # the iteration's first batch: decoded on its own ahead of its pool (which reads
+                # the pool's chunks twice), unless the pool was prefetched, holds that batch
+                # alone, or is all this reader serves this iteration (twice the reads of its epoch)
+                alone = number == 0 and len(mine) > 1 and len(pools) > 1
+                first = plan.batch_positions(mine[0], order) if alone else None
                 loading = local.pool.start(plan.pools[pool], (plan.epoch, workers, pool), first)
                 early = loading.early()
                 if early is not None:

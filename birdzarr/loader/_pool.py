@@ -20,11 +20,12 @@ A pool decoded on the spot (an iteration's first pool, which no prefetch holds) 
 iteration's first batch waiting for every chunk of the pool: each batch is a sample of all of
 them. ``start(pool, key, first)`` therefore decodes the windows of that first batch on their own
 first, queued ahead of the pool's own decodes: of a version-2 chunk its blosc frames, then the
-lookup of those windows alone (9 of the 22 ms of CPU a whole chunk of the default ``--shuffle``
-layout takes), so the first batch is served (``Loading.early``) while the pool decodes. The
-values are the same (the same function decodes the same chunks); the pool's chunks are read
-twice, so only a store on this machine's file system is read this way, without a chunk cache (a
-remote store's first pool is not fetched twice).
+lookup of those windows alone (the lookup is about half of a chunk's CPU, docs/benchmarks.md),
+so the first batch is served (``Loading.early``) while the pool decodes. The values are the
+same (the same function decodes the same chunks); the pool's chunks are read twice, so this is
+done only on a store on this machine's file system without a chunk cache (a remote store's first
+pool is not fetched twice), and only for a reader with more than one pool that iteration (the
+caller decides: its only pool would be all its epoch's chunks).
 """
 
 from __future__ import annotations
