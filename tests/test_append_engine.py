@@ -111,6 +111,7 @@ def _rows_of(store: pathlib.Path) -> dict[int, int]:
 
 
 @pytest.mark.parametrize("format_version", [2, 1])
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_a_parquet_append_stores_the_same_bytes_on_every_engine(
     parquet_seasons: dict[str, pathlib.Path], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
     format_version: int,
@@ -155,6 +156,7 @@ _ARRAYS = {2: ("gimu_codes", "gps_speed", "gimu_row", "device", "timestamp", "la
 
 @pytest.mark.parametrize("engine", ["this thread", "processes"])
 @pytest.mark.parametrize("format_version", [2, 1])
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_appending_new_devices_stores_what_one_conversion_of_all_stores(
     parquet_seasons: dict[str, pathlib.Path], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
     format_version: int, engine: str,
@@ -198,6 +200,7 @@ def csv_seasons(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.P
     return {name: root / name for name in ("all", "s1", "s2", "copy")}
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_a_csv_append_continues_bursts_and_finds_duplicates_the_same_on_every_engine(
     csv_seasons: dict[str, pathlib.Path], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -226,6 +229,7 @@ def test_a_csv_append_continues_bursts_and_finds_duplicates_the_same_on_every_en
         assert_same_store(stores["this thread"], stores[engine])
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_a_failed_append_on_worker_processes_leaves_the_previous_commit(
     parquet_seasons: dict[str, pathlib.Path], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -250,6 +254,7 @@ def test_a_failed_append_on_worker_processes_leaves_the_previous_commit(
 
 
 @pytest.mark.parametrize("engine", ["this thread", "processes"])
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_an_append_that_skips_committed_partition_files_reads_the_rest(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, engine: str
 ) -> None:
@@ -281,6 +286,7 @@ def test_an_append_that_skips_committed_partition_files_reads_the_rest(
 
 
 @pytest.mark.parametrize("engine", ["this thread", "processes"])
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_the_chunk_shared_with_the_commit_is_replaced_whole(
     parquet_seasons: dict[str, pathlib.Path], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
     engine: str,

@@ -65,6 +65,7 @@ def test_the_first_batch_is_served_before_its_pool_is_decoded(
         assert np.array_equal(x.numpy(), want_x) and np.array_equal(ldt.numpy(), want_ldt)
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_each_iteration_decodes_its_first_batch_ahead_and_a_dropped_one_is_settled(
     small_store: birdzarr.Store,
 ) -> None:
@@ -87,6 +88,7 @@ def test_each_iteration_decodes_its_first_batch_ahead_and_a_dropped_one_is_settl
     assert pool.early_batches == 4
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_a_format_1_store_loads_its_first_pool_whole(small_store_v1: birdzarr.Store) -> None:
     """Version 1 chunks decode whole either way: no batch is decoded on its own; batches exact."""
     ds = _dataset(small_store_v1, seed=2)
@@ -123,6 +125,7 @@ def test_persistent_workers_decode_only_epoch_0s_first_batch_ahead(small_store: 
         assert early == {0: 1, 1: 1}, (epoch, early)
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_a_store_read_through_a_chunk_cache_reads_each_chunk_once(
     small_store: birdzarr.Store, tmp_path: object
 ) -> None:
@@ -138,6 +141,7 @@ def test_a_store_read_through_a_chunk_cache_reads_each_chunk_once(
     assert ds._cache is not None and ds._cache.hits == 0 and ds._cache.misses > 0
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_a_reader_of_one_pool_decodes_it_whole(small_store: birdzarr.Store) -> None:
     """A reader whose iteration is one pool (a small selection) decodes it whole: decoding its
     first batch on its own would read every chunk of its epoch twice."""

@@ -110,6 +110,7 @@ def test_a_subset_holds_the_selected_windows_in_stored_order_and_verifies(
 
 
 @pytest.mark.parametrize("order", ["shuffled", "device order"])
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_a_subset_of_every_window_has_the_sources_device_table(
     stores: dict[str, birdzarr.Store], tmp_path: pathlib.Path, order: str,
 ) -> None:
@@ -184,6 +185,7 @@ def test_the_loader_streams_a_shuffled_subset_without_allow_device_order(
     assert ds.label_counts() == selected.label_counts()
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_the_command_writes_a_subset_and_says_what_it_holds(
     stores: dict[str, birdzarr.Store], tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -212,6 +214,7 @@ def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     return lines[-1]
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_the_command_refuses_bad_input_in_one_line(
     stores: dict[str, birdzarr.Store], csv_source: pathlib.Path, tmp_path: pathlib.Path,
     capsys: pytest.CaptureFixture[str],
