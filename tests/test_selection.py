@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 import birdzarr
 from birdzarr.convert import append
 from birdzarr.demo import _synthetic
-from birdzarr.loader._selection import (
+from birdzarr.store._selection import (
     _ranges_mask,
     _selected_below,
     device_in_val,

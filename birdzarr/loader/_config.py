@@ -21,7 +21,7 @@ import torch
 from birdzarr._checks import require_bool, require_int
 from birdzarr._errors import ArgumentError, warn_renamed
 from birdzarr.loader._balanced import check_epoch_windows, check_label_weights
-from birdzarr.loader._selection import SPLIT_BY, SPLITS, TimeMask, WindowFilter, unix_seconds
+from birdzarr.store._selection import SPLIT_BY, SPLITS, TimeMask, WindowFilter, unix_seconds
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
 # with transform_ldt=True the transform is called as transform(x, ldt) and returns (x, ldt)

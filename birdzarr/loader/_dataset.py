@@ -51,12 +51,12 @@ from birdzarr.loader._config import (
 )
 from birdzarr.loader._pool import LoadedPool, PoolBuffers, _DaemonThreads
 from birdzarr.loader._sampling import EpochPlan, plan_epoch
-from birdzarr.loader._selection import SPLIT_RULE, SelectionStats, make_selection
 from birdzarr.loader._sink import Batch, BatchLayout, Filler, SharedBatch, Sink, device_batch, make_sink
 from birdzarr.loader._state import MAX_EPOCH, OrderKey, Progress, ResumeState
 from birdzarr.storage._location import StoreLike, resolve
 from birdzarr.store._chunks import ChunkReader
 from birdzarr.store._handle import Store, open_store
+from birdzarr.store._selection import SPLIT_RULE, SelectionStats, make_selection
 
 if TYPE_CHECKING:
     from birdzarr.loader._resident import ResidentPlan, ResidentSelection

@@ -41,8 +41,8 @@ import numpy as np
 
 from birdzarr.format._spec import DEVICE, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH
 from birdzarr.loader._sampling import Pool
-from birdzarr.loader._selection import Selection
 from birdzarr.store._chunks import ChunkReader
+from birdzarr.store._selection import Selection
 
 PER_WINDOW = {LABEL: np.int32, DEVICE: np.int32, TIMESTAMP: np.int64}
 

@@ -44,9 +44,9 @@ from birdzarr.format._codec import constant_rows
 from birdzarr.format._spec import DEVICE, GIMU, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH
 from birdzarr.loader._code_layout import ONCE_A_WINDOW, CodeLayout
 from birdzarr.loader._sampling import batch_sizes, rank_starts, rank_window_counts
-from birdzarr.loader._selection import Selection
 from birdzarr.loader._shared_dictionaries import share_dictionaries
 from birdzarr.store._chunks import ChunkReader
+from birdzarr.store._selection import Selection
 
 _VALUES = WINDOW_LENGTH * N_CHANNELS  # 80 float32 values a window
 # ldt is held as one (n, 4) int32 row a window: label, device, then the int64 timestamp's two

@@ -32,14 +32,14 @@ import datetime as dt
 import numbers
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import zarr
 
-from birdzarr._checks import require_int
+from birdzarr._checks import require_bool, require_int
 from birdzarr._errors import ArgumentError
 from birdzarr._progress import progress_bar
 from birdzarr._version import __version__
@@ -64,23 +64,15 @@ from birdzarr.format._spec import (
 )
 from birdzarr.storage._location import Location, StoreLike, require_writable, resolve, write_json, zarr_store
 from birdzarr.storage._lock import StoreLock, clear_except_lock, release_and_tidy
+from birdzarr.store._selection import Selection, WindowFilter, make_selection, unix_seconds
 
 if TYPE_CHECKING:
-    from birdzarr.store._chunks import ChunkReader
     from birdzarr.store._handle import Store
 
 SUBSET = "subset"  # the root attribute that records the source and the selection
 _KEPT_ROOT = ("format_version", "window_length", "channels", "source_kind", "curation", "window_rule",
               "mixed_label_policy")
 _PER_WINDOW = {DEVICE: (np.int32, -1), TIMESTAMP: (np.int64, TIMESTAMP_UNKNOWN), LABEL: (np.int32, -1)}
-
-
-class ChunkSelection(Protocol):
-    """Which windows of each source chunk to keep (``birdzarr.loader``'s ``Selection`` is one)."""
-
-    def counts(self) -> np.ndarray: ...
-
-    def chunk_mask(self, reader: ChunkReader | None, chunk: int) -> np.ndarray | None: ...
 
 
 def refuse_format1(store: Store) -> None:
@@ -93,22 +85,76 @@ def refuse_format1(store: Store) -> None:
         )
 
 
-def subset_store(
-    source: StoreLike, destination: StoreLike, select: Callable[[Store], ChunkSelection], *,
-    selection_record: dict[str, Any], overwrite: bool, progress: bool,
-    storage_options: dict[str, Any] | None, source_storage_options: dict[str, Any] | None,
+def subset(
+    source: StoreLike,
+    destination: StoreLike,
+    *,
+    devices: Iterable[int] | None = None,
+    exclude_devices: Iterable[int] | None = None,
+    split: str | None = None,
+    split_by: str = "device",
+    val_fraction: float = 0.1,
+    split_seed: int = 0,
+    labelled_only: bool = False,
+    labels: Iterable[int] | None = None,
+    start: Any = None,
+    stop: Any = None,
+    overwrite: bool = False,
+    progress: bool = True,
+    storage_options: dict[str, Any] | None = None,
+    source_storage_options: dict[str, Any] | None = None,
 ) -> Store:
-    """``birdzarr.subset``: open ``source``, refuse a version-1 store, ``select(store)`` the
-    windows (the loader's selection rules, given by the caller, a layer above this one), write
-    them at ``destination`` and open the result."""
+    """Write the windows a ``WindowDataset`` with the same selection options would deliver
+    (``devices``, ``exclude_devices``, ``split``, ``split_by``, ``val_fraction``, ``split_seed``,
+    ``labelled_only``, ``labels``, ``start``, ``stop``: the same meanings and rules) as a new
+    store at ``destination``, and open it.
+
+    Streaming a selection that keeps a small part of each chunk still fetches and decompresses
+    every chunk; streaming its subset reads only the kept windows. Nothing is re-encoded: the
+    windows' codes, dictionary rows and gps_speed are copied in the source's stored order and
+    packed into chunks of the source's length, so the subset of a ``--shuffle`` store is itself
+    shuffled (a uniform order) and streams without ``allow_device_order``. Its device table is
+    computed from its windows (``birdzarr verify`` checks it), and its root attribute ``subset``
+    records the source, its window count and commit generation, and the selection.
+
+    The source must be a format-2 store. ``destination`` follows ``convert``'s rules: a new or
+    empty location, or with ``overwrite=True`` a birdzarr store, replaced only once the subset has
+    committed beside it; never inside the source. Memory is bounded: chunk by chunk, with the
+    dictionaries and one bit per source window. ``storage_options``: fsspec options of the
+    destination; ``source_storage_options``: those of the source.
+    """
     from birdzarr.store._handle import open_store
+
+    overwrite, progress = require_bool("overwrite", overwrite), require_bool("progress", progress)
+    labelled_only = require_bool("labelled_only", labelled_only)
+    split_seed = require_int("split_seed", split_seed, minimum=0)
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)):
+        raise ArgumentError(f"val_fraction must be a number between 0 and 1, got {val_fraction!r}")
+    first, end = unix_seconds("start", start), unix_seconds("stop", stop)
+    if first is not None and end is not None and first >= end:
+        raise ArgumentError(f"start must be before stop, got start={start!r} and stop={stop!r}")
+    chosen, excluded = ids("devices", devices), ids("exclude_devices", exclude_devices)
+    kept = ids("labels", labels)
+    kept = None if kept is None else tuple(sorted(set(kept)))
+    fraction = float(val_fraction)
+    split_record = {"split_by": split_by, "val_fraction": fraction, "split_seed": split_seed}
+    record = {
+        "devices": None if chosen is None else sorted(set(chosen)),
+        "exclude_devices": None if excluded is None else sorted(set(excluded)),
+        "split": split, **{k: (v if split is not None else None) for k, v in split_record.items()},
+        "labelled_only": labelled_only, "labels": None if kept is None else list(kept),
+        "start": first, "stop": end,
+    }
 
     dst = resolve(destination, storage_options)
     require_writable(dst)
     store = open_store(source, storage_options=source_storage_options)
     refuse_format1(store)  # before the selection reads anything
-    write_subset(store, dst, select(store), selection_record=selection_record, overwrite=overwrite,
-                 progress=progress)
+    selection = make_selection(store.device_columns, reader=store.reader, shuffled_store=store.shuffled,
+                               devices=chosen, exclude_devices=excluded, split=split, split_by=split_by,
+                               val_fraction=fraction, split_seed=split_seed,
+                               filters=WindowFilter(labelled_only, kept, first, end))
+    write_subset(store, dst, selection, selection_record=record, overwrite=overwrite, progress=progress)
     return open_store(dst)
 
 
@@ -122,7 +168,7 @@ def ids(name: str, given: Iterable[int] | None) -> tuple[int, ...] | None:
 
 
 def write_subset(
-    store: Store, dst: Location, selection: ChunkSelection, *, selection_record: dict[str, Any],
+    store: Store, dst: Location, selection: Selection, *, selection_record: dict[str, Any],
     overwrite: bool, progress: bool, requests: int = 4,
 ) -> None:
     """Write the windows ``selection`` keeps of ``store`` as a new store at ``dst`` (see the
@@ -149,7 +195,7 @@ def _described(record: dict[str, Any]) -> str:
 
 
 def _write_locked(
-    store: Store, target: Location, selection: ChunkSelection, counts: np.ndarray, *,
+    store: Store, target: Location, selection: Selection, counts: np.ndarray, *,
     selection_record: dict[str, Any], progress: bool, requests: int,
 ) -> None:
     lock = StoreLock(target, f"birdzarr subset {store.url}")
@@ -168,7 +214,7 @@ def _write_locked(
 
 
 class _SubsetWriter:
-    def __init__(self, store: Store, target: Location, selection: ChunkSelection, counts: np.ndarray, *,
+    def __init__(self, store: Store, target: Location, selection: Selection, counts: np.ndarray, *,
                  requests: int) -> None:
         self.store, self.target, self.selection = store, target, selection
         self.reader = store.reader
