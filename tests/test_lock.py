@@ -103,6 +103,7 @@ def test_stale_and_torn_locks_are_taken_over(source: pathlib.Path, tmp_path: pat
     assert not (dest / LOCK_NAME).exists()
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_a_lock_from_another_host_is_never_broken_silently(
     source: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
@@ -176,6 +177,7 @@ def test_no_secret_reaches_the_store_or_the_lock(source: pathlib.Path, tmp_path:
             assert secret.encode() not in path.read_bytes(), path
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_stores_open_read_only(source: pathlib.Path, tmp_path: pathlib.Path) -> None:
     dest = tmp_path / "s.zarr"
     store = birdzarr.convert(source, dest, chunk_windows=128, progress=False)

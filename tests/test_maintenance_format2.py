@@ -109,6 +109,7 @@ def test_an_intact_format2_store_verifies_against_its_source(
                                        "30 chunks, 12 checksums\n")
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_verify_names_a_damaged_codes_chunk_and_a_missing_gps_chunk(v2: pathlib.Path) -> None:
     _flip(v2 / "gimu_codes" / "c" / "2" / "0" / "0")
     (v2 / "gps_speed" / "c" / "5" / "0").unlink()
@@ -123,6 +124,7 @@ def test_verify_names_a_damaged_codes_chunk_and_a_missing_gps_chunk(v2: pathlib.
     assert result.checksums_checked == 10
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_verify_names_a_damaged_dictionary_chunk_once(v2: pathlib.Path, capsys: pytest.CaptureFixture[str]
                                                       ) -> None:
     _flip(v2 / "dict_values" / "c" / "0")
@@ -136,6 +138,7 @@ def test_verify_names_a_damaged_dictionary_chunk_once(v2: pathlib.Path, capsys: 
     assert "FAILED" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_verify_finds_a_code_past_its_dictionary_in_a_crc_valid_chunk(v2: pathlib.Path) -> None:
     rows = _array(v2, _v2.ROW)[3 * CHUNK : 4 * CHUNK]
     size = int(_sizes(v2)[rows[10], 1])
@@ -156,6 +159,7 @@ def test_verify_finds_a_code_past_its_dictionary_in_a_crc_valid_chunk(v2: pathli
         birdzarr.open_store(v2).windows[3 * CHUNK]
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_verify_finds_a_window_coded_with_another_devices_row(v2: pathlib.Path) -> None:
     dict_device = _array(v2, _v2.DEVICE)[:]
     rows = _array(v2, _v2.ROW, "r+")
@@ -267,6 +271,7 @@ def test_copy_of_a_format2_store_resumes_over_its_partial_copy(v2_store: pathlib
 
 
 @pytest.mark.parametrize("key", ["dict_start/c/0/0", "gimu_row/c/7"])
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_copy_refuses_a_format2_store_with_a_damaged_chunk(v2: pathlib.Path, tmp_path: pathlib.Path,
                                                            key: str) -> None:
     _flip(v2 / key)
@@ -279,6 +284,7 @@ def test_copy_refuses_a_format2_store_with_a_damaged_chunk(v2: pathlib.Path, tmp
     assert not (dest / "zarr.json").exists() and not (dest / key).exists()
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_copy_refuses_a_format2_store_with_a_missing_dictionary_chunk(v2: pathlib.Path, tmp_path: pathlib.Path
                                                                       ) -> None:
     (v2 / "dict_device" / "c" / "0").unlink()
@@ -334,6 +340,7 @@ def test_repair_rebuilds_damaged_per_window_chunks_from_the_source(
     assert report.actions == []
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_repair_without_damage_or_without_source_rebuilds_nothing(
     v2: pathlib.Path, v2_store: pathlib.Path, parquet_source: tuple[pathlib.Path, dict]
 ) -> None:

@@ -97,6 +97,7 @@ def test_silently_changed_windows_fail_their_checksum(store_copy: pathlib.Path) 
     assert sum("differs from the" in p for p in result.problems) >= 2, result.format()
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_wrong_device_ids_and_an_inconsistent_table(store_copy: pathlib.Path) -> None:
     a, b = _chunk(store_copy, "device", 0), _chunk(store_copy, "device", 20)
     a.write_bytes(b.read_bytes())
