@@ -118,6 +118,7 @@ def test_append_is_idempotent(csv_parts: dict[str, pathlib.Path], tmp_path: path
     assert append_detailed(dest, csv_parts["all"], progress=False).windows_added == 0
 
 
+@pytest.mark.slow
 def test_append_refuses_what_it_cannot_do_cleanly(
     csv_parts: dict[str, pathlib.Path], tmp_path: pathlib.Path
 ) -> None:
@@ -210,6 +211,7 @@ def test_readers_during_an_append_see_one_committed_snapshot(
     assert len(seen) >= 4
 
 
+@pytest.mark.slow
 def test_cli_append_verify_repair(csv_parts: dict[str, pathlib.Path], tmp_path: pathlib.Path,
                                   capsys: pytest.CaptureFixture[str]) -> None:
     dest = tmp_path / "s.zarr"
@@ -295,6 +297,7 @@ def test_append_continues_a_burst_split_between_seasons_as_one_conversion_would(
         assert len(index) == len(bits) and got == rows, device
 
 
+@pytest.mark.slow
 def test_a_store_without_the_tails_record_appends_as_before(
     seasons: dict[str, pathlib.Path], tmp_path: pathlib.Path
 ) -> None:
@@ -321,6 +324,7 @@ def test_a_store_without_the_tails_record_appends_as_before(
     assert verify(dest, source=seasons["all"]).ok
 
 
+@pytest.mark.slow
 def test_info_and_the_store_report_each_append(
     csv_parts: dict[str, pathlib.Path], tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -350,6 +354,7 @@ def test_info_and_the_store_report_each_append(
     assert "append 1" not in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_continued_burst_keeps_its_skipped_line(tmp_path: pathlib.Path) -> None:
     """The recorded unfinished burst holds a skipped line's placeholder (NaN values): the window it
     falls in is dropped after the append as in one conversion, and every other value is exact."""

@@ -463,6 +463,7 @@ def test_bucket_runs_take_every_bucket_once_in_order(buckets: int, workers: int)
     assert max(map(len, runs)) - min(map(len, runs)) <= 1
 
 
+@pytest.mark.slow
 def test_a_shuffle_whose_spill_is_damaged_fails_cleanly(
     parquet_dir_48mb: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

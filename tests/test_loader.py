@@ -372,6 +372,7 @@ def test_stateful_dataloader_resumes_exactly(
     assert all(torch.equal(x, y) for x, y in zip(following, expected_2, strict=True))
 
 
+@pytest.mark.slow
 def test_damaged_chunks_raise_during_training(parquet_source, tmp_path) -> None:  # type: ignore[no-untyped-def]
     directory, _ = parquet_source
     store = birdzarr.convert(directory, tmp_path / "d.zarr", chunk_windows=2048, progress=False)
@@ -424,6 +425,7 @@ def test_batches_of_one_window_over_ranks_of_unequal_windows_are_refused() -> No
     drop_last=st.booleans(),
     epoch=st.integers(0, 5),
 )
+@pytest.mark.slow
 def test_pools_are_balanced_and_hold_every_window_once(
     world_size: int, num_workers: int, counts: list[int], pool_chunks: int, batch_size: int,
     drop_last: bool, epoch: int,
@@ -572,6 +574,7 @@ def shuffled_store(parquet_source, tmp_path_factory) -> birdzarr.Store:  # type:
     return birdzarr.convert(directory, dest, chunk_windows=1024, shuffle=True, seed=5, progress=False)
 
 
+@pytest.mark.slow
 def test_a_shuffled_store_gives_fresh_uniform_batches_every_epoch(shuffled_store: birdzarr.Store) -> None:
     """The three quality figures (docs/training.md#shuffle-quality) with the default settings'
     shape: pools of several chunks, batches of one chunk's size."""

@@ -68,6 +68,7 @@ def _epochs(ds: birdzarr.WindowDataset, epochs: tuple[int, ...], workers: int) -
     return got
 
 
+@pytest.mark.slow
 def test_the_version2_copy_holds_no_gimu_array(stores: dict[str, tuple[str, str]]) -> None:
     _, v2 = stores["shuffled"]
     names = {p.name for p in pathlib.Path(v2).iterdir() if p.is_dir()}
@@ -159,6 +160,7 @@ def test_resident_workers_share_the_codes_and_keep_the_order(stores: dict[str, t
     _same(_epochs(ds, (1,), workers=2), in_process)
 
 
+@pytest.mark.slow
 def test_resident_holds_only_the_dictionary_rows_of_the_selected_devices(
     stores: dict[str, tuple[str, str]],
 ) -> None:
@@ -173,6 +175,7 @@ def test_resident_holds_only_the_dictionary_rows_of_the_selected_devices(
     _same(_epochs(ds, (0,), workers=0), expected)
 
 
+@pytest.mark.slow
 def test_the_torch_gather_a_gpu_runs_equals_the_store(stores: dict[str, tuple[str, str]]) -> None:
     """On a GPU the same torch ops decode (HeldCodes.decode): run here on the CPU, with rows in
     random order, against the version-1 store's windows and the documented numpy decode."""
@@ -228,6 +231,7 @@ def test_a_gps_speed_that_varies_within_a_window_is_held_in_every_sample(
         assert np.array_equal(x.numpy().view(np.uint32), truth[idx].view(np.uint32))
 
 
+@pytest.mark.slow
 def test_resident_codes_false_holds_float32(stores: dict[str, tuple[str, str]]) -> None:
     v1, v2 = stores["shuffled"]
     ds = _dataset(v2, resident="cpu", resident_codes=False)
@@ -235,6 +239,7 @@ def test_resident_codes_false_holds_float32(stores: dict[str, tuple[str, str]]) 
     _same(_epochs(ds, (0,), workers=0), _epochs(_dataset(v1, resident="cpu"), (0,), workers=0))
 
 
+@pytest.mark.slow
 def test_refused_before_loading_when_the_codes_do_not_fit(
     stores: dict[str, tuple[str, str]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -252,6 +257,7 @@ def test_refused_before_loading_when_the_codes_do_not_fit(
         f"needs {needed / 2**20:.1f} MiB, but the job's memory limit (test) is 1.0 MiB. Stream instead")
 
 
+@pytest.mark.slow
 def test_the_host_decode_in_slices_equals_the_whole_batch(stores: dict[str, tuple[str, str]]) -> None:
     """With several torch threads the host decodes 512 windows at a time (never waking torch's
     intra-op threads); with one, the whole batch at once: the same values."""
@@ -271,6 +277,7 @@ def test_the_host_decode_in_slices_equals_the_whole_batch(stores: dict[str, tupl
     assert torch.equal(held.coded.decode(rows[:0]), torch.empty((0, 20, 4)))
 
 
+@pytest.mark.slow
 def test_a_selection_reads_the_device_table_index_not_its_entries(
     small_store: birdzarr.Store, tmp_path: pathlib.Path
 ) -> None:
@@ -296,6 +303,7 @@ def test_a_selection_reads_the_device_table_index_not_its_entries(
     assert len(split) > 0
 
 
+@pytest.mark.slow
 def test_a_selection_decodes_only_its_windows_and_streams_the_version1_batches(
         stores: dict[str, tuple[str, str]]) -> None:
     """A selection keeping about a third of every chunk of a shuffled store: a pool holds only the
@@ -334,6 +342,7 @@ def test_a_selection_decodes_only_its_windows_and_streams_the_version1_batches(
 
 
 @pytest.mark.parametrize("order", ["device", "shuffled"])
+@pytest.mark.slow
 def test_the_host_decode_equals_the_torch_ops_and_the_store(
     stores: dict[str, tuple[str, str]], order: str
 ) -> None:
@@ -401,6 +410,7 @@ def test_a_huge_host_batch_decodes_exactly_and_keeps_no_temporaries() -> None:
     assert kept.nbytes <= _resident._SCRATCH_LIMIT
 
 
+@pytest.mark.slow
 def test_a_resident_selection_reads_only_its_windows_of_each_chunk(
     stores: dict[str, tuple[str, str]],
 ) -> None:

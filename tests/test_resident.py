@@ -141,6 +141,7 @@ def test_a_gps_speed_that_varies_within_a_window_is_held_in_every_sample(
     assert np.array_equal(held._gather_with_torch(torch.from_numpy(rows)).numpy(), expected)
 
 
+@pytest.mark.slow
 def test_a_standard_store_is_held_as_float32(parquet_source: object, tmp_path: object) -> None:
     directory, _ = parquet_source  # type: ignore[misc]
     store = birdzarr.convert(directory, tmp_path / "std.zarr", codec="standard", chunk_windows=4096,  # type: ignore[operator]
