@@ -354,7 +354,6 @@ def test_info_and_the_store_report_each_append(
     assert "append 1" not in capsys.readouterr().out
 
 
-@pytest.mark.slow
 def test_a_continued_burst_keeps_its_skipped_line(tmp_path: pathlib.Path) -> None:
     """The recorded unfinished burst holds a skipped line's placeholder (NaN values): the window it
     falls in is dropped after the append as in one conversion, and every other value is exact."""
