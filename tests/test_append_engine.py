@@ -8,7 +8,6 @@ continued on every engine. (The engine itself: tests/test_engine.py.)"""
 from __future__ import annotations
 
 import contextlib
-import json
 import pathlib
 import shutil
 
@@ -23,40 +22,12 @@ from birdzarr.convert._append import AppendResult, append_detailed
 from birdzarr.demo import _synthetic
 from birdzarr.maintenance._verify import verify
 from birdzarr.store._tail import leftovers
+from tests.store_files import assert_same_store, store_files
 
 CHUNK = 100  # small, and no store here ends on a chunk boundary: appends start inside a chunk
 
 # name -> (workers, PROCESS_MIN_BYTES): this thread, two threads, two forked worker processes
 ENGINES = {"this thread": (1, 1 << 62), "threads": (2, 1 << 62), "processes": (2, 0)}
-
-# root attributes that record when and how a run went, not what it stored
-_VOLATILE = {"started_at", "finished_at", "committed_at", "seconds", "cpu_seconds", "cores_used", "workers",
-             "usable_cores", "worker_processes", "segments", "source", "dask"}
-
-
-def _without_volatile(value: object) -> object:
-    if isinstance(value, dict):
-        return {k: _without_volatile(v) for k, v in value.items() if k not in _VOLATILE}
-    if isinstance(value, list):
-        return [_without_volatile(v) for v in value]
-    return value
-
-
-def _files(root: pathlib.Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def assert_same_store(a: pathlib.Path, b: pathlib.Path) -> None:
-    """Every file byte-identical but the root zarr.json, whose attributes are equal without the
-    run's times, engine facts and source path."""
-    files_a, files_b = _files(a), _files(b)
-    assert sorted(files_a) == sorted(files_b)
-    for name, content in files_a.items():
-        if name == "zarr.json":
-            left, right = json.loads(content), json.loads(files_b[name])
-            assert json.dumps(_without_volatile(left)) == json.dumps(_without_volatile(right))
-        else:
-            assert content == files_b[name], name
 
 
 def _parquet(path: pathlib.Path, windows: np.ndarray) -> None:
@@ -169,7 +140,7 @@ def test_appending_new_devices_stores_what_one_conversion_of_all_stores(
     _append_on(engine, monkeypatch, appended, parquet_seasons["new"], repeats=False)
     birdzarr.convert([parquet_seasons["base"], parquet_seasons["new"]], whole, chunk_windows=CHUNK,
                      workers=1, progress=False, format_version=format_version)
-    mine, theirs = _files(appended), _files(whole)
+    mine, theirs = store_files(appended), store_files(whole)
     for name in _ARRAYS[format_version]:
         files = sorted(k for k in theirs if k.startswith(name + "/"))
         assert files and files == sorted(k for k in mine if k.startswith(name + "/")), name

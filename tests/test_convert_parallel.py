@@ -6,7 +6,6 @@ and the cgroup quota. (The runner's own order, failure and bound: tests/test_eng
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import pathlib
 import threading
@@ -21,41 +20,7 @@ from birdzarr.convert import _cpus, _segments, _shuffle, _shuffle_processes
 from birdzarr.demo import _synthetic
 from birdzarr.maintenance._verify import verify
 from birdzarr.store._summary import format_summary, summary
-
-# Root attributes that record when and how fast a conversion ran, not what it stored.
-_VOLATILE = {"started_at", "finished_at", "committed_at", "seconds", "cpu_seconds", "cores_used", "workers",
-             "usable_cores", "worker_processes", "segments", "pass_seconds", "pass_cpu_seconds",
-             "spill_bytes"}  # a shuffle's spill: its pieces are cut where each worker's buffer fills
-
-
-def _without_volatile(value: object) -> object:
-    if isinstance(value, dict):
-        return {k: _without_volatile(v) for k, v in value.items() if k not in _VOLATILE}
-    if isinstance(value, list):
-        return [_without_volatile(v) for v in value]
-    return value
-
-
-def _files(root: pathlib.Path) -> dict[str, bytes]:
-    out = {}
-    for path in sorted(root.rglob("*")):
-        if path.is_file():
-            out[str(path.relative_to(root))] = path.read_bytes()
-    return out
-
-
-def assert_same_store(a: pathlib.Path, b: pathlib.Path) -> None:
-    """Every file of both stores is byte-identical, except the root zarr.json, whose attributes
-    are equal once the times and CPU figures of the run are left out (and whose key order is
-    the same)."""
-    files_a, files_b = _files(a), _files(b)
-    assert sorted(files_a) == sorted(files_b)
-    for name, content in files_a.items():
-        if name == "zarr.json":
-            left, right = json.loads(content), json.loads(files_b[name])
-            assert json.dumps(_without_volatile(left)) == json.dumps(_without_volatile(right))
-        else:
-            assert content == files_b[name], name
+from tests.store_files import assert_same_store
 
 
 @pytest.fixture(scope="module")

@@ -404,16 +404,8 @@ class ParquetDeviceReader:
                 yield from self._partition_blocks(index, source, file)
                 return
             note = ignored_note(source, extra) if extra else None
-            for group in range(file.num_row_groups):
-                for block in self._row_group(file, group, columns, source):
-                    if note is not None:
-                        block.report.note(note)
-                        note = None
-                    yield block
-            if note is not None:  # no rows here: the ignored columns are still named
-                report = DeviceReport()
-                report.note(note)
-                yield _empty_block(report)
+            yield from _noted((block for group in range(file.num_row_groups)
+                               for block in self._row_group(file, group, columns, source)), note)
 
     def _bad_file(self, message: str, remedy: str) -> Iterator[WindowBlock]:
         if self.on_bad_rows != "skip":
@@ -453,18 +445,8 @@ class ParquetDeviceReader:
         """This device's rows of a partition file, row group by row group (``file``: open
         already, else opened only to decode a group no other device's reader decoded)."""
         note = ignored_note(source, index.extra) if index.extra else None
-        for group in range(len(index.keys)):
-            if not index.may_hold(group, self.device_id):
-                continue
-            for block in self._partition_group(index, file, group, source):
-                if note is not None:
-                    block.report.note(note)
-                    note = None
-                yield block
-        if note is not None:  # no rows here: the ignored columns are still named
-            report = DeviceReport()
-            report.note(note)
-            yield _empty_block(report)
+        yield from _noted((block for group in range(len(index.keys)) if index.may_hold(group, self.device_id)
+                           for block in self._partition_group(index, file, group, source)), note)
 
     def _decode(self, file: pq.ParquetFile | None, group: int, columns: list[str]) -> pa.Table:
         if file is not None:
@@ -600,6 +582,20 @@ def _timestamps(column: pa.Array, source: str) -> np.ndarray:
     if column.null_count:
         seconds = np.where(_null_mask(column), TIMESTAMP_UNKNOWN, seconds)
     return np.array(seconds, dtype=np.int64)  # a copy: not a view of the input's buffers
+
+
+def _noted(blocks: Iterator[WindowBlock], note: str | None) -> Iterator[WindowBlock]:
+    """The blocks, the first carrying ``note`` (the ignored columns of the file); where there is
+    no block, one empty block carrying it: the ignored columns are named even without rows."""
+    for block in blocks:
+        if note is not None:
+            block.report.note(note)
+            note = None
+        yield block
+    if note is not None:
+        report = DeviceReport()
+        report.note(note)
+        yield _empty_block(report)
 
 
 def _empty_block(report: DeviceReport) -> WindowBlock:
