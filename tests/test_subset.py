@@ -203,6 +203,12 @@ def test_the_command_writes_a_subset_and_says_what_it_holds(
     assert main(["subset", str(source.location.path), str(tmp_path / "secs.zarr"), "--labels", "1,2",
                  "--start", str(START), "--quiet"]) == 0
     _same_windows(birdzarr.open_store(tmp_path / "secs.zarr"), source, idx)
+    # `birdzarr info` on the subset says where its windows came from, not an input report of 0 rows
+    assert main(["info", str(dest)]) == 0
+    info = capsys.readouterr().out
+    assert (f"subset       {len(idx):,} of the {len(source):,} windows of {source.url} (labels=[1, 2], "
+            f"start={START}), written in ") in info
+    assert "rows read" not in info and "conversion" not in info
 
 
 def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:

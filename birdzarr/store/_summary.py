@@ -69,6 +69,7 @@ def summary(store: Store) -> dict[str, Any]:
                    "workers": report.get("workers"),
                    "pass_seconds": (report.get("shuffle") or {}).get("pass_seconds")},
         "appends": [_append_summary(a) for a in appends],
+        "subset": meta.get("subset"),  # written by birdzarr.subset: its source and selection
     }
 
 
@@ -124,6 +125,9 @@ def format_summary(info: dict[str, Any]) -> str:
         )
     else:
         lines.append("curation     done before conversion (Parquet source), values copied exactly")
+    if info.get("subset"):  # no input rows were read: the windows came from another store
+        lines.append(_subset_line(info["subset"], report.get("seconds")))
+        return "\n".join(lines)
     dropped = ", ".join(f"{k} {v:,}" for k, v in sorted(report["dropped"].items())) or "none"
     lines.append(
         f"report       {report['rows_read']:,} rows read, dropped: {dropped}; bad lines "
@@ -157,3 +161,15 @@ def format_summary(info: dict[str, Any]) -> str:
             line += f", from {record['source']}"
         lines.append(line)
     return "\n".join(lines)
+
+
+def _subset_line(record: dict[str, Any], seconds: float | None) -> str:
+    """Where a subset store's windows came from: the source, and the selection's options that
+    were set (a split with its rule)."""
+    selection = record.get("selection") or {}
+    rule = ("split_by", "val_fraction", "split_seed")
+    chosen = [f"{k}={v!r}" for k, v in selection.items()
+              if v is not None and v is not False and (k not in rule or selection.get("split") is not None)]
+    line = (f"subset       {record.get('windows', 0):,} of the {record.get('source_n_windows', 0):,} windows "
+            f"of {record.get('source')} ({', '.join(chosen) or 'every window'})")
+    return line + (f", written in {seconds:.1f} s" if seconds else "")
