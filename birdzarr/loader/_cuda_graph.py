@@ -11,7 +11,8 @@ a caller may keep a batch while asking for the next one).
 
 The held tensors never move once loaded, so one capture serves every full batch of every epoch;
 a batch of another size (an epoch's last) runs the ops one by one. Memory: the graph's private
-pool holds one batch's intermediates, about ``batch_size x 1.3 KB`` (11 MB at 8,192 windows).
+pool holds one batch's intermediates, by their sizes about ``batch_size x 1.3 KB`` (11 MB at 8,192
+windows: index, values, output and its channel-first copy).
 If capture fails (an op this torch cannot capture), the ops run one by one from then on.
 """
 
