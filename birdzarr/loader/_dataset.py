@@ -627,7 +627,7 @@ class WindowDataset(IterableDataset[Batch]):
             reader = ChunkReader(location, self._layouts, self.n_windows)
             reader.cache = self._cache
             if self._template is not None:  # the dictionaries read (and checked) in _open
-                reader._dictionaries, reader._limits = self._template._dictionaries, self._template._limits
+                reader.take_dictionaries_from(self._template)
             pool = PoolBuffers(reader, self.selection, with_ldt=c.with_ldt, threads=c.requests)
             sink = make_sink(BatchLayout(c.batch_size, c.channel_first, c.with_ldt), c.transform,
                              in_worker=get_worker_info() is not None, reuse_slots=c.reuse_batch_memory,

@@ -443,6 +443,13 @@ class ChunkReader:
                 found = self._dictionaries
         return found
 
+    def take_dictionaries_from(self, other: ChunkReader) -> None:
+        """Use the dictionaries ``other`` (a reader of the same store) has read and checked, if
+        any, instead of reading them again: a dataset reads them once and each process's reader
+        takes them (a forked worker inherits the arrays)."""
+        with self._dictionaries_lock:
+            self._dictionaries, self._limits = other._dictionaries, other._limits
+
     def _read_dictionaries(self) -> _v2.Dictionaries:
         if self.format_version != 2:
             raise ValueError(f"{self.location.display} is a format-{self.format_version} store: it has no "
