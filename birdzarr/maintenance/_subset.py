@@ -233,7 +233,7 @@ class _SubsetWriter:
     def _read(self, chunk: int) -> dict[str, np.ndarray]:
         """The selected windows of one source chunk: codes, rows, gps_speed, device, time, label."""
         selected = self._positions(chunk)
-        codes, row, gps, _ = self.reader._v2_chunk(chunk, owned=True, selected=selected)
+        codes, row, gps = self.reader.read_coded(chunk, selected)
         out = {_v2.CODES: np.ascontiguousarray(codes), _v2.ROW: np.asarray(row), _v2.GPS: np.asarray(gps)}
         for name in _PER_WINDOW:
             values = self.reader.read(name, chunk)
