@@ -16,7 +16,7 @@ path) against obstore (if installed); and whole-chunk reads of a ``codec="standa
 birdzarr's fsspec path (``ChunkReader`` on a thread pool) against TensorStore's reader.
 
     python benchmarks/s3.py                                  # defaults: 1M windows, the converter's chunks
-    python benchmarks/s3.py --windows 300000 --prefetch 16   # smaller, more fetches in flight
+    python benchmarks/s3.py --windows 300000 --requests 16   # smaller, more fetches in flight
     python benchmarks/s3.py --pin-servers                    # servers on their own core
 """
 
@@ -103,7 +103,7 @@ def epoch(url: str, options: dict[str, Any] | None, args: argparse.Namespace) ->
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "stored in device order": irrelevant to throughput
         dataset = birdzarr.WindowDataset(url, batch_size=args.batch_size, shuffle=True, seed=0,
-                                         requests=args.prefetch, storage_options=options)
+                                         requests=args.requests, storage_options=options)
     loader = DataLoader(dataset, batch_size=None, num_workers=args.workers,
                         persistent_workers=args.workers > 0,
                         multiprocessing_context="fork" if args.workers else None)
@@ -187,7 +187,8 @@ def main() -> None:
                              "store, 8192 for the standard one)")
     parser.add_argument("--batch-size", type=int, default=8192)
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers")
-    parser.add_argument("--prefetch", type=int, default=4, help="WindowDataset prefetch (its default is 4)")
+    parser.add_argument("--requests", type=int, default=4,
+                        help="WindowDataset requests: chunk fetches in flight (its default is 4)")
     parser.add_argument("--delays-ms", type=float, nargs="*", default=[10.0, 25.0], help="added each way")
     parser.add_argument("--skip-tensorstore", action="store_true")
     parser.add_argument("--workdir", default=None)
@@ -275,7 +276,7 @@ def main() -> None:
 
         proxy = Server("proxy", "--upstream", str(moto.port), "--delay", "0.01")
         try:
-            results["raw_fetch_10ms"] = raw_fetches(proxy.url, local.reader.n_chunks, max(args.prefetch, 8))
+            results["raw_fetch_10ms"] = raw_fetches(proxy.url, local.reader.n_chunks, max(args.requests, 8))
         finally:
             proxy.stop()
         print(json.dumps(results["raw_fetch_10ms"]), flush=True)
@@ -300,7 +301,7 @@ def compare_tensorstore(
     options = s3_options(moto.url)
     copy_store(standard.location, "s3://bench/standard.zarr", progress=False, dest_storage_options=options)
     os.environ.update(AWS_ACCESS_KEY_ID=options["key"], AWS_SECRET_ACCESS_KEY=options["secret"])
-    n, chunk, threads = len(standard), standard.chunk_windows, max(args.prefetch, 8)
+    n, chunk, threads = len(standard), standard.chunk_windows, max(args.requests, 8)
     rows = []
     proxy = Server("proxy", "--upstream", str(moto.port), "--delay", "0.01")
     try:
@@ -324,7 +325,7 @@ def compare_tensorstore(
 def print_table(results: dict[str, Any]) -> None:
     s = results["settings"]
     print(f"\n{s['windows']:,} windows, chunk {s['chunk_windows'] or 'default'}, batch {s['batch_size']}, "
-          f"{s['workers']} DataLoader workers, prefetch {s['prefetch']}"
+          f"{s['workers']} DataLoader workers, requests {s['requests']}"
           + (", servers pinned to their own core" if s.get("pin_servers") else ", all on shared cores"))
     print("| source | RTT | first epoch windows/s | vs local | later epochs windows/s | vs local "
           "| requests/epoch | bytes/request |")
