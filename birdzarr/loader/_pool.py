@@ -16,6 +16,17 @@ next epoch: plans are pure functions of the epoch) into the other of two banks o
 daemon threads: a DataLoader worker that exits (a non-persistent one, at the end of its epoch)
 does not wait for a prefetch nobody will use.
 
+A bank remembers which pieces of which chunks its latest pool holds, and where. A pool whose
+pieces a bank already holds (the same chunk, the same or fewer of its selected windows) is not
+decoded again: a piece held by the bank being loaded stays where it is and the pool's other
+pieces go to the bank's other slots; a piece only the other bank holds is copied from it (a
+gather of its rows, about a sixth of a decode's CPU); a pool held whole by one bank is served
+from that bank as it is. The values are those the decode wrote, so batches are unchanged. This
+is what makes a small store's epochs cheap: a reader whose epoch is one pool (the training
+process reading a selection or subset store of up to ``shuffle_buffer`` windows) decodes it
+once, in its first epoch, and a DataLoader worker keeps its last two pools across the epoch
+boundary in its two banks.
+
 A pool decoded on the spot (an iteration's first pool, which no prefetch holds) would keep the
 iteration's first batch waiting for every chunk of the pool: each batch is a sample of all of
 them. ``start(pool, key, first)`` therefore decodes the windows of that first batch on their own
@@ -25,7 +36,9 @@ so the first batch is served (``Loading.early``) while the pool decodes. The val
 same (the same function decodes the same chunks); the pool's chunks are read twice, so this is
 done only on a store on this machine's file system without a chunk cache (a remote store's first
 pool is not fetched twice), and only for a reader with more than one pool that iteration (the
-caller decides: its only pool would be all its epoch's chunks).
+caller decides: its only pool would be all its epoch's chunks). Of a first batch's windows held
+in a bank, only those a chunk to decode holds are decoded on their own; the others are gathered
+from the bank.
 """
 
 from __future__ import annotations
@@ -103,38 +116,95 @@ def _results(futures: list[Future[Any]], also: Sequence[Future[Any]] = ()) -> li
         raise
 
 
+@dataclass(frozen=True)
+class _Held:
+    """A piece of a chunk in a bank: the chunk's selected windows ``[lo, hi)`` (ranks among its
+    selected windows), in slot ``slot``; ``rows[i]`` is the bank row of window ``lo + i``."""
+
+    slot: int
+    lo: int
+    hi: int
+    rows: np.ndarray
+
+
 class _Bank:
-    """One pool's worth of buffers: float32 windows, and label, device, time with ldt."""
+    """One pool's worth of buffers: float32 windows, and label, device, time with ldt; and which
+    piece of which chunk each slot holds (``held``: the pieces of the latest pool loaded here)."""
 
     def __init__(self, with_ldt: bool) -> None:
         self.with_ldt = with_ldt
         self.capacity = 0
         self.gimu = np.empty((0, WINDOW_LENGTH, N_CHANNELS), np.float32)
         self.ldt: dict[str, np.ndarray] = {}
+        self.held: dict[int, _Held] = {}  # chunk -> its piece here
 
     def reserve(self, chunks: int, chunk_windows: int) -> None:
         if chunks <= self.capacity:
             return
         rows = chunks * chunk_windows
+        self.held = {}
         self.gimu = np.empty((rows, WINDOW_LENGTH, N_CHANNELS), np.float32)
         if self.with_ldt:
             self.ldt = {name: np.empty(rows, dtype) for name, dtype in PER_WINDOW.items()}
         self.capacity = chunks
 
+    def find(self, chunk: int, lo: int, hi: int) -> tuple[_Held, np.ndarray] | None:
+        """The held piece of ``chunk`` holding its selected windows ``[lo, hi)``, and their rows."""
+        held = self.held.get(chunk)
+        if held is None or not held.lo <= lo < hi <= held.hi:
+            return None
+        return held, held.rows[lo - held.lo : hi - held.lo]
+
+    def forget(self, slots: set[int]) -> None:
+        """Slots about to be written: what they held is gone."""
+        self.held = {chunk: h for chunk, h in self.held.items() if h.slot not in slots}
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where one piece of a pool comes from: rows already in a bank (``found``: a bank and rows;
+    kept in place when that bank is the one loaded), else decoded (``found`` None) into ``slot``;
+    a piece found in the other bank is copied into ``slot``."""
+
+    found: tuple[int, np.ndarray] | None
+    slot: int
+    kept: _Held | None = None  # the piece held in place (it stays recorded as it is)
+
+    @property
+    def decodes(self) -> bool:
+        return self.found is None
+
+
+@dataclass(frozen=True)
+class _Arranged:
+    """A pool's pieces in one bank: each piece's source; ``direct``: every piece is already in
+    ``bank`` (nothing to decode, copy or record)."""
+
+    bank: int
+    sources: list[_Source]
+    direct: bool
+
 
 EarlyBatch = tuple[np.ndarray, "dict[str, np.ndarray] | None"]  # windows (and ldt) of a first batch
+
+
+def _done(value: Any) -> Future[Any]:
+    future: Future[Any] = Future()
+    future.set_result(value)
+    return future
 
 
 class Loading:
     """A pool being loaded into one bank (``PoolBuffers.start``): ``early()`` gives the first
     batch's windows decoded on their own (None when none were), ``wait()`` the whole pool."""
 
-    def __init__(self, buffers: PoolBuffers, pool: Pool, futures: list[Future[np.ndarray]], bank: int,
-                 early: list[tuple[np.ndarray, Future[EarlyBatch]]] | None = None, first: int = 0) -> None:
+    def __init__(self, buffers: PoolBuffers, pool: Pool, futures: list[Future[np.ndarray]],
+                 arranged: _Arranged, early: list[tuple[np.ndarray, Future[EarlyBatch]]] | None = None,
+                 first: int = 0) -> None:
         self._buffers = buffers
         self._pool = pool
-        self._futures = futures
-        self._bank = bank
+        self._futures = futures  # each piece's rows in the bank
+        self._arranged = arranged
         self._early = early  # (the batch's members in a chunk, their windows being decoded)
         self._first = first  # windows of the first batch
         self._loaded: LoadedPool | None = None
@@ -165,7 +235,7 @@ class Loading:
         """The pool in its bank, once every chunk is decoded (the same object on later calls)."""
         if self._loaded is None:
             pieces = _results(self._futures)
-            self._loaded = self._buffers._loaded(self._pool, pieces, self._bank)
+            self._loaded = self._buffers._loaded(self._pool, pieces, self._arranged)
             if self._buffers._loading is self:
                 self._buffers._loading = None
         return self._loaded
@@ -175,8 +245,8 @@ class PoolBuffers:
     """One reader's pool memory and its fetch threads (create after a DataLoader worker forks).
 
     Two banks: a pool loaded on the spot goes to bank 0; a prefetch goes to the bank not holding
-    the pool being served, and is served from there. In the training process (no prefetch) only
-    bank 0 is ever allocated.
+    the pool being served, and is served from there; a pool one bank holds whole is served from
+    it. In the training process (no prefetch) only bank 0 is ever allocated.
     """
 
     def __init__(self, reader: ChunkReader, selection: Selection, *, with_ldt: bool, threads: int) -> None:
@@ -186,8 +256,9 @@ class PoolBuffers:
         self._banks = (_Bank(with_ldt), _Bank(with_ldt))
         self._serving = 0  # the bank of the pool handed out last
         self._threads = _DaemonThreads(max(1, threads), "birdzarr-fetch")
-        self._pending: tuple[Hashable, Pool, list[Future[np.ndarray]], int] | None = None
+        self._pending: tuple[Hashable, Pool, list[Future[np.ndarray]], _Arranged] | None = None
         self.decoded = 0  # chunks decoded by this reader for pools it served (tests count them)
+        self.reused = 0  # pieces of pools it served taken from a bank instead (tests count them)
         self.prefetched = 0  # pools taken from a prefetch (tests count them)
         self.discarded = 0  # prefetches not used
         self.early_batches = 0  # first batches decoded on their own (tests count them)
@@ -225,18 +296,55 @@ class PoolBuffers:
                 future.cancel()
             wait(futures)
 
-    def _submit(self, bank: int, pool: Pool) -> list[Future[np.ndarray]]:
-        self._banks[bank].reserve(len(pool.chunks), self.reader.chunk_windows)
-        return [self._threads.submit(self._load_chunk, bank, slot, chunk, lo, hi)
-                for slot, (chunk, lo, hi) in enumerate(zip(pool.chunks.tolist(), pool.lo.tolist(),
-                                                           pool.hi.tolist(), strict=True))]
+    def _arrange(self, bank: int, pool: Pool) -> _Arranged:
+        """Where each piece of ``pool`` comes from when it is loaded into ``bank``: a bank holding
+        every piece serves it as it is; else pieces ``bank`` holds stay in their slots, pieces
+        the other bank holds are copied, the rest decoded, into ``bank``'s other slots (which
+        forget what they held). Nothing is written into a bank while it is read, as before: the
+        other bank is only read, and is not being loaded (a prefetch into it was dropped)."""
+        pieces = list(zip(pool.chunks.tolist(), pool.lo.tolist(), pool.hi.tolist(), strict=True))
+        other = 1 - bank
+        for b in (bank, other):
+            found = [self._banks[b].find(*piece) for piece in pieces]
+            if pieces and all(f is not None for f in found):
+                return _Arranged(b, [_Source((b, f[1]), f[0].slot, f[0]) for f in found if f is not None],
+                                 direct=True)
+        target = self._banks[bank]
+        target.reserve(len(pieces), self.reader.chunk_windows)  # growing forgets what it held
+        here = [target.find(*piece) for piece in pieces]
+        there = [self._banks[other].find(*piece) for piece in pieces]
+        kept = {h[0].slot for h in here if h is not None}
+        free = iter([slot for slot in range(target.capacity) if slot not in kept])
+        sources = []
+        for h, t in zip(here, there, strict=True):
+            if h is not None:
+                sources.append(_Source((bank, h[1]), h[0].slot, h[0]))
+            else:
+                sources.append(_Source(None if t is None else (other, t[1]), next(free)))
+        target.forget({source.slot for source in sources if source.kept is None})
+        return _Arranged(bank, sources, direct=False)
+
+    def _submit(self, arranged: _Arranged, pool: Pool) -> list[Future[np.ndarray]]:
+        """Each piece's rows in the bank: held already, or a copy or a decode queued."""
+        futures: list[Future[np.ndarray]] = []
+        for source, chunk, lo, hi in zip(arranged.sources, pool.chunks.tolist(), pool.lo.tolist(),
+                                         pool.hi.tolist(), strict=True):
+            if source.kept is not None and source.found is not None:
+                futures.append(_done(source.found[1]))
+            elif source.found is not None:
+                futures.append(self._threads.submit(self._copy_piece, *source.found, arranged.bank,
+                                                    source.slot))
+            else:
+                futures.append(self._threads.submit(self._load_chunk, arranged.bank, source.slot, chunk,
+                                                    lo, hi))
+        return futures
 
     def prefetch(self, key: Hashable, pool: Pool) -> None:
         """Start decoding ``pool`` into the bank not being served; ``load(pool, key)`` takes it."""
         self._drop_pending()
         self._settle()
-        bank = 1 - self._serving
-        self._pending = (key, pool, self._submit(bank, pool), bank)
+        arranged = self._arrange(1 - self._serving, pool)
+        self._pending = (key, pool, self._submit(arranged, pool), arranged)
 
     def _drop_pending(self) -> None:
         """Cancel a prefetch nobody asked for (its running decodes finish first)."""
@@ -255,9 +363,11 @@ class PoolBuffers:
 
     def start(self, pool: Pool, key: Hashable = None, first: np.ndarray | None = None) -> Loading:
         """Take the prefetch started with this ``key`` for the same pool, or start decoding every
-        chunk of ``pool`` into bank 0. In that case, given ``first`` (the pool positions of its
-        first batch, in the batch's order) and a version-2 store on this machine, those windows
-        are decoded on their own first (``Loading.early``), queued ahead of the pool's chunks."""
+        chunk of ``pool`` into bank 0 (but the pieces a bank holds: ``_arrange``). In that case,
+        given ``first`` (the pool positions of its first batch, in the batch's order) and a
+        version-2 store on this machine, those windows are decoded on their own first
+        (``Loading.early``), queued ahead of the pool's chunks; those a bank holds are gathered
+        from it; with nothing to decode, nothing is done early."""
         self._settle()
         pending = self._pending
         if pending is not None and key is not None and pending[0] == key and _same(pending[1], pool):
@@ -265,28 +375,44 @@ class PoolBuffers:
             self.prefetched += 1
             return Loading(self, pool, pending[2], pending[3])
         self._drop_pending()
+        arranged = self._arrange(0, pool)
         early = None
-        if (first is not None and len(first) and self.reader.format_version == 2
-                and self.reader.location.is_local and self.reader.cache is None):
-            early = self._submit_early(pool, np.asarray(first, dtype=np.int64))
-        loading = Loading(self, pool, self._submit(0, pool), 0, early, 0 if first is None else len(first))
+        if (first is not None and len(first) and any(s.decodes for s in arranged.sources)
+                and self.reader.format_version == 2 and self.reader.location.is_local
+                and self.reader.cache is None):
+            early = self._submit_early(pool, np.asarray(first, dtype=np.int64), arranged)
+        loading = Loading(self, pool, self._submit(arranged, pool), arranged, early,
+                          0 if first is None else len(first))
         self._loading = loading
         return loading
 
-    def _submit_early(self, pool: Pool, first: np.ndarray) -> list[tuple[np.ndarray, Future[EarlyBatch]]]:
-        """Queue the decode of the windows at pool positions ``first``, chunk by chunk."""
+    def _submit_early(self, pool: Pool, first: np.ndarray, arranged: _Arranged
+                      ) -> list[tuple[np.ndarray, Future[EarlyBatch]]]:
+        """Queue the decode of the windows at pool positions ``first``, chunk by chunk; those
+        of a piece a bank holds are gathered from it now."""
         bounds = np.concatenate(([0], np.cumsum(pool.hi - pool.lo)))
         piece = np.searchsorted(bounds, first, side="right") - 1
         ranks = pool.lo[piece] + first - bounds[piece]  # among the chunk's selected windows
         tasks = []
         for j in np.unique(piece).tolist():
             members = np.flatnonzero(piece == j)
+            found = arranged.sources[j].found
+            if found is not None:
+                bank, rows = found
+                tasks.append((members, _done(self._gather(bank, rows[ranks[members] - int(pool.lo[j])]))))
+                continue
             chunk = int(pool.chunks[j])
             mask = self.selection.chunk_mask(self.reader, chunk)
             positions = ranks[members] if mask is None else np.flatnonzero(mask)[ranks[members]]
             order = np.argsort(positions, kind="stable")  # read_windows takes ascending positions
             tasks.append((members[order], self._threads.submit(self._read_early, chunk, positions[order])))
         return tasks
+
+    def _gather(self, bank: int, rows: np.ndarray) -> EarlyBatch:
+        """Rows of a bank, and their ldt."""
+        held = self._banks[bank]
+        x = np.take(held.gimu, rows, axis=0)
+        return x, ({name: held.ldt[name][rows] for name in PER_WINDOW} if self.with_ldt else None)
 
     def _read_early(self, chunk: int, positions: np.ndarray) -> EarlyBatch:
         """Windows ``positions`` (ascending, within the chunk) of one chunk, and their ldt."""
@@ -297,20 +423,36 @@ class PoolBuffers:
             ldt = {name: self.reader.read(name, chunk)[positions] for name in PER_WINDOW}
         return x, ldt
 
-    def _loaded(self, pool: Pool, pieces: list[np.ndarray], bank: int) -> LoadedPool:
-        width = self.reader.chunk_windows
-        rows = np.concatenate(
-            [slot * width + piece for slot, piece in enumerate(pieces)]
-        ) if pieces else np.empty(0, np.int64)
-        self.decoded += len(pool.chunks)
-        self._serving = bank
-        held = self._banks[bank]
+    def _loaded(self, pool: Pool, pieces: list[np.ndarray], arranged: _Arranged) -> LoadedPool:
+        rows = np.concatenate(pieces) if pieces else np.empty(0, np.int64)
+        decoded = sum(source.decodes for source in arranged.sources)
+        self.decoded += decoded
+        self.reused += len(arranged.sources) - decoded
+        if not arranged.direct:  # the bank now holds this pool's pieces
+            self._banks[arranged.bank].held = {
+                chunk: source.kept or _Held(source.slot, lo, hi, piece)
+                for source, chunk, lo, hi, piece in zip(arranged.sources, pool.chunks.tolist(),
+                                                        pool.lo.tolist(), pool.hi.tolist(), pieces,
+                                                        strict=True)}
+        self._serving = arranged.bank
+        held = self._banks[arranged.bank]
         return LoadedPool(rows.astype(np.int64, copy=False), held.gimu, held.ldt if self.with_ldt else None)
+
+    def _copy_piece(self, source: int, rows: np.ndarray, bank: int, slot: int) -> np.ndarray:
+        """Copy a piece the other bank holds (its ``rows`` there) into ``slot`` of ``bank``;
+        return its rows in ``bank``."""
+        width, src, held = self.reader.chunk_windows, self._banks[source], self._banks[bank]
+        start, stop = slot * width, slot * width + len(rows)
+        np.take(src.gimu, rows, axis=0, out=held.gimu[start:stop], mode="clip")
+        if self.with_ldt:
+            for name in PER_WINDOW:
+                held.ldt[name][start:stop] = src.ldt[name][rows]
+        return np.arange(start, stop, dtype=np.int64)
 
     def _load_chunk(self, bank: int, slot: int, chunk: int, lo: int, hi: int) -> np.ndarray:
         """Decode the pool's piece of one chunk (its selected windows ``[lo, hi)``, ranks among
-        the chunk's selected windows) into ``slot`` of ``bank``; return their rows within the
-        slot, in stored order (a version-2 chunk: only they are looked up, packed at the slot's
+        the chunk's selected windows) into ``slot`` of ``bank``; return their rows in the bank,
+        in stored order (a version-2 chunk: only they are looked up, packed at the slot's
         start; version 1: the whole chunk, each where it is)."""
         reader, width, held = self.reader, self.reader.chunk_windows, self._banks[bank]
         start, stop = reader.chunk_span(chunk)
@@ -324,7 +466,7 @@ class PoolBuffers:
             for name in PER_WINDOW:
                 values = reader.read(name, chunk)
                 held.ldt[name][slot * width + rows] = values if selected is None else values[selected]
-        return rows
+        return slot * width + rows
 
 
 def _same(a: Pool, b: Pool) -> bool:
