@@ -22,6 +22,7 @@ from birdzarr.demo import _synthetic
 from birdzarr.maintenance import _verify
 from birdzarr.maintenance._verify import VerifyResult, verify
 from birdzarr.storage._location import resolve
+from tests.store_files import assert_same_store
 
 N_DEVICES = 5000
 N_FILES = 5
@@ -235,3 +236,134 @@ def test_a_partition_files_footer_is_read_once_for_all_its_devices(
         assert [p.relative_to(dest) for p in ours] == [p.relative_to(many["store"]) for p in theirs]
         for a, b in zip(ours, theirs, strict=True):
             assert a.is_dir() or a.read_bytes() == b.read_bytes(), a
+
+
+# -- many small devices read together (``_parquet.read_runs``), on every engine -------------------
+RUN = 64  # windows of devices read together in these tests (the default is 16,384)
+
+
+def _mixed_parts(root: pathlib.Path, *, pad: int = 0, bad_row: bool = False) -> pathlib.Path:
+    """About 300 devices of 1-40 windows and one of 300, in 4 partition files of row groups of 100
+    rows: files 0 and 1 hold their devices' rows grouped, device after device; every 7th device is
+    split over two files; file 2's rows are in random order (no device's rows grouped); a window
+    of one device is repeated; labels and timestamps with nulls, and a column birdzarr does not
+    read. ``pad``: bytes of footer metadata in all (worker processes past ``PROCESS_MIN_BYTES``);
+    ``bad_row``: one row of file 3 holds a NaN."""
+    rng = np.random.default_rng(19)
+    ids = np.arange(300) * 3 + 5
+    sizes = rng.integers(1, 41, size=len(ids))
+    sizes[150] = 300  # more than RUN: read on its own, between devices read together
+    owner = np.repeat(ids, sizes)
+    windows = _synthetic.curated_windows(len(owner), seed=19)
+    windows[10] = windows[11]  # a repeated window (the first device has at least 12)
+    sizes_before = np.concatenate([[0], np.cumsum(sizes)])
+    assert sizes[0] >= 12 or owner[11] == owner[10]
+    file_of = np.minimum(np.repeat(np.arange(len(ids)) * 4 // len(ids), sizes), 3)
+    for k in range(0, len(ids), 7):  # split over this file and the next
+        rows = np.arange(sizes_before[k], sizes_before[k + 1])
+        file_of[rows[len(rows) // 2:]] = min(file_of[rows[0]] + 1, 3)
+    labels = pa.array(rng.integers(0, 4, size=len(owner)), pa.int32(), mask=rng.random(len(owner)) < 0.1)
+    seconds, unknown = np.arange(len(owner)) * 60 + 1_600_000_000, rng.random(len(owner)) < 0.1
+    seconds[11], unknown[10:12] = seconds[10], False  # the same time and values
+    times = pa.array(seconds, pa.int64(), mask=unknown)
+    source = root / "parts"
+    source.mkdir(parents=True)
+    for number in range(4):
+        rows = np.flatnonzero(file_of == number)
+        if number == 2:
+            rows = rng.permutation(rows)
+        gimu = windows[rows].copy()
+        if bad_row and number == 3:
+            gimu[5, 3, 1] = np.nan
+        table = pa.table({"device_id": pa.array(owner[rows], pa.int32()), "label": labels.take(rows),
+                          "timestamp": times.take(rows), "gimu": _gimu(gimu),
+                          "note": pa.array(["x"] * len(rows))})
+        if pad:
+            table = table.replace_schema_metadata({"padding": "0" * (pad // 8 + 1)})
+        pq.write_table(table, source / f"part-{number}.parquet", row_group_size=100)
+    assert sum(f.stat().st_size for f in source.iterdir()) >= pad
+    return source
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return _mixed_parts(tmp_path_factory.mktemp("mixed"))
+
+
+def _one_by_one(source: pathlib.Path, dest: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                on_bad_rows: str = "error") -> birdzarr.Store:
+    """The reference: every device read by its own readers (no device is read with others)."""
+    from birdzarr.convert import _segments
+
+    with monkeypatch.context() as patch:
+        patch.setattr(_segments, "RUN_WINDOWS", 0)
+        return birdzarr.convert(str(source), str(dest), chunk_windows=256, workers=1, progress=False,
+                                on_bad_rows=on_bad_rows)
+
+
+@pytest.mark.parametrize("engine", ["this thread", "threads", "processes"])
+def test_devices_read_together_store_what_reading_each_alone_stores(
+    mixed: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, engine: str
+) -> None:
+    """Small devices of partition files are read, summarised, checked for repeats and coded
+    together: the store (every chunk, the device table, the report with its ignored-column notes
+    and repeated windows) is byte-identical to reading each device alone, in this thread, on
+    threads and in forked worker processes (input past ``PROCESS_MIN_BYTES``), with devices split
+    over files, rows of a device not grouped, and one device larger than a run between them."""
+    from birdzarr._errors import DuplicateWindowsWarning
+    from birdzarr.convert import _parquet, _segments
+
+    source = mixed
+    if engine == "processes":
+        source = _mixed_parts(tmp_path / "large", pad=_segments.PROCESS_MIN_BYTES)
+    with pytest.warns(DuplicateWindowsWarning):
+        reference = _one_by_one(source, tmp_path / "alone.zarr", monkeypatch)
+    assert reference.meta["report"]["duplicate_windows"] == {"5": 1}
+    together: list[int] = []
+    read_runs = _parquet.read_runs
+
+    def counted(devices: list) -> object:
+        found = read_runs(devices)
+        together.append(0 if found is None else len(devices))
+        return found
+
+    monkeypatch.setattr(_segments, "RUN_WINDOWS", RUN)
+    monkeypatch.setattr(_segments, "read_runs", counted)
+    with pytest.warns(DuplicateWindowsWarning):
+        store = birdzarr.convert(str(source), str(tmp_path / "together.zarr"), chunk_windows=256,
+                                 workers=1 if engine == "this thread" else 2, progress=False)
+    assert ("worker_processes" in store.meta["report"]) == (engine == "processes")
+    assert_same_store(tmp_path / "alone.zarr", tmp_path / "together.zarr")
+    if engine != "processes":  # (a forked worker's calls are not counted here)
+        assert sum(together) == 299 and max(together) > 5  # all but the large device, in runs
+    notes = store.meta["report"]["devices"]["5"]["problems"]  # split over two files: each named
+    assert notes == [f"{source / name}: columns not read (birdzarr reads gimu, device_id, label, "
+                     'timestamp): ["note"]' for name in ("part-0.parquet", "part-1.parquet")]
+
+
+def test_a_bad_row_among_devices_read_together_is_skipped_or_reported_as_alone(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A row that is not 80 finite values: its devices are read one by one (the row group is not
+    cut for many devices), so ``on_bad_rows="skip"`` stores and reports the same as reading every
+    device alone, and the default refuses it with the same message."""
+    from birdzarr._errors import BadInputError, DuplicateWindowsWarning
+    from birdzarr.convert import _segments
+
+    source = _mixed_parts(tmp_path, bad_row=True)
+    with pytest.warns(DuplicateWindowsWarning):
+        alone = _one_by_one(source, tmp_path / "alone.zarr", monkeypatch, on_bad_rows="skip")
+    monkeypatch.setattr(_segments, "RUN_WINDOWS", RUN)
+    with pytest.warns(DuplicateWindowsWarning):
+        birdzarr.convert(str(source), str(tmp_path / "together.zarr"), chunk_windows=256, workers=1,
+                         progress=False, on_bad_rows="skip")
+    assert sum(device["bad_lines"] for device in alone.meta["report"]["devices"].values()) == 1
+    assert_same_store(tmp_path / "alone.zarr", tmp_path / "together.zarr")
+    with pytest.raises(BadInputError) as refused:
+        birdzarr.convert(str(source), str(tmp_path / "refused.zarr"), workers=1, progress=False)
+    with pytest.raises(BadInputError) as alone_refused, monkeypatch.context() as patch:
+        patch.setattr(_segments, "RUN_WINDOWS", 0)
+        birdzarr.convert(str(source), str(tmp_path / "refused.zarr"), workers=1, progress=False)
+    assert str(refused.value) == str(alone_refused.value)
+    assert "part-3.parquet, row group 0, row 5: the window holds a null, NaN or infinite value" in str(
+        refused.value)

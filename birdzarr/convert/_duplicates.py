@@ -56,6 +56,16 @@ def repeated_windows(
     return len(new) - len(kinds)
 
 
+def repeated_in_runs(hashes: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``DeviceKeys.repeated`` of many devices at once: ``hashes`` (``window_hashes``) are device
+    after device, ``counts[k]`` windows of the ``k``-th; one sort of (device, hash) for all."""
+    run = np.repeat(np.arange(len(counts)), counts)
+    order = np.lexsort((hashes, run))
+    ordered, runs = hashes[order], run[order]
+    again = (ordered[1:] == ordered[:-1]) & (runs[1:] == runs[:-1])
+    return np.bincount(runs[1:][again], minlength=len(counts))
+
+
 class DeviceKeys:
     """One device's duplicate-check keys, gathered block by block in the calling thread (a
     worker process reading a device whole: ``_segments.py``, ``_shuffle_processes.py``)."""

@@ -16,6 +16,7 @@ column's statistics), each decoded once for all its devices and kept in a bounde
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import re
@@ -208,6 +209,37 @@ class _Group:
         self.ids, self.starts = np.unique(ordered, return_index=True)
         self.starts = np.append(self.starts, len(ordered))
         self.nbytes = int(self.table.nbytes) + 3 * ids_np.nbytes
+        self.sorted_ids = ordered
+        self._columns: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._irregular = False
+
+    def columns(self, source: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The whole group's windows (float32 (n, 20, 4), a view of the decoded column), labels
+        and timestamps, found once for every run of devices read from it (``read_runs``); None
+        where a row is not 80 finite values or a column is out of range (its devices are then
+        read one by one, which reports the row)."""
+        if self._columns is None and not self._irregular:
+            names = self.table.schema.names
+            n = self.table.num_rows
+
+            def column(name: str) -> pa.Array:  # the combined table's one chunk (combining copies)
+                chunks = self.table.column(name)
+                return chunks.chunk(0) if chunks.num_chunks == 1 else chunks.combine_chunks()
+
+            try:
+                windows = _exact_windows(column(COLUMN))
+                labels = (_integers(column(LABEL_COLUMN), LABEL_UNLABELLED, np.int32, source, LABEL_COLUMN)
+                          if LABEL_COLUMN in names else np.full(n, LABEL_UNLABELLED, dtype=np.int32))
+                times = (_timestamps(column(TIME_COLUMN), source)
+                         if TIME_COLUMN in names else np.full(n, TIMESTAMP_UNKNOWN, dtype=np.int64))
+            except BadInputError:
+                windows = None
+            if windows is None:
+                self._irregular = True
+                return None
+            self._columns = (windows, labels, times)
+            self.nbytes += labels.nbytes + times.nbytes
+        return self._columns
 
     def rows_of(self, device: int) -> np.ndarray:
         """The row numbers (within the group, ascending) of ``device``."""
@@ -451,10 +483,7 @@ class ParquetDeviceReader:
     def _decode(self, file: pq.ParquetFile | None, group: int, columns: list[str]) -> pa.Table:
         if file is not None:
             return file.read_row_group(group, columns=columns, use_threads=False)
-        handle = pa.OSFile(self.path.path) if self.path.is_local else self.path.fs.open(self.path.path, "rb")
-        with handle:
-            opened = pq.ParquetFile(handle, buffer_size=READ_BUFFER, pre_buffer=False)
-            return opened.read_row_group(group, columns=columns, use_threads=False)
+        return _decode_group(self.path, group, columns)
 
     def _partition_group(
         self, index: _PartitionFile, file: pq.ParquetFile | None, group: int, source: str
@@ -538,6 +567,157 @@ class ParquetDeviceReader:
             "named after one: rename it (part-0.parquet, say) to read it as a partition file by its "
             "device_id column."
         )
+
+
+def _decode_group(path: Location, group: int, columns: list[str]) -> pa.Table:
+    """Row group ``group`` of a partition file, opened for it."""
+    handle = pa.OSFile(path.path) if path.is_local else path.fs.open(path.path, "rb")
+    with handle:
+        opened = pq.ParquetFile(handle, buffer_size=READ_BUFFER, pre_buffer=False)
+        return opened.read_row_group(group, columns=columns, use_threads=False)
+
+
+@contextlib.contextmanager
+def _partition_index(path: Location) -> Iterator[tuple[_PartitionFile | None, pq.ParquetFile | None]]:
+    """What a partition file's footer says (``_PartitionFile``, kept in ``_FILES``) and the file,
+    where it was opened to read its footer (None: another reader had), to decode its row groups
+    while open. The footer is None where the file cannot be opened, is not Parquet or has the
+    wrong schema (its devices are then read one by one, which reports it)."""
+    identity = _identity(path)
+    known = _FILES.get(identity)
+    if known is not None:
+        yield known, None
+        return
+    try:
+        handle = pa.OSFile(path.path) if path.is_local else path.fs.open(path.path, "rb")
+    except OSError:
+        yield None, None
+        return
+    with handle:
+        try:
+            file = pq.ParquetFile(handle, buffer_size=READ_BUFFER, pre_buffer=False)
+        except (pa.ArrowInvalid, OSError, ValueError):
+            yield None, None
+            return
+        schema = file.schema_arrow
+        if _schema_problem(schema) is not None or DEVICE_COLUMN not in schema.names:
+            yield None, None
+            return
+        columns = [name for name in KNOWN_COLUMNS if name in schema.names]
+        index = _FILES[identity] = _PartitionFile.of(path, file, columns, ignored_columns(schema))
+        yield index, file
+
+
+def _group_of(path: Location, file: pq.ParquetFile | None, index: _PartitionFile, group: int) -> _Group:
+    """Row group ``group`` of a partition file, decoded (``file``: open already) or from the cache."""
+    if file is not None:
+        return _GROUPS.get(index.keys[group],
+                           lambda: file.read_row_group(group, columns=index.columns, use_threads=False))
+    return _GROUPS.get(index.keys[group], lambda: _decode_group(path, group, index.columns))
+
+
+@dataclass
+class PartitionRuns:
+    """The windows of consecutive devices read from partition files at once (``read_runs``), in
+    store order: device after device, each device's rows in the order of its files, then of the
+    files' row groups and rows (what its own ``ParquetDeviceReader`` s give, one after another)."""
+
+    devices: np.ndarray  # int64 (n,): each window's device, ascending
+    windows: np.ndarray  # float32 (n, 20, 4)
+    timestamps: np.ndarray  # int64 (n,)
+    labels: np.ndarray  # int32 (n,)
+    counts: np.ndarray  # int64: each device's windows, in the order the devices were given
+    reports: list[DeviceReport]  # each device's, as its readers' blocks would report it
+
+
+_Piece = tuple[np.ndarray, int, int, np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
+def _pieces(path: Location, file: pq.ParquetFile | None, index: _PartitionFile, mine: np.ndarray,
+            at: int) -> list[_Piece] | None:
+    """The rows of devices ``mine`` (ascending) in each row group of the file (the ``at``-th):
+    (their device ids, ``at``, the group, their row numbers, the group's columns), each group's
+    rows by device, then row; None where a group cannot be decoded or a row is irregular."""
+    low, high = int(mine[0]), int(mine[-1])
+    out: list[_Piece] = []
+    for group, bounds in enumerate(index.bounds):
+        if bounds is not None and (bounds[1] < low or bounds[0] > high):
+            continue
+        try:
+            decoded = _group_of(path, file, index, group)
+        except (pa.ArrowInvalid, OSError, ValueError):
+            return None
+        columns = decoded.columns(path.display)
+        if columns is None:
+            return None
+        a, b = np.searchsorted(decoded.ids, [low, high + 1])
+        if a == b:
+            continue
+        rows = decoded.order[decoded.starts[a]: decoded.starts[b]]
+        who = decoded.sorted_ids[decoded.starts[a]: decoded.starts[b]]
+        if not np.isin(decoded.ids[a:b], mine).all():  # devices that do not read this file
+            keep = np.isin(who, mine)
+            rows, who = rows[keep], who[keep]
+        out.append((who, at, group, rows, columns))
+    return out
+
+
+def read_runs(devices: list[tuple[int, list[Location]]]) -> PartitionRuns | None:
+    """The windows of ``devices`` (ascending ids, each with its partition files in reading order)
+    read together: each file's row groups that may hold them are decoded once (``_GROUPS``) and
+    cut into all their devices' rows with one sort, without a reader, a block or a check a
+    device. None where that cannot give what reading device by device gives (a file that cannot
+    be read, a row that is not 80 finite values, a column out of range, files listed in different
+    orders): the caller then reads those devices one by one, which reports the problem."""
+    ids = np.fromiter((d for d, _ in devices), np.int64, len(devices))
+    if not len(ids) or (len(ids) > 1 and not (ids[1:] > ids[:-1]).all()):
+        return None
+    place: dict[str, int] = {}  # file URL -> its place in one reading order of all the files
+    files: list[Location] = []
+    listing: list[list[int]] = []  # each file's devices (their places in ``devices``)
+    for k, (_, paths) in enumerate(devices):
+        last = -1
+        for path in paths:
+            at = place.get(path.url)
+            if at is None:
+                at = place[path.url] = len(files)
+                files.append(path)
+                listing.append([])
+            if at <= last:  # two devices read these files in different orders
+                return None
+            last = at
+            listing[at].append(k)
+    reports = [DeviceReport() for _ in devices]
+    pieces: list[_Piece] = []
+    for at, path in enumerate(files):
+        with _partition_index(path) as (index, file):
+            if index is None:
+                return None
+            found = _pieces(path, file, index, ids[listing[at]], at)
+        if found is None:
+            return None
+        pieces.extend(found)
+        if index.extra:
+            note = ignored_note(path.display, index.extra)
+            for k in listing[at]:
+                reports[k].note(note)
+    if not pieces:
+        return PartitionRuns(np.empty(0, np.int64), np.empty((0, WINDOW_LENGTH, N_CHANNELS), np.float32),
+                             np.empty(0, np.int64), np.empty(0, np.int32), np.zeros(len(ids), np.int64),
+                             reports)
+    who = np.concatenate([p[0] for p in pieces])
+    windows = np.concatenate([p[4][0][p[3]] for p in pieces])
+    labels = np.concatenate([p[4][1][p[3]] for p in pieces])
+    times = np.concatenate([p[4][2][p[3]] for p in pieces])
+    if len(pieces) > 1:  # by device, then file, row group and row
+        order = np.lexsort((np.concatenate([p[3] for p in pieces]),
+                            np.concatenate([np.full(len(p[0]), p[2]) for p in pieces]),
+                            np.concatenate([np.full(len(p[0]), p[1]) for p in pieces]), who))
+        who, windows, labels, times = who[order], windows[order], labels[order], times[order]
+    counts = np.searchsorted(who, ids, "right") - np.searchsorted(who, ids, "left")
+    for report, count in zip(reports, counts.tolist(), strict=True):
+        report.rows_read = report.windows_written = count
+    return PartitionRuns(who, windows, times, labels, counts, reports)
 
 
 def no_device_message() -> str:

@@ -46,17 +46,19 @@ import numpy as np
 from birdzarr._errors import BadInputError
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._chunkwrite import CODES
-from birdzarr.convert._duplicates import DeviceKeys, DuplicateCounter, repeated_windows
+from birdzarr.convert._duplicates import DeviceKeys, DuplicateCounter, repeated_in_runs, repeated_windows
 from birdzarr.convert._engine import Engine, Runner, run_all
+from birdzarr.convert._parquet import names_its_device, read_runs
 from birdzarr.convert._pipeline import bar_counter, count_on_bar
 from birdzarr.convert._readahead import read_ahead
 from birdzarr.convert._slabs import SlabWriter, writable_arrays
 from birdzarr.convert._sources import DeviceSource
-from birdzarr.convert._summary import DeviceSummary, Summarizer
+from birdzarr.convert._summary import DeviceSummary, Summarizer, summarize_runs
 from birdzarr.convert._writer import SLABS_IN_FLIGHT, Writer
 from birdzarr.format import _v2
+from birdzarr.format._digest import window_hashes
 from birdzarr.format._rows import RowCoder
-from birdzarr.format._spec import DEVICE, GIMU, LABEL, TIMESTAMP, Curation
+from birdzarr.format._spec import DEVICE, GIMU, LABEL, TIMESTAMP, Curation, DeviceReport
 from birdzarr.storage._location import Location, resolve
 
 # Segments per worker: more, smaller segments even out devices of different sizes at the end of
@@ -67,6 +69,9 @@ SLAB_CHUNKS = 8  # chunks of gimu_row shifted at a time (format 2's row numbers 
 # Local input smaller than this (bytes) is converted on threads, in either order and either input
 # kind (``_engine.processes_pay``): starting worker processes costs more than they save.
 PROCESS_MIN_BYTES = 64 << 20
+# Consecutive devices of partition files of at most this many windows in all are read, summarised,
+# checked for repeats and coded together (``read_runs``); a larger device is read on its own.
+RUN_WINDOWS = 16_384
 
 
 def count_device(device: DeviceSource, curation: Curation, on_bad_rows: str) -> int:
@@ -106,9 +111,18 @@ def count_devices(devices: list[DeviceSource], *, curation: Curation, on_bad_row
     consecutive devices), or here without one."""
     from concurrent.futures import ThreadPoolExecutor
 
-    counts: list[int | None]
-    with ThreadPoolExecutor(max(1, min(16, len(devices)))) as threads:
-        counts = list(threads.map(lambda d: footer_count(d, on_bad_rows), devices))
+    # a device of partition files alone: its rows there, counted by find_inputs (no file read
+    # and no thread's task a device); the rest from their files' footers, on threads
+    partition: dict[str, bool] = {}
+    counts: list[int | None] = [
+        device.partition_rows if on_bad_rows == "error" and _partition_only(device, partition) else None
+        for device in devices]
+    footers = [i for i, c in enumerate(counts) if c is None]
+    if footers:
+        with ThreadPoolExecutor(max(1, min(16, len(footers)))) as threads:
+            from_footers = threads.map(lambda i: footer_count(devices[i], on_bad_rows), footers)
+            for i, count in zip(footers, from_footers, strict=True):
+                counts[i] = count
     left = [i for i, c in enumerate(counts) if c is None]
     if left:
         width = 1 if engine is None else engine.width
@@ -122,6 +136,20 @@ def count_devices(devices: list[DeviceSource], *, curation: Curation, on_bad_row
         for i, count in zip(left, (c for batch in found for c in batch), strict=True):
             counts[i] = count
     return [int(c) for c in counts if c is not None]
+
+
+def _partition_only(device: DeviceSource, partition: dict[str, bool]) -> bool:
+    """Whether the device's windows all come from partition files (``partition``: each file URL
+    seen so far -> whether it is one, a partition file being listed by each of its devices)."""
+    if device.kind != "parquet" or not device.files:
+        return False
+    for file in device.files:
+        known = partition.get(file.url)
+        if known is None:
+            known = partition[file.url] = names_its_device(file) is None
+        if not known:
+            return False
+    return True
 
 
 def count_batch(devices: list[DeviceSource], curation: Curation, on_bad_rows: str) -> list[int]:
@@ -227,7 +255,7 @@ class ChunkRouter:
 
     def add(self, device_id: int, block: WindowBlock, position: int) -> None:
         inside = self.whole[0] <= position and position + len(block) <= self.whole[1]
-        if self.slabs.format2 and not (inside and block.devices is None and block.coded is None):
+        if self.slabs.format2 and block.coded is None and not (inside and block.devices is None):
             # coded here, before routing (a shared chunk's windows), after the blocks waiting in
             # the slab writer; a block wholly in whole chunks waits there (SlabWriter.code_pending)
             block = self.slabs.code(device_id, block)
@@ -273,6 +301,15 @@ class ChunkRouter:
         return out
 
 
+def _miscounted(device_id: int, count: int, found: int) -> BadInputError:
+    return BadInputError(
+        f"device {device_id}: counted {count:,} windows before the conversion "
+        f"(from its Parquet footers, or by reading it), but reading gave "
+        f"{found:,}; did the input change during the conversion? "
+        "Convert again."
+    )
+
+
 def convert_segment(segment: Segment, dest_url: str, dest_options: dict[str, Any], curation: Curation,
                     on_bad_rows: str, threads: int = 1,
                     progress: Callable[[int], None] | None = None,
@@ -296,39 +333,86 @@ def convert_segment(segment: Segment, dest_url: str, dest_options: dict[str, Any
                        in_flight=0 if threads <= 1 else SLABS_IN_FLIGHT, coder=coder)
     router = ChunkRouter(segment.start, segment.stop, slabs)
     result = SegmentResult([], {})
-    try:
-        for device, first, count in segment.devices:
-            summary = Summarizer(device.device_id, device.source_names(), first)
-            keys = DeviceKeys()
-            position = first
-            blocks = (read_ahead(device, curation, on_bad_rows) if threads > 1 else
-                      device.blocks(curation=curation, on_bad_rows=on_bad_rows))
-            for block in blocks:
-                summary.add(block)
-                if not len(block):
-                    continue
-                if position + len(block) > first + count:
-                    break  # more windows than counted: reported below
-                keys.add(block)
-                router.add(device.device_id, block, position)
-                position += len(block)
-                if progress is not None:
-                    progress(len(block))
-            finished = summary.finish()
-            if position != first + count or finished.entry.n_windows != count:
-                raise BadInputError(
-                    f"device {device.device_id}: counted {count:,} windows before the conversion "
-                    f"(from its Parquet footers, or by reading it), but reading gave "
-                    f"{finished.entry.n_windows:,}; did the input change during the conversion? "
-                    "Convert again."
-                )
-            result.summaries.append(finished)
+    members = segment.devices
+    partition: dict[str, bool] = {}  # file URL -> a partition file (no device in its name)
+
+    def small(device: DeviceSource, count: int) -> bool:
+        """Read with other devices (``place_runs``): a device of partition files alone, of at
+        most ``RUN_WINDOWS`` windows, whose duplicate keys need not come back (not extended)."""
+        return (count <= RUN_WINDOWS and device.device_id not in more.extended
+                and _partition_only(device, partition))
+
+    def place_runs(run: list[tuple[DeviceSource, int, int]]) -> bool:
+        """Consecutive small devices read, summarised, checked for repeats and routed at once,
+        as one block of many devices (False: they must be read one by one)."""
+        found = read_runs([(device.device_id, device.files) for device, _, _ in run])
+        if found is None:
+            return False
+        expected = np.fromiter((count for _, _, count in run), np.int64, len(run))
+        if not np.array_equal(found.counts, expected):
+            k = int(np.flatnonzero(found.counts != expected)[0])
+            raise _miscounted(run[k][0].device_id, int(expected[k]), int(found.counts[k]))
+        ids = [device.device_id for device, _, _ in run]
+        result.summaries.extend(summarize_runs(
+            ids, [device.source_names() for device, _, _ in run], [first for _, first, _ in run],
+            found.counts, found.windows, found.timestamps, found.labels, found.reports))
+        repeated = repeated_in_runs(window_hashes(found.windows, found.timestamps), found.counts)
+        for k in np.flatnonzero(repeated).tolist():
+            result.repeated[ids[k]] = int(repeated[k])
+        if len(found.windows):
+            block = WindowBlock(found.windows, found.timestamps, found.labels, DeviceReport(),
+                                devices=found.devices.astype(np.int32))
             if coder is not None:
-                slabs.close_device(device.device_id)  # once its blocks waiting in the slab are coded
-            if device.device_id in more.extended:
-                result.keys[device.device_id] = keys
-            elif repeated := keys.repeated():
-                result.repeated[device.device_id] = repeated
+                slabs.code_pending()  # the blocks of devices before, waiting uncoded, first
+                block.coded = coder.code_runs(found.devices, found.windows)
+                coder.close_devices(np.asarray(ids, np.int64))
+            router.add(ids[0], block, run[0][1])
+            if progress is not None:
+                progress(len(block))
+        return True
+
+    def one_device(device: DeviceSource, first: int, count: int) -> None:
+        summary = Summarizer(device.device_id, device.source_names(), first)
+        keys = DeviceKeys()
+        position = first
+        blocks = (read_ahead(device, curation, on_bad_rows) if threads > 1 else
+                  device.blocks(curation=curation, on_bad_rows=on_bad_rows))
+        for block in blocks:
+            summary.add(block)
+            if not len(block):
+                continue
+            if position + len(block) > first + count:
+                break  # more windows than counted: reported below
+            keys.add(block)
+            router.add(device.device_id, block, position)
+            position += len(block)
+            if progress is not None:
+                progress(len(block))
+        finished = summary.finish()
+        if position != first + count or finished.entry.n_windows != count:
+            raise _miscounted(device.device_id, count, finished.entry.n_windows)
+        result.summaries.append(finished)
+        if coder is not None:
+            slabs.close_device(device.device_id)  # once its blocks waiting in the slab are coded
+        if device.device_id in more.extended:
+            result.keys[device.device_id] = keys
+        elif repeated := keys.repeated():
+            result.repeated[device.device_id] = repeated
+
+    try:
+        at = 0
+        while at < len(members):
+            end, windows = at, 0
+            while (end < len(members) and windows + members[end][2] <= RUN_WINDOWS
+                   and small(members[end][0], members[end][2])):
+                windows += members[end][2]
+                end += 1
+            if end > at and place_runs(members[at:end]):
+                at = end
+                continue
+            for device, first, count in members[at: max(end, at + 1)]:
+                one_device(device, first, count)
+            at = max(end, at + 1)
         slabs.drain()
     finally:
         slabs.close()

@@ -150,3 +150,55 @@ class Summarizer:
         if self._digest is not None:
             self.entry.scattered_digest = self._digest.hexdigest()
         return DeviceSummary(self.entry, self.report, self.tail)
+
+
+def summarize_runs(device_ids: list[int], sources: list[list[str]], starts: list[int], counts: np.ndarray,
+                   windows: np.ndarray, timestamps: np.ndarray, labels: np.ndarray,
+                   reports: list[DeviceReport]) -> list[DeviceSummary]:
+    """The summaries ``Summarizer`` gives devices stored as consecutive runs (``windows`` and the
+    per-window columns are device after device, ``counts[k]`` windows of ``device_ids[k]``, whose
+    first global window is ``starts[k]``), for all of them in one vectorised pass: label counts by
+    one sort, times by ``reduceat``, and a checksum call a device (the same entries and reports
+    as feeding each device's blocks to its own ``Summarizer``)."""
+    bounds = np.concatenate(([0], np.cumsum(counts)))
+    held = np.flatnonzero(counts > 0)
+    first_times = np.full(len(counts), TIMESTAMP_UNKNOWN, np.int64)
+    last_times = np.full(len(counts), TIMESTAMP_UNKNOWN, np.int64)
+    if len(held):
+        at = bounds[held]
+        unknown = timestamps == TIMESTAMP_UNKNOWN
+        top = np.iinfo(np.int64).max
+        low = np.minimum.reduceat(np.where(unknown, top, timestamps), at)
+        first_times[held] = np.where(low == top, TIMESTAMP_UNKNOWN, low)
+        last_times[held] = np.maximum.reduceat(timestamps, at)  # unknown is int64's minimum
+    # label counts: one label for all (Parquet without labels) at once, else by one sort
+    run = np.repeat(np.arange(len(counts)), counts)
+    one_label = len(labels) and labels.min() == labels.max()
+    per_device: list[dict[int, int]] = [{} for _ in counts]
+    if one_label:
+        label = int(labels[0])
+        for k in held.tolist():
+            per_device[k][label] = int(counts[k])
+    elif len(labels):
+        order = np.lexsort((labels, run))
+        keyed_run, keyed_label = run[order], labels[order]
+        changes = (keyed_run[1:] != keyed_run[:-1]) | (keyed_label[1:] != keyed_label[:-1])
+        edge = np.flatnonzero(np.r_[True, changes])
+        sizes = np.diff(np.append(edge, len(order)))
+        for k, label, size in zip(keyed_run[edge].tolist(), keyed_label[edge].tolist(), sizes.tolist(),
+                                  strict=True):
+            per_device[k][label] = size
+    data = np.ascontiguousarray(windows, dtype="<f4")
+    out = []
+    for k, device_id in enumerate(device_ids):
+        entry = DeviceEntry(device_id=device_id, sources=sources[k])
+        count = int(counts[k])
+        if count:
+            a, b = int(bounds[k]), int(bounds[k + 1])
+            entry.n_windows = count
+            entry.label_counts = per_device[k]
+            entry.first_time, entry.last_time = int(first_times[k]), int(last_times[k])
+            crc = extend_checksum(0, data[a:b])
+            entry.ranges.append(DeviceRange(starts[k], starts[k] + count, f"{crc:08x}"))
+        out.append(DeviceSummary(entry, reports[k]))
+    return out
