@@ -47,12 +47,13 @@ def small_store(parquet_source, tmp_path_factory) -> birdzarr.Store:  # type: ig
 
 
 @pytest.fixture(scope="session")
-def small_store_v1(parquet_source, tmp_path_factory) -> birdzarr.Store:  # type: ignore[no-untyped-def]
-    """The parquet_source as a format-1 store (1024-window chunks): what tests of reading version 1,
-    and comparisons of the two formats, start from."""
-    directory, _ = parquet_source
-    dest = tmp_path_factory.mktemp("stores") / "small_v1.zarr"
-    return birdzarr.convert(directory, dest, chunk_windows=1024, progress=False, format_version=1)
+def small_store_v1(tmp_path_factory: pytest.TempPathFactory) -> birdzarr.Store:
+    """A format-1 store (dict16, device order: 4 devices, 240 windows in 64-window chunks), copied
+    from tests/data/format1/ (birdzarr writes format 2 only): what tests of reading version 1 start
+    from. tests/format1_support.py has the others and their sources."""
+    from tests.format1_support import format1_copy
+
+    return birdzarr.open_store(format1_copy("dict16.zarr", tmp_path_factory.mktemp("stores")))
 
 
 @pytest.fixture()

@@ -16,7 +16,7 @@ import birdzarr
 from birdzarr.demo import _synthetic
 
 FORMAT1 = pathlib.Path(__file__).parent / "data" / "format1"
-NAMES = ("dict16.zarr", "gdict16.zarr", "standard.zarr", "raw.zarr", "appended.zarr")
+NAMES = ("dict16.zarr", "gdict16.zarr", "standard.zarr", "raw.zarr", "varying_gps.zarr", "appended.zarr")
 EXPECTED: dict[str, dict[str, Any]] = json.loads((FORMAT1 / "expected.json").read_text())
 
 # the sources make_format1.py converted (its SOURCES), regenerated here
@@ -52,6 +52,12 @@ def format1_source(name: str, where: pathlib.Path) -> pathlib.Path:
         windows[:, :, 3] = 0.25
         _synthetic.write_parquet(windows, directory / "1.parquet")
         _synthetic.write_parquet(_synthetic.curated_windows(30, seed=2), directory / "2.parquet")
+    elif name == "varying_gps.zarr":
+        directory.mkdir(parents=True)
+        windows = {3: _synthetic.curated_windows(150, seed=3), 4: _synthetic.curated_windows(100, seed=4)}
+        windows[4][90, 10:, 3] += np.float32(0.5)
+        for device, w in windows.items():
+            _synthetic.write_parquet(w, directory / f"{device}.parquet")
     else:
         raise ValueError(f"no format-1 fixture {name!r}; there are {NAMES}")
     return directory

@@ -1,7 +1,7 @@
 """Test-only: turn a committed local version-1 store into a version-2 store holding the same windows.
 
-Until the converter writes format 2 (``convert(..., format_version=2)``), tests make version-2
-stores with ``to_format2``: it decodes ``gimu`` with zarr-python, encodes the windows with
+``to_format2`` (made before the converter wrote format 2; a version-1 store now comes from
+tests/data/format1/) decodes ``gimu`` with zarr-python, encodes the windows with
 ``birdzarr.format._v2.encode`` (the device ids of the ``device`` array as the dictionary rows'
 keys), writes the six arrays of format 2 from ``_v2.array_metadata`` documents with zarr-python,
 deletes ``gimu``, sets ``format_version`` 2 in the root attributes and records the dictionary's
@@ -149,27 +149,23 @@ def rewrite_device_table(store: Path, edit: Callable[[list[dict[str, Any]]], T])
 
 
 @pytest.fixture(scope="session")
-def v2_pair(small_store_v1: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
-    """The session's version-1 small store (device order, 1024-window chunks) and its ``to_format2``
-    copy."""
+def v2_pair(small_store: Any) -> tuple[Any, Any]:
+    """The session's small store (format 2, device order, 1024-window chunks) twice, opened
+    apart: a reference and the store under test (each with its own reader and caches); tests
+    that change a store copy the second."""
     import birdzarr
 
-    dest = tmp_path_factory.mktemp("format2") / "small2.zarr"
-    shutil.copytree(small_store_v1.location.path, dest)
-    to_format2(dest)
-    return small_store_v1, birdzarr.open_store(dest)
+    return small_store, birdzarr.open_store(small_store.location.path)
 
 
 @pytest.fixture(scope="session")
 def v2_shuffled_pair(parquet_source: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
-    """The parquet_source converted to version 1 with --shuffle (1024-window chunks) and its
-    ``to_format2`` copy."""
+    """The parquet_source converted with --shuffle (seed 4, 1024-window chunks), twice, opened
+    apart (as ``v2_pair``)."""
     import birdzarr
 
     directory, _ = parquet_source
     root = tmp_path_factory.mktemp("format2_shuffled")
-    v1 = birdzarr.convert(directory, root / "shuffled.zarr", shuffle=True, seed=4, chunk_windows=1024,
-                          progress=False, format_version=1)
-    shutil.copytree(root / "shuffled.zarr", root / "shuffled2.zarr")
-    to_format2(root / "shuffled2.zarr")
-    return v1, birdzarr.open_store(root / "shuffled2.zarr")
+    store = birdzarr.convert(directory, root / "shuffled.zarr", shuffle=True, seed=4, chunk_windows=1024,
+                             progress=False)
+    return store, birdzarr.open_store(root / "shuffled.zarr")

@@ -298,33 +298,6 @@ def test_append_continues_a_burst_split_between_seasons_as_one_conversion_would(
 
 
 @pytest.mark.slow
-def test_a_store_without_the_tails_record_appends_as_before(
-    seasons: dict[str, pathlib.Path], tmp_path: pathlib.Path
-) -> None:
-    """A store written before ``csv_tails`` existed: its split bursts lose their remainder (as
-    before), verify --source still agrees, and from that append on the touched devices continue."""
-    dest = tmp_path / "old.zarr"  # such a store is version 1 (version 2 always records the tails)
-    birdzarr.convert(seasons["s1"], dest, chunk_windows=CHUNK, progress=False, format_version=1)
-    root = json.loads((dest / "zarr.json").read_text())
-    carried = root["attributes"]["birdzarr"].pop("csv_tails")["devices"]
-    (dest / "zarr.json").write_text(json.dumps(root))
-    old = birdzarr.open_store(dest)
-    before = {e.device_id: old.device_windows(e.device_id) for e in old.device_table}
-    store = append(dest, seasons["s2"], progress=False)
-    assert "continued_rows" not in store.meta["report"]["appends"][0]
-    for device, windows in before.items():  # the old windows, then those of season 2 read alone
-        expected = np.concatenate([windows, _windows_of(seasons["s2"], device)])
-        assert np.array_equal(store.device_windows(device), expected)
-    # their remainder rows stay counted as dropped
-    assert sum(r.dropped.get("remainder_rows", 0) for r in store.report.values()) > sum(
-        len(t["labels"]) for t in carried.values())
-    assert store.meta["csv_tails"]["unknown"] == []  # every device was touched by the append
-    third = append_detailed(dest, seasons["s3"], progress=False)
-    assert third.store.meta["report"]["appends"][1].get("continued_rows")
-    assert verify(dest, source=seasons["all"]).ok
-
-
-@pytest.mark.slow
 def test_info_and_the_store_report_each_append(
     csv_parts: dict[str, pathlib.Path], tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -81,15 +81,12 @@ def _rows_of(store: pathlib.Path) -> dict[int, int]:
     return dict(zip(ids.tolist(), counts.tolist(), strict=True))
 
 
-@pytest.mark.parametrize("format_version", [2, 1])
 @pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_a_parquet_append_stores_the_same_bytes_on_every_engine(
     parquet_seasons: dict[str, pathlib.Path], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
-    format_version: int,
 ) -> None:
     base = tmp_path / "base.zarr"
-    birdzarr.convert(parquet_seasons["base"], base, chunk_windows=CHUNK, workers=1, progress=False,
-                     format_version=format_version)
+    birdzarr.convert(parquet_seasons["base"], base, chunk_windows=CHUNK, workers=1, progress=False)
     assert len(birdzarr.open_store(base)) % CHUNK  # the append starts inside a chunk
     stores = {}
     for engine in ENGINES:
@@ -114,34 +111,31 @@ def test_a_parquet_append_stores_the_same_bytes_on_every_engine(
     new = np.concatenate([_synthetic.curated_windows(300, seed=7)[:40],
                           _synthetic.curated_windows(20, seed=70) * np.float32(1.5)])
     assert np.array_equal(store.device_windows(7)[300:], new)
-    if format_version == 2:  # 7 needed a new row for its new values; 9's committed row holds all of its
-        assert _rows_of(base)[7] == 1 and _rows_of(base)[9] == 1
-        assert _rows_of(stores["processes"])[7] == 2 and _rows_of(stores["processes"])[9] == 1
+    # 7 needed a new row for its new values; 9's committed row holds all of its
+    assert _rows_of(base)[7] == 1 and _rows_of(base)[9] == 1
+    assert _rows_of(stores["processes"])[7] == 2 and _rows_of(stores["processes"])[9] == 1
 
 
-# the arrays of each format whose files an append of new devices shares with one conversion
-_ARRAYS = {2: ("gimu_codes", "gps_speed", "gimu_row", "device", "timestamp", "label", "dict_values",
-               "dict_start", "dict_device"),
-           1: ("gimu", "device", "timestamp", "label")}
+# the arrays whose files an append of new devices shares with one conversion
+_ARRAYS = ("gimu_codes", "gps_speed", "gimu_row", "device", "timestamp", "label", "dict_values",
+           "dict_start", "dict_device")
 
 
 @pytest.mark.parametrize("engine", ["this thread", "processes"])
-@pytest.mark.parametrize("format_version", [2, 1])
 @pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_appending_new_devices_stores_what_one_conversion_of_all_stores(
     parquet_seasons: dict[str, pathlib.Path], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
-    format_version: int, engine: str,
+    engine: str,
 ) -> None:
     """convert(base) + append(new) == convert([base, new]): every chunk of every array, its
     metadata, and each device's table entry (new devices, ids above the committed ones)."""
     appended, whole = tmp_path / "appended.zarr", tmp_path / "whole.zarr"
-    birdzarr.convert(parquet_seasons["base"], appended, chunk_windows=CHUNK, progress=False,
-                     format_version=format_version)
+    birdzarr.convert(parquet_seasons["base"], appended, chunk_windows=CHUNK, progress=False)
     _append_on(engine, monkeypatch, appended, parquet_seasons["new"], repeats=False)
     birdzarr.convert([parquet_seasons["base"], parquet_seasons["new"]], whole, chunk_windows=CHUNK,
-                     workers=1, progress=False, format_version=format_version)
+                     workers=1, progress=False)
     mine, theirs = store_files(appended), store_files(whole)
-    for name in _ARRAYS[format_version]:
+    for name in _ARRAYS:
         files = sorted(k for k in theirs if k.startswith(name + "/"))
         assert files and files == sorted(k for k in mine if k.startswith(name + "/")), name
         for key in files:

@@ -54,7 +54,7 @@ def test_many_small_devices_are_coded_as_device_by_device_on_every_path(
                                  "gimu": _gimu(windows[a:b])}), source / f"part-{number}.parquet")
     monkeypatch.setattr(_slabs, "SLAB_WINDOWS", 1_024)
     monkeypatch.setattr(_slabs, "CODE_BATCH", 100)
-    options = {"chunk_windows": 256, "progress": False, "format_version": 2}
+    options = {"chunk_windows": 256, "progress": False}
     birdzarr.convert(source, tmp_path / "one", workers=1, **options)
     birdzarr.convert(source, tmp_path / "threads", workers=2, **options)
     monkeypatch.setattr(_segments, "PROCESS_MIN_BYTES", 0)

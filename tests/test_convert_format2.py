@@ -1,7 +1,7 @@
-"""Converting to format 2 (``format_version=2``): every path writes the same bytes (one process, threads,
-worker processes, the shuffle on threads and in processes), the windows decode with the documented
-lines to exactly what format 1 stores, appends follow the append rule, and a failed append leaves the
-committed dictionary as it was."""
+"""Converting to format 2: every path writes the same bytes (one process, threads, worker processes,
+the shuffle on threads and in processes), the windows decode with the documented lines to exactly the
+source's windows, appends follow the append rule, and a failed append leaves the committed dictionary
+as it was."""
 
 from __future__ import annotations
 
@@ -29,6 +29,25 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return directory
 
 
+def parquet_windows(source: pathlib.Path) -> dict[int, np.ndarray]:
+    """Each device's windows as its Parquet file holds them ({device}.parquet, one list column)."""
+    import pyarrow.parquet as pq
+
+    return {int(p.stem): np.asarray(pq.read_table(p).column("gimu").combine_chunks().flatten(),
+                                    np.float32).reshape(-1, 20, 4) for p in source.glob("*.parquet")}
+
+
+def in_device_order(source: pathlib.Path) -> np.ndarray:
+    truth = parquet_windows(source)
+    return np.concatenate([truth[d] for d in sorted(truth)])
+
+
+def sorted_windows(windows: np.ndarray) -> np.ndarray:
+    """The windows in an order of their bytes alone (to compare a shuffled store with its source)."""
+    keys = np.ascontiguousarray(windows).reshape(len(windows), -1).view(np.uint32)
+    return windows[np.lexsort(keys.T[::-1])]
+
+
 def documented_decode(path: pathlib.Path) -> np.ndarray:
     """The windows as docs/format.md decodes them: zarr-python and numpy only."""
     z = zarr.open_group(str(path), mode="r")
@@ -51,30 +70,28 @@ def chunk_files(path: pathlib.Path) -> dict[str, bytes]:
 
 
 def every_path(source: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
-               options: dict[str, Any]) -> tuple[np.ndarray, birdzarr.Store]:
-    """Convert ``source`` as format 1 (the reference windows) and as format 2 in one process,
-    on threads and in worker processes; every format-2 file but the root is the same on each
-    path. Returns format 1's windows and the worker-process store (in tmp_path / "processes";
+               options: dict[str, Any]) -> birdzarr.Store:
+    """Convert ``source`` in one process, on threads and in worker processes; every file but the
+    root is the same on each path. Returns the worker-process store (in tmp_path / "processes";
     the others in "one" and "threads")."""
-    v1_store = birdzarr.convert(source, tmp_path / "v1", format_version=1, **options)
-    assert v1_store.format_version == 1
-    birdzarr.convert(source, tmp_path / "one", workers=1, format_version=2, **options)
-    birdzarr.convert(source, tmp_path / "threads", workers=2, format_version=2, **options)
+    birdzarr.convert(source, tmp_path / "one", workers=1, **options)
+    birdzarr.convert(source, tmp_path / "threads", workers=2, **options)
     monkeypatch.setattr(_segments, "PROCESS_MIN_BYTES", 0)
-    processes = birdzarr.convert(source, tmp_path / "processes", workers=2, format_version=2, **options)
+    processes = birdzarr.convert(source, tmp_path / "processes", workers=2, **options)
     assert processes.meta["report"]["worker_processes"] == 2 and processes.format_version == 2
     expected = chunk_files(tmp_path / "one")
     assert chunk_files(tmp_path / "threads") == expected
     assert chunk_files(tmp_path / "processes") == expected
-    return v1_store.windows[:], processes
+    return processes
 
 
 @pytest.mark.slow  # over a second of CPU: not in the fast loop
-def test_every_device_order_path_writes_the_same_bytes_and_the_windows_of_format_1(
+def test_every_device_order_path_writes_the_same_bytes_and_the_source_windows(
     source: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # 700-window chunks: chunks shared by segments and by devices
-    v1, processes = every_path(source, tmp_path, monkeypatch, {"chunk_windows": 700, "progress": False})
+    processes = every_path(source, tmp_path, monkeypatch, {"chunk_windows": 700, "progress": False})
+    v1 = in_device_order(source)
     assert same_bits(documented_decode(tmp_path / "processes"), v1)
     assert same_bits(processes.windows[:], v1)
     root = tmp_path / "one"
@@ -96,12 +113,14 @@ def test_every_device_order_path_writes_the_same_bytes_and_the_windows_of_format
 
 
 @pytest.mark.slow  # over a second of CPU: not in the fast loop
-def test_every_shuffle_path_writes_the_same_bytes_and_the_windows_of_format_1(
+def test_every_shuffle_path_writes_the_same_bytes_and_the_source_windows(
     source: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     options = {"chunk_windows": 1000, "progress": False, "shuffle": True, "seed": 8}
-    v1, processes = every_path(source, tmp_path, monkeypatch, options)
-    assert same_bits(documented_decode(tmp_path / "one"), v1)
+    processes = every_path(source, tmp_path, monkeypatch, options)
+    decoded = documented_decode(tmp_path / "one")
+    assert same_bits(decoded, processes.windows[:])
+    assert same_bits(sorted_windows(decoded), sorted_windows(in_device_order(source)))
     # a shuffled store's rows hold each device's values sorted by bit pattern: one row per device
     z = zarr.open_group(str(tmp_path / "one"), mode="r")
     d = _v2.Dictionaries(z[_v2.VALUES][:], z[_v2.START][:], z[_v2.DEVICE][:])
@@ -122,18 +141,18 @@ def test_a_device_past_65535_values_a_channel_splits_into_rows_on_every_path(
     wide[:, :, 2] = rng.uniform(-1, 1, (4000, 20)).astype(np.float32)  # 80,000 distinct imu_z values
     _synthetic.write_parquet(wide, str(source / "3.parquet"))
     _synthetic.write_parquet(_synthetic.curated_windows(500, seed=2), str(source / "4.parquet"))
+    expected = np.concatenate([wide, _synthetic.curated_windows(500, seed=2)])
     for name, options in {"order": {}, "shuffle": {"shuffle": True, "seed": 1}}.items():
-        v1 = birdzarr.convert(source, tmp_path / f"{name}1", progress=False, format_version=1,
-                              **options).windows[:]  # type: ignore[arg-type]
-        birdzarr.convert(source, tmp_path / name, progress=False, workers=1, format_version=2,
-                         **options)  # type: ignore[arg-type]
+        birdzarr.convert(source, tmp_path / name, progress=False, workers=1, **options)  # type: ignore[arg-type]
         z = zarr.open_group(str(tmp_path / name), mode="r")
         assert z[_v2.DEVICE][:].tolist().count(3) == 2  # device 3 needed two rows
-        assert same_bits(documented_decode(tmp_path / name), v1)
+        decoded = documented_decode(tmp_path / name)
+        if name == "order":
+            assert same_bits(decoded, expected)
+        assert same_bits(sorted_windows(decoded), sorted_windows(expected))
     # in worker processes too: pass 2 is then one run, whose task numbers the rows it opens
     monkeypatch.setattr(_segments, "PROCESS_MIN_BYTES", 0)
-    store = birdzarr.convert(source, tmp_path / "p", progress=False, workers=2, format_version=2,
-                             shuffle=True, seed=1)
+    store = birdzarr.convert(source, tmp_path / "p", progress=False, workers=2, shuffle=True, seed=1)
     assert store.meta["report"]["worker_processes"] == 2
     assert chunk_files(tmp_path / "p") == chunk_files(tmp_path / "shuffle")
 
@@ -149,7 +168,7 @@ def test_an_append_keeps_the_committed_rows_and_a_failed_one_leaves_them(tmp_pat
         (tmp_path / ("base" if part == 0 else "more") / path.name).write_bytes(path.read_bytes())
     options = {"chunk_windows": 100, "progress": False}
     dest = tmp_path / "s.zarr"
-    birdzarr.convert(tmp_path / "base", dest, format_version=2, **options)
+    birdzarr.convert(tmp_path / "base", dest, **options)
     before = documented_decode(dest)
     z = zarr.open_group(str(dest), mode="r")
     old_values, old_rows = z[_v2.VALUES][:], z[_v2.DEVICE][:]
@@ -165,12 +184,14 @@ def test_an_append_keeps_the_committed_rows_and_a_failed_one_leaves_them(tmp_pat
     assert same_bits(documented_decode(dest), before)
     z = zarr.open_group(str(dest), mode="r")
     assert z[_v2.VALUES].shape == old_values.shape and z[_v2.DEVICE].shape == old_rows.shape
-    # the good append: the windows format 1 stores after the same append, old rows and codes untouched
+    # the good append: the windows of one conversion of all the parts, the committed ones first
+    # and unchanged, old rows and codes untouched
     store = birdzarr.append(dest, tmp_path / "more", progress=False)
-    birdzarr.convert(tmp_path / "base", tmp_path / "v1", format_version=1, **options)  # type: ignore[arg-type]
-    expected = birdzarr.append(tmp_path / "v1", tmp_path / "more", progress=False).windows[:]
-    assert same_bits(documented_decode(dest), expected) and same_bits(store.windows[:], expected)
-    assert len(expected) > len(before)
+    whole = birdzarr.convert(tmp_path / "all", tmp_path / "whole", **options).windows[:]  # type: ignore[arg-type]
+    decoded = documented_decode(dest)
+    assert same_bits(decoded, store.windows[:]) and same_bits(decoded[: len(before)], before)
+    assert same_bits(sorted_windows(decoded), sorted_windows(whole))
+    assert len(decoded) > len(before)
     z = zarr.open_group(str(dest), mode="r")
     values, rows = z[_v2.VALUES][:], z[_v2.DEVICE][:]
     assert same_bits(values[: len(old_values)], old_values)
@@ -182,19 +203,26 @@ def test_an_append_keeps_the_committed_rows_and_a_failed_one_leaves_them(tmp_pat
 
 
 @pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
-def test_the_command_line_writes_format_2_and_refuses_a_format_1_codec_with_it(
+def test_the_command_line_writes_format_2_and_has_no_format_option(
     source: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """birdzarr writes format 2 only: --format-version, --codec and --compressor (format 1's) are
+    not options any more, refused in one line (argparse's) before anything is written."""
     from birdzarr.cli import main
 
     dest = tmp_path / "s.zarr"
-    refused = ["convert", str(source), str(dest), "--quiet", "--format-version", "2", "--codec", "dict16"]
-    assert main(refused) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["birdzarr convert: error: codec and compressor (--codec, --compressor) choose format 1's "
-                   "window codec; format 2 has one layout: leave them out"]
+    for option in (["--format-version", "1"], ["--codec", "dict16"], ["--compressor", "zstd"]):
+        with pytest.raises(SystemExit) as exited:
+            main(["convert", str(source), str(dest), "--quiet", *option])
+        assert exited.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1] == f"birdzarr: error: unrecognized arguments: {' '.join(option)}"
+        assert "Traceback" not in "".join(err)
+        assert not dest.exists()
+    with pytest.raises(TypeError, match="format_version"):
+        birdzarr.convert(source, dest, format_version=1, progress=False)  # type: ignore[call-arg]
     assert not dest.exists()
-    assert main(["convert", str(source), str(dest), "--quiet", "--format-version", "2"]) == 0
+    assert main(["convert", str(source), str(dest), "--quiet"]) == 0
     assert birdzarr.open_store(dest).format_version == 2 and (dest / _v2.CODES / "zarr.json").exists()
 
 
@@ -204,7 +232,7 @@ def test_chunks_equal_to_the_fill_value_are_stored_too(tmp_path: pathlib.Path) -
     source = tmp_path / "src"
     source.mkdir()
     _synthetic.write_parquet(_synthetic.curated_windows(50, seed=1), str(source / "0.parquet"))
-    store = birdzarr.convert(source, tmp_path / "s.zarr", format_version=2, progress=False)
+    store = birdzarr.convert(source, tmp_path / "s.zarr", progress=False)
     for name in ("device_id", "range_start", "range_device"):
         assert (tmp_path / "s.zarr" / "device_table" / "1" / name / "c" / "0").exists(), name
     assert (tmp_path / "s.zarr" / _v2.DEVICE / "c" / "0").exists()  # dict_device = [0]
@@ -220,9 +248,8 @@ def test_the_device_table_is_read_when_used_and_each_commit_writes_its_own(tmp_p
     for path in sorted((tmp_path / "all").iterdir()):
         part = int(path.stem.split("_")[1])
         (tmp_path / ("base" if part == 0 else "more") / path.name).write_bytes(path.read_bytes())
-    dest, old = tmp_path / "v2.zarr", tmp_path / "v1.zarr"
-    for fv, where in ((2, dest), (1, old)):
-        birdzarr.convert(tmp_path / "base", where, format_version=fv, chunk_windows=64, progress=False)
+    dest = tmp_path / "v2.zarr"
+    birdzarr.convert(tmp_path / "base", dest, chunk_windows=64, progress=False)
     store = birdzarr.open_store(dest)
     # opening read the root alone; a device by id and the count come from the index arrays
     assert store.n_devices == 3 and store.device(store.device_table[1].device_id).n_windows > 0
@@ -232,11 +259,12 @@ def test_the_device_table_is_read_when_used_and_each_commit_writes_its_own(tmp_p
     shutil.copytree(dest / "device_table" / "1", dest / "device_table" / "2")
     assert birdzarr.open_store(dest).meta["committed"]["device_table"] == "device_table/1"
     appended = birdzarr.append(dest, tmp_path / "more", progress=False)
-    expected = birdzarr.append(old, tmp_path / "more", progress=False)
+    whole = birdzarr.convert(tmp_path / "all", tmp_path / "whole.zarr", chunk_windows=64, progress=False)
     assert sorted(p.name for p in (dest / "device_table").iterdir()) == ["2", "zarr.json"]
     assert appended.meta["committed"]["device_table"] == "device_table/2"
-    # the same table, reports and CSV tails as format 1 keeps in its root attributes
-    assert [e.to_json() for e in appended.device_table] == [e.to_json() for e in expected.device_table]
-    assert appended.meta["report"]["devices"] == expected.meta["report"]["devices"]
-    assert appended.meta["csv_tails"] == expected.meta["csv_tails"]
-    assert same_bits(appended.windows[:], expected.windows[:])
+    # each device's windows, times and labels those of one conversion of all the parts
+    for entry, one in zip(appended.device_table, whole.device_table, strict=True):
+        assert (entry.device_id, entry.n_windows, entry.first_time, entry.last_time, entry.label_counts) == (
+            one.device_id, one.n_windows, one.first_time, one.last_time, one.label_counts)
+    assert appended.meta["csv_tails"] == whole.meta["csv_tails"]
+    assert same_bits(sorted_windows(appended.windows[:]), sorted_windows(whole.windows[:]))

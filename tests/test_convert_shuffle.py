@@ -133,8 +133,7 @@ def test_shuffle_csv_counts_and_cli(
 @pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_layout_defaults_of_each_order(parquet_source, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A shuffled store defaults to 32,768-window chunks, a device-ordered one to 8192-window chunks
-    (docs/format.md), and the layout records them; in format 1 the shuffled store's codec is
-    gdict16 + lz4, the device-ordered one's dict16 + lz4."""
+    (docs/format.md), and the layout records them."""
     directory, _ = parquet_source
     shuffled = birdzarr.convert(directory, tmp_path / "s.zarr", shuffle=True, seed=1, progress=False)
     ordered = birdzarr.convert(directory, tmp_path / "o.zarr", progress=False)
@@ -143,54 +142,6 @@ def test_layout_defaults_of_each_order(parquet_source, tmp_path) -> None:  # typ
         assert store.format_version == 2 and "codec" not in layout and "compressor" not in layout
         assert (layout["chunk_windows"], store.group["gimu_codes"].chunks[0]) == (chunk, chunk)
     assert np.array_equal(np.sort(shuffled.window_devices[:]), np.sort(ordered.window_devices[:]))
-    shuffled = birdzarr.convert(directory, tmp_path / "s1.zarr", shuffle=True, seed=1, progress=False,
-                                format_version=1)
-    ordered = birdzarr.convert(directory, tmp_path / "o1.zarr", progress=False, format_version=1)
-    for store, codec, chunk in ((shuffled, "gdict16", 32768), (ordered, "dict16", 8192)):
-        layout = store.meta["layout"]
-        assert (layout["codec"], layout["chunk_windows"], store.gimu.chunks[0]) == (codec, chunk, chunk)
-        assert layout["compressor"] == {"cname": "lz4", "clevel": 5}
-    assert np.array_equal(np.sort(shuffled.window_devices[:]), np.sort(ordered.window_devices[:]))
-
-
-@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
-def test_the_compressor_is_an_option_and_recorded(parquet_source, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Format 1's window compressor (format 2, the default, has one layout and refuses the option)."""
-    directory, _ = parquet_source
-    lz4 = birdzarr.convert(directory, tmp_path / "lz4.zarr", shuffle=True, seed=1, chunk_windows=4096,
-                           progress=False, format_version=1)  # the default
-    zstd = birdzarr.convert(directory, tmp_path / "zstd.zarr", shuffle=True, seed=1, compressor="zstd",
-                            chunk_windows=4096, progress=False, format_version=1)
-    for store, recorded in ((lz4, {"cname": "lz4", "clevel": 5}),
-                            (zstd, {"cname": "zstd", "clevel": 1, "blocksize": 2**18})):
-        assert store.meta["layout"]["compressor"] == recorded
-        blosc = next(c for c in store.gimu.metadata.codecs if type(c).__name__ == "BloscCodec")
-        assert (str(blosc.cname.value), blosc.clevel, blosc.blocksize) == (
-            recorded["cname"], recorded["clevel"], recorded.get("blocksize", 0))
-    assert np.array_equal(lz4.windows[:], zstd.windows[:])
-    with pytest.raises(ValueError, match="unknown blosc compressor 'brotli'"):
-        birdzarr.convert(directory, tmp_path / "x.zarr", compressor="brotli", progress=False,
-                         format_version=1)
-
-
-@pytest.mark.parametrize(
-    ("n", "groups"),
-    [(0, 1), (1, 1), (7, 3), (4000, 200), (163_840, 186), (163_840, 8192),
-     pytest.param(1_000_000, 8192, marks=pytest.mark.slow)],  # over 0.2 s of CPU: not in the fast loop
-)
-def test_gdict16_sorted_distinct_is_np_unique(n: int, groups: int) -> None:
-    """The shuffled chunks' sort (position packed below the key) gives exactly np.unique's
-    distinct keys and inverse, and falls back to np.unique where key and position need more
-    than 64 bits (the last case)."""
-    from birdzarr.format._codec import _sorted_distinct
-
-    rng = np.random.default_rng(n)
-    values = rng.choice(rng.integers(0, 2**32, 5000, dtype=np.uint64), n)
-    keys = (rng.integers(0, groups, n).astype(np.uint64) << np.uint64(32)) | values
-    ordered, inverse = _sorted_distinct(keys, groups)
-    expected, expected_inverse = np.unique(keys, return_inverse=True)
-    np.testing.assert_array_equal(ordered, expected)
-    np.testing.assert_array_equal(inverse, expected_inverse.reshape(-1))
 
 
 @pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
@@ -239,11 +190,10 @@ def test_a_bucket_is_freed_before_the_next_one_loads(
 ) -> None:
     """Pass 2 holds one permuted bucket at a time: when a bucket loads, nothing refers to the one
     before (the slab writer keeps a copy of its tail, not a view of it), and a format-2 store's
-    pass 2 builds no dictionary table (its rows code the windows); the store is unchanged."""
+    the store is unchanged."""
     import gc
     import weakref
 
-    from birdzarr.convert import _shuffle_processes
 
     loaded: list[weakref.ref[np.ndarray]] = []
     alive_at_load: list[bool] = []
@@ -256,20 +206,11 @@ def test_a_bucket_is_freed_before_the_next_one_loads(
         loaded.append(weakref.ref(block.windows))
         return block
 
-    tables = []
-    table = _shuffle_processes.DictionaryTable
-
-    def counted(*args: object) -> object:
-        tables.append(1)
-        return table(*args)
-
     monkeypatch.setattr(_shuffle.BucketLoader, "load", watched)
-    monkeypatch.setattr(_shuffle_processes, "DictionaryTable", counted)
     directory, _ = parquet_source
     watched_store = birdzarr.convert(directory, tmp_path / "a.zarr", shuffle=True, seed=3, workers=1,
                                      chunk_windows=1024, progress=False)
     assert len(alive_at_load) > 3 and not any(alive_at_load)
-    assert tables == []
     monkeypatch.setattr(_shuffle.BucketLoader, "load", load)  # the same buckets, unwatched
     plain = birdzarr.convert(directory, tmp_path / "b.zarr", shuffle=True, seed=3, workers=1,
                              chunk_windows=1024, progress=False)

@@ -61,16 +61,16 @@ def assert_identical(local: pathlib.Path, remote: pathlib.Path) -> None:
     assert "dask" in attrs_b["report"] and "dask" not in attrs_a["report"]
 
 
-@pytest.mark.parametrize(("chunk_windows", "format_version"), [(1024, 1), (4096, 1), (1024, 2), (4096, 2)])
-def test_parquet_on_cluster_equals_local(cluster_client, tmp_path: pathlib.Path, chunk_windows: int,  # type: ignore[no-untyped-def]
-                                         format_version: int) -> None:
+@pytest.mark.parametrize("chunk_windows", [1024, 4096])
+def test_parquet_on_cluster_equals_local(cluster_client, tmp_path: pathlib.Path,  # type: ignore[no-untyped-def]
+                                         chunk_windows: int) -> None:
     src = tmp_path / "src"
     _synthetic.make_parquet_dir(src, n_devices=9, total_windows=20_000, seed=4)
     _synthetic.write_parquet(np.empty((0, 20, 4), np.float32), src / "9000.parquet")  # an empty device
-    options = {"chunk_windows": chunk_windows, "progress": False, "format_version": format_version}
+    options = {"chunk_windows": chunk_windows, "progress": False}
     local = birdzarr.convert(src, tmp_path / "local.zarr", **options)  # type: ignore[arg-type]
     remote = birdzarr.convert(src, tmp_path / "dask.zarr", client=cluster_client, **options)  # type: ignore[arg-type]
-    assert remote.format_version == format_version
+    assert remote.format_version == 2
     assert len(remote) == len(local) == 20_000
     assert_identical(tmp_path / "local.zarr", tmp_path / "dask.zarr")
     np.testing.assert_array_equal(remote.windows[:], local.windows[:])
@@ -134,9 +134,8 @@ def test_repeated_windows_on_cluster_are_counted_as_locally(cluster_client, tmp_
     assert_identical(tmp_path / "local.zarr", tmp_path / "dask.zarr")
 
 
-@pytest.mark.parametrize("format_version", [1, 2])
 def test_shuffle_on_cluster_equals_local(  # type: ignore[no-untyped-def]
-    cluster_client, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, format_version: int
+    cluster_client, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Pass 1 (spill groups) and pass 2 (runs of buckets, shared chunks) as tasks on the workers,
     spilling into a directory both workers reach: every chunk file the local converter's for
@@ -149,8 +148,8 @@ def test_shuffle_on_cluster_equals_local(  # type: ignore[no-untyped-def]
     spill.mkdir()
     # buckets of ~3,000 windows: 7 of them, chunks shared by buckets and by runs of buckets
     monkeypatch.setattr(_shuffle, "BUCKET_WINDOWS", 3000)
-    options = {"chunk_windows": 2048, "progress": False, "format_version": format_version, "shuffle": True,
-               "seed": 11, "shuffle_tmp": str(spill)}
+    options = {"chunk_windows": 2048, "progress": False, "shuffle": True, "seed": 11,
+               "shuffle_tmp": str(spill)}
     local = birdzarr.convert(src, tmp_path / "local.zarr", workers=1, **options)  # type: ignore[arg-type]
     remote = birdzarr.convert(src, tmp_path / "dask.zarr", client=cluster_client, **options)  # type: ignore[arg-type]
     monkeypatch.setattr(_segments, "PROCESS_MIN_BYTES", 0)

@@ -290,13 +290,12 @@ def test_to_xarray_is_lazy_and_reads_only_touched_chunks(csv_case, monkeypatch) 
     assert reads.calls == []
 
 
-def test_to_xarray_of_a_store_written_before_the_sample_rename(csv_case, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_to_xarray_of_a_store_written_before_the_sample_rename(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Stores written before the rename call the sample axis "time" on disk; the view says "sample"."""
-    store, _ = csv_case
-    # a store of that time is a version-1 store (a ``gimu`` array), written from the same CSVs
-    source = pathlib.Path(store.location.path).parent / "csv"
-    old = tmp_path / "old.zarr"
-    birdzarr.convert(source, old, chunk_windows=128, progress=False, format_version=1)
+    from tests.format1_support import format1_copy
+
+    # a store of that time is a version-1 store (a ``gimu`` array): one from CSV
+    old = format1_copy("appended.zarr", tmp_path)
     gimu_meta = old / "gimu" / "zarr.json"
     meta = json.loads(gimu_meta.read_text())
     meta["dimension_names"] = list(GIMU_DIMS_BEFORE_SAMPLE)
@@ -310,8 +309,8 @@ def test_to_xarray_of_a_store_written_before_the_sample_rename(csv_case, tmp_pat
     ds = reopened.to_xarray()
     assert ds.gimu.dims == ("window", "sample", "channel")
     assert ds.gimu.attrs["units"] == ["g", "g", "g", "m/s divided by gps_scale"]
-    times = store.timestamps[:].astype("datetime64[s]")
-    assert np.array_equal(ds.sel(time=times[9]).gimu.values, store.windows[:][times == times[9]])
+    times = reopened.timestamps[:].astype("datetime64[s]")
+    assert np.array_equal(ds.sel(time=times[9]).gimu.values, reopened.windows[:][times == times[9]])
 
 
 def test_parquet_store_times_are_nat(parquet_case) -> None:  # type: ignore[no-untyped-def]

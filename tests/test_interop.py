@@ -39,12 +39,12 @@ def bits(a: np.ndarray) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def standard_store(parquet_source: Any, tmp_path_factory: pytest.TempPathFactory) -> birdzarr.Store:
-    """A version-1 store whose gimu array uses the standard chain (transpose + blosc lz4 float32)."""
-    directory, _ = parquet_source
-    dest = tmp_path_factory.mktemp("interop") / "standard.zarr"
-    return birdzarr.convert(directory, dest, codec="standard", chunk_windows=4096, progress=False,
-                            format_version=1)
+def standard_store(tmp_path_factory: pytest.TempPathFactory) -> birdzarr.Store:
+    """A version-1 store whose gimu array uses the standard chain (transpose + blosc lz4 float32),
+    copied from tests/data/format1/."""
+    from tests.format1_support import format1_copy
+
+    return birdzarr.open_store(format1_copy("standard.zarr", tmp_path_factory.mktemp("interop")))
 
 
 @pytest.fixture(scope="module")

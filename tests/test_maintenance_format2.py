@@ -14,11 +14,11 @@ from typing import Any
 import numpy as np
 import pytest
 import zarr
-from format2_support import to_format2
+from format1_support import format1_copy
 from s3_support import MotoEndpoint, moto, new_bucket, s3_options  # noqa: F401  (moto: a fixture)
 
 import birdzarr
-from birdzarr._errors import ArgumentError, BadInputError, CorruptChunkError, MissingChunkError
+from birdzarr._errors import BadInputError, CorruptChunkError, MissingChunkError
 from birdzarr.cli import main
 from birdzarr.demo import _synthetic
 from birdzarr.format import _v2
@@ -62,7 +62,7 @@ def converted_v2(request: pytest.FixtureRequest, parquet_source: tuple[pathlib.P
                  tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     """parquet_source converted by the converter straight to format 2, in each order."""
     path = tmp_path_factory.mktemp("converted") / "v2.zarr"
-    store = birdzarr.convert(parquet_source[0], path, chunk_windows=CHUNK, format_version=2,
+    store = birdzarr.convert(parquet_source[0], path, chunk_windows=CHUNK,
                              shuffle=request.param, progress=False)
     assert (store.format_version, store.shuffled) == (2, request.param)
     return path
@@ -433,11 +433,9 @@ def test_repair_refuses_a_source_whose_windows_differ_from_the_checksums(
 
 
 def _two_row_store(small_store: birdzarr.Store, path: pathlib.Path, split: int) -> None:
-    """A version-1 small_store made format 2 (``to_format2``) where device 200 (windows 0..3,330)
-    has two dictionary rows: its first ``split`` windows were coded first, the rest as an append
-    that brought new values."""
+    """A copy of small_store where device 200 (windows 0..3,330) has two dictionary rows: its
+    first ``split`` windows were coded first, the rest as an append that brought new values."""
     shutil.copytree(small_store.location.path, path)
-    to_format2(path)
     windows = np.asarray(small_store.windows[:])
     device = np.asarray(_array(path, "device")[:], dtype=np.int64)
     first = _v2.encode(windows[:split], device[:split])
@@ -460,9 +458,8 @@ def _two_row_store(small_store: birdzarr.Store, path: pathlib.Path, split: int) 
 
 @pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_repair_chooses_the_first_row_of_the_device_holding_all_values(
-    small_store_v1: birdzarr.Store, tmp_path: pathlib.Path, parquet_source: tuple[pathlib.Path, dict]
+    small_store: birdzarr.Store, tmp_path: pathlib.Path, parquet_source: tuple[pathlib.Path, dict]
 ) -> None:
-    small_store = small_store_v1  # to_format2 rewrites its dictionaries as two rows for device 200
     path = tmp_path / "two.zarr"
     _two_row_store(small_store, path, split=2000)
     dict_device = _array(path, _v2.DEVICE)[:]
@@ -620,7 +617,7 @@ def test_repair_rebuilds_device_timestamp_and_label_chunks_of_a_device_ordered_s
     csv_source: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
     path = tmp_path / "csv.zarr"
-    birdzarr.convert(csv_source, path, chunk_windows=CHUNK, format_version=2, progress=False)
+    birdzarr.convert(csv_source, path, chunk_windows=CHUNK, progress=False)
     written = _objects(path)
     damaged = ["timestamp/c/1", "label/c/2", "device/c/3", "gimu_codes/c/4/0/0"]
     for key in damaged:
@@ -640,7 +637,7 @@ def test_repair_of_a_shuffled_csv_store_places_windows_by_time_and_label(
     csv_source: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
     path = tmp_path / "csv.zarr"
-    birdzarr.convert(csv_source, path, chunk_windows=CHUNK, format_version=2, shuffle=True, progress=False)
+    birdzarr.convert(csv_source, path, chunk_windows=CHUNK, shuffle=True, progress=False)
     written = birdzarr.open_store(path).windows[:]
     (path / "gimu_codes" / "c" / "2" / "0" / "0").unlink()
     report = repair(path, source=csv_source)
@@ -656,15 +653,14 @@ def test_repair_of_a_shuffled_csv_store_places_windows_by_time_and_label(
 
 
 def test_repair_with_a_source_refuses_a_format1_store(
-    small_store_v1: birdzarr.Store, parquet_source: tuple[pathlib.Path, dict], tmp_path: pathlib.Path,
-    capsys: pytest.CaptureFixture[str],
+    parquet_source: tuple[pathlib.Path, dict], tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str],
 ) -> None:
-    store_copy = tmp_path / "v1.zarr"
-    shutil.copytree(small_store_v1.location.path, store_copy)
-    with pytest.raises(ArgumentError):
+    store_copy = format1_copy("dict16.zarr", tmp_path)
+    recorded = birdzarr.open_store(store_copy).meta["report"]["source"]
+    with pytest.raises(birdzarr.FormatVersionError):
         repair(store_copy, source=parquet_source[0])
     assert main(["repair", str(store_copy), "--source", str(parquet_source[0])]) == 2
     assert capsys.readouterr().err == (
-        f"birdzarr repair: error: {store_copy} is a format-1 store: repair --source rebuilds the chunks of "
-        "format-2 stores. List its damage with `birdzarr verify`, then restore the store from a copy or "
-        "convert it again from its sources.\n")
+        f"birdzarr repair: error: {store_copy} is a format-1 store, which birdzarr reads but no longer "
+        "writes, so repair --source cannot change it: write a format-2 store from its source with "
+        f"`birdzarr convert {recorded} NEW_STORE` and use that one.\n")

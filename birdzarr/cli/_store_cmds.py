@@ -7,7 +7,6 @@ import json
 
 from birdzarr._errors import ArgumentError
 from birdzarr.cli._args import chunk_windows, non_negative_int, positive_int, seed
-from birdzarr.format._spec import FORMAT_VERSION
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
@@ -24,10 +23,10 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         client = connect(args.dask_scheduler)
     source = args.source if len(args.source) > 1 else args.source[0]
     store = convert(
-        source, args.dest, overwrite=args.overwrite, codec=args.codec, compressor=args.compressor,
-        chunk_windows=args.chunk_windows, on_bad_rows=args.on_bad_rows, workers=args.workers,
-        progress=not args.quiet, shuffle=args.shuffle, seed=args.seed, shuffle_tmp=args.shuffle_tmp,
-        client=client, skip_unknown_files=args.skip_unknown_files, format_version=args.format_version,
+        source, args.dest, overwrite=args.overwrite, chunk_windows=args.chunk_windows,
+        on_bad_rows=args.on_bad_rows, workers=args.workers, progress=not args.quiet, shuffle=args.shuffle,
+        seed=args.seed, shuffle_tmp=args.shuffle_tmp, client=client,
+        skip_unknown_files=args.skip_unknown_files,
     )
     if client is not None:
         client.close()
@@ -80,17 +79,6 @@ def add_convert(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument("--overwrite", action="store_true",
                    help="replace a birdzarr store at DEST, only once the new one has committed (needs "
                         "room for both until then); anything else at DEST is never replaced")
-    p.add_argument("--format-version", type=int, choices=(1, 2), default=FORMAT_VERSION,
-                   help=f"store format (default {FORMAT_VERSION}): 2 holds the windows as uint16 codes into "
-                        "per-device dictionaries with core Zarr v3 codecs only, so any Zarr v3 reader "
-                        "opens it (docs/format.md); --codec and --compressor choose format 1's codec")
-    p.add_argument("--codec", choices=("dict16", "gdict16", "standard"), default=None,
-                   help="dict16 (default: smallest, needs birdzarr to read), gdict16 (a dictionary per "
-                        "device: the default with --shuffle) or standard (blosc only: TensorStore and "
-                        "plain zarr read it)")
-    p.add_argument("--compressor", choices=("lz4", "lz4hc", "zstd", "blosclz", "zlib"), default=None,
-                   help="blosc compressor after the codec (default lz4): smaller with zstd, faster to "
-                        "read with lz4")
     p.add_argument("--chunk-windows", type=chunk_windows, default=None,
                    help="windows per chunk (default 8192; 32768 with --shuffle)")
     p.add_argument("--on-bad-rows", choices=("error", "skip"), default="error",

@@ -29,10 +29,8 @@ from birdzarr.convert._shuffle import bucket_count
 from birdzarr.convert._shuffle_processes import write_shuffled_on
 from birdzarr.convert._sources import DeviceSource, find_inputs, natural_key, refuse_repeated_devices
 from birdzarr.convert._writer import StoreWriter
-from birdzarr.format._codec import compressor_of
 from birdzarr.format._spec import (
     DEFAULT_CHUNK_WINDOWS,
-    FORMAT_VERSION,
     MAX_CHUNK_WINDOWS,
     MIXED_LABEL_POLICY,
     SHUFFLED_CHUNK_WINDOWS,
@@ -54,8 +52,6 @@ def convert(
     dest: StoreLike,
     *,
     overwrite: bool = False,
-    codec: str | None = None,
-    compressor: str | None = None,
     chunk_windows: int | None = None,
     on_bad_rows: str = "error",
     curation: Curation | None = None,
@@ -68,7 +64,6 @@ def convert(
     shuffle_tmp: str | None = None,
     client: Any = None,
     skip_unknown_files: bool = False,
-    format_version: int = FORMAT_VERSION,
 ) -> Store:
     """Convert a directory (or file, or fsspec URL) of CSV exports or Parquet files into a store.
 
@@ -94,10 +89,6 @@ def convert(
     recorded, if None): every chunk a uniform sample of all windows, grouped by device inside;
     spilling them through temporary bucket files in ``shuffle_tmp``
     (default ``$TMPDIR``); see docs/conversion.md#shuffle for what that costs and buys.
-    ``codec`` and ``compressor`` choose format 1's window codec (``format_version=1``):
-    ``"dict16"`` (its default), ``"gdict16"`` (its default with ``shuffle=True``) or
-    ``"standard"``, then a blosc compressor (``"lz4"``, ``"zstd"``, ...; default lz4 level 5);
-    docs/format.md#version-1. Format 2, the default, has one layout and refuses them.
     ``chunk_windows`` is the windows per chunk (default 8192; 32768 for shuffled stores).
     ``workers`` is the number of processes or threads doing conversion work (default:
     all usable cores, as CPU affinity and the cgroup quota allow; 1: all in the calling thread;
@@ -105,9 +96,9 @@ def convert(
     ``distributed.Client``) runs the same tasks (reading, curation, chunk writing; with
     ``shuffle=True`` both passes) on a Dask cluster instead, with a byte-identical result; a
     shuffle's ``shuffle_tmp`` must then be a directory every worker reaches at the same path
-    (docs/scaling.md#conversion-on-a-dask-cluster). ``format_version`` 2 (the default) writes the
-    windows as uint16 codes into per-device dictionary rows with core Zarr v3 codecs only, which
-    any Zarr v3 reader opens (docs/format.md); 1 writes format 1.
+    (docs/scaling.md#conversion-on-a-dask-cluster). The store is format 2: the windows as uint16
+    codes into per-device dictionary rows, with core Zarr v3 codecs only, which any Zarr v3
+    reader opens (docs/format.md).
     """
     from birdzarr.store._handle import open_store
 
@@ -141,13 +132,6 @@ def convert(
         raise error(errno.ENOENT if missing else errno.ENOTDIR,
                     f"{'no such' if missing else 'not a'} directory, where the shuffle's temporary files "
                     "were to go (--shuffle-tmp, Python: shuffle_tmp=; default $TMPDIR)", shuffle_tmp)
-    if format_version not in (1, 2):
-        raise ArgumentError(f"format_version must be 1 or 2, got {format_version!r}")
-    if format_version == 2 and (codec is not None or compressor is not None):
-        raise ArgumentError("codec and compressor (--codec, --compressor) choose format 1's window codec; "
-                            "format 2 has one layout: leave them out")
-    if codec is None:
-        codec = "gdict16" if shuffle else "dict16"
     curation = curation or Curation()
     sources = _resolve_sources(source, source_storage_options)
     src = _named_together(sources)
@@ -162,10 +146,7 @@ def convert(
         if kind == "csv"
         else {"applied_by": "source", "note": "Parquet input holds windows curated before conversion"}
     )
-    layout: dict[str, Any] = {
-        "codec": codec, "compressor": compressor_of(compressor),
-        "chunk_windows": chunk_windows, "shuffled": False,
-    } if format_version == 1 else {"chunk_windows": chunk_windows, "shuffled": False}
+    layout: dict[str, Any] = {"chunk_windows": chunk_windows, "shuffled": False}
     static: dict[str, Any] = {
         "source_kind": kind,
         "window_rule": WINDOW_RULE if kind == "csv" else "one Parquet row is one window",
@@ -186,11 +167,10 @@ def convert(
             static["skipped_files"] = inputs.skipped
         with replacing(dst, staged) if staged is not None else contextlib.nullcontext():
             target = staged or dst
-            _convert_here(src, target, kind, devices, codec=codec, chunk_windows=chunk_windows,
+            _convert_here(src, target, kind, devices, chunk_windows=chunk_windows,
                           overwrite=overwrite, static=static, workers=workers, progress=progress,
                           curation=curation, on_bad_rows=on_bad_rows, shuffle=shuffle, seed=seed,
-                          buckets=buckets, shuffle_tmp=shuffle_tmp, duplicates=duplicates,
-                          format_version=format_version, client=client)
+                          buckets=buckets, shuffle_tmp=shuffle_tmp, duplicates=duplicates, client=client)
     duplicates.warn(dst.display)
     store = open_store(dst)
     # from the devices' reports, which every path keeps (a Dask conversion's report has no
@@ -269,11 +249,10 @@ def _require_client(client: Any) -> None:
 
 
 def _convert_here(
-    src: Location, dst: Location, kind: str, devices: list[DeviceSource], *, codec: str,
+    src: Location, dst: Location, kind: str, devices: list[DeviceSource], *,
     chunk_windows: int, overwrite: bool, static: dict[str, Any], workers: int, progress: bool,
     curation: Curation, on_bad_rows: str, shuffle: bool, seed: int | None, buckets: int,
-    shuffle_tmp: str | None, duplicates: DuplicateCounter | None = None, format_version: int = FORMAT_VERSION,
-    client: Any = None,
+    shuffle_tmp: str | None, duplicates: DuplicateCounter | None = None, client: Any = None,
 ) -> None:
     """The conversion, driven from this process as tasks on one engine (``_engine.py``): the Dask
     cluster behind ``client``; else forked worker processes where they pay (``processes_pay``);
@@ -282,8 +261,7 @@ def _convert_here(
     started, cpu = time.perf_counter(), cpu_seconds()
     config = {"threading.max_workers": workers}
     with arrow_pool(), zarr.config.set(config), StoreWriter(
-        dst, codec=codec, chunk_windows=chunk_windows, overwrite=overwrite, static_attrs=static,
-        workers=workers, format_version=format_version,
+        dst, chunk_windows=chunk_windows, overwrite=overwrite, static_attrs=static, workers=workers,
     ) as writer, progress_bar(progress, desc=f"convert {kind}" + (" on dask" if client else ""),
                               unit=" windows") as bar:
         extra: dict[str, Any] = {}

@@ -63,6 +63,7 @@ from birdzarr.format import _v2
 from birdzarr.format._digest import window_hashes
 from birdzarr.format._rows import RowCoder, latest_rows
 from birdzarr.format._spec import (
+    FORMAT_VERSION,
     GIMU,
     TIMESTAMP,
     TIMESTAMP_UNKNOWN,
@@ -70,6 +71,7 @@ from birdzarr.format._spec import (
     DeviceEntry,
     DeviceReport,
     check_root_attrs,
+    format1_refusal,
 )
 from birdzarr.storage._location import Location, StoreLike, resolve, zarr_store
 from birdzarr.store._device_table import merged
@@ -125,6 +127,8 @@ class AppendWriter(Writer):
                 f"{self.location.display}: a conversion started here and never committed, so there "
                 "is nothing to append to. Re-run the same `birdzarr convert` command first."
             )
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise format1_refusal(self.location.display, "append", meta)
         if meta.get("layout", {}).get("shuffled"):
             raise AppendError(
                 f"{self.location.display} was converted with --shuffle; appended windows would sit "
@@ -139,11 +143,11 @@ class AppendWriter(Writer):
         # opened again: the cut changed their shapes on disk, and a writer that still took them for
         # a killed run's would not grow them back (the commit's arrays kept the committed length)
         arrays = writable_arrays(group)
-        if _v2.CODES in arrays:  # format 2: new windows reuse or extend the committed rows
-            self.cleaned += discard_format2_leftovers(self.location, group, committed)
-            self.committed_rows = read_dictionary(group, committed_dictionary(committed, group))
-            self.coder = RowCoder.appending_to(self.committed_rows)
-            self.committed_format2 = committed
+        # new windows reuse or extend the committed dictionary rows
+        self.cleaned += discard_format2_leftovers(self.location, group, committed)
+        self.committed_rows = read_dictionary(group, committed_dictionary(committed, group))
+        self.coder = RowCoder.appending_to(self.committed_rows)
+        self.committed_format2 = committed
         self.group = group  # from here on, a failure cuts the arrays back again (_abandon)
         self.devices = {e.device_id: e for e in (DeviceEntry.from_json(d) for d in meta.get("devices", []))}
         report = meta.get("report", {}).get("devices", {})
@@ -405,6 +409,8 @@ def append_detailed(
     src = resolve(source, source_storage_options)
     dst = resolve(store, storage_options)
     before = open_store(dst)  # a clear error (not a store, unfinished, newer format) before the lock
+    if before.format_version != FORMAT_VERSION:  # format 1 is read, never written
+        raise format1_refusal(dst.display, "append", before.meta)
     inputs = find_inputs(src, skip_unknown_files=skip_unknown_files)
     kind, devices = inputs.kind, inputs.devices
     started, cpu_before = time.perf_counter(), cpu_seconds()

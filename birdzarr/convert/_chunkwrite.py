@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -22,11 +22,7 @@ import numpy as np
 
 from birdzarr.convert._cpus import resolve_workers
 from birdzarr.format._codec import ChunkCodec
-from birdzarr.format._spec import DEVICE, GIMU
 from birdzarr.storage._location import Location
-
-# A slab's ``gimu`` windows as codes (WindowBlock.codes), for ``ChunkSink.code_encoder``
-CODES = "codes"
 
 
 @contextlib.contextmanager
@@ -60,9 +56,6 @@ class ChunkSink:
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._made: set[str] = set()  # local chunk directories known to exist
-        # (codes, device ids, chunk windows) -> the gimu codec's body of a chunk given as codes
-        # (data[CODES]): set by the writer of such slabs (the shuffle's second pass)
-        self.code_encoder: Callable[[np.ndarray, np.ndarray, int], bytes] | None = None
 
     def close(self) -> None:
         """Stop the encoding threads (after the last ``write``)."""
@@ -87,14 +80,7 @@ class ChunkSink:
         for name, array in self.arrays.items():
             size = self.chunk_windows[name]
             for first in range(start, stop, size):
-                # the device ids of the chunk's windows: gdict16 keeps one dictionary per device
-                groups = data[DEVICE][first - start : first - start + size] if DEVICE in data else None
-                coded = name == GIMU and CODES in data
-                codes = data[CODES][first - start : first - start + size] if coded else None
-                # a chunk given as codes is encoded from them alone (its float32 windows, never
-                # filled, may be absent)
-                values = codes if codes is not None else data[name][first - start : first - start + size]
-                tasks.append((name, array, first // size, values, groups, codes))
+                tasks.append((name, array, first // size, data[name][first - start : first - start + size]))
         if self.workers == 1:  # in this thread, blosc single-threaded: one core
             with _blosc_single_threaded():
                 for task in tasks:
@@ -104,15 +90,10 @@ class ChunkSink:
         for future in [pool.submit(self._put, *task) for task in tasks]:
             future.result()
 
-    def _put(self, name: str, array: Any, index: int, values: np.ndarray, groups: np.ndarray | None,
-             codes: np.ndarray | None) -> None:
+    def _put(self, name: str, array: Any, index: int, values: np.ndarray) -> None:
         shape = (self.chunk_windows[name], *array.shape[1:])
         codec = self.codecs[name]
         assert codec is not None
-        if codes is not None:  # the chunk as codes (its float values were never filled in)
-            assert self.code_encoder is not None and groups is not None
-            self._store(array, index, shape, codec.pack(self.code_encoder(codes, groups, shape[0])))
-            return
         if codec.kind in ("standard", "plain"):  # rows gathered elsewhere (int64 rows): the array's type
             values = values.astype(array.dtype, copy=False)
         if values.shape[0] < shape[0]:
@@ -120,9 +101,7 @@ class ChunkSink:
             padded = np.full(shape, array.fill_value, dtype=array.dtype)
             padded[: values.shape[0]] = values
             values = padded
-            if groups is not None:  # padding windows form a group of their own
-                groups = np.concatenate([groups, np.full(shape[0] - len(groups), -1, groups.dtype)])
-        self._store(array, index, shape, codec.encode(np.ascontiguousarray(values), groups))
+        self._store(array, index, shape, codec.encode(np.ascontiguousarray(values)))
 
     def _store(self, array: Any, index: int, shape: tuple[int, ...], data: bytes) -> None:
         key = array.metadata.encode_chunk_key((index,) + (0,) * (len(shape) - 1))

@@ -45,7 +45,6 @@ import numpy as np
 
 from birdzarr._errors import BadInputError
 from birdzarr.convert._blocks import WindowBlock
-from birdzarr.convert._chunkwrite import CODES
 from birdzarr.convert._duplicates import DeviceKeys, DuplicateCounter, repeated_in_runs, repeated_windows
 from birdzarr.convert._engine import Engine, Runner, run_all
 from birdzarr.convert._parquet import names_its_device, read_runs
@@ -58,7 +57,7 @@ from birdzarr.convert._writer import SLABS_IN_FLIGHT, Writer
 from birdzarr.format import _v2
 from birdzarr.format._digest import window_hashes
 from birdzarr.format._rows import RowCoder
-from birdzarr.format._spec import DEVICE, GIMU, LABEL, TIMESTAMP, Curation, DeviceReport
+from birdzarr.format._spec import DEVICE, LABEL, TIMESTAMP, Curation, DeviceReport
 from birdzarr.storage._location import Location, resolve
 
 # Segments per worker: more, smaller segments even out devices of different sizes at the end of
@@ -275,29 +274,15 @@ class ChunkRouter:
         out = []
         for chunk, pieces in sorted(self.parts.items()):
             blocks = [block for _, _, block in pieces]
-            if blocks[0].coded is not None:  # format 2
-                out.append(SharedChunkPart(chunk, pieces[0][0], {
-                    _v2.CODES: np.concatenate([b.coded[0] for b in blocks if b.coded is not None]),
-                    _v2.GPS: np.concatenate([b.windows[:, :, 3] for b in blocks]),
-                    _v2.ROW: np.concatenate([b.coded[1] for b in blocks if b.coded is not None]),
-                    DEVICE: np.concatenate([np.full(len(b), d, dtype=np.int32) if b.devices is None
-                                            else b.devices for _, d, b in pieces]),
-                    TIMESTAMP: np.concatenate([b.timestamps for b in blocks]),
-                    LABEL: np.concatenate([b.labels for b in blocks]),
-                }))
-                continue
-            coded = blocks[0].codes is not None
-            data = {
-                # a shuffle's bucket: the chunk is encoded from the codes alone (no float copy)
-                GIMU: np.concatenate([b.codes if coded else b.windows for b in blocks]),
+            out.append(SharedChunkPart(chunk, pieces[0][0], {
+                _v2.CODES: np.concatenate([b.coded[0] for b in blocks if b.coded is not None]),
+                _v2.GPS: np.concatenate([b.windows[:, :, 3] for b in blocks]),
+                _v2.ROW: np.concatenate([b.coded[1] for b in blocks if b.coded is not None]),
                 DEVICE: np.concatenate([np.full(len(b), d, dtype=np.int32) if b.devices is None
                                         else b.devices for _, d, b in pieces]),
                 TIMESTAMP: np.concatenate([b.timestamps for b in blocks]),
                 LABEL: np.concatenate([b.labels for b in blocks]),
-            }
-            if coded:
-                data[CODES] = data.pop(GIMU)
-            out.append(SharedChunkPart(chunk, pieces[0][0], data))
+            }))
         return out
 
 

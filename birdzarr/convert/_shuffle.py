@@ -13,8 +13,8 @@ tasks on any engine (``_shuffle_processes.write_shuffled_on``): pass 1 by groups
 
 Pass 1 spills each window as codes into its device's dictionaries (``DeviceCoder``: a device's
 distinct values per channel, found as its windows pass in order). After it, every device's
-sorted dictionaries form a ``DictionaryTable``, and pass 2 hands the writer codes into it, from
-which gdict16 chunks are encoded without sorting (``_gdict_encode.py``).
+sorted dictionaries seed format 2's dictionary rows (``seed_rows``), and pass 2 turns the codes
+back into values for the writer, which codes them into those rows.
 
 Where the bytes go: the bucket files live in a fresh ``birdzarr-shuffle-*`` directory under
 ``tmp_dir`` (default: the system temporary directory, ``$TMPDIR``), hold every window once as
@@ -38,7 +38,7 @@ import numpy as np
 from numcodecs import Blosc
 
 from birdzarr.convert._blocks import WindowBlock
-from birdzarr.convert._gdict_encode import BlockValues, DeviceCoder, DictionaryTable, block_values
+from birdzarr.convert._device_coder import BlockValues, DeviceCoder, block_values
 from birdzarr.convert._summary import DeviceSummary, Summarizer
 from birdzarr.format import _v2
 from birdzarr.format._rows import RowCoder
@@ -284,16 +284,11 @@ class Spiller:
 
 class _Scratch:
     """One load's buffers, reused from bucket to bucket (new memory costs a page fault per
-    4 KiB): a bucket's codes (or float32 values, where the store is not gdict16), devices and
-    metadata in the order they were spilled."""
+    4 KiB): a bucket's float32 values (as bit patterns), devices and metadata in the order they
+    were spilled."""
 
-    def __init__(self, windows: int, code_dtype: np.dtype | None) -> None:
-        # window-major: the permutation then gathers one 160-byte row a window; channel-major, it
-        # gathered four 40-byte rows, 2.5x slower beside another process (memory-latency bound)
-        shape = (windows, N_CHANNELS, WINDOW_LENGTH)
-        self.codes = None if code_dtype is None else np.empty(shape, code_dtype)
-        floats = (windows, WINDOW_LENGTH, N_CHANNELS)
-        self.bits = np.empty(floats, dtype=np.uint32) if code_dtype is None else None
+    def __init__(self, windows: int) -> None:
+        self.bits = np.empty((windows, WINDOW_LENGTH, N_CHANNELS), dtype=np.uint32)
         self.devices = np.empty(windows, dtype=np.int32)
         self.meta = np.empty(windows, dtype=_META)
 
@@ -301,49 +296,32 @@ class _Scratch:
 class BucketLoader:
     """Pass 2's reading of buckets, ``slots`` at once (each on its own thread or process).
 
-    A bucket's pieces are decoded, in the order they were written, into one slot's buffers: as
-    codes into the sorted dictionaries (``table``) where the store is gdict16, else as float32
-    values. They are then permuted into new arrays (the writer keeps them until they are
+    A bucket's pieces are decoded, in the order they were written, into one slot's buffers as
+    float32 values. They are then permuted into new arrays (the writer keeps them until they are
     written). Loads are independent: any bucket, in any order, on any thread."""
 
-    def __init__(self, spill: SpillFiles, table: DictionaryTable | None,
-                 dictionaries: dict[int, list[np.ndarray]], *, seed: int, coded: bool, chunk_windows: int,
-                 slots: int = 1) -> None:
+    def __init__(self, spill: SpillFiles, dictionaries: dict[int, list[np.ndarray]], *, seed: int,
+                 chunk_windows: int, slots: int = 1) -> None:
         self.spill, self.seed = spill, seed
         self.chunk_windows = chunk_windows
         # the store position of each bucket's first window (a shuffled store is written from 0)
         self.starts = np.concatenate(([0], np.cumsum(spill.windows)[:-1])).astype(np.int64)
-        # per device and channel, a code of pass 1 (order first seen) -> its code in the table
-        # (a gdict16 store) or its value's bit pattern (any other: no table needed)
-        if coded and table is None:
-            raise ValueError("a gdict16 store's pass 2 needs the dictionary table")
-        self.lookups = {
-            d: [table.codes_of(d, c, known[c]) if table is not None and coded else known[c]
-                for c in range(N_CHANNELS)]
-            for d, known in dictionaries.items()
-        }
+        # per device and channel, a code of pass 1 (order first seen) -> its value's bit pattern
+        self.lookups = dictionaries
         largest = int(spill.windows.max(initial=0))
-        code_dtype = table.code_dtype if table is not None and coded else None
         self._free: queue.SimpleQueue[_Scratch] = queue.SimpleQueue()
         for _ in range(max(1, min(slots, len(spill.windows)))):
-            self._free.put(_Scratch(largest, code_dtype))
+            self._free.put(_Scratch(largest))
 
     def load(self, bucket: int) -> WindowBlock:
-        """The bucket's windows permuted with a generator seeded with ``(seed, bucket)``: as
-        codes into the table (where the store is gdict16) or as float32 windows (at most
-        ``slots`` at once)."""
+        """The bucket's windows permuted with a generator seeded with ``(seed, bucket)``, as
+        float32 windows (at most ``slots`` at once)."""
         scratch = self._free.get()
         try:
             n, order, devices = self._decode(bucket, scratch)
             meta = scratch.meta[:n][order]
-            if scratch.codes is None:
-                assert scratch.bits is not None
-                windows = np.take(scratch.bits[:n], order, axis=0).view(np.float32)
-                return WindowBlock(windows, meta["timestamp"], meta["label"], DeviceReport(), devices)
-            codes = np.take(scratch.codes[:n], order, axis=0)  # (windows, channels, samples)
-            # the windows exist only as codes: the writer encodes the chunks from them
-            nan = np.broadcast_to(np.float32(np.nan), (n, WINDOW_LENGTH, N_CHANNELS))
-            return WindowBlock(nan, meta["timestamp"], meta["label"], DeviceReport(), devices, codes)
+            windows = np.take(scratch.bits[:n], order, axis=0).view(np.float32)
+            return WindowBlock(windows, meta["timestamp"], meta["label"], DeviceReport(), devices)
         finally:
             self._free.put(scratch)
 
@@ -354,11 +332,7 @@ class BucketLoader:
         for piece in self.spill.pieces(bucket):
             k = len(piece.meta)
             for c, lookup in enumerate(self.lookups[piece.device_id]):
-                if scratch.codes is not None:
-                    scratch.codes[at : at + k, c] = np.take(lookup, piece.codes[c], mode="clip")
-                else:
-                    assert scratch.bits is not None
-                    np.take(lookup, piece.codes[c], out=scratch.bits[at : at + k, :, c], mode="clip")
+                np.take(lookup, piece.codes[c], out=scratch.bits[at : at + k, :, c], mode="clip")
             scratch.devices[at : at + k] = piece.device_id
             scratch.meta[at : at + k] = piece.meta
             at += k

@@ -63,7 +63,6 @@ from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._chunkwrite import ChunkSink
 from birdzarr.convert._duplicates import DeviceKeys, DuplicateCounter
 from birdzarr.convert._engine import Engine, Runner
-from birdzarr.convert._gdict_encode import DictionaryTable
 from birdzarr.convert._readahead import read_ahead
 from birdzarr.convert._segments import (
     SEGMENTS_PER_WORKER,
@@ -87,7 +86,7 @@ from birdzarr.convert._summary import DeviceSummary
 from birdzarr.convert._writer import StoreWriter
 from birdzarr.format import _v2
 from birdzarr.format._rows import RowCoder
-from birdzarr.format._spec import DEVICE, GIMU, N_CHANNELS, Curation
+from birdzarr.format._spec import DEVICE, Curation
 from birdzarr.storage._location import Location, resolve
 
 
@@ -180,21 +179,18 @@ class Pass2Plan:
     spill: SpillFiles
     dictionaries: dict[int, list[np.ndarray]]  # per device and channel, as pass 1 found them
     seed: int
-    coded: bool  # gdict16: chunks encoded from codes into the dictionary table
     chunk_windows: int
-    coder: RowCoder | None  # format 2: every device's row, seeded
+    coder: RowCoder  # every device's row, seeded
     seeded_rows: int = 0  # the rows the coder holds (a device left unseeded opens more)
 
 
 @dataclass
 class _Pass2:
-    """A worker thread's pass-2 state: the plan's loader and table, its own coder and arrays."""
+    """A worker thread's pass-2 state: the plan's loader, its own coder and arrays."""
 
     plan_path: str
     loader: BucketLoader
-    table: DictionaryTable | None  # gdict16 only: format 2 codes with the rows, not the table
-    coded: bool
-    coder: RowCoder | None
+    coder: RowCoder | None  # None once its one run that opens rows has coded
     dest: Location
     arrays: dict[str, Any]
     seeded_rows: int
@@ -215,13 +211,10 @@ def _pass2(plan_path: str, dest_url: str, dest_options: dict[str, Any]) -> _Pass
         _LOCAL.state = None  # the previous conversion's buffers go first
         with open(plan_path, "rb") as handle:
             plan: Pass2Plan = pickle.load(handle)
-        table = (DictionaryTable({d: [np.sort(k) for k in known] for d, known in plan.dictionaries.items()},
-                                 N_CHANNELS) if plan.coded else None)
-        loader = BucketLoader(plan.spill, table, plan.dictionaries, seed=plan.seed, coded=plan.coded,
-                              chunk_windows=plan.chunk_windows)
+        loader = BucketLoader(plan.spill, plan.dictionaries, seed=plan.seed, chunk_windows=plan.chunk_windows)
         dest = resolve(dest_url, dest_options)
         group = zarr.open_group(zarr_store(dest, read_only=False), mode="r+", zarr_format=3)
-        state = _Pass2(plan_path, loader, table, plan.coded, plan.coder, dest,
+        state = _Pass2(plan_path, loader, plan.coder, dest,
                        writable_arrays(group), plan.seeded_rows)  # sized before any task started
         _LOCAL.state = state
     return state
@@ -233,7 +226,6 @@ def write_shared_chunk(plan_path: str, dest_url: str, dest_options: dict[str, An
     only gathers windows: encoding is most of a chunk's cost)."""
     state = _pass2(plan_path, dest_url, dest_options)
     sink = ChunkSink(state.dest, state.arrays, workers=1)
-    sink.code_encoder = state.table.encode if state.table is not None and state.coded else None
     sink.write(start, stop, data)
 
 
@@ -273,8 +265,6 @@ def write_bucket_run(plan_path: str, dest_url: str, dest_options: dict[str, Any]
     first = whole_chunks(start, stop, int(state.arrays[DEVICE].chunks[0]))[0]
     slabs = SlabWriter(state.dest, state.arrays, start=first, workers=1, in_flight=0,
                        coder=state.coder)
-    if state.table is not None and state.coded:
-        slabs.sink.code_encoder = state.table.encode
     router = ChunkRouter(start, stop, slabs)
     try:
         for bucket in buckets:
@@ -386,13 +376,12 @@ def write_shuffled_on(
         if on_pass is not None:
             on_pass("write", int(windows.sum()))
         # format 2: a device left unseeded opens rows in pass 2, which one task only can number
-        left_out = seed_rows(writer.coder, dictionaries) if writer.coder is not None else []
-        seeded = 0 if writer.coder is None else writer.coder.n_rows
-        gimu_codec = writer.slabs.sink.codecs.get(GIMU)
-        coded = gimu_codec is not None and gimu_codec.kind == "gdict16"
+        assert writer.coder is not None
+        left_out = seed_rows(writer.coder, dictionaries)
+        seeded = writer.coder.n_rows
         plan_path = os.path.join(directory, "pass2.pickle")
         with open(plan_path, "wb") as handle:
-            pickle.dump(Pass2Plan(files, dictionaries, seed, coded, writer.slabs.chunk_windows, writer.coder,
+            pickle.dump(Pass2Plan(files, dictionaries, seed, writer.slabs.chunk_windows, writer.coder,
                                   seeded),
                         handle, protocol=pickle.HIGHEST_PROTOCOL)
         del dictionaries

@@ -19,14 +19,14 @@ from typing import Any
 import numpy as np
 
 from birdzarr.convert._blocks import WindowBlock
-from birdzarr.convert._chunkwrite import CODES, ChunkSink
+from birdzarr.convert._chunkwrite import ChunkSink
 from birdzarr.format import _v2
 from birdzarr.format._rows import RowCoder
-from birdzarr.format._spec import DEVICE, GIMU, LABEL, TIMESTAMP
+from birdzarr.format._spec import DEVICE, LABEL, TIMESTAMP
 from birdzarr.storage._location import Location
 
-ARRAYS = (GIMU, DEVICE, TIMESTAMP, LABEL)  # format 1's arrays, in the order they are grown and written
-# format 2's per-window arrays (its dictionary arrays are written at the commit: _writer.py)
+# the per-window arrays birdzarr writes, in the order they are grown and written (format 2's;
+# its dictionary arrays are written at the commit: _writer.py)
 ARRAYS_V2 = (_v2.CODES, _v2.GPS, _v2.ROW, DEVICE, TIMESTAMP, LABEL)
 # Windows of a slab by default: 8 chunks of 8,192 windows, 2 of a shuffled store's 32,768. A
 # slab is encoded only once it is full, so larger slabs leave the encoders idle longer at the
@@ -42,9 +42,9 @@ EVERY_CHUNK: Any = {"write_empty_chunks": True}
 
 
 def writable_arrays(group: Any) -> dict[str, Any]:
-    """The per-window arrays of an existing store (an append's, a Dask task's), opened to write."""
-    names = ARRAYS_V2 if _v2.CODES in group else ARRAYS
-    return {name: group[name].with_config(EVERY_CHUNK) for name in names}
+    """The per-window arrays of an existing format-2 store (an append's, a Dask task's), opened
+    to write (a format-1 store is refused before: birdzarr writes format 2 only)."""
+    return {name: group[name].with_config(EVERY_CHUNK) for name in ARRAYS_V2}
 
 
 class SlabWriter:
@@ -54,7 +54,7 @@ class SlabWriter:
     ``in_flight``: slabs written on background threads while the caller reads on (their
     memory is the bound); 0 writes each slab in the calling thread before ``add`` returns.
     ``workers``: the threads encoding one slab's chunks (``ChunkSink``).
-    ``coder``: format 2 (the arrays are ``ARRAYS_V2``): codes every block that comes without codes,
+    ``coder``: codes every block (the arrays are format 2's ``ARRAYS_V2``) that comes without codes,
     in the order blocks are added (store order). One device's blocks (``devices`` None) wait
     uncoded in the buffer and are coded together, ``CODE_BATCH`` windows a ``RowCoder.code_runs``
     (``code_pending``: before a slab is taken, and before any block is coded on its own), so a
@@ -65,11 +65,11 @@ class SlabWriter:
 
     def __init__(self, location: Location, arrays: dict[str, Any], *, start: int,
                  slab_chunks: int | None = None, workers: int, in_flight: int,
-                 coder: RowCoder | None = None) -> None:
+                 coder: RowCoder | None) -> None:
         self.arrays = arrays
-        self.format2 = _v2.CODES in arrays
-        if self.format2 and coder is None:
-            raise ValueError("a format 2 SlabWriter needs a RowCoder")
+        if _v2.CODES not in arrays or coder is None:
+            raise ValueError("a SlabWriter writes format 2's arrays, with a RowCoder")
+        self.format2 = True  # (every store it writes is; kept for the callers that ask)
         self.coder = coder
         self.sink = ChunkSink(location, arrays, workers=workers)
         self.chunk_windows = int(arrays[DEVICE].chunks[0])
@@ -84,7 +84,6 @@ class SlabWriter:
         self._pending: list[Future[None]] = []
         # slab buffers free for reuse: at most ``in_flight + 1`` exist (being filled, in flight)
         self._free: collections.deque[dict[str, np.ndarray]] = collections.deque()
-        self._coded: bool | None = None  # whether the blocks carry codes (WindowBlock.codes)
         # format 2: the last ``_uncoded`` buffered blocks wait for ``code_pending``, and the
         # devices in ``_closing`` are closed in the coder once they are coded
         self._uncoded = 0
@@ -100,17 +99,12 @@ class SlabWriter:
         write every slab that is full."""
         if not len(block):
             return
-        waits = False  # format 2: the block waits uncoded for ``code_pending``
-        if self.format2:
-            waits = block.coded is None and block.devices is None and device_id not in self._closing
-            if not waits:
-                self.code_pending()  # store order: the blocks waiting before this one first
-                if block.coded is None:
-                    block = self.code(device_id, block)
-        if self._coded is None:
-            self._coded = block.codes is not None
-        elif self._coded != (block.codes is not None):  # a slab's chunks are all codes or all floats
-            raise ValueError("blocks with and without codes cannot be written by one SlabWriter")
+        # the block waits uncoded for ``code_pending``, or is coded now
+        waits = block.coded is None and block.devices is None and device_id not in self._closing
+        if not waits:
+            self.code_pending()  # store order: the blocks waiting before this one first
+            if block.coded is None:
+                block = self.code(device_id, block)
         self._buffer.append((device_id, block))
         self._buffered += len(block)
         if waits:
@@ -231,17 +225,11 @@ class SlabWriter:
         while at < n:
             device_id, block = self._buffer[0]
             take = min(n - at, len(block))
-            if block.coded is not None:  # format 2
-                codes, rows = block.coded
-                buffers[_v2.CODES][at : at + take] = codes[:take]
-                buffers[_v2.GPS][at : at + take] = block.windows[:take, :, 3]
-                buffers[_v2.ROW][at : at + take] = rows[:take]
-            elif block.codes is None:
-                buffers[GIMU][at : at + take] = block.windows[:take]
-            else:  # written from its codes (ChunkSink.code_encoder): a copy of the floats would go unread
-                if CODES not in buffers:
-                    buffers[CODES] = np.empty((self.slab_windows, *block.codes.shape[1:]), block.codes.dtype)
-                buffers[CODES][at : at + take] = block.codes[:take]
+            assert block.coded is not None  # code_pending coded every block
+            codes, rows = block.coded
+            buffers[_v2.CODES][at : at + take] = codes[:take]
+            buffers[_v2.GPS][at : at + take] = block.windows[:take, :, 3]
+            buffers[_v2.ROW][at : at + take] = rows[:take]
             buffers[TIMESTAMP][at : at + take] = block.timestamps[:take]
             buffers[LABEL][at : at + take] = block.labels[:take]
             devices = block.device_ids(device_id)
@@ -280,8 +268,6 @@ class SlabWriter:
         if self.sink.can_write(start):
             self.sink.write(start, stop, data)  # whole chunks, no zarr overhead: _chunkwrite.py
             return
-        if CODES in data:  # zarr-python would write the float buffer, which codes leave unfilled
-            raise ValueError("blocks with codes are written in whole chunks only")
         for name, array in self.arrays.items():
             array[start:stop] = data[name]
 

@@ -29,18 +29,15 @@ from birdzarr.convert._slabs import EVERY_CHUNK, SlabWriter
 from birdzarr.convert._summary import DeviceSummary, Summarizer
 from birdzarr.format import _device_table as device_table
 from birdzarr.format import _v2
-from birdzarr.format._codec import gimu_codecs, per_window_codecs
+from birdzarr.format._codec import per_window_codecs
 from birdzarr.format._rows import RowCoder
 from birdzarr.format._spec import (
     ATTRS_KEY,
     CHANNELS,
     DEVICE,
     FORMAT_VERSION,
-    GIMU,
-    GIMU_DIMS,
     LABEL,
     LABEL_UNLABELLED,
-    N_CHANNELS,
     TIMESTAMP,
     TIMESTAMP_UNKNOWN,
     WINDOW_LENGTH,
@@ -251,17 +248,13 @@ class StoreWriter(Writer):
         self,
         location: Location,
         *,
-        codec: str = "dict16",
         chunk_windows: int = 8192,
         overwrite: bool = False,
         static_attrs: dict[str, Any] | None = None,
         lock_command: str | None = None,
         workers: int | None = None,
-        format_version: int = FORMAT_VERSION,
     ) -> None:
         super().__init__(location, lock_command=lock_command, workers=workers)
-        self.format_version = format_version
-        self.codec = codec
         self.chunk_windows = chunk_windows
         self.overwrite = overwrite
         self.static_attrs = dict(static_attrs or {})
@@ -273,10 +266,7 @@ class StoreWriter(Writer):
         group = self.group = zarr.open_group(store, mode="a", zarr_format=3)
         self._created = True
         group.attrs.put({ATTRS_KEY: self._attrs(committed=None)})
-        if self.format_version == 2:
-            arrays = self._create_format2_arrays(group)
-        else:
-            arrays = self._create_format1_window_array(group)
+        arrays = self._create_format2_arrays(group)
         for name, dtype in _PER_WINDOW_DTYPES.items():
             arrays[name] = group.create_array(
                 name, shape=(0,), dtype=dtype, chunks=(self.chunk_windows,), fill_value=_FILL[name],
@@ -292,15 +282,6 @@ class StoreWriter(Writer):
         for name, meta in _v2.array_metadata(0, 0, 0, chunk_windows=self.chunk_windows).items():
             write_json(self.location, f"{name}/zarr.json", meta)
         return {name: _array(group, name).with_config(EVERY_CHUNK) for name in (_v2.CODES, _v2.GPS, _v2.ROW)}
-
-    def _create_format1_window_array(self, group: zarr.Group) -> dict[str, Any]:
-        compressor = self.static_attrs.get("layout", {}).get("compressor", {})
-        return {GIMU: group.create_array(
-            GIMU, shape=(0, WINDOW_LENGTH, N_CHANNELS), dtype="float32",
-            chunks=(self.chunk_windows, WINDOW_LENGTH, N_CHANNELS), fill_value=0.0,
-            dimension_names=GIMU_DIMS, attributes=array_attributes(GIMU),
-            overwrite=True, config=EVERY_CHUNK, **gimu_codecs(self.codec, **compressor),
-        )}
 
     def _abandon(self) -> None:
         """A failed conversion leaves nothing behind."""
@@ -374,7 +355,7 @@ class StoreWriter(Writer):
 
     def _attrs(self, *, committed: dict[str, Any] | None) -> dict[str, Any]:
         return {
-            "format_version": self.format_version,
+            "format_version": FORMAT_VERSION,
             "window_length": WINDOW_LENGTH,
             "channels": list(CHANNELS),
             **self.static_attrs,

@@ -1,5 +1,7 @@
-"""Chunk codecs of format version 1.
+"""Chunk codecs: the decoders of format version 1's window codecs, and the chains birdzarr writes.
 
+birdzarr writes format 2 (core Zarr v3 codecs only: ``ChunkCodec`` encodes its chunks) and reads
+format 1, whose ``gimu`` array uses one of two codecs registered here, read only:
 ``birdzarr.dict16`` is an array-to-bytes Zarr v3 codec for float32 arrays whose last axis is the
 channel. Sensor values are calibrated integer counts, so one chunk holds only a few thousand
 distinct float32 values per channel: the codec stores, per channel, the sorted distinct values and
@@ -21,7 +23,7 @@ import google_crc32c
 import numpy as np
 from numcodecs import Blosc
 from zarr.abc.codec import ArrayBytesCodec
-from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, TransposeCodec
+from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec
 from zarr.registry import register_codec
 
 if TYPE_CHECKING:
@@ -36,60 +38,6 @@ MODE_RAW = 0
 MODE_DICT = 1
 _HEADER = np.dtype([("magic", "S4"), ("mode", "<u4"), ("n_per_channel", "<u4"), ("n_channels", "<u4")])
 MAX_CODES = 65535  # entries a dict16 / gdict16 dictionary may have
-
-
-def _distinct_and_codes(values: np.ndarray, run: int = 1) -> tuple[np.ndarray, np.ndarray] | None:
-    """Sorted distinct uint32 values and a uint16 code per value, or None if too many.
-
-    ``run``: values come in runs of this length (one window's samples of a channel); a channel
-    constant within every run (gps_speed) is coded once per run, the same codes a quarter of the
-    work cheaper."""
-    import pandas as pd  # only encoding needs it; readers and DataLoader workers never import it
-
-    if run > 1 and len(values) % run == 0 and len(values):
-        by_run = values.reshape(-1, run)
-        if constant_rows(by_run):
-            found = _distinct_and_codes(np.ascontiguousarray(by_run[:, 0]))
-            return None if found is None else (found[0], np.repeat(found[1], run))
-
-    # A hash factorisation, then a sort of the few thousand distinct values: pandas' hash table
-    # measured 1.7-2x faster than pyarrow's dictionary_encode and 5x faster than np.unique
-    # (alternating runs on stored chunks); the bytes are the same (the dictionary is sorted, so
-    # the first-seen order of the hash table does not matter). The distinct values are unique,
-    # so the default (unstable, SIMD) sort orders them as a stable one would.
-    first_seen, distinct = pd.factorize(values, sort=False)
-    if len(distinct) > MAX_CODES:
-        return None
-    distinct = np.asarray(distinct, dtype=values.dtype)
-    order = np.argsort(distinct)
-    rank = np.empty(len(distinct), dtype=np.uint16)
-    rank[order] = np.arange(len(distinct), dtype=np.uint16)
-    return distinct[order], rank[first_seen]
-
-
-def encode_dict16(array: np.ndarray) -> bytes:
-    """Encode a float32 array whose last axis is the channel axis."""
-    if array.dtype != np.float32:
-        raise TypeError(f"dict16 encodes float32 only, got {array.dtype}")
-    n_channels = array.shape[-1]
-    channel_major = np.ascontiguousarray(array.reshape(-1, n_channels).T).view(np.uint32)
-    n_per_channel = channel_major.shape[1]
-    run = int(np.prod(array.shape[1:-1], dtype=np.int64)) if array.ndim > 2 else 1
-    encoded = [_distinct_and_codes(channel_major[c], run) for c in range(n_channels)]
-    header = np.zeros(1, dtype=_HEADER)
-    header["magic"] = MAGIC
-    header["n_per_channel"] = n_per_channel
-    header["n_channels"] = n_channels
-    if any(e is None for e in encoded):
-        header["mode"] = MODE_RAW
-        return header.tobytes() + channel_major.astype("<u4", copy=False).tobytes()
-    header["mode"] = MODE_DICT
-    pairs = [e for e in encoded if e is not None]
-    sizes = np.array([len(d) for d, _ in pairs], dtype="<u4")
-    parts = [header.tobytes(), sizes.tobytes()]
-    parts += [d.astype("<u4", copy=False).tobytes() for d, _ in pairs]
-    parts += [c.astype("<u2", copy=False).tobytes() for _, c in pairs]
-    return b"".join(parts)
 
 
 @dataclass(frozen=True)
@@ -168,7 +116,6 @@ class _WindowCodec(ArrayBytesCodec):
 
     is_fixed_size = False
     codec_name: ClassVar[str]
-    encode_chunk: ClassVar[Callable[..., bytes]]
     decode_chunk: ClassVar[Callable[..., np.ndarray]]
 
     @classmethod
@@ -183,8 +130,9 @@ class _WindowCodec(ArrayBytesCodec):
         return chunk_spec.prototype.nd_buffer.from_numpy_array(array)
 
     def _encode_sync(self, chunk_array: NDBuffer, chunk_spec: ArraySpec) -> Buffer | None:
-        encoded = type(self).encode_chunk(np.asarray(chunk_array.as_numpy_array(), dtype=np.float32))
-        return chunk_spec.prototype.buffer.from_bytes(encoded)
+        raise NotImplementedError(
+            f"{self.codec_name} is a codec of format 1, which birdzarr reads and no longer writes: "
+            "write a format-2 store (birdzarr convert SOURCE DEST), whose arrays use core Zarr v3 codecs")
 
     async def _decode_single(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> NDBuffer:
         return await asyncio.to_thread(self._decode_sync, chunk_bytes, chunk_spec)
@@ -201,7 +149,6 @@ class Dict16Codec(_WindowCodec):
     """Zarr v3 array-to-bytes codec ``birdzarr.dict16`` (see module docstring)."""
 
     codec_name: ClassVar[str] = DICT16
-    encode_chunk = staticmethod(encode_dict16)
     decode_chunk = staticmethod(decode_dict16)
 
 
@@ -210,127 +157,10 @@ register_codec(DICT16, Dict16Codec)
 # -- birdzarr.gdict16: dictionaries per group of windows (shuffled stores) ---------------------
 GDICT16 = "birdzarr.gdict16"
 GMAGIC = b"BZG1"
-_HASH_GROUPS = 8  # up to this many groups in a chunk the encoder hashes, above it it sorts
 _GHEADER = np.dtype([
     ("magic", "S4"), ("mode", "<u4"), ("n_windows", "<u4"), ("n_per_window", "<u4"),
     ("n_channels", "<u4"), ("n_groups", "<u4"),
 ])
-
-
-def gdict16_header(
-    mode: int, n_windows: int, n_per_window: int, n_channels: int, n_groups: int
-) -> np.ndarray:
-    """The 24-byte header of a gdict16 chunk (docs/format.md#gdict16)."""
-    header = np.zeros(1, dtype=_GHEADER)
-    header["magic"], header["mode"], header["n_windows"] = GMAGIC, mode, n_windows
-    header["n_per_window"], header["n_channels"], header["n_groups"] = n_per_window, n_channels, n_groups
-    return header
-
-
-def gdict16_dictionary(values: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
-    """One channel's dictionaries as stored: ``values`` (uint32 bit patterns, group after group,
-    each group's ascending) held as deltas that restart at every group, written as the uint16
-    low halves, then the high halves (mostly zero: they bit-shuffle away)."""
-    deltas = np.diff(values, prepend=np.uint32(0))  # wraps modulo 2**32, as decoding does
-    first = (np.cumsum(counts) - counts)[counts > 0]
-    deltas[first] = values[first]  # each group restarts
-    return [(deltas & 0xFFFF).astype("<u2"), (deltas >> 16).astype("<u2")]
-
-
-def _group_index(groups: np.ndarray | None, n_windows: int) -> tuple[np.ndarray, int]:
-    """Group number (0..G-1, in ascending order of the given labels) of each window."""
-    if groups is None or n_windows == 0:
-        return np.zeros(n_windows, dtype=np.uint16), 1
-    labels, index = np.unique(np.asarray(groups).reshape(-1), return_inverse=True)
-    if len(labels) > MAX_CODES:
-        return np.zeros(n_windows, dtype=np.uint16), 1
-    return index.astype(np.uint16), len(labels)
-
-
-def encode_gdict16(array: np.ndarray, groups: np.ndarray | None = None) -> bytes:
-    """Encode a float32 array (windows, values per window, channels) with one dictionary per
-    channel and group of windows; ``groups`` labels each window (the converter passes device
-    ids: each device has its own calibration, so its own few thousand values). Without
-    ``groups`` the chunk is one group (``dict16`` with delta-coded dictionaries). Layout:
-    docs/format.md#gdict16."""
-    if array.dtype != np.float32:
-        raise TypeError(f"gdict16 encodes float32 only, got {array.dtype}")
-    import pandas as pd  # only encoding needs it
-
-    n_windows, n_channels = array.shape[0], array.shape[-1]
-    n_per_window = int(np.prod(array.shape[1:-1], dtype=np.int64))
-    group, n_groups = _group_index(groups, n_windows)
-    # channel-major: (channel, window, value), as uint32 bit patterns
-    by_window = array.reshape(n_windows, n_per_window, n_channels)
-    channel_major = np.ascontiguousarray(by_window.transpose(2, 0, 1))
-    bits = channel_major.view(np.uint32)
-    high = np.repeat(group.astype(np.uint64) << np.uint64(32), n_per_window)
-    sizes = np.zeros((n_channels, n_groups), dtype="<u4")
-    dictionaries: list[np.ndarray] = []
-    codes = np.empty((n_channels, n_windows * n_per_window), dtype="<u2")
-    for c in range(n_channels):
-        channel = bits[c].reshape(n_windows, n_per_window)
-        # a channel constant within each window (gps_speed) is dictionary-coded per window
-        per_window = n_per_window > 1 and constant_rows(channel)
-        keys = (high[::n_per_window] if per_window else high) | (
-            channel[:, 0] if per_window else channel.reshape(-1)
-        ).astype(np.uint64)
-        if n_groups > _HASH_GROUPS:
-            # many groups (a shuffled chunk: ~100,000 distinct pairs): one sort, measured 1.8x
-            # faster than hashing and then sorting that many
-            ordered, inverse = _sorted_distinct(keys, n_groups)
-            order = np.arange(len(ordered))
-            first_seen = inverse
-        else:
-            # few groups (device order: a few thousand pairs): a hash factorisation, then a sort
-            # of the distinct pairs, 3x faster than np.unique; the same bytes either way
-            first_seen, distinct = pd.factorize(keys, sort=False)
-            distinct = np.asarray(distinct, dtype=np.uint64)
-            order = np.argsort(distinct)  # by group, then by value bit pattern
-            ordered = distinct[order]
-        key_group = (ordered >> np.uint64(32)).astype(np.int64)
-        counts = np.bincount(key_group, minlength=n_groups)
-        if counts.max(initial=0) > MAX_CODES:
-            header = gdict16_header(MODE_RAW, n_windows, n_per_window, n_channels, n_groups)
-            return header.tobytes() + channel_major.astype("<f4", copy=False).tobytes()
-        starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
-        rank = np.empty(len(ordered), dtype=np.uint16)
-        rank[order] = np.arange(len(ordered)) - starts[key_group]
-        window_codes = rank[first_seen]
-        codes[c] = np.repeat(window_codes, n_per_window) if per_window else window_codes
-        sizes[c] = counts
-        dictionaries += gdict16_dictionary((ordered & np.uint64(0xFFFFFFFF)).astype(np.uint32), counts)
-    header = gdict16_header(MODE_DICT, n_windows, n_per_window, n_channels, n_groups)
-    parts = [header, group.astype("<u2", copy=False), sizes, *dictionaries, codes]
-    return b"".join(part.tobytes() for part in parts)
-
-
-def _sorted_distinct(keys: np.ndarray, n_groups: int) -> tuple[np.ndarray, np.ndarray]:
-    """``np.unique(keys, return_inverse=True)`` for (group << 32 | value) keys, faster.
-
-    Where the key and the key's position fit in 64 bits together (groups < 2**13 for chunks of
-    up to 13,107 windows of 20 values), the position is packed below the key and the packed
-    values are sorted in place: numpy's SIMD sort of values, measured 1.65x faster than the
-    argsort inside ``np.unique`` (shuffled chunks, alternating runs). Keys are distinct once
-    packed, so the order, and the result, are exactly np.unique's."""
-    n = len(keys)
-    position_bits = max(1, (n - 1).bit_length())
-    if n == 0 or (max(n_groups - 1, 1)).bit_length() + 32 + position_bits > 64:
-        ordered, inverse = np.unique(keys, return_inverse=True)
-        return ordered, inverse.reshape(-1)
-    shift = np.uint64(position_bits)
-    packed = keys << shift
-    packed |= np.arange(n, dtype=np.uint64)
-    packed.sort()
-    order = (packed & np.uint64((1 << position_bits) - 1)).astype(np.intp)
-    packed >>= shift  # the sorted keys
-    new = np.empty(n, dtype=bool)
-    new[0] = True
-    np.not_equal(packed[1:], packed[:-1], out=new[1:])
-    inverse = np.empty(n, dtype=np.intp)
-    # an int32 running sum (n < 2**18 here) is ~10x faster than numpy's default int64 one
-    inverse[order] = np.cumsum(new, dtype=np.int32) - 1
-    return packed[new], inverse
 
 
 def decode_gdict16(
@@ -433,68 +263,13 @@ def constant_rows(codes: np.ndarray) -> bool:
 @dataclass(frozen=True)
 class GDict16Codec(_WindowCodec):
     """Zarr v3 array-to-bytes codec ``birdzarr.gdict16``. zarr-python's own write path knows no
-    groups and writes one group a chunk; birdzarr's converter passes the device ids."""
+    groups; format 1's converter passed the device ids. Read only, as ``birdzarr.dict16``."""
 
     codec_name: ClassVar[str] = GDICT16
-    encode_chunk = staticmethod(encode_gdict16)
     decode_chunk = staticmethod(decode_gdict16)
 
 
 register_codec(GDICT16, GDict16Codec)
-
-CODECS = ("dict16", "gdict16", "standard")
-ZSTD_CLEVEL = 1  # blosc zstd level 1 (zstd's own level 1): higher levels encode 3-4x slower
-# Blosc's automatic block for zstd level 1 is small; 256 KiB blocks decode an 8192-window
-# shuffled chunk 1.5x and encode it 1.3x faster, and store 0.6% less (benchmarks/chunk_decode.py).
-ZSTD_BLOCKSIZE = 2**18
-
-
-def compressor_of(cname: str | None = None) -> dict[str, Any]:
-    """The blosc compressor (cname, clevel, blocksize when not automatic) of the ``gimu`` chain,
-    as the layout records it: ``cname`` (default lz4) at its usual settings (zstd level 1 in
-    256 KiB blocks, the others level 5)."""
-    if cname is None:
-        cname = DEFAULT_CNAME
-    if cname not in CNAMES:
-        raise ValueError(f"unknown blosc compressor {cname!r}; choose one of {', '.join(CNAMES)}")
-    if cname == "zstd":
-        return {"cname": "zstd", "clevel": ZSTD_CLEVEL, "blocksize": ZSTD_BLOCKSIZE}
-    return {"cname": cname, "clevel": DEFAULT_CLEVEL}
-
-
-CNAMES = ("zstd", "lz4", "lz4hc", "blosclz", "zlib")
-# Chosen by measurement (docs/format.md#codec-and-chunk-size-measured), for both codecs. After
-# dict16, lz4 costs ~10% in size against zstd level 1 but decodes 1.3x faster per core (the
-# DataLoader workers' cost) and writes 15% more per CPU second. After gdict16 (shuffled stores,
-# 32768-window chunks), lz4 decodes 1.2x faster than zstd level 1 for a store 1.16x larger,
-# still 0.81x the Parquet source; zstd is the choice when bytes matter more.
-DEFAULT_CNAME = "lz4"
-DEFAULT_CLEVEL = 5
-
-
-def gimu_codecs(
-    codec: str, *, cname: Any = None, clevel: int | None = None, blocksize: int | None = None
-) -> dict[str, Any]:
-    """Keyword arguments for ``zarr.create_array`` that give ``gimu`` the chosen codec chain
-    (the codec's default compressor, or ``cname`` with its usual level and block size, unless
-    ``clevel`` and ``blocksize`` say otherwise; blocksize 0 is blosc's automatic choice)."""
-    if codec not in CODECS:
-        raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
-    default = compressor_of(cname)
-    cname = default["cname"]
-    clevel = default["clevel"] if clevel is None else clevel
-    blocksize = default.get("blocksize", 0) if blocksize is None else blocksize
-    if codec == "standard":  # channel-major float32: core Zarr v3 codecs only
-        filters: tuple[Any, ...] = (TransposeCodec(order=(2, 0, 1)),)
-        serializer: Any = BytesCodec(endian="little")
-        typesize = 4
-    else:  # the dictionary codecs write uint16 codes
-        filters, serializer, typesize = (), Dict16Codec() if codec == "dict16" else GDict16Codec(), 2
-    compressor = BloscCodec(
-        cname=cname, clevel=clevel, shuffle="bitshuffle", typesize=typesize, blocksize=blocksize
-    )
-    return {"filters": filters, "serializer": serializer, "compressors": (compressor, Crc32cCodec())}
-
 
 _SHUFFLES = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
 
@@ -594,17 +369,13 @@ class ChunkCodec:
         )
         return cls(kind, compressor, crc32c, np.dtype(dtype))
 
-    def encode(self, chunk: np.ndarray, groups: np.ndarray | None = None) -> bytes:
-        """The stored bytes of one whole chunk; ``groups`` (a label per window: device ids) is
-        used by ``gdict16`` only (one dictionary per group)."""
-        if self.kind == "dict16":
-            body: Any = encode_dict16(chunk)
-        elif self.kind == "gdict16":
-            body = encode_gdict16(chunk, groups)
-        else:
-            ordered = chunk.transpose(2, 0, 1) if self.kind == "standard" else chunk
-            body = np.ascontiguousarray(ordered).astype(chunk.dtype.newbyteorder("<"), copy=False)
-        return self.pack(body)
+    def encode(self, chunk: np.ndarray) -> bytes:
+        """The stored bytes of one whole chunk of a ``standard`` or ``plain`` chain (format 1's
+        ``dict16`` and ``gdict16`` chunks are read, never written)."""
+        if self.kind not in ("standard", "plain"):
+            raise ValueError(f"{self.kind} chunks are format 1's, which birdzarr reads and no longer writes")
+        ordered = chunk.transpose(2, 0, 1) if self.kind == "standard" else chunk
+        return self.pack(np.ascontiguousarray(ordered).astype(chunk.dtype.newbyteorder("<"), copy=False))
 
     def pack(self, body: Any) -> bytes:
         """The stored bytes of a chunk whose window codec already ran (``body``): blosc, then the

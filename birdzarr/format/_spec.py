@@ -1,4 +1,4 @@
-"""Store format version 1: names, constants and the root-attribute schema (see docs/format.md).
+"""Store format: names, constants and the root-attribute schema (see docs/format.md).
 
 This module is the single place that knows how the format is spelled; everything else imports
 its names. It has no I/O.
@@ -13,7 +13,7 @@ from birdzarr._checks import require_number
 from birdzarr._errors import ArgumentError, FormatVersionError, NotAStoreError
 
 FORMAT_VERSION = 2
-# the versions this birdzarr reads (FORMAT_VERSION is the one it writes by default)
+# the versions this birdzarr reads; it writes FORMAT_VERSION only (format 1 is read, never written)
 SUPPORTED_VERSIONS = (1, 2)
 ATTRS_KEY = "birdzarr"
 
@@ -261,3 +261,21 @@ def _supported() -> str:
     if len(SUPPORTED_VERSIONS) == 1:
         return f"version {SUPPORTED_VERSIONS[0]}"
     return f"versions {', '.join(map(str, SUPPORTED_VERSIONS[:-1]))} and {SUPPORTED_VERSIONS[-1]}"
+
+
+def format1_refusal(where: str, operation: str, meta: dict[str, Any]) -> FormatVersionError:
+    """The one error of every operation that would write into a format-1 store (append, repair
+    --source, subset, ...): birdzarr reads format 1 and writes format 2 only. Names the store,
+    the operation, and the ``birdzarr convert`` command that writes a format-2 store from the
+    store's recorded source(s) (``meta``: its root attributes)."""
+    report = meta.get("report") or {}
+    records = [report, *(a for a in report.get("appends") or [] if isinstance(a, dict))]
+    # a conversion of several sources records them comma-separated
+    sources = [one for r in records if r.get("source") for one in str(r["source"]).split(", ")]
+    named = " ".join(dict.fromkeys(sources)) or "SOURCE"
+    shuffle = " --shuffle" if (meta.get("layout") or {}).get("shuffled") else ""
+    return FormatVersionError(
+        f"{where} is a format-1 store, which birdzarr reads but no longer writes, so {operation} "
+        f"cannot change it: write a format-2 store from its source with `birdzarr convert {named} "
+        f"NEW_STORE{shuffle}` and use that one."
+    )

@@ -41,7 +41,6 @@ import numpy as np
 
 from birdzarr._checks import require_bool
 from birdzarr._errors import (
-    ArgumentError,
     BadInputError,
     ChunkFetchError,
     CorruptChunkError,
@@ -50,7 +49,7 @@ from birdzarr._errors import (
     StoreLockedError,
 )
 from birdzarr.format import _v2
-from birdzarr.format._spec import DEVICE, GIMU, LABEL, TIMESTAMP, check_root_attrs
+from birdzarr.format._spec import DEVICE, GIMU, LABEL, TIMESTAMP, check_root_attrs, format1_refusal
 from birdzarr.storage._location import Location, StoreLike, resolve, zarr_store
 from birdzarr.storage._lock import StoreLock, clear_except_lock, read_holder
 from birdzarr.storage._lock import break_lock as _break_lock
@@ -564,11 +563,8 @@ def _plan_rebuilds(store: Store, given: list[Location]) -> tuple[list[_Rebuild],
     the notes for the report."""
     from birdzarr.convert._summary import extend_checksum
 
-    if store.format_version < 2:
-        raise ArgumentError(
-            f"{store.url} is a format-{store.format_version} store: repair --source rebuilds the chunks "
-            "of format-2 stores. List its damage with `birdzarr verify`, then restore the store from a "
-            "copy or convert it again from its sources.")
+    if store.format_version < 2:  # its chunks would be written in format 1, which birdzarr reads only
+        raise format1_refusal(store.url, "repair --source", store.meta)
     dicts = _dictionaries_or_refuse(store)
     damaged = _damaged_chunks(store, dicts)
     if not damaged:

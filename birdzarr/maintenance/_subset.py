@@ -78,11 +78,9 @@ _PER_WINDOW = {DEVICE: (np.int32, -1), TIMESTAMP: (np.int64, TIMESTAMP_UNKNOWN),
 def refuse_format1(store: Store) -> None:
     """A subset copies format-2 codes: a version-1 store is refused in one line."""
     if store.format_version != 2:
-        raise ArgumentError(
-            f"{store.url} is a format-{store.format_version} store; subset copies format-2 codes "
-            "without decoding them. Convert it again (birdzarr convert SRC DEST writes format 2) "
-            "and take the subset of that store."
-        )
+        from birdzarr.format._spec import format1_refusal
+
+        raise format1_refusal(store.url, "subset", store.meta)
 
 
 def subset(

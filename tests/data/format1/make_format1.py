@@ -34,6 +34,7 @@ SOURCES: dict[str, dict[str, Any]] = {
     "standard.zarr": {"kind": "parquet", "n_devices": 2, "total_windows": 60, "seed": 5,
                       "convert": {"chunk_windows": 32, "codec": "standard"}},
     "raw.zarr": {"kind": "raw", "convert": {"chunk_windows": 3300}},
+    "varying_gps.zarr": {"kind": "varying_gps", "convert": {"chunk_windows": 128}},
     "appended.zarr": {"kind": "csv", "n_devices": 3, "bursts_per_device": 12, "seed": 11,
                       "convert": {"chunk_windows": 64}},
 }
@@ -52,6 +53,17 @@ def raw_fallback_source(directory: pathlib.Path) -> dict[int, np.ndarray]:
     _synthetic.write_parquet(windows, directory / "1.parquet")
     _synthetic.write_parquet(small, directory / "2.parquet")
     return {1: windows, 2: small}
+
+
+def varying_gps_source(directory: pathlib.Path) -> dict[int, np.ndarray]:
+    """Devices 3 (150 windows) and 4 (100): window 90 of device 4 has a gps_speed that changes
+    inside the window, so the resident loader holds this store in its 80-code layout."""
+    directory.mkdir(parents=True, exist_ok=True)
+    windows = {3: _synthetic.curated_windows(150, seed=3), 4: _synthetic.curated_windows(100, seed=4)}
+    windows[4][90, 10:, 3] += np.float32(0.5)
+    for device, w in windows.items():
+        _synthetic.write_parquet(w, directory / f"{device}.parquet")
+    return windows
 
 
 def digest(store: birdzarr.Store) -> dict[str, Any]:
@@ -78,6 +90,9 @@ def main() -> None:
                 store = birdzarr.convert(source, dest, **options)
             elif spec["kind"] == "raw":
                 raw_fallback_source(source)
+                store = birdzarr.convert(source, dest, **options)
+            elif spec["kind"] == "varying_gps":
+                varying_gps_source(source)
                 store = birdzarr.convert(source, dest, **options)
             else:  # CSV: parts 0 converted, then parts 1 and a new device appended
                 _synthetic.make_csv_dir(source, n_devices=spec["n_devices"],
