@@ -6,7 +6,6 @@ CPU seconds, cores used, store size against the Parquet source, peak memory, loa
     python benchmarks/convert.py --windows 300000      # quicker
     python benchmarks/convert.py --workers 1 2 16      # on a larger machine
     python benchmarks/convert.py --repeat 5            # median of 5 alternating runs each
-    python benchmarks/convert.py --format-versions 1 2 # both store formats from the same input
 
 Generated data goes to --workdir (default: a temporary directory), removed at the end unless
 --keep is given or the directory existed before (then generated data there is reused). Each
@@ -20,10 +19,7 @@ only comparable between runs of similar load; "MB per CPU s" is the robust one. 
 single run can be off by 20%. The last table gives the ratios: each worker count against 1
 worker, --shuffle against device order, and each store's size against its Parquet source.
 
-``--format-versions 1 2`` converts the same input into each store format (``--format-version``;
-default: 2 only), the formats interleaved within each round; every row names its format, and the
-ratios table adds format 2 against format 1: store size, MB per CPU second and MB/s of each
-conversion. "MB/CPU s" is MB/s's bytes per CPU second of the whole conversion (all its processes).
+"MB/CPU s" is MB/s's bytes per CPU second of the whole conversion (all its processes).
 
 The "2 x 1 worker on halves, at once" row is this machine's ceiling for 2 workers: two
 independent 1-worker conversions, of half the devices each, started together. They share
@@ -106,8 +102,7 @@ def convert_measured(source: str, dest: str, *extra: str, parquet: str | None = 
     if threads_only:
         cli = ("import importlib; importlib.import_module('birdzarr.convert._segments').PROCESS_MIN_BYTES = "
                "1 << 62; " + cli)
-    argv = [sys.executable, "-c", cli, "convert", source, dest, "--overwrite", "--quiet",
-            "--format-version", str(format_version), *extra]
+    argv = [sys.executable, "-c", cli, "convert", source, dest, "--overwrite", "--quiet", *extra]
     cpu_before, load = children_cpu(), os.getloadavg()[0]
     wall, peak, _ = run_measured(argv)
     cpu = children_cpu() - cpu_before
@@ -144,10 +139,6 @@ def convert_measured(source: str, dest: str, *extra: str, parquet: str | None = 
     return row
 
 
-def _cell_value(value: Any) -> str:
-    return f"{value:,.2f}" if isinstance(value, float) else str(value)
-
-
 def split_in_two(source: str, into: str) -> list[str]:
     """Hard-link ``source``'s Parquet files into two directories of about equal bytes (largest
     first, each to the lighter half): the input of two independent 1-worker conversions."""
@@ -175,7 +166,7 @@ def convert_halves_at_once(halves: list[str], workdir: str, format_version: int 
     dests = [os.path.join(workdir, f"half_{i}_v{format_version}.zarr") for i in range(len(halves))]
     load = os.getloadavg()[0]
     procs = [subprocess.Popen([sys.executable, "-c", _CLI, "convert", half, dest, "--overwrite", "--quiet",
-                               "--workers", "1", "--format-version", str(format_version)])
+                               "--workers", "1"])
              for half, dest in zip(halves, dests, strict=True)]
     if any(proc.wait() for proc in procs):
         raise RuntimeError("a half conversion failed")
@@ -218,9 +209,6 @@ def main() -> int:
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--repeat", type=int, default=1,
                         help="runs of each conversion, interleaved; figures are the medians")
-    parser.add_argument("--format-versions", type=int, nargs="+", default=[2], choices=[1, 2],
-                        help="store formats to write (--format-version), each from the same input "
-                             "(default: 2 only); with 1 and 2, the ratios of 2 against 1")
     args = parser.parse_args()
 
     rows: list[dict[str, Any]] = []
@@ -233,7 +221,7 @@ def main() -> int:
         make_parquet(corpus, dict(zip(ids, sizes, strict=True)), seed=0)
 
         runs: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
-        versions = list(dict.fromkeys(args.format_versions))
+        versions = [2]  # the format birdzarr writes (the rows name it)
 
         def run(name: str, workers: int, source: str, dest: str, *extra: str, version: int,
                 threads_only: bool = False) -> dict[str, Any]:
@@ -350,20 +338,6 @@ def main() -> int:
             base = ordered[v][most]
             targets.append({"figure": f"{fmt}ordered store size", "value": base["store MB"],
                             "ratio": base["store/parquet"], "against": "the Parquet source", "load": ""})
-        if 1 in versions and 2 in versions:
-            # format 2 against format 1, conversion by conversion (same input, same round)
-            pairs: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
-                (f"parquet, {_workers(w)}", ordered[2][w], ordered[1][w]) for w in args.workers]
-            if shuffled:
-                pairs.append((f"--shuffle, {_workers(most)}", shuffled[2], shuffled[1]))
-            if csv_rows:
-                pairs += [(f"CSV, {_workers(w)}", csv_rows[2][w], csv_rows[1][w]) for w in args.workers]
-            for label, two, one_ in pairs:
-                for key in ("store MB", "MB/CPU s", "MB/s"):
-                    targets.append({"figure": f"format 2 {key}, {label}", "value": two[key],
-                                    "ratio": float(two[key]) / float(one_[key]),
-                                    "against": f"format 1 ({_cell_value(one_[key])})",
-                                    "load": f"{two['load']} / {one_['load']}"})
         print()
         print(table(targets))
         if args.json:

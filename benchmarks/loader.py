@@ -2,7 +2,6 @@
 
     python benchmarks/loader.py                      # 186 devices, 2.5 M windows, + 2x scale check
     python benchmarks/loader.py --windows 500000 --no-scale-check   # quicker
-    python benchmarks/loader.py --format-version 1   # the stores in format version 1 (dict16, gdict16)
     python benchmarks/loader.py --only "(f) WindowDataset default, --shuffle store" --epochs 4
                                                      # + the first batch of epochs 1..3
 
@@ -10,8 +9,7 @@ Generates realistic data (186 devices as skewed as the real set, calibrated valu
 --workdir (under /tmp; removed at the end unless --keep, or unless it existed before the run),
 writes it as per-device Parquet files, one ``.npy`` of all windows and one ``.npy`` per device,
 converts it with birdzarr (device order, and pre-shuffled when ``birdzarr.convert`` has
-``shuffle=``; store format ``--format-version``, default 2, in a workdir of its own for each
-format), then compares:
+``shuffle=``), then compares:
 
   (a) the in-RAM BirdDataset birdzarr replaces, DataLoader with a shuffled sampler (per item)
   (b) one memory-mapped .npy, per-item __getitem__
@@ -61,21 +59,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # -- data ----------------------------------------------------------------------------------------
-def prepare(workdir: str, n_windows: int, n_devices: int, *, scale_check: bool, log: Any,
-            format_version: int = 2) -> dict[str, Any]:
+def prepare(workdir: str, n_windows: int, n_devices: int, *, scale_check: bool, log: Any) -> dict[str, Any]:
     """Generate the data once (reused when --keep left a matching one behind)."""
     import pyarrow.parquet as pq  # noqa: F401  (fail early if missing)
 
     import birdzarr
     from birdzarr.demo import _synthetic
 
-    formats = {"format_version": format_version}
-    shuffled: dict[str, Any] = {"shuffle": True, "seed": 0, **formats}
+    formats: dict[str, Any] = {}
+    shuffled: dict[str, Any] = {"shuffle": True, "seed": 0}
     # one chunk a batch, the reference the default pools are measured against: a --shuffle store
-    # in 8192-window chunks (format 1: zstd keeps it as small as the default one; format 2 has
-    # one codec chain)
-    one_batch_chunks = {**shuffled, "chunk_windows": BATCH,
-                        **({"compressor": "zstd"} if format_version == 1 else {})}
+    # in 8192-window chunks
+    one_batch_chunks = {**shuffled, "chunk_windows": BATCH}
     conversions = [("device", "parquet", formats), ("shuffled", "parquet", shuffled),
                    ("shuffled8k", "parquet", one_batch_chunks)]
     if scale_check:
@@ -399,10 +394,7 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--windows", type=int, default=2_500_000)
     parser.add_argument("--devices", type=int, default=186)
-    parser.add_argument("--workdir", default=None,
-                        help="default /tmp/birdzarr-loader-bench (format 2), /tmp/birdzarr-loader-bench-v1")
-    parser.add_argument("--format-version", type=int, default=2, choices=[1, 2],
-                        help="store format of the converted stores (default 2)")
+    parser.add_argument("--workdir", default="/tmp/birdzarr-loader-bench")
     parser.add_argument("--keep", action="store_true", help="keep the generated data (reused next time)")
     parser.add_argument("--no-scale-check", dest="scale_check", action="store_false",
                         help="skip WindowDataset on 2x the data")
@@ -432,14 +424,11 @@ def main() -> int:
         print(json.dumps(run_case(json.loads(args.run_case))))
         return 0
 
-    if args.workdir is None:
-        args.workdir = "/tmp/birdzarr-loader-bench" + ("-v1" if args.format_version == 1 else "")
     workdir = outside_repository(parser, args.workdir)
 
     started = time.perf_counter()
     with work_directory(workdir, prefix="", keep=args.keep):
-        meta = prepare(workdir, args.windows, args.devices, scale_check=args.scale_check, log=log,
-                       format_version=args.format_version)
+        meta = prepare(workdir, args.windows, args.devices, scale_check=args.scale_check, log=log)
         wanted = args.only.split("|") if args.only else []
         every = cases(meta, args)
         selected = [spec for spec in every if not wanted or any(w in spec["label"] for w in wanted)]
@@ -505,7 +494,7 @@ def main() -> int:
         rows.append(row)
     print()
     print(f"{args.windows:,} windows, {args.devices} devices, batch {BATCH}, {WORKERS} workers, "
-          f"format {args.format_version} stores; {machine()}; "
+          f"{machine()}; "
           f"total {time.perf_counter() - started:.0f} s; median of {args.repeat} run(s), "
           "peak memory the largest")
     print(table(rows))

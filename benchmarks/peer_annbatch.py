@@ -2,7 +2,6 @@
 
     python benchmarks/peer_annbatch.py                          # 2.5 M windows of 186 devices
     python benchmarks/peer_annbatch.py --windows 600000 --rounds 1
-    python benchmarks/peer_annbatch.py --format-version 1       # the birdzarr stores in format 1
 
 The data is the loader benchmark's (``benchmarks/loader.py``: 186 devices as skewed as the real
 set, calibrated values, one ``all.npy`` and a ``--shuffle`` birdzarr store, under --workdir).
@@ -274,8 +273,6 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
     parser.add_argument("--epochs", type=int, default=3,
                         help="epochs a case runs in one process (>= 2: epoch 0, then the steady state)")
-    parser.add_argument("--format-version", type=int, default=2, choices=[1, 2],
-                        help="format of the birdzarr stores (default 2)")
     parser.add_argument("--cases", default=",".join(CASES),
                         help=f"comma-separated, of {', '.join(CASES)} (default: all)")
     parser.add_argument("--workdir", default="/tmp/birdzarr-peer-bench")
@@ -299,8 +296,7 @@ def main() -> int:
     started_at = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
 
     with work_directory(workdir, prefix="", keep=args.keep):
-        meta = prepare(workdir, args.windows, args.devices, scale_check=False, log=log,
-                       format_version=args.format_version)
+        meta = prepare(workdir, args.windows, args.devices, scale_check=False, log=log)
         store = meta["stores"]["shuffled"]
         devices_by_window = np.repeat(np.asarray(meta["device_ids"]), np.asarray(meta["sizes"]))
         proportions = (np.asarray(meta["device_ids"]), np.asarray(meta["sizes"]))
@@ -331,7 +327,7 @@ def main() -> int:
                     f"peak RSS {wrote['maxrss_mb']:.0f} MB")
             sizes = {"annbatch": dir_bytes(os.path.join(workdir, "annbatch.zarr")),
                      "birdzarr": dir_bytes(store), "parquet": dir_bytes(meta["parquet"])}
-            log(f"store vs Parquet: birdzarr --shuffle (format {args.format_version}) "
+            log("store vs Parquet: birdzarr --shuffle "
                 f"{sizes['birdzarr'] / sizes['parquet']:.2f}x, "
                 f"annbatch {sizes['annbatch'] / sizes['parquet']:.2f}x")
             peers = {"annbatch": (512, 32, "annbatch 0.3.1 defaults (512-row slices, 32 preloaded)"),
@@ -387,7 +383,7 @@ def main() -> int:
                 "load (1 min)": f"{min(loads):.1f}-{max(loads):.1f}",
             })
         print()
-        print(f"{args.windows:,} windows of {args.devices} devices, format {args.format_version} birdzarr "
+        print(f"{args.windows:,} windows of {args.devices} devices, birdzarr "
               f"store, batch {BATCH}, {args.epochs} epochs a case, {args.rounds} interleaved round(s), "
               f"medians (later epochs: epochs 1..{args.epochs - 1} of every round); started {started_at}; "
               f"{machine()}")

@@ -4,8 +4,10 @@
                                          [--loader V2STORE] [--loader-repeat 3]
     python benchmarks/resident_decode.py --load V2STORE [--load-repeat 3]
 
-STORE defaults to the device-ordered dict16 store that ``python benchmarks/loader.py --keep``
-leaves in /tmp/birdzarr-loader-bench. The script holds the store's windows twice in this process,
+STORE must be a device-ordered dict16 store (format 1, which birdzarr reads and no longer writes:
+one written by an earlier birdzarr); its default is /tmp/birdzarr-loader-bench/device.zarr, where
+``python benchmarks/loader.py --keep`` now leaves a format-2 store, so name one. ``--load``
+alone needs no format-1 store. The script holds the store's windows twice in this process,
 as float32 and as 16-bit codes (the two forms of ``resident="cpu"``), draws ``--batches`` uniform
 batches and times each way of making a batch on one core, ``--repeat`` passes (medians, since
 this machine's speed varies from minute to minute). In a loader every batch is a fresh random
@@ -34,8 +36,8 @@ so none is favoured by what ran before it.
 Times are the CPU time of the timing thread (``time.thread_time``): on a machine shared with
 other jobs, a wall clock also counts the time spent waiting for a core.
 
-``--loader V2STORE`` (a version-2 store of the same windows, e.g. ``birdzarr convert ...
---format-version 2`` of the same source) then times whole epochs of
+``--loader V2STORE`` (a version-2 store of the same windows, e.g. ``birdzarr convert`` of the
+same source) then times whole epochs of
 ``WindowDataset(resident="cpu", with_ldt=True)`` through a DataLoader with 0 and 2 workers:
 STORE held as float32 (``resident_codes=False``) and as dict16 codes, V2STORE as format-2
 codes; windows/s after the first batch, medians of ``--loader-repeat`` interleaved rounds, and

@@ -12,8 +12,9 @@ from its ``iter()`` to its last batch: the first (fresh workers) and the mean of
 
 Requests per epoch and bytes per request are counted by a zero-delay proxy for the loopback run
 and by the delay proxies for theirs. Then: raw chunk-object fetches at +10 ms, s3fs (birdzarr's
-path) against obstore (if installed); and whole-chunk reads of a ``codec="standard"`` store,
-birdzarr's fsspec path (``ChunkReader`` on a thread pool) against TensorStore's reader.
+path) against obstore (if installed); and whole-chunk reads of the store's ``gimu_codes`` array
+(uint16 codes, core Zarr v3 codecs), birdzarr's fsspec path (``ChunkReader`` on a thread pool)
+against TensorStore's reader.
 
     python benchmarks/s3.py                                  # defaults: 1M windows, the converter's chunks
     python benchmarks/s3.py --windows 300000 --requests 16   # smaller, more fetches in flight
@@ -118,13 +119,15 @@ def epoch(url: str, options: dict[str, Any] | None, args: argparse.Namespace) ->
             "steady_windows_per_s": sum(rates[1:]) / (EPOCHS - 1)}
 
 
-def chunk_reads(url: str, options: dict[str, Any] | None, threads: int) -> dict[str, float]:
-    """Every gimu chunk read and decoded once, ``threads`` at a time, by birdzarr's fsspec path."""
+def chunk_reads(url: str, options: dict[str, Any] | None, threads: int,
+                name: str = "gimu") -> dict[str, float]:
+    """Every chunk of ``name`` read and decoded once (``gimu``: the windows, from their codes and
+    dictionaries), ``threads`` at a time, by birdzarr's fsspec path."""
     store = birdzarr.open_store(url, storage_options=options)
     reader = ChunkReader(resolve(url, options), store.reader.layouts, len(store))
     started = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
-        total = sum(len(a) for a in pool.map(lambda i: reader.read("gimu", i), range(reader.n_chunks)))
+        total = sum(len(a) for a in pool.map(lambda i: reader.read(name, i), range(reader.n_chunks)))
     seconds = time.perf_counter() - started
     return {"windows_per_s": total / seconds, "seconds": seconds, "requests": reader.requests}
 
@@ -152,11 +155,11 @@ def tensorstore_reads(
 
 
 def raw_fetches(proxy_url: str, n_chunks: int, threads: int) -> dict[str, float]:
-    """MB/s of fetching every gimu chunk object (no decoding): s3fs (birdzarr's path) vs obstore."""
+    """MB/s of fetching every gimu_codes chunk object (no decoding): s3fs (birdzarr's path) vs obstore."""
     from birdzarr.storage._location import read_object
 
     location = resolve("s3://bench/shuffled.zarr", s3_options(proxy_url))
-    keys = [f"gimu/c/{i}/0/0" for i in range(n_chunks)]
+    keys = [f"gimu_codes/c/{i}/0/0" for i in range(n_chunks)]
     started = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
         total = sum(len(b) for b in pool.map(lambda k: read_object(location, k), keys))
@@ -183,8 +186,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=1_000_000)
     parser.add_argument("--devices", type=int, default=40)
     parser.add_argument("--chunk-windows", type=int, default=None,
-                        help="windows per chunk (default: the converter's: 32768 for the --shuffle "
-                             "store, 8192 for the standard one)")
+                        help="windows per chunk (default: the converter's, 32768 for a --shuffle store)")
     parser.add_argument("--batch-size", type=int, default=8192)
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers")
     parser.add_argument("--requests", type=int, default=4,
@@ -213,9 +215,8 @@ def main() -> None:
         if not source.exists():
             _synthetic.make_parquet_dir(source, n_devices=args.devices, total_windows=args.windows, seed=1)
         # the training layout: WindowDataset refuses to stream shuffled batches from device order
-        # format 1: the fetch figures compare whole gimu chunk objects (docs/benchmarks.md says so)
         local = birdzarr.convert(source, workdir / "shuffled.zarr", chunk_windows=args.chunk_windows,
-                                 overwrite=True, progress=False, shuffle=True, seed=1, format_version=1)
+                                 overwrite=True, progress=False, shuffle=True, seed=1)
         moto = Server("moto")
         servers.append(moto)
         options = s3_options(moto.url)
@@ -295,9 +296,8 @@ def main() -> None:
 def compare_tensorstore(
     source: Path, workdir: Path, moto: Server, args: argparse.Namespace
 ) -> list[dict[str, Any]]:
-    """Whole-chunk reads of a standard-codec store: fsspec path vs TensorStore, local and +10 ms."""
-    standard = birdzarr.convert(source, workdir / "standard.zarr", codec="standard", format_version=1,
-                                chunk_windows=args.chunk_windows, overwrite=True, progress=False)
+    """Whole-chunk reads of the store's gimu_codes array: fsspec path vs TensorStore, local and +10 ms."""
+    standard = birdzarr.open_store(workdir / "shuffled.zarr")
     options = s3_options(moto.url)
     copy_store(standard.location, "s3://bench/standard.zarr", progress=False, dest_storage_options=options)
     os.environ.update(AWS_ACCESS_KEY_ID=options["key"], AWS_SECRET_ACCESS_KEY=options["secret"])
@@ -306,13 +306,13 @@ def compare_tensorstore(
     proxy = Server("proxy", "--upstream", str(moto.port), "--delay", "0.01")
     try:
         for label, url, opts, kvstore in (
-            ("local disk", str(workdir / "standard.zarr"), None,
-             {"driver": "file", "path": str(workdir / "standard.zarr" / "gimu") + "/"}),
+            ("local disk", str(workdir / "shuffled.zarr"), None,
+             {"driver": "file", "path": str(workdir / "shuffled.zarr" / "gimu_codes") + "/"}),
             ("moto S3 +10 ms each way", "s3://bench/standard.zarr", s3_options(proxy.url),
-             {"driver": "s3", "bucket": "bench", "path": "standard.zarr/gimu/", "endpoint": proxy.url,
+             {"driver": "s3", "bucket": "bench", "path": "standard.zarr/gimu_codes/", "endpoint": proxy.url,
               "aws_region": REGION, "aws_credentials": {"type": "environment"}}),
         ):
-            ours = chunk_reads(url, opts, threads)
+            ours = chunk_reads(url, opts, threads, "gimu_codes")
             theirs = tensorstore_reads(kvstore, n, chunk, threads)
             rows.append({"source": label, "threads": threads, "fsspec_windows_per_s": ours["windows_per_s"],
                          **{f"tensorstore_{k}": v for k, v in theirs.items()}})
@@ -339,7 +339,7 @@ def print_table(results: dict[str, Any]) -> None:
     raw = results.get("raw_fetch_10ms")
     if raw:
         obstore_rate = raw.get("obstore_mb_per_s", float("nan"))
-        print(f"fetching all gimu chunk objects at +10 ms each way ({raw['mb']:.0f} MB, no decoding): "
+        print(f"fetching all gimu_codes chunk objects at +10 ms each way ({raw['mb']:.0f} MB, no decoding): "
               f"s3fs {raw['s3fs_mb_per_s']:.1f} MB/s, obstore {obstore_rate:.1f} MB/s")
     for r in results.get("tensorstore", []):
         print(f"whole-chunk reads, {r['source']}, {r['threads']} in flight: fsspec path "
