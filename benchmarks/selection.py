@@ -3,6 +3,7 @@
     python benchmarks/selection.py                       # 1 M windows, 186 devices, 3 rounds
     python benchmarks/selection.py --windows 300000 --rounds 1
     python benchmarks/selection.py --only labelled_only "30 days" --warm-epochs 1
+    python benchmarks/selection.py --only "30 days" --warm-epochs 1 --equal-windows --workers 2
 
 Generates per-device Parquet files (birdzarr.demo._synthetic), converts them with ``--shuffle``
 (default 32,768-window chunks), then gives the store labels and burst times, which generated
@@ -18,6 +19,12 @@ windows/s, and windows per CPU second of the process (every thread: on a shared 
 CPU a window costs, which the load does not change as much). After one warm-up dataset, rounds
 are interleaved; medians are reported.
 
+``--equal-windows`` times each case over as many epochs as it takes to deliver at least the
+unselected loader's windows of one epoch (the 62,727-window 30 days: 16 epochs against one of
+the 1 M windows), so what an epoch costs once is weighed per delivered window, as a run training
+for as many steps sees it. ``--workers K`` reads through a DataLoader with K persistent workers
+(the CPU then counts the workers' processes too).
+
 The "subset:" rows stream a store ``birdzarr.subset`` wrote of a selection (once, before the
 rounds; its seconds are printed below the table) with no selection of their own: the same
 windows as the selection's row, read without the chunks' other windows.
@@ -31,6 +38,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -106,21 +114,47 @@ def write_subsets(workdir: str, store: str, wanted: list[str] | None) -> dict[st
     return made
 
 
-def run(store: str, options: dict[str, object], warm_epochs: int = 0) -> tuple[float, float, int, float]:
-    """Seconds to make the dataset; windows per second of one epoch (after ``warm_epochs``
-    untimed ones of the same dataset); its windows; and windows per CPU second of this process
-    (all its threads: the pool's decoding threads too)."""
+def _cpu(workers: list[Any]) -> float:
+    """CPU seconds of this process (every thread) and of the given worker processes."""
+    import psutil
+
+    total = time.process_time()
+    for worker in workers:
+        times = psutil.Process(worker.pid).cpu_times()
+        total += times.user + times.system
+    return total
+
+
+def run(store: str, options: dict[str, object], warm_epochs: int = 0, *, at_least: int = 0,
+        workers: int = 0) -> tuple[float, float, int, float]:
+    """Seconds to make the dataset; windows per second of one epoch, or of as many as deliver
+    ``at_least`` windows (after ``warm_epochs`` untimed ones of the same dataset); the windows
+    timed; and windows per CPU second of this process (all its threads: the pool's decoding
+    threads too) and its ``workers`` persistent DataLoader workers."""
+    from torch.utils.data import DataLoader
+
     import birdzarr
 
     started = time.perf_counter()
     ds = birdzarr.WindowDataset(store, batch_size=8192, seed=1, progress=False, **options)  # type: ignore[arg-type]
     made = time.perf_counter() - started
-    for _ in range(warm_epochs):  # a dataset's first epoch also pays for its pool's buffers, threads
-        for _x in ds:
+    source: Any = ds
+    if workers:
+        source = DataLoader(ds, batch_size=None, num_workers=workers, persistent_workers=True)
+    epoch = 0
+    for epoch in range(warm_epochs):  # a dataset's first epoch also pays for its pool's buffers, threads
+        ds.set_epoch(epoch)
+        for _x in source:
             pass
-    started, cpu = time.perf_counter(), time.process_time()
-    n = sum(len(x) for x in ds)
-    return made, n / (time.perf_counter() - started), n, n / max(time.process_time() - cpu, 1e-9)
+    processes = list(source._iterator._workers) if workers and warm_epochs else []
+    started, cpu, n = time.perf_counter(), _cpu(processes), 0
+    first = warm_epochs
+    while n == 0 or n < at_least:
+        ds.set_epoch(first + epoch)
+        n += sum(len(x) for x in source)
+        epoch += 1
+        processes = processes or (list(source._iterator._workers) if workers else [])
+    return made, n / (time.perf_counter() - started), n, n / max(_cpu(processes) - cpu, 1e-9)
 
 
 def main() -> None:
@@ -133,6 +167,11 @@ def main() -> None:
     parser.add_argument("--warm-epochs", type=int, default=0,
                         help="epochs each dataset reads before the timed one (default 0: its first epoch "
                              "is timed; 1: a later epoch, what a training run sees after its first)")
+    parser.add_argument("--equal-windows", action="store_true",
+                        help="time each case over the epochs that deliver at least the unselected "
+                             "loader's windows of one epoch (per delivered window over equal numbers)")
+    parser.add_argument("--workers", type=int, default=0,
+                        help="persistent DataLoader workers (default 0: read in this process)")
     parser.add_argument("--only", nargs="+", default=None, metavar="TEXT",
                         help="only the cases whose name holds one of these texts (the subset rows of "
                              "those selections too; 'everything' is always run)")
@@ -143,18 +182,24 @@ def main() -> None:
         chosen = {n: o for n, o in cases().items() if _wanted(n, wanted) or n == "everything"}
         written = write_subsets(workdir, store, wanted)
         run(store, {})  # warm-up: imports, page cache
+        at_least = args.windows if args.equal_windows else 0
+        timed = {"warm_epochs": args.warm_epochs, "at_least": at_least, "workers": args.workers}
         results: dict[str, list[tuple[float, float, int, float]]] = {name: [] for name in [*chosen, *written]}
         for _ in range(args.rounds):
             for name, options in chosen.items():
-                results[name].append(run(store, options, args.warm_epochs))
+                results[name].append(run(store, options, **timed))
             for name, (path, _) in written.items():
-                results[name].append(run(path, {}, args.warm_epochs))
+                results[name].append(run(path, {}, **timed))
         base = statistics.median(r[1] for r in results["everything"])
         base_cpu = statistics.median(r[3] for r in results["everything"])
         epoch = "the first epoch" if not args.warm_epochs else f"epoch {args.warm_epochs + 1}"
+        if args.equal_windows:
+            start = epoch.removeprefix("the ")
+            epoch = f"the epochs from {start} on that deliver >= {args.windows:,} windows"
         print(f"{args.windows:,} windows, {args.devices} devices, --shuffle store, batch 8192, "
-              f"0 workers, {epoch} of each dataset timed, medians of {args.rounds} round(s)")
-        print("| selection | windows | construction s | M windows/s | vs everything "
+              f"{args.workers} workers, {epoch} of each dataset timed, medians of {args.rounds} round(s), "
+              f"load average {os.getloadavg()[0]:.1f}")
+        print("| selection | windows timed | construction s | M windows/s | vs everything "
               "| M windows a CPU s | vs everything |")
         print("|---|---:|---:|---:|---:|---:|---:|")
         for name, runs in results.items():
