@@ -22,16 +22,28 @@ def shuffled(parquet_source, tmp_path_factory) -> birdzarr.Store:  # type: ignor
     return birdzarr.convert(directory, dest, chunk_windows=1024, shuffle=True, seed=5, progress=False)
 
 
+_STORED: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+
+def _stored(store: birdzarr.Store) -> tuple[np.ndarray, np.ndarray]:
+    """Every window of a (small) store and its (label, device, time) rows, read once."""
+    if store.url not in _STORED:
+        n = len(store)
+        ldt = np.stack([store.labels[:n], store.window_devices[:n], store.timestamps[:n]], axis=1)
+        _STORED[store.url] = (np.asarray(store.windows[:n]), ldt)
+    return _STORED[store.url]
+
+
 def _expected(ds: birdzarr.WindowDataset, store: birdzarr.Store, workers: int = 0
               ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Each batch of this epoch in delivery order: its window indices, windows and ldt rows,
     read from the store at the indices the plan names."""
+    windows, ldt = _stored(store)
     plan = ds.plan(num_workers=workers)
     out = []
     for b in ds.delivery_order(workers):
         idx = ds.batch_indices(b, plan)
-        ldt = np.stack([store.labels[idx], store.window_devices[idx], store.timestamps[idx]], axis=1)
-        out.append((idx, store.windows[idx], ldt))
+        out.append((idx, windows[idx], ldt[idx]))
     return out
 
 
@@ -44,7 +56,10 @@ def _check_epoch(got: list[tuple[torch.Tensor, torch.Tensor]],
     assert len(every) == n_windows and len(np.unique(every)) == n_windows  # each window once
 
 
-@pytest.mark.parametrize("selection", [{}, {"exclude_devices": "first"}], ids=["all", "subset"])
+_FILTERED = pytest.param({"exclude_devices": "first"}, marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize("selection", [{}, _FILTERED], ids=["all", "subset"])
 def test_a_reader_of_one_pool_decodes_its_chunks_only_in_the_first_epoch(
     shuffled: birdzarr.Store, selection: dict[str, object]
 ) -> None:
@@ -68,6 +83,7 @@ def test_a_reader_of_one_pool_decodes_its_chunks_only_in_the_first_epoch(
     assert all(not np.array_equal(a, b) for a, b in zip(orders, orders[1:], strict=False))
 
 
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_resuming_across_the_epoch_boundary_is_exact(shuffled: birdzarr.Store) -> None:
     """A resume point in epoch 1, loaded into the dataset that read epoch 0 (its buffer holds the
     pool) and into a fresh one (it decodes): the same rest of the epoch, from the stored values."""
@@ -163,3 +179,17 @@ def test_pieces_held_by_either_bank_are_kept_copied_or_served_as_they_are(shuffl
     assert (buffers.decoded, buffers.reused) == (5, 5)
     check(pool((0, 0, 1024),))  # chunk 0 was forgotten when bank 0 took the pool of chunks 3, 1, 4
     assert (buffers.decoded, buffers.reused) == (6, 5)
+
+
+def test_a_format_1_stores_held_pieces_are_reused_exactly(small_store_v1: birdzarr.Store) -> None:
+    """Version 1 decodes whole chunks, each window where it lies in its slot: the pieces held
+    (here a selection's, some windows of a chunk) map to those rows; batches stay exact."""
+    keep = [int(d) for d in small_store_v1.devices.device_id[1:]]
+    ds = birdzarr.WindowDataset(small_store_v1.url, batch_size=30, seed=2, shuffle_buffer=256,
+                                allow_device_order=True, with_ldt=True, devices=keep)
+    assert len(ds.plan().pools) == 1 and (ds.counts < 64).any()  # one pool, a chunk in part
+    pool = ds._local().pool
+    for epoch in range(3):
+        ds.set_epoch(epoch)
+        _check_epoch([(x, ldt) for x, ldt in ds], _expected(ds, small_store_v1), ds.n_selected)
+    assert (pool.decoded, pool.reused) == (4, 8)
