@@ -1,9 +1,9 @@
 """Store format version 2, the window layout: uint16 codes + dictionaries, core Zarr v3 codecs only.
 
-Replaces version 1's custom codecs (``birdzarr.dict16``, ``birdzarr.gdict16``) for the windows:
-imu_x/y/z become uint16 codes into one dictionary row per device, held in ordinary arrays;
-gps_speed stays float32. Pure numpy and zarr.json documents, no I/O: the encode, the decode, the
-rules, and each array's metadata. Measurements: the end of this docstring.
+The layout birdzarr writes (version 1's ``birdzarr.dict16`` and ``birdzarr.gdict16`` codecs are
+read only): imu_x/y/z are uint16 codes into one dictionary row per device, held in ordinary
+arrays; gps_speed stays float32. Pure numpy and zarr.json documents, no I/O: the encode, the
+decode, the rules, and each array's metadata.
 
 Arrays
 ------
@@ -56,9 +56,7 @@ The rules
   starts at the first window that would take some channel of the current row past 65,535 entries
   (``MAX_ENTRIES``). Nothing falls back to another layout; every value stays a code.
 - **Many small devices**: still a row per device. At ~30 windows a device the dictionaries are
-  ~60% of the stored bytes, yet the store is as small as the best float32 chain (measured: 1.54x
-  against 1.53x for transpose + blosc zstd) and 0.63x the per-device Parquet files; the cost is
-  memory and locality for readers: the dictionaries are ~0.6x the float32 size of the windows.
+  most of the stored bytes; the cost is memory and locality for readers.
 - **Append**: new windows of a device that has rows reuse its latest row when it already holds
   every value; otherwise they get a new row whose entries are the latest row's followed by the new
   values (the dictionary grows; every old code means the same value in the old and the new row,
@@ -71,65 +69,6 @@ The rules
 - **Device key**: ``dict_device`` records whatever integer the writer passes per window (the
   store's device index, or the device id); a window's device is ``dict_device[row[w]]``, so a
   separate per-window device array is redundant (the writer's choice).
-
-
-Measurements (``python benchmarks/format2.py``)
------------------------------------------------
-2-core shared machine (load 6-13), 3 interleaved rounds, the fastest counts; compare ratios.
-Calibrated data: IMU (12-bit count - offset) / scale per device, gps_speed one value per burst of
-1-3 windows with 6-8 decimals. ``x`` = float32 bytes / stored bytes (every array of the layout,
-no device/timestamp/label); ``/pq`` = stored / per-device Parquet files; ``enc`` = float32 MB
-encoded per CPU second; ``dec`` = CPU ns a window, one thread decoding every chunk from bytes in
-memory (dictionaries already loaded), and its ratio to version 1's default in the same column.
-
-186 devices, 600,000 windows (one of 150,000), per-device Parquet 93.0 MB (2.07x float32):
-
-====================================  ================================  ================================
-candidate                             device order: x / pq / enc / dec  shuffled: x / pq / enc / dec
-====================================  ================================  ================================
-v1 default (dict16; gdict16 32768)    2.75 / 0.75 / 206 / 489 (1.00)    2.66 / 0.78 / 80 / 715 (1.00)
-standard: transpose + blosc lz4       1.44 / 1.44 / 535 / 428 (0.88)    1.41 / 1.46 / 441 / 313 (0.44)
-standard: transpose + blosc zstd 1    1.53 / 1.35 / 262 / 551 (1.13)    1.53 / 1.35 / 274 / 404 (0.56)
-issue's probe: gps_speed coded too    2.72 / 0.76 / 30 / 441 (0.90)     2.66 / 0.78 / 38 / 782 (1.09)
-**format 2** (codes lz4, gps zstd 3)  3.52 / 0.59 / 65 / 425 (0.87)     3.42 / 0.60 / 67 / 759 (1.06)
-format 2, chunks grouped by device    (the same)                        3.46 / 0.60 / 61 / 603 (0.84)
-format 2, entries first-seen order    3.40 / 0.61 / 81 / 432 (0.88)     3.30 / 0.63 / 57 / 776 (1.08)
-format 2, codes blosc zstd 1          3.57 / 0.58 / 61 / 542 (1.11)     3.47 / 0.60 / 52 / 907 (1.27)
-====================================  ================================  ================================
-
-Bytes a window of format 2, codes / gps_speed / row / dictionaries: 85.5 / 2.6 / 0.0 / 2.9 (device
-order), 85.6 / 4.1 / 1.0 / 2.9 (shuffled; 0.1 for the row when chunks are grouped by device).
-
-Many small devices: 20,000 devices of 10-50 windows (599,593 windows), per-device Parquet
-193.4 MB (0.99x float32; one Parquet file of all of them with a device_id column: 160.5 MB):
-
-====================================  ================================  ================================
-candidate                             device order: x / pq / enc / dec  shuffled: x / pq / enc / dec
-====================================  ================================  ================================
-v1 default (dict16; gdict16 32768)    1.20 / 0.82 / 98 / 386 (1.00)     1.34 / 0.74 / 55 / 916 (1.00)
-standard: transpose + blosc lz4       1.44 / 0.69 / 685 / 289 (0.75)    1.41 / 0.70 / 445 / 295 (0.32)
-standard: transpose + blosc zstd 1    1.53 / 0.65 / 320 / 490 (1.27)    1.53 / 0.65 / 261 / 414 (0.45)
-issue's probe: gps_speed coded too    1.42 / 0.70 / 27 / 417 (1.08)     1.40 / 0.71 / 25 / 1223 (1.33)
-**format 2** (codes lz4, gps zstd 3)  1.57 / 0.63 / 23 / 427 (1.11)     1.54 / 0.65 / 21 / 1226 (1.34)
-format 2, chunks grouped by device    (the same)                        1.55 / 0.64 / 23 / 1160 (1.27)
-format 2, entries first-seen order    1.44 / 0.69 / 23 / 303 (0.79)     1.40 / 0.71 / 20 / 946 (1.03)
-format 2, codes blosc zstd 1          1.57 / 0.63 / 22 / 563 (1.46)     1.55 / 0.64 / 23 / 1280 (1.40)
-====================================  ================================  ================================
-
-Bytes a window of format 2: 70.3 / 2.6 / 0.1 / 131.3 (device order), 70.9 / 4.1 / 1.9 / 131.3
-(shuffled): the dictionaries are ~60% of the store and ~0.6x the windows' float32 size in memory.
-
-Conclusions: format 2 stores 0.78x version 1's bytes in both orders (0.59-0.60x the Parquet
-source) with core codecs only; coding gps_speed (the probe) gives that back (its codes cost 27
-bytes a window). Decoding costs about what version 1's does (0.87x device order; 0.84x shuffled
-when a writer groups each chunk's windows by device, as version 1's ``--shuffle`` does, 1.06x
-when not): the per-value lookup dominates both, and format 2 only drops the per-chunk
-dictionaries. lz4 for the codes: zstd 1 saves 1.5% and decodes 1.2-1.3x slower. Encoding runs
-at 61-81 MB per CPU second in either order (a shuffled store codes in device order and permutes),
-against version 1's 206 (dict16) and 80 (gdict16). With many small devices format 2 is as small as
-the best float32 chain and 0.63-0.65x the Parquet files, but encodes at ~22 MB per CPU second and
-decodes a shuffled chunk 1.3x slower than version 1 (lookups spread over 80 MB of dictionaries),
-where transpose + blosc lz4 float32 decodes at 0.32x: the open question for 100K-device corpora.
 """
 
 from __future__ import annotations
@@ -557,7 +496,7 @@ def _blosc(cname: str, clevel: int, shuffle: str, typesize: int) -> dict[str, An
 
 
 BYTES = {"name": "bytes", "configuration": {"endian": "little"}}
-# Codec chains (chosen by benchmarks/format2.py): every name is a core Zarr v3 codec.
+# Codec chains: every name is a core Zarr v3 codec.
 CODECS: dict[str, list[dict[str, Any]]] = {
     CODES: [{"name": "transpose", "configuration": {"order": [2, 0, 1]}}, BYTES,
             _blosc("lz4", 5, "bitshuffle", 2), CRC32C],
