@@ -367,3 +367,27 @@ def test_a_bad_row_among_devices_read_together_is_skipped_or_reported_as_alone(
     assert str(refused.value) == str(alone_refused.value)
     assert "part-3.parquet, row group 0, row 5: the window holds a null, NaN or infinite value" in str(
         refused.value)
+
+
+def test_the_rows_of_many_devices_are_laid_out_piece_by_piece_as_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``RowCoder.new_rows`` places the dictionary entries of many rows a piece of rows at a time
+    (``_SCATTER`` entries, bounding its temporaries): the same arrays as placing them at once."""
+    from birdzarr.format import _rows
+
+    rng = np.random.default_rng(7)
+    sizes = rng.integers(1, 30, size=400)
+    devices = np.repeat(np.arange(400) * 2 + 1, sizes)
+    windows = _synthetic.curated_windows(len(devices), seed=7)
+    coder = _rows.RowCoder()
+    coder.code_runs(devices[:3000], windows[:3000])
+    coder.code(int(devices[3000]), windows[3000:3010])  # a row of its own between the bulks
+    coder.code_runs(devices[3010:], windows[3010:])
+    whole = coder.new_rows()
+    assert len(whole.values) > 1000
+    for scatter in (1, 7, 1000):
+        monkeypatch.setattr(_rows, "_SCATTER", scatter)
+        pieces = coder.new_rows()
+        assert pieces.values.tobytes() == whole.values.tobytes()
+        assert np.array_equal(pieces.start, whole.start) and np.array_equal(pieces.device, whole.device)

@@ -47,7 +47,7 @@ from birdzarr._errors import BadInputError
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._duplicates import DeviceKeys, DuplicateCounter, repeated_in_runs, repeated_windows
 from birdzarr.convert._engine import Engine, Runner, run_all
-from birdzarr.convert._parquet import names_its_device, read_runs
+from birdzarr.convert._parquet import clear_group_cache, names_its_device, read_runs
 from birdzarr.convert._pipeline import bar_counter, count_on_bar
 from birdzarr.convert._readahead import read_ahead
 from birdzarr.convert._slabs import SlabWriter, writable_arrays
@@ -561,5 +561,8 @@ def convert_segments(engine: Engine, writer: Writer, segments: list[Segment], *,
                           None if continuation is None else continuation(segment))
         for segment, result in runner.results():
             collector.add(segment, result)
+    # every segment read: this process's decoded row groups of partition files go before the
+    # commit builds the device table and report (up to GROUP_CACHE_BYTES beside them)
+    clear_group_cache()
     collector.finish()
     return {} if engine.in_process else {"segments": len(segments)}
