@@ -16,13 +16,6 @@ from birdzarr.cli import main
 from birdzarr.demo import _synthetic
 from birdzarr.format import _v2
 
-# the default format (2) and format 1, which birdzarr still writes with format_version=1
-VERSIONS = pytest.mark.parametrize("version", [None, 1], ids=["default", "format1"])
-
-
-def _version(version: int | None) -> dict[str, int]:
-    return {} if version is None else {"format_version": version}
-
 
 def _documented_decode(path: pathlib.Path) -> np.ndarray:
     """A format-2 store's windows as docs/format.md decodes them: zarr-python and numpy only."""
@@ -60,15 +53,13 @@ def truth_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, d
     return directory, truth
 
 
-@VERSIONS
 @pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_parquet_round_trip_is_bit_exact(
-    truth_dir: tuple[pathlib.Path, dict[int, np.ndarray]], tmp_path: pathlib.Path, version: int | None
+    truth_dir: tuple[pathlib.Path, dict[int, np.ndarray]], tmp_path: pathlib.Path
 ) -> None:
     directory, truth = truth_dir
-    store = birdzarr.convert(directory, tmp_path / "s.zarr", chunk_windows=1000, progress=False,
-                             **_version(version))
-    assert store.format_version == (version or 2)
+    store = birdzarr.convert(directory, tmp_path / "s.zarr", chunk_windows=1000, progress=False)
+    assert store.format_version == 2
     assert len(store) == sum(len(w) for w in truth.values())
     assert store.devices["device_id"].tolist() == [4, 12, 300]
     expected = np.concatenate([truth[d] for d in (4, 12, 300)])
@@ -82,36 +73,12 @@ def test_parquet_round_trip_is_bit_exact(
         assert entry.sources == [f"{device}.parquet"]
     assert (store.timestamps[:] == TIMESTAMP_UNKNOWN).all()
     assert (store.labels[:] == -1).all()
-    if version == 1:
-        assert store.gimu.shape == (len(store), 20, 4)
-        assert store.gimu.metadata.dimension_names == ("window", "sample", "channel")
-        # plain zarr-python reads the same values through the registered dict16 codec
-        assert np.array_equal(store.gimu[:].view(np.uint32), expected.view(np.uint32))
-    else:
-        codes = store.group[_v2.CODES]
-        assert codes.shape == (len(store), 20, 3)
-        assert codes.metadata.dimension_names == ("window", "sample", "channel")
-        # plain zarr-python and numpy decode the same values with the documented lines
-        decoded = _documented_decode(tmp_path / "s.zarr")
-        assert np.array_equal(decoded.view(np.uint32), expected.view(np.uint32))
-
-
-@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
-def test_standard_codec_is_readable_without_birdzarr_codecs(
-    truth_dir: tuple[pathlib.Path, dict[int, np.ndarray]], tmp_path: pathlib.Path
-) -> None:
-    directory, truth = truth_dir
-    # the standard codec is format 1's (format 2 uses only core codecs: tests/test_format2.py reads it)
-    store = birdzarr.convert(
-        directory, tmp_path / "s.zarr", codec="standard", chunk_windows=1000, progress=False, format_version=1
-    )
-    ts = pytest.importorskip("tensorstore")
-    array = ts.open(
-        {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path / "s.zarr" / "gimu")}}
-    ).result()
-    got = array[: len(store)].read().result()
-    expected = np.concatenate([truth[d] for d in (4, 12, 300)])
-    assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
+    codes = store.group[_v2.CODES]
+    assert codes.shape == (len(store), 20, 3)
+    assert codes.metadata.dimension_names == ("window", "sample", "channel")
+    # plain zarr-python and numpy decode the same values with the documented lines
+    decoded = _documented_decode(tmp_path / "s.zarr")
+    assert np.array_equal(decoded.view(np.uint32), expected.view(np.uint32))
 
 
 def _chunk_files(root: pathlib.Path) -> dict[str, bytes]:
@@ -123,48 +90,36 @@ def _chunk_files(root: pathlib.Path) -> dict[str, bytes]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("codec", [None, "dict16", "standard"], ids=["default", "dict16", "standard"])
 def test_worker_count_does_not_change_the_store(
-    parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]], tmp_path: pathlib.Path, codec: str | None
+    parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]], tmp_path: pathlib.Path
 ) -> None:
     directory, _ = parquet_source
-    # a codec is format 1's choice (format 2, the default, has one layout)
-    options = {} if codec is None else {"codec": codec, "format_version": 1}
-    one = birdzarr.convert(
-        directory, tmp_path / "one.zarr", workers=1, chunk_windows=2048, progress=False, **options
-    )
-    two = birdzarr.convert(
-        directory, tmp_path / "two.zarr", workers=2, chunk_windows=2048, progress=False, **options
-    )
+    one = birdzarr.convert(directory, tmp_path / "one.zarr", workers=1, chunk_windows=2048, progress=False)
+    two = birdzarr.convert(directory, tmp_path / "two.zarr", workers=2, chunk_windows=2048, progress=False)
     files_one, files_two = _chunk_files(tmp_path / "one.zarr"), _chunk_files(tmp_path / "two.zarr")
     assert len(files_one) > 4 * 10
     assert files_one == files_two
     assert one.meta["devices"] == two.meta["devices"]
-    window_arrays = ("gimu",) if codec is not None else _v2.ARRAYS
-    for name in (*window_arrays, "device", "timestamp", "label"):
+    for name in (*_v2.ARRAYS, "device", "timestamp", "label"):
         assert (tmp_path / "one.zarr" / name / "zarr.json").read_bytes() == (
             tmp_path / "two.zarr" / name / "zarr.json"
         ).read_bytes()
 
 
-@VERSIONS
 @pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_fast_write_path_matches_zarr(
-    parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]], tmp_path: pathlib.Path, version: int | None
+    parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]], tmp_path: pathlib.Path
 ) -> None:
     """Chunks the converter writes itself are byte-identical to zarr-python writing the same data."""
     import zarr
 
     directory, _ = parquet_source
-    store = birdzarr.convert(directory, tmp_path / "s.zarr", chunk_windows=4096, progress=False,
-                             **_version(version))
+    store = birdzarr.convert(directory, tmp_path / "s.zarr", chunk_windows=4096, progress=False)
     # the arrays written, with the tail of a window chunk's key ("c/<i>/0/0" for a (N, 20, k) array);
     # None for format 2's dictionary arrays, whose chunks do not follow the windows
-    names: dict[str, tuple[str, ...] | None] = (
-        {"gimu": ("0", "0")} if version == 1
-        else {_v2.CODES: ("0", "0"), _v2.GPS: ("0",), _v2.ROW: (), _v2.VALUES: None, _v2.START: None,
-              _v2.DEVICE: None}
-    )
+    names: dict[str, tuple[str, ...] | None] = {
+        _v2.CODES: ("0", "0"), _v2.GPS: ("0",), _v2.ROW: (), _v2.VALUES: None, _v2.START: None,
+        _v2.DEVICE: None}
     group = zarr.open_group(str(tmp_path / "s.zarr"), mode="r+", zarr_format=3)
     rewritten = {}
     for name, tail in names.items():
@@ -176,8 +131,7 @@ def test_fast_write_path_matches_zarr(
             path = tmp_path.joinpath("s.zarr", name, "c", str(i), *tail)
             assert path.is_file(), path
         rewritten[name] = _chunk_files(tmp_path / "s.zarr" / name)
-    again = birdzarr.convert(directory, tmp_path / "t.zarr", chunk_windows=4096, progress=False,
-                             **_version(version))
+    again = birdzarr.convert(directory, tmp_path / "t.zarr", chunk_windows=4096, progress=False)
     for name in names:
         assert _chunk_files(tmp_path / "t.zarr" / name) == rewritten[name], name
     assert len(again) == len(store)
