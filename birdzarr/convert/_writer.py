@@ -44,6 +44,7 @@ from birdzarr.format._spec import (
     DeviceEntry,
     DeviceReport,
     array_attributes,
+    report_totals,
 )
 from birdzarr.storage._location import Location, exists, write_json, zarr_store
 from birdzarr.storage._lock import LOCK_NAME, StoreLock, clear_except_lock, release_and_tidy
@@ -231,6 +232,8 @@ class Writer:
         report = dict(root.get("report") or {})
         details = {"devices": root.pop("devices", []), "report_devices": report.pop("devices", {}),
                    "csv_tails": root.pop(CSV_TAILS, None)}
+        # the sums `info` shows, so that it reads the root alone at any device count
+        report["totals"] = report_totals(details["report_devices"])
         root["report"] = report
         committed = dict(root["committed"])
         where = device_table.path(int(committed["generation"]))

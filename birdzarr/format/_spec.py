@@ -167,6 +167,24 @@ class DeviceEntry:
         )
 
 
+def report_totals(devices: dict[str, Any]) -> dict[str, Any]:
+    """The sums over every device's conversion report (``report.devices``: id -> the JSON of a
+    ``DeviceReport``), as a format-2 store records them in its root ``report.totals`` so that
+    ``birdzarr info`` reads no per-device JSON: rows read, bad lines and files, mixed-label
+    windows, and windows dropped by reason."""
+    dropped: dict[str, int] = {}
+    rows_read = bad_lines = bad_files = mixed = 0
+    for entry in devices.values():
+        rows_read += int(entry["rows_read"])
+        bad_lines += int(entry["bad_lines"])
+        bad_files += int(entry.get("bad_files", 0))
+        mixed += int(entry["mixed_label_windows"])
+        for reason, count in entry["dropped"].items():
+            dropped[reason] = dropped.get(reason, 0) + int(count)
+    return {"rows_read": rows_read, "bad_lines": bad_lines, "bad_files": bad_files,
+            "mixed_label_windows": mixed, "dropped": dict(sorted(dropped.items()))}
+
+
 @dataclass
 class DeviceReport:
     """What conversion did with one device's input."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from birdzarr.format import _v2
-from birdzarr.format._spec import GIMU
+from birdzarr.format._spec import GIMU, report_totals
 from birdzarr.store._handle import Store
 
 _WINDOW_BYTES = 20 * 4 * 4  # a window as float32
@@ -29,27 +29,25 @@ def window_arrays(store: Store) -> tuple[str, ...]:
 
 
 def summary(store: Store) -> dict[str, Any]:
-    meta = store.meta
+    # the root attributes alone where they hold the report's totals (a format-2 store): the
+    # device table (~750 bytes of JSON a device) is read only for a store without them
+    meta = store.root
+    report = meta.get("report", {})
+    totals = report.get("totals")
+    if totals is None:
+        meta = store.meta
+        report = meta.get("report", {})
+        totals = report_totals(report.get("devices", {}))
     raw = len(store) * _WINDOW_BYTES
     arrays = {name: stored_bytes(store, name) for name in window_arrays(store)}
     stored = sum(arrays.values())
-    report = meta.get("report", {})
     appends = report.get("appends") or []
-    dropped: dict[str, int] = {}
-    rows_read = bad_lines = bad_files = mixed = 0
-    for entry in report.get("devices", {}).values():
-        rows_read += entry["rows_read"]
-        bad_lines += entry["bad_lines"]
-        bad_files += entry.get("bad_files", 0)
-        mixed += entry["mixed_label_windows"]
-        for reason, count in entry["dropped"].items():
-            dropped[reason] = dropped.get(reason, 0) + count
     return {
         "url": store.url,
         "format_version": store.format_version,
         "converter": meta.get("converter"),
         "windows": len(store),
-        "devices": len(store.device_table),
+        "devices": store.n_devices,
         "bytes_raw": raw,
         "bytes_stored": stored,
         "ratio": round(raw / stored, 3) if stored else None,
@@ -63,8 +61,7 @@ def summary(store: Store) -> dict[str, Any]:
         # the totals cover every commit; the times and CPU figures are the first conversion's,
         # of its ``windows`` (each append has its own, in ``appends``)
         "report": {"windows": int(appends[0]["first_window"]) if appends else len(store),
-                   "rows_read": rows_read, "bad_lines": bad_lines, "bad_files": bad_files,
-                   "mixed_label_windows": mixed, "dropped": dropped, "seconds": report.get("seconds"),
+                   **totals, "seconds": report.get("seconds"),
                    "cpu_seconds": report.get("cpu_seconds"), "cores_used": report.get("cores_used"),
                    "workers": report.get("workers"),
                    "pass_seconds": (report.get("shuffle") or {}).get("pass_seconds")},

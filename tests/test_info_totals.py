@@ -1,0 +1,62 @@
+"""`birdzarr info` (``Store.summary``) reads a format-2 store's root attributes only: the
+conversion report's totals are recorded there at every commit, so the device table (~750 bytes of
+JSON a device) is not parsed whatever the device count."""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+
+import pytest
+
+import birdzarr
+from birdzarr.convert import append
+from birdzarr.demo import _synthetic
+from birdzarr.format._spec import report_totals
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
+    """Three CSV devices in two parts (part 1 of each in 'more'), with bad lines in one file."""
+    root = tmp_path_factory.mktemp("totals")
+    _synthetic.make_csv_dir(root / "all", n_devices=3, bursts_per_device=12, parts=2, seed=5)
+    for name in ("base", "more"):
+        (root / name).mkdir()
+    for path in sorted((root / "all").iterdir()):
+        part = int(path.stem.split("_")[1])
+        shutil.copy(path, root / ("base" if part == 0 else "more") / path.name)
+    bad = sorted((root / "base").iterdir())[0]
+    bad.write_text(bad.read_text() + "not,a,row\n")
+    return {"base": root / "base", "more": root / "more"}
+
+
+def test_info_reads_the_totals_from_the_root_and_equals_the_device_reports_sums(
+    parts: dict[str, pathlib.Path], tmp_path: pathlib.Path
+) -> None:
+    dest = tmp_path / "s.zarr"
+    birdzarr.convert(parts["base"], dest, chunk_windows=64, progress=False, on_bad_rows="skip")
+    for step in ("convert", "append"):
+        if step == "append":
+            append(dest, parts["more"], progress=False)
+        store = birdzarr.open_store(dest)
+        info = store.summary()
+        assert "meta" not in store.__dict__ and "device_table" not in store.__dict__  # no table read
+        devices = birdzarr.open_store(dest).meta["report"]["devices"]
+        expected = report_totals(devices)
+        assert {k: info["report"][k] for k in expected} == expected
+        assert expected["rows_read"] == sum(d["rows_read"] for d in devices.values()) > 0
+        assert expected["bad_lines"] == 1
+        assert info["devices"] == len(store.device_table) == 3
+        assert store.root["report"]["totals"] == expected
+
+
+def test_a_store_without_recorded_totals_sums_its_device_reports(tmp_path: pathlib.Path) -> None:
+    from tests.format1_support import format1_copy
+
+    dest = format1_copy("dict16.zarr", tmp_path)
+    store = birdzarr.open_store(dest)
+    assert "totals" not in store.root.get("report", {})
+    info = store.summary()
+    assert {k: info["report"][k] for k in ("rows_read", "bad_lines")} == {
+        k: report_totals(store.meta["report"]["devices"])[k] for k in ("rows_read", "bad_lines")}
+    assert info["devices"] == len(store.device_table)
