@@ -60,3 +60,28 @@ def test_a_store_without_recorded_totals_sums_its_device_reports(tmp_path: pathl
     assert {k: info["report"][k] for k in ("rows_read", "bad_lines")} == {
         k: report_totals(store.meta["report"]["devices"])[k] for k in ("rows_read", "bad_lines")}
     assert info["devices"] == len(store.device_table)
+
+
+def test_the_text_repr_reads_no_device_entries_and_says_what_the_entries_say(
+    parts: dict[str, pathlib.Path], tmp_path: pathlib.Path
+) -> None:
+    import numpy as np
+
+    from birdzarr.explore._html import Overview, label_counts
+
+    dest = tmp_path / "labelled.zarr"
+    birdzarr.convert(parts["more"], dest, chunk_windows=16, progress=False)
+    store = birdzarr.open_store(dest)
+    text = repr(store)
+    lazy = Overview.of(store)
+    assert "meta" not in store.__dict__ and "device_table" not in store.__dict__
+    entries = store.device_table
+    totals = label_counts(entries)
+    times = [t for e in entries for t in (e.first_time, e.last_time)]
+    assert (lazy.first_time, lazy.last_time) == (min(times), max(times))
+    assert lazy.labelled == sum(n for label, n in totals.items() if label != -1) > 0
+    assert lazy.classes == len([label for label in totals if label != -1]) > 1
+    assert lazy.n_devices == len(entries) == 3
+    inline = ", ".join(f"{e.device_id} ({e.n_windows:,})" for e in entries)
+    assert f"devices  {inline}" in text
+    assert int(np.sum([e.n_windows for e in entries])) == len(store)

@@ -44,6 +44,7 @@ from birdzarr.format._spec import (
     DeviceEntry,
     DeviceReport,
     array_attributes,
+    label_totals,
     report_totals,
 )
 from birdzarr.storage._location import Location, exists, write_json, zarr_store
@@ -240,6 +241,7 @@ class Writer:
         write_device_table(self.location, where, details, list(self.devices.values()))
         committed["device_table"] = where
         committed["n_devices"] = len(details["devices"])
+        committed["label_counts"] = label_totals(details["devices"])
         root["committed"] = committed
         return root
 

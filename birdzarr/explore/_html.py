@@ -45,25 +45,32 @@ class Overview:
 
     @classmethod
     def of(cls, store: Store) -> Overview:
-        committed = store.meta.get("committed", {})
-        layout = store.meta.get("layout", {})
-        times = [t for e in store.device_table for t in (e.first_time, e.last_time) if t != TIMESTAMP_UNKNOWN]
-        label_totals = label_counts(store.device_table)
+        # the root attributes and the device table's index columns: a format-2 store's summary
+        # parses no per-device JSON, whatever its device count
+        root = store.root
+        committed = root.get("committed") or {}
+        layout = root.get("layout", {})
+        columns = store.device_columns
+        times = np.concatenate([columns["first_time"], columns["last_time"]])
+        times = times[times != TIMESTAMP_UNKNOWN]
+        recorded = committed.get("label_counts")
+        label_totals = ({int(k): int(v) for k, v in recorded.items()} if recorded is not None
+                        else label_counts(store.device_table))
         labelled = sum(n for label, n in label_totals.items() if label != LABEL_UNLABELLED)
         return cls(
             url=store.url,
             n_windows=len(store),
-            n_devices=len(store.device_table),
+            n_devices=store.n_devices,
             format_version=store.format_version,
             generation=committed.get("generation"),
             committed_at=committed.get("committed_at"),
             codec=codec_name(store.format_version, layout),
             chunk_windows=store.chunk_windows,
             shuffled=store.shuffled,
-            source_kind=store.meta.get("source_kind"),
-            curation=describe_curation(store.meta.get("curation") or {}),
-            first_time=min(times) if times else TIMESTAMP_UNKNOWN,
-            last_time=max(times) if times else TIMESTAMP_UNKNOWN,
+            source_kind=root.get("source_kind"),
+            curation=describe_curation(root.get("curation") or {}),
+            first_time=int(times.min()) if len(times) else TIMESTAMP_UNKNOWN,
+            last_time=int(times.max()) if len(times) else TIMESTAMP_UNKNOWN,
             labelled=labelled,
             classes=sum(1 for label in label_totals if label != LABEL_UNLABELLED),
         )
@@ -130,8 +137,10 @@ def describe_sources(sources: list[str]) -> str:
 
 
 def _devices_inline(store: Store) -> str:
-    shown = [f"{e.device_id} ({e.n_windows:,})" for e in store.device_table[:_DEVICES_INLINE]]
-    more = len(store.device_table) - _DEVICES_INLINE
+    columns = store.device_columns
+    shown = [f"{d} ({n:,})" for d, n in zip(columns["device_id"][:_DEVICES_INLINE].tolist(),
+                                             columns["n_windows"][:_DEVICES_INLINE].tolist(), strict=True)]
+    more = store.n_devices - _DEVICES_INLINE
     return ", ".join(shown) + (f", ... {more} more" if more > 0 else "")
 
 

@@ -36,7 +36,13 @@ class ReadableStore(Protocol):
     def meta(self) -> dict[str, Any]: ...  # the birdzarr attributes, device table included
 
     @property
+    def root(self) -> dict[str, Any]: ...  # the root attributes alone (format 2: no device table)
+
+    @property
     def device_table(self) -> list[DeviceEntry]: ...
+
+    @property
+    def device_columns(self) -> dict[str, np.ndarray]: ...  # the table's index arrays
 
     @property
     def n_devices(self) -> int: ...

@@ -167,6 +167,17 @@ class DeviceEntry:
         )
 
 
+def label_totals(devices: list[dict[str, Any]]) -> dict[str, int]:
+    """Windows per label over every device entry (JSON, ``label_counts`` of each), label as a
+    string in ascending order (-1: unlabelled), as a format-2 store records them in its root
+    ``committed.label_counts`` so that a store's summary reads no per-device JSON."""
+    totals: dict[int, int] = {}
+    for entry in devices:
+        for label, count in (entry.get("label_counts") or {}).items():
+            totals[int(label)] = totals.get(int(label), 0) + int(count)
+    return {str(label): totals[label] for label in sorted(totals)}
+
+
 def report_totals(devices: dict[str, Any]) -> dict[str, Any]:
     """The sums over every device's conversion report (``report.devices``: id -> the JSON of a
     ``DeviceReport``), as a format-2 store records them in its root ``report.totals`` so that
