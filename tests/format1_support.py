@@ -72,3 +72,37 @@ def rows(store: birdzarr.Store) -> tuple[np.ndarray, ...]:
     keys = windows.reshape(len(windows), -1).view(np.uint32)
     order = np.lexsort((*keys.T[::-1], label, stamp, device))
     return windows[order], device[order], stamp[order], label[order]
+
+
+def standard_format1(source: pathlib.Path, dest: pathlib.Path) -> pathlib.Path:
+    """A format-1 ``standard`` store (float32 ``gimu`` in core codecs, the device table in the
+    root attributes) of the windows of the format-2 store at ``source``, written at ``dest`` with
+    zarr-python from the chunk layout of the committed fixture standard.zarr: a format-1 store of
+    any size and order for tests that compare the two formats' read paths on the same windows."""
+    import zarr
+
+    from birdzarr.format import _v2
+    from birdzarr.format._spec import ATTRS_KEY
+
+    store = birdzarr.open_store(source)
+    meta = json.loads(json.dumps(store.meta))  # the device table merged back into the root
+    windows = np.ascontiguousarray(store.windows[:])
+    dest = pathlib.Path(dest)
+    shutil.copytree(source, dest)
+    for name in (*_v2.ARRAYS, "device_table"):
+        shutil.rmtree(dest / name, ignore_errors=True)
+    document = json.loads((FORMAT1 / "standard.zarr" / "gimu" / "zarr.json").read_text())
+    document["shape"] = [len(windows), 20, 4]
+    document["chunk_grid"]["configuration"]["chunk_shape"] = [store.chunk_windows, 20, 4]
+    (dest / "gimu").mkdir()
+    (dest / "gimu" / "zarr.json").write_text(json.dumps(document))
+    zarr.open_array(str(dest / "gimu"), mode="r+", zarr_format=3)[...] = windows
+    meta["format_version"] = 1
+    meta["layout"] = {**meta["layout"], "codec": "standard", "compressor": {"cname": "lz4", "clevel": 5}}
+    for key in ("dictionary", "device_table", "n_devices", "label_counts"):
+        meta["committed"].pop(key, None)
+    meta.get("report", {}).pop("totals", None)
+    root = json.loads((dest / "zarr.json").read_text())
+    root["attributes"][ATTRS_KEY] = meta
+    (dest / "zarr.json").write_text(json.dumps(root, indent=2))
+    return dest

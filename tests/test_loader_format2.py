@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 import birdzarr
 from birdzarr.format import _v2
 from birdzarr.loader._resident import CODE_BIAS, HeldCodes
+from tests.format1_support import standard_format1
 from tests.format2_support import to_format2
 
 _CHUNK = 1024
@@ -22,14 +23,18 @@ _CHUNK = 1024
 @pytest.fixture(scope="module")
 def stores(parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]],
            tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str]]:
-    """Per store order, a version-1 store and its version-2 copy: ``{order: (v1 url, v2 url)}``."""
+    """Per store order, a version-1 store (``standard``: float32 in core codecs, written from a
+    conversion by tests/format1_support.py) and its version-2 copy, coded by the whole-array
+    encoder: ``{order: (v1 url, v2 url)}``."""
     directory, _ = parquet_source
     made = {}
     for order in ("device", "shuffled"):
         base = tmp_path_factory.mktemp(f"format2-{order}")
         shuffled = {"shuffle": True, "seed": 11} if order == "shuffled" else {}
-        v1 = birdzarr.convert(directory, base / "v1.zarr", chunk_windows=_CHUNK, progress=False,
-                              format_version=1, **shuffled)  # type: ignore[arg-type]
+        birdzarr.convert(directory, base / "converted.zarr", chunk_windows=_CHUNK, progress=False,
+                         **shuffled)  # type: ignore[arg-type]
+        v1 = birdzarr.open_store(standard_format1(base / "converted.zarr", base / "v1.zarr"))
+        assert v1.format_version == 1
         shutil.copytree(base / "v1.zarr", base / "v2.zarr")
         to_format2(base / "v2.zarr")
         made[order] = (v1.url, str(base / "v2.zarr"))
@@ -218,8 +223,9 @@ def test_a_gps_speed_that_varies_within_a_window_is_held_in_every_sample(
         offsets = pa.array(np.arange(0, len(w) * 80 + 1, 80, dtype=np.int32))
         column = pa.ListArray.from_arrays(offsets, pa.array(w.reshape(-1), type=pa.float32()))
         pq.write_table(pa.table({"gimu": column}), src / f"{device}.parquet")
-    store = birdzarr.convert(src, tmp_path / "s.zarr", chunk_windows=1024, progress=False, format_version=1)
-    truth = store.windows[:]
+    birdzarr.convert(src, tmp_path / "c.zarr", chunk_windows=1024, progress=False)
+    truth = birdzarr.open_store(standard_format1(tmp_path / "c.zarr", tmp_path / "s.zarr")).windows[:]
+    assert np.array_equal(truth.view(np.uint32), np.concatenate([windows[3], windows[4]]).view(np.uint32))
     to_format2(tmp_path / "s.zarr")
     ds = _dataset(str(tmp_path / "s.zarr"), resident="cpu", with_ldt=False)
     held = ds.resident

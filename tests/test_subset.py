@@ -247,14 +247,16 @@ def test_the_command_refuses_bad_input_in_one_line(
     # inside the source
     line = _one_line_error(capsys, ["subset", source, f"{source}/inner", "--labelled-only"])
     assert "sits inside the source" in line
-    # a format-1 source
-    v1 = birdzarr.convert(csv_source, tmp_path / "v1.zarr", format_version=1, chunk_windows=128,
-                          progress=False)
+    # a format-1 source (a committed fixture: birdzarr writes format 2 only)
+    from tests.format1_support import format1_copy
+
+    v1 = birdzarr.open_store(format1_copy("appended.zarr", tmp_path))
     line = _one_line_error(capsys, ["subset", str(v1.location.path), str(tmp_path / "x.zarr"),
                                     "--labelled-only"])
-    assert line == (f"birdzarr subset: error: {v1.url} is a format-1 store; subset copies format-2 codes "
-                    "without decoding them. Convert it again (birdzarr convert SRC DEST writes format 2) "
-                    "and take the subset of that store.")
+    assert line.startswith(f"birdzarr subset: error: {v1.url} is a format-1 store, which birdzarr reads "
+                           "but no longer writes, so subset cannot copy its windows' codes: write a "
+                           "format-2 store from its source with `birdzarr convert ")
+    assert line.endswith(" NEW_STORE` and use that one.")
     assert not (tmp_path / "x.zarr").exists()
     # a directory that is not a store
     (tmp_path / "notes").mkdir()

@@ -292,11 +292,13 @@ def _supported() -> str:
     return f"versions {', '.join(map(str, SUPPORTED_VERSIONS[:-1]))} and {SUPPORTED_VERSIONS[-1]}"
 
 
-def format1_refusal(where: str, operation: str, meta: dict[str, Any]) -> FormatVersionError:
+def format1_refusal(where: str, operation: str, meta: dict[str, Any], *,
+                    cannot: str = "change it") -> FormatVersionError:
     """The one error of every operation that would write into a format-1 store (append, repair
     --source, subset, ...): birdzarr reads format 1 and writes format 2 only. Names the store,
     the operation, and the ``birdzarr convert`` command that writes a format-2 store from the
-    store's recorded source(s) (``meta``: its root attributes)."""
+    store's recorded source(s) (``meta``: its root attributes); ``cannot``: what the operation
+    would have done to the store."""
     report = meta.get("report") or {}
     records = [report, *(a for a in report.get("appends") or [] if isinstance(a, dict))]
     # a conversion of several sources records them comma-separated
@@ -305,6 +307,6 @@ def format1_refusal(where: str, operation: str, meta: dict[str, Any]) -> FormatV
     shuffle = " --shuffle" if (meta.get("layout") or {}).get("shuffled") else ""
     return FormatVersionError(
         f"{where} is a format-1 store, which birdzarr reads but no longer writes, so {operation} "
-        f"cannot change it: write a format-2 store from its source with `birdzarr convert {named} "
+        f"cannot {cannot}: write a format-2 store from its source with `birdzarr convert {named} "
         f"NEW_STORE{shuffle}` and use that one."
     )

@@ -80,7 +80,7 @@ def refuse_format1(store: Store) -> None:
     if store.format_version != 2:
         from birdzarr.format._spec import format1_refusal
 
-        raise format1_refusal(store.url, "subset", store.meta)
+        raise format1_refusal(store.url, "subset", store.meta, cannot="copy its windows' codes")
 
 
 def subset(
