@@ -658,6 +658,8 @@ def _pieces(path: Location, file: pq.ParquetFile | None, index: _PartitionFile, 
         if not np.isin(decoded.ids[a:b], mine).all():  # devices that do not read this file
             keep = np.isin(who, mine)
             rows, who = rows[keep], who[keep]
+            if not len(rows):
+                continue
         out.append((who, at, group, rows, columns))
     return out
 
@@ -706,9 +708,12 @@ def read_runs(devices: list[tuple[int, list[Location]]]) -> PartitionRuns | None
                              np.empty(0, np.int64), np.empty(0, np.int32), np.zeros(len(ids), np.int64),
                              reports)
     who = np.concatenate([p[0] for p in pieces])
-    windows = np.concatenate([p[4][0][p[3]] for p in pieces])
-    labels = np.concatenate([p[4][1][p[3]] for p in pieces])
-    times = np.concatenate([p[4][2][p[3]] for p in pieces])
+    # rows that lie in order (devices grouped in the file) are a slice, copied once below
+    takes = [slice(int(p[3][0]), int(p[3][-1]) + 1) if bool((np.diff(p[3]) == 1).all()) else p[3]
+             for p in pieces]
+    windows = np.concatenate([p[4][0][take] for p, take in zip(pieces, takes, strict=True)])
+    labels = np.concatenate([p[4][1][take] for p, take in zip(pieces, takes, strict=True)])
+    times = np.concatenate([p[4][2][take] for p, take in zip(pieces, takes, strict=True)])
     if len(pieces) > 1:  # by device, then file, row group and row
         order = np.lexsort((np.concatenate([p[3] for p in pieces]),
                             np.concatenate([np.full(len(p[0]), p[2]) for p in pieces]),

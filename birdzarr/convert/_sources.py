@@ -307,7 +307,9 @@ def _group_parquet(entries: list[_Entry]) -> list[DeviceSource]:
             ordered = sorted(files, key=lambda e: natural_key(e.name))
             devices.append(DeviceSource(device, "parquet", [e.file for e in ordered]))
         else:
-            pieces = sorted(parted[device], key=lambda p: (natural_key(p[0].name), p[0].order))
+            pieces = parted[device]
+            if len(pieces) > 1:  # most devices of partition files are in one
+                pieces = sorted(pieces, key=lambda p: (natural_key(p[0].name), p[0].order))
             devices.append(DeviceSource(device, "parquet", [p[0].file for p in pieces],
                                         partition_rows=sum(p[1] for p in pieces)))
     return devices

@@ -188,17 +188,17 @@ def summarize_runs(device_ids: list[int], sources: list[list[str]], starts: list
         for k, label, size in zip(keyed_run[edge].tolist(), keyed_label[edge].tolist(), sizes.tolist(),
                                   strict=True):
             per_device[k][label] = size
-    data = np.ascontiguousarray(windows, dtype="<f4")
+    data = np.ascontiguousarray(windows, dtype="<f4").view(np.uint8)  # what extend_checksum reads
     out = []
-    for k, device_id in enumerate(device_ids):
-        entry = DeviceEntry(device_id=device_id, sources=sources[k])
-        count = int(counts[k])
+    for k, (device_id, count, a, b, first, last) in enumerate(zip(
+            device_ids, counts.tolist(), bounds[:-1].tolist(), bounds[1:].tolist(), first_times.tolist(),
+            last_times.tolist(), strict=True)):
         if count:
-            a, b = int(bounds[k]), int(bounds[k + 1])
-            entry.n_windows = count
-            entry.label_counts = per_device[k]
-            entry.first_time, entry.last_time = int(first_times[k]), int(last_times[k])
-            crc = extend_checksum(0, data[a:b])
-            entry.ranges.append(DeviceRange(starts[k], starts[k] + count, f"{crc:08x}"))
+            crc = google_crc32c.extend(0, data[a:b])
+            entry = DeviceEntry(device_id=device_id, sources=sources[k], n_windows=count, first_time=first,
+                                last_time=last, label_counts=per_device[k],
+                                ranges=[DeviceRange(starts[k], starts[k] + count, f"{crc:08x}")])
+        else:
+            entry = DeviceEntry(device_id=device_id, sources=sources[k])
         out.append(DeviceSummary(entry, reports[k]))
     return out
