@@ -391,3 +391,31 @@ def test_the_rows_of_many_devices_are_laid_out_piece_by_piece_as_at_once(
         pieces = coder.new_rows()
         assert pieces.values.tobytes() == whole.values.tobytes()
         assert np.array_equal(pieces.start, whole.start) and np.array_equal(pieces.device, whole.device)
+
+
+def test_devices_counted_by_reading_are_read_together_too(
+    mixed: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``on_bad_rows="skip"`` the footers do not give the counts: the devices are read once
+    to count them, small devices of partition files together as in the conversion (each of the
+    299 small devices read together twice), and the store is the same as reading each alone."""
+    from birdzarr._errors import DuplicateWindowsWarning
+    from birdzarr.convert import _parquet, _segments
+
+    with pytest.warns(DuplicateWindowsWarning):
+        _one_by_one(mixed, tmp_path / "alone.zarr", monkeypatch, on_bad_rows="skip")
+    together: list[int] = []
+    read_runs = _parquet.read_runs
+
+    def counted(devices: list) -> object:
+        found = read_runs(devices)
+        together.append(0 if found is None else len(devices))
+        return found
+
+    monkeypatch.setattr(_segments, "RUN_WINDOWS", RUN)
+    monkeypatch.setattr(_segments, "read_runs", counted)
+    with pytest.warns(DuplicateWindowsWarning):
+        birdzarr.convert(str(mixed), str(tmp_path / "together.zarr"), chunk_windows=256, workers=1,
+                         progress=False, on_bad_rows="skip")
+    assert sum(together) == 2 * 299
+    assert_same_store(tmp_path / "alone.zarr", tmp_path / "together.zarr")

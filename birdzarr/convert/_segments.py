@@ -152,8 +152,28 @@ def _partition_only(device: DeviceSource, partition: dict[str, bool]) -> bool:
 
 
 def count_batch(devices: list[DeviceSource], curation: Curation, on_bad_rows: str) -> list[int]:
-    """``count_device`` for consecutive devices (one task)."""
-    return [count_device(d, curation, on_bad_rows) for d in devices]
+    """``count_device`` for consecutive devices (one task); devices of partition files alone with
+    at most ``RUN_WINDOWS`` rows in all are read together (``read_runs``, which reads them only
+    where every row is a window: their counts are then their rows), the rest one by one."""
+    partition: dict[str, bool] = {}
+    counts: list[int] = []
+    at = 0
+    while at < len(devices):
+        end, rows = at, 0
+        while end < len(devices):
+            known = devices[end].partition_rows
+            if known is None or rows + known > RUN_WINDOWS or not _partition_only(devices[end], partition):
+                break
+            rows += known
+            end += 1
+        found = read_runs([(d.device_id, d.files) for d in devices[at:end]]) if end > at else None
+        if found is not None:
+            counts.extend(found.counts.tolist())
+            at = end
+            continue
+        counts.extend(count_device(d, curation, on_bad_rows) for d in devices[at: max(end, at + 1)])
+        at = max(end, at + 1)
+    return counts
 
 
 def input_bytes(devices: list[DeviceSource]) -> int:
