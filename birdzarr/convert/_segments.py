@@ -27,9 +27,14 @@ committed windows read back and written again with the new ones (``AppendTo.shar
 2's segments number their new rows from the committed count, each extended device continuing its
 latest committed row (``Continuation``), and the collector shifts only the new row numbers.
 
-Memory: each task holds one reader batch (16,384 windows), one slab (``SLAB_WINDOWS``, 65,536
-windows of all the per-window arrays, at least one chunk: 22 MB in format 1), the duplicate check's
-8 B a window of the device it reads, and at most two chunks of shared windows; this process
+Small devices of partition files are read, summarised, checked and coded together, runs of
+consecutive devices of at most ``RUN_WINDOWS`` windows (``_parquet.read_runs``): no reader, block,
+summariser or duplicate keys a device; any other device is read on its own, block by block.
+
+Memory: each task holds one reader batch (16,384 windows) or one run of small devices (at most
+``RUN_WINDOWS`` windows, and their hashes), one slab (``SLAB_WINDOWS``, 65,536 windows of all the
+per-window arrays, at least one chunk), the duplicate check's 8 B a window of the device it reads,
+and at most two chunks of shared windows; this process
 holds the shared windows of segments whose neighbours have not finished yet (at most two chunks
 a segment).
 """
