@@ -222,6 +222,7 @@ def test_other_columns_are_named_in_the_report_and_a_warning(
                       match=r"2 input file\(s\) \(4.parquet, part-0.parquet\) have columns birdzarr does not "
                             r"read: 'note', 'speed_kmh'"):
         store = birdzarr.convert(source, tmp_path / "s.zarr", progress=False)
+    assert "meta" not in store.__dict__  # warned from the root attributes: no device table parsed
     assert store.meta["report"]["ignored_columns"] == {"note": ["4.parquet"], "speed_kmh": ["part-0.parquet"]}
     assert main(["convert", str(source), str(tmp_path / "t.zarr"), "--quiet"]) == 0
     assert "columns not read (see the warning): note, speed_kmh" in capsys.readouterr().out

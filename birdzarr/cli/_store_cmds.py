@@ -31,14 +31,15 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if client is not None:
         client.close()
     print(format_summary(summary(store)))
-    skipped = store.meta.get("skipped_files") or []
+    # the root attributes hold these (and the summary's totals): no device table is parsed
+    skipped = store.root.get("skipped_files") or []
     if skipped:
         print(f"skipped {len(skipped)} source entries that are not input files (--skip-unknown-files): "
               f"{', '.join(skipped[:10])}{' ...' if len(skipped) > 10 else ''}")
-    ignored = store.meta.get("report", {}).get("ignored_columns") or {}
+    ignored = store.root.get("report", {}).get("ignored_columns") or {}
     if ignored:
         print(f"columns not read (see the warning): {', '.join(ignored)}")
-    duplicates = store.meta.get("report", {}).get("duplicate_windows") or {}
+    duplicates = store.root.get("report", {}).get("duplicate_windows") or {}
     if duplicates:
         print(f"duplicate windows (kept, see the warning): {sum(duplicates.values()):,} in "
               f"{len(duplicates)} device(s)")

@@ -173,10 +173,9 @@ def convert(
                           buckets=buckets, shuffle_tmp=shuffle_tmp, duplicates=duplicates, client=client)
     duplicates.warn(dst.display)
     store = open_store(dst)
-    # from the devices' reports, which every path keeps (a Dask conversion's report has no
-    # ignored_columns of its own)
-    devices = store.meta.get("report", {}).get("devices", {}).values()
-    _warn_ignored_columns(_ignored_columns(d.get("problems") or [] for d in devices))
+    # the report's own list (every engine's devices' reports reach the commit), from the root
+    # attributes alone: the device table is not parsed again at 100K devices
+    _warn_ignored_columns(store.root.get("report", {}).get("ignored_columns") or {})
     return store
 
 
