@@ -2,11 +2,11 @@
 
 ``to_format2`` (made before the converter wrote format 2; a version-1 store now comes from
 tests/data/format1/) decodes ``gimu`` with zarr-python, encodes the windows with
-``birdzarr.format._v2.encode`` (the device ids of the ``device`` array as the dictionary rows'
-keys), writes the six arrays of format 2 from ``_v2.array_metadata`` documents with zarr-python,
-deletes ``gimu``, sets ``format_version`` 2 in the root attributes and records the dictionary's
-committed lengths as the converter does (``committed.dictionary``: rows, values); nothing else
-changes.
+``birdzarr.format._rows.encode`` (the writers' RowCoder; the device ids of the ``device`` array as
+the dictionary rows' keys), writes the six arrays of format 2 from ``_v2.array_metadata``
+documents with zarr-python, deletes ``gimu``, sets ``format_version`` 2 in the root attributes
+and records the dictionary's committed lengths as the converter does (``committed.dictionary``:
+rows, values); nothing else changes.
 
 It also holds what several test modules set up alike: the documented decoding lines
 (``documented_decode``), a script run where birdzarr cannot be imported (``run_without_birdzarr``),
@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 from birdzarr.format import _v2
+from birdzarr.format._rows import encode
 from birdzarr.format._spec import ATTRS_KEY, DEVICE, GIMU
 
 
@@ -48,7 +49,7 @@ def to_format2(path: str | Path) -> None:
     if len(device) != len(windows):
         raise ValueError(f"{path}: gimu holds {len(windows)} windows, device {len(device)}")
     chunk_windows = int(gimu.chunks[0])
-    encoded = _v2.encode(windows, device)
+    encoded = encode(windows, device)
     data = {_v2.CODES: encoded.codes, _v2.GPS: encoded.gps, _v2.ROW: encoded.row,
             _v2.VALUES: encoded.new.values, _v2.START: encoded.new.start, _v2.DEVICE: encoded.new.device}
     documents = _v2.array_metadata(len(windows), len(encoded.new.values), encoded.new.n_rows,

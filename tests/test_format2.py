@@ -1,22 +1,26 @@
-"""Format 2's window layout (birdzarr/format/_v2.py): exact round trips for every dictionary rule, and
-stores written with core Zarr v3 codecs only, read by TensorStore and by zarr-python without birdzarr."""
+"""Format 2's window layout (birdzarr/format/_v2.py) coded by its one encoder (birdzarr/format/_rows.py):
+exact round trips for every dictionary rule, and stores written with core Zarr v3 codecs only, read
+by TensorStore and by zarr-python without birdzarr."""
 
 from __future__ import annotations
 
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from format2_support import documented_decode, run_without_birdzarr
 
-from birdzarr.format import _v2
+from birdzarr.format import _rows, _v2
+from birdzarr.format._rows import Encoded, encode
 
 NEG_ZERO = np.float32(-0.0)
 # a quiet NaN with a payload: a dictionary keyed by bit pattern keeps it (curation drops NaN windows,
 # the layout does not rely on it)
 NAN_PAYLOAD = np.array([0x7FC01234], np.uint32).view(np.float32)[0]
+OTHER_NAN = np.array([0x7FC05678], np.uint32).view(np.float32)[0]
 
 
 def calibrated(n_windows: int, *, seed: int, gps_per_sample: bool = False) -> np.ndarray:
@@ -38,7 +42,7 @@ def assert_exact(got: np.ndarray, expected: np.ndarray) -> None:
     assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
 
 
-def round_trip(windows: np.ndarray, device: np.ndarray, encoded: _v2.Encoded,
+def round_trip(windows: np.ndarray, device: np.ndarray, encoded: Encoded,
                dictionaries: _v2.Dictionaries) -> None:
     """Both decoders give the input bit for bit, and every code falls inside its dictionary."""
     _v2.check(encoded.codes, encoded.row, dictionaries.start, len(dictionaries.values))
@@ -49,32 +53,36 @@ def round_trip(windows: np.ndarray, device: np.ndarray, encoded: _v2.Encoded,
     assert np.array_equal(dictionaries.device[encoded.row], device)
 
 
+def first_seen(values: np.ndarray) -> np.ndarray:
+    """The distinct float32 bit patterns of ``values`` in the order they first occur."""
+    import pandas as pd
+
+    return np.asarray(pd.unique(np.ascontiguousarray(values).reshape(-1).view(np.uint32)), np.uint32)
+
+
 def test_normal_devices_get_one_row_each_and_round_trip_bit_for_bit() -> None:
     parts = [calibrated(n, seed=s) for s, n in enumerate((700, 50, 1200))]
     windows = np.concatenate(parts)
     device = np.repeat([533, 7, 298], [len(p) for p in parts])
     windows[3, 5, 0] = NEG_ZERO
+    windows[3, 6, 0] = np.float32(0.0)  # +0.0 beside -0.0: two entries
     windows[4, 0, 3] = NEG_ZERO
     windows[800, 2, 1] = NAN_PAYLOAD
-    encoded = _v2.encode(windows, device)
+    windows[801, 2, 1] = OTHER_NAN  # another payload: another entry
+    encoded = encode(windows, device)
     round_trip(windows, device, encoded, encoded.new)
-    assert sorted(encoded.new.device.tolist()) == [7, 298, 533]
-    sizes = encoded.new.sizes()
-    assert (sizes <= 4096 + 2).all()  # 12-bit counts (+ the -0.0 and the NaN)
-    # the default entry order is ascending bit patterns in every (row, channel) dictionary
-    for r in range(encoded.new.n_rows):
+    # a row per device, numbered in the order of their first windows
+    assert encoded.new.device.tolist() == [533, 7, 298]
+    assert encoded.row.tolist() == np.repeat([0, 1, 2], [700, 50, 1200]).tolist()
+    # each row's entries: its device's distinct bit patterns, in the order its windows hold them
+    for r, d in enumerate((533, 7, 298)):
         for c in range(_v2.N_CODED):
-            entries = encoded.new.entries(r, c).view(np.uint32)
-            assert (np.diff(entries.astype(np.int64)) > 0).all()
-
-
-def test_first_occurrence_order_decodes_the_same() -> None:
-    windows = calibrated(900, seed=3)
-    device = np.zeros(900, np.int64)
-    encoded = _v2.encode(windows, device, orders=(_v2.FIRST,) * 3)
-    round_trip(windows, device, encoded, encoded.new)
-    first = encoded.new.entries(0, 0)
-    assert first[0] == windows[0, 0, 0] and first[1] == windows[0, 1, 0]
+            expected = first_seen(windows[device == d][:, :, c])
+            assert np.array_equal(encoded.new.entries(r, c).view(np.uint32), expected)
+    assert (encoded.new.sizes() <= 4096 + 2).all()  # 12-bit counts (+ the zeros or the NaNs)
+    zero_codes = encoded.codes[3, 5:7, 0]
+    assert zero_codes[0] != zero_codes[1]
+    assert encoded.codes[800, 2, 1] != encoded.codes[801, 2, 1]
 
 
 def test_a_device_channel_over_65535_distinct_values_splits_into_rows() -> None:
@@ -83,7 +91,7 @@ def test_a_device_channel_over_65535_distinct_values_splits_into_rows() -> None:
     distinct = (np.random.default_rng(1).permutation(80_000) + 0.5) / 7  # float32 keeps them apart
     windows[:, :, 1] = distinct.reshape(4000, 20).astype(np.float32)
     device = np.full(4000, 42)
-    encoded = _v2.encode(windows, device)
+    encoded = encode(windows, device)
     round_trip(windows, device, encoded, encoded.new)
     sizes = encoded.new.sizes()
     assert encoded.new.n_rows == 2 and (sizes <= _v2.MAX_ENTRIES).all()
@@ -97,11 +105,16 @@ def test_a_device_channel_over_65535_distinct_values_splits_into_rows() -> None:
 def test_the_split_starts_a_row_at_the_first_window_that_would_overflow() -> None:
     # windows 0..3275 hold 65,520 distinct values, window 3276 adds 15 more (65,535: still fits), the
     # next brings one new value, which would make 65,536
-    values = np.arange(3278 * 20, dtype=np.uint32)
+    values = np.arange(3278 * 20, dtype=np.uint32) + np.uint32(0x3F000000)  # 0.5 and up, bit by bit
     values[3276 * 20 + 15 : 3277 * 20] = values[3276 * 20]  # window 3276: 15 distinct new values + repeats
     values[3277 * 20 + 1 :] = values[0]  # window 3277: one new value, then old ones
-    row = _v2._split_device([(values, 20)], 3278)
-    assert np.array_equal(row, np.repeat([0, 1], [3277, 1]))
+    windows = calibrated(3278, seed=7)
+    windows[:, :, 0] = values.view(np.float32).reshape(3278, 20)
+    device = np.full(3278, 3)
+    encoded = encode(windows, device)
+    round_trip(windows, device, encoded, encoded.new)
+    assert np.array_equal(encoded.row, np.repeat([0, 1], [3277, 1]))
+    assert encoded.new.sizes()[:, 0].tolist() == [_v2.MAX_ENTRIES, 2]
 
 
 def test_gps_speed_with_over_65535_distinct_values_needs_no_split() -> None:
@@ -109,7 +122,7 @@ def test_gps_speed_with_over_65535_distinct_values_needs_no_split() -> None:
     windows = calibrated(4000, seed=6, gps_per_sample=True)
     assert len(np.unique(windows[:, :, 3])) > _v2.MAX_ENTRIES
     device = np.full(4000, 1)
-    encoded = _v2.encode(windows, device)
+    encoded = encode(windows, device)
     round_trip(windows, device, encoded, encoded.new)
     assert encoded.new.n_rows == 1
 
@@ -122,18 +135,23 @@ def test_many_small_devices_in_shuffled_order() -> None:
     device = np.repeat(np.arange(3000) * 3 + 100, sizes)
     order = rng.permutation(len(windows))
     windows, device = windows[order], device[order]
-    encoded = _v2.encode(windows, device)
+    encoded = encode(windows, device)
     round_trip(windows, device, encoded, encoded.new)
+    # still a row per device (a device's windows need not lie together), in first-window order
     assert encoded.new.n_rows == 3000
+    assert np.array_equal(encoded.new.device, first_seen_ids(device))
     assert encoded.new.sizes().max() <= 5 * 20
 
 
-@pytest.mark.parametrize("order", [_v2.SORTED, _v2.FIRST])
-def test_an_append_with_new_values_grows_the_dictionary_and_old_codes_stay_valid(order: str) -> None:
-    orders = (order,) * _v2.N_CODED
+def first_seen_ids(device: np.ndarray) -> np.ndarray:
+    _, first = np.unique(device, return_index=True)
+    return device[np.sort(first)]
+
+
+def test_an_append_with_new_values_grows_the_dictionary_and_old_codes_stay_valid() -> None:
     old_windows = calibrated(300, seed=11)
     old_device = np.full(300, 533)
-    first = _v2.encode(old_windows, old_device, orders=orders)
+    first = encode(old_windows, old_device)
     # new windows of device 533 (other counts: new values) and of a new device 7
     new_windows = np.concatenate([calibrated(200, seed=12), calibrated(100, seed=13)])
     new_windows[:, :, :3] = np.concatenate([
@@ -142,7 +160,7 @@ def test_an_append_with_new_values_grows_the_dictionary_and_old_codes_stay_valid
     ])
     new_device = np.repeat([533, 7], [200, 100])
     new_windows[150, 4, 1] = old_windows[0, 0, 1]  # an old value among the new ones keeps its code
-    second = _v2.encode(new_windows, new_device, previous=first.new, orders=orders)
+    second = encode(new_windows, new_device, previous=first.new)
     store = first.new.extend(second.new)
     assert store.device.tolist() == [533, 533, 7]
     assert second.codes[150, 4, 1] == first.codes[0, 0, 1]
@@ -157,37 +175,52 @@ def test_an_append_with_new_values_grows_the_dictionary_and_old_codes_stay_valid
         assert sizes[1, c] > sizes[0, c]
         assert_exact(grown[: sizes[0, c]], old_entries)
         assert_exact(grown[first.codes[:, :, c]], old_windows[:, :, c])
+        # then the values the row lacked, in the order the new windows hold them
+        lacking = first_seen(new_windows[:200, :, c])
+        lacking = lacking[~np.isin(lacking, old_entries.view(np.uint32))]
+        assert np.array_equal(grown[sizes[0, c]:].view(np.uint32), lacking)
     # starts of the appended rows count the entries before them
     assert second.new.start[0, 0] == len(first.new.values)
 
 
 def test_an_append_without_new_values_reuses_the_row() -> None:
     windows = calibrated(400, seed=21)
-    first = _v2.encode(windows[:300], np.full(300, 5))
+    first = encode(windows[:300], np.full(300, 5))
     again = windows[:100].copy()
     again[:, :, 3] = windows[300:, :, 3]  # gps_speed is stored as it is: new speeds need no entries
-    second = _v2.encode(again, np.full(100, 5), previous=first.new)
+    second = encode(again, np.full(100, 5), previous=first.new)
     assert second.new.n_rows == 0 and len(second.new.values) == 0
     assert set(second.row.tolist()) == {0}
     round_trip(again, np.full(100, 5), second, first.new.extend(second.new))
 
 
-def test_an_append_that_would_overflow_the_row_starts_new_rows() -> None:
+def test_an_append_that_would_overflow_the_row_grows_it_to_the_last_window_that_fits() -> None:
     windows = calibrated(3500, seed=31)
     distinct = (np.random.default_rng(2).permutation(70_000) + 0.5) / 7
     windows[:, :, 2] = distinct.reshape(3500, 20).astype(np.float32)
-    first = _v2.encode(windows[:2500], np.full(2500, 8))  # 50,000 entries in imu_z
-    second = _v2.encode(windows[2500:], np.full(1000, 8), previous=first.new)  # +20,000 > 65,535
+    first = encode(windows[:2500], np.full(2500, 8))  # 50,000 entries in imu_z
+    second = encode(windows[2500:], np.full(1000, 8), previous=first.new)  # +20,000 > 65,535
     store = first.new.extend(second.new)
-    assert store.device.tolist() == [8, 8]
-    assert store.sizes()[1, 2] == 1000 * 20  # its own row, not the old one's entries + the new
+    # the append rule grows a new row from the stored one (50,000 + 776 x 20 = 65,520 entries); the
+    # window that would pass 65,535 opens the device's next row (the overflow rule)
+    assert store.device.tolist() == [8, 8, 8]
+    assert np.array_equal(second.row, np.repeat([1, 2], [776, 224]))
+    assert store.sizes()[1:, 2].tolist() == [50_000 + 776 * 20, 224 * 20]
+    assert_exact(store.entries(1, 2)[:50_000], store.entries(0, 2))
     round_trip(windows[:2500], np.full(2500, 8), first, store)
     round_trip(windows[2500:], np.full(1000, 8), second, store)
 
 
+def test_encode_refuses_windows_of_another_shape_and_a_device_count_that_differs() -> None:
+    with pytest.raises(ValueError, match=r"^windows must be float32 \(n, 20, 4\), got float64 \(3, 20, 4\)$"):
+        encode(np.zeros((3, 20, 4)), np.zeros(3))
+    with pytest.raises(ValueError, match="^2 device keys for 3 windows$"):
+        encode(np.zeros((3, 20, 4), np.float32), np.zeros(2))
+
+
 def test_check_refuses_codes_past_their_dictionary() -> None:
     windows = calibrated(10, seed=41)
-    encoded = _v2.encode(windows, np.zeros(10))
+    encoded = encode(windows, np.zeros(10))
     codes = encoded.codes.copy()
     codes[3, 4, 2] = encoded.new.sizes()[0, 2]
     with pytest.raises(ValueError, match="past the end of its dictionary"):
@@ -196,31 +229,25 @@ def test_check_refuses_codes_past_their_dictionary() -> None:
         _v2.check(encoded.codes, encoded.row + 1, encoded.new.start, len(encoded.new.values))
 
 
-def test_unique_matches_numpy() -> None:
-    keys = np.random.default_rng(3).integers(0, 5000, 100_000).astype(np.uint64) << np.uint64(7)
-    distinct, first_rank, inverse = _v2._unique(keys)
-    expected, first_at, expected_inverse = np.unique(keys, return_index=True, return_inverse=True)
-    assert np.array_equal(distinct, expected) and np.array_equal(inverse, expected_inverse.reshape(-1))
-    assert np.array_equal(np.argsort(first_rank), np.argsort(first_at))
-
-
 @pytest.mark.parametrize("shuffled", [False, True])
 @pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_slabs_of_devices_code_as_one_table_does(monkeypatch: pytest.MonkeyPatch, shuffled: bool) -> None:
+    """RowCoder hashes a slab's values ``_FACTORISED`` at a time, cut between devices: the rows are
+    those of one hash table."""
     sizes = np.random.default_rng(4).integers(1, 40, 200)
     windows = np.concatenate([calibrated(int(n), seed=2000 + i) for i, n in enumerate(sizes)])
     device = np.repeat(np.arange(200), sizes)
     if shuffled:
         order = np.random.default_rng(5).permutation(len(windows))
         windows, device = windows[order], device[order]
-    for orders in ((_v2.SORTED,) * 3, (_v2.FIRST,) * 3):
-        monkeypatch.setattr(_v2, "_SLAB", 2**40)  # one slab
-        whole = _v2.encode(windows, device, orders=orders)
-        monkeypatch.setattr(_v2, "_SLAB", 1000)  # a slab every few devices
-        slabs = _v2.encode(windows, device, orders=orders)
-        assert np.array_equal(whole.codes, slabs.codes) and np.array_equal(whole.row, slabs.row)
-        assert np.array_equal(whole.new.values.view(np.uint32), slabs.new.values.view(np.uint32))
-        assert np.array_equal(whole.new.start, slabs.new.start)
+    monkeypatch.setattr(_rows, "_FACTORISED", 2**40)  # one table
+    whole = encode(windows, device)
+    monkeypatch.setattr(_rows, "_FACTORISED", 1000)  # a table every few devices
+    slabs = encode(windows, device)
+    assert np.array_equal(whole.codes, slabs.codes) and np.array_equal(whole.row, slabs.row)
+    assert np.array_equal(whole.new.values.view(np.uint32), slabs.new.values.view(np.uint32))
+    assert np.array_equal(whole.new.start, slabs.new.start)
+    round_trip(windows, device, slabs, slabs.new)
 
 
 # -- interop: a store written with core codecs only, read without birdzarr ------------------------
@@ -238,11 +265,11 @@ def v2_store(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     windows = np.concatenate([calibrated(n, seed=50 + i) for i, n in enumerate(sizes)])
     windows[7, 3, 0] = NEG_ZERO
     device = np.repeat([533, 298, 7], sizes)
-    encoded = _v2.encode(windows, device)
+    encoded = encode(windows, device)
     if request.param == "shuffled":
         order = np.random.default_rng(17).permutation(len(windows))
         windows = windows[order]
-        encoded = _v2.Encoded(encoded.codes[order], encoded.row[order], encoded.gps[order], encoded.new)
+        encoded = Encoded(encoded.codes[order], encoded.row[order], encoded.gps[order], encoded.new)
     path = tmp_path_factory.mktemp("v2") / "store.zarr"
     data = {_v2.CODES: encoded.codes, _v2.GPS: encoded.gps, _v2.ROW: encoded.row,
             _v2.VALUES: encoded.new.values, _v2.START: encoded.new.start, _v2.DEVICE: encoded.new.device}
@@ -280,7 +307,7 @@ def test_tensorstore_reads_the_store_and_the_documented_lines_decode_it(
 
     z = {name: read(name) for name in _v2.ARRAYS}
     for a, b in ((0, len(windows)), (500, 1100)):
-        scope = {"np": np, "z": z, "a": a, "b": b}
+        scope: dict[str, Any] = {"np": np, "z": z, "a": a, "b": b}
         exec(documented_decode(), scope)
         assert_exact(scope["windows"], windows[a:b])
 

@@ -22,6 +22,7 @@ from birdzarr._errors import BadInputError, CorruptChunkError, MissingChunkError
 from birdzarr.cli import main
 from birdzarr.demo import _synthetic
 from birdzarr.format import _v2
+from birdzarr.format._rows import encode
 from birdzarr.maintenance._repair import repair
 from birdzarr.maintenance._verify import verify
 
@@ -438,8 +439,8 @@ def _two_row_store(small_store: birdzarr.Store, path: pathlib.Path, split: int) 
     shutil.copytree(small_store.location.path, path)
     windows = np.asarray(small_store.windows[:])
     device = np.asarray(_array(path, "device")[:], dtype=np.int64)
-    first = _v2.encode(windows[:split], device[:split])
-    rest = _v2.encode(windows[split:], device[split:], previous=first.new)
+    first = encode(windows[:split], device[:split])
+    rest = encode(windows[split:], device[split:], previous=first.new)
     dicts = first.new.extend(rest.new)
     data = {_v2.CODES: np.concatenate([first.codes, rest.codes]),
             _v2.ROW: np.concatenate([first.row, rest.row]), _v2.VALUES: dicts.values,

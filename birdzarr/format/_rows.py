@@ -1,8 +1,9 @@
-"""Dictionary rows built while windows stream in: how every writer codes format 2.
+"""Dictionary rows built while windows stream in: the one encoder of format 2.
 
-``birdzarr.format._v2.encode`` codes a whole array at once. A converter sees a device's windows a
-block at a time (reader batches, slabs, a worker process's segment), so it keeps one open row per
-device and codes each block against it (``RowCoder.code``):
+``birdzarr.format._v2`` holds the layout and its decode; this module holds the rules a writer
+follows (docs/format.md, "Dictionary rows"). A converter sees a device's windows a block at a time
+(reader batches, slabs, a worker process's segment), so it keeps one open row per device and codes
+each block against it (``RowCoder.code``):
 
 - a value the row lacks is appended to its entries (first-seen order), so every earlier code keeps
   its meaning and nothing written is revisited;
@@ -15,7 +16,10 @@ device and codes each block against it (``RowCoder.code``):
 The rows, codes and row numbers depend only on each device's windows in store order, never on how
 they were cut into blocks, so every writer (threads, worker processes, Dask tasks) stores the same
 bytes. Rows are numbered in the order they open, from ``first_row``; ``new_rows`` gives what the
-dictionary arrays gain.
+dictionary arrays gain. A ``--shuffle`` conversion ``seed``s each device's row with its values
+sorted by bit pattern before coding any window. ``encode`` codes a whole array in memory with a
+``RowCoder`` (test stores, a store rewritten from windows): the converter's rows for the same
+windows in the same order.
 
 ``RowCoder.code_runs`` codes many devices' blocks in one call (a slab of many small devices'
 windows), exactly as ``code`` run by run, without a Python pass a device: the same 1 M windows
@@ -38,15 +42,12 @@ from typing import Any
 import numpy as np
 
 from birdzarr.format._v2 import (
-    FIRST,
     MAX_ENTRIES,
+    N_CHANNELS,
     N_CODED,
     WINDOW_LENGTH,
     Dictionaries,
-    _extend_row,
 )
-
-_ORDERS = (FIRST,) * N_CODED
 
 
 @dataclass
@@ -470,23 +471,59 @@ class RowCoder:
 
     def _code_prefix(self, row: _Row, bits: np.ndarray, codes: np.ndarray, rows: np.ndarray) -> int:
         """The overflow rule: code the longest leading run of windows ``row`` can still hold
-        (found by bisection; the rule is rare: values that are not 12-bit counts)."""
-        n = len(bits)
-        extended = _extend_row(bits, row.entries, _ORDERS)
-        if extended is None:  # some channel would overflow: the longest prefix that fits
-            fits, too_many = 0, n
-            while too_many - fits > 1:  # _extend_row fits prefixes monotonically
-                middle = (fits + too_many) // 2
-                if _extend_row(bits[:middle], row.entries, _ORDERS) is None:
-                    too_many = middle
-                else:
-                    fits = middle
-            if fits == 0:
-                if not any(len(e) for e in row.entries):  # pragma: no cover - 20 values a window
-                    raise AssertionError("one window overflows an empty row")
-                return 0
-            return self._code_into(row, bits[:fits], codes[:fits], rows[:fits])
-        raise AssertionError("the bisection and the look-up disagree on a row's room")  # pragma: no cover
+        (``_room``; the rule is rare: values that are not 12-bit counts); 0 when it holds none."""
+        fits = _room(bits, row.entries)
+        if fits == 0:
+            if not any(len(e) for e in row.entries):  # pragma: no cover - 20 values a window
+                raise AssertionError("one window overflows an empty row")
+            return 0
+        return self._code_into(row, bits[:fits], codes[:fits], rows[:fits])
+
+
+def _room(bits: np.ndarray, entries: list[np.ndarray]) -> int:
+    """How many leading windows of ``bits`` (uint32 (n, 20, 4)) a row holding ``entries`` (uint32
+    per channel) can take without passing ``MAX_ENTRIES`` entries in any channel: the row gains a
+    value at the window where it first occurs, unless the row holds it already."""
+    n = len(bits)
+    fits = n
+    for c in range(N_CODED):
+        values = bits[:, :, c].reshape(-1)
+        distinct, first = np.unique(values, return_index=True)
+        new = first[~np.isin(distinct, entries[c], assume_unique=True)]
+        total = len(entries[c]) + np.cumsum(np.bincount(new // WINDOW_LENGTH, minlength=n))
+        fits = min(fits, int(np.searchsorted(total, MAX_ENTRIES, side="right")))
+    return fits
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """What ``encode`` stores: the windows' codes, rows and gps_speed, and the rows to append to
+    the dictionary arrays (``new.start`` is absolute: it already counts the earlier entries)."""
+
+    codes: np.ndarray  # uint16 (n, 20, 3)
+    row: np.ndarray  # uint32 (n,)
+    gps: np.ndarray  # float32 (n, 20)
+    new: Dictionaries
+
+
+def encode(windows: np.ndarray, device: np.ndarray, previous: Dictionaries | None = None) -> Encoded:
+    """Code float32 windows (n, 20, 4) of the given devices (any integer key a window, the key the
+    rows record) in one call: ``RowCoder.code_runs`` of a new coder, or of one appending to
+    ``previous`` (the store's dictionary arrays: its devices follow the append rule). The rows a
+    converter writes for the same windows in the same order (device order: entries first-seen, rows
+    numbered by their first window; a device's windows need not lie together)."""
+    windows = np.ascontiguousarray(windows)
+    if windows.dtype != np.float32 or windows.ndim != 3 or windows.shape[1:] != (WINDOW_LENGTH, N_CHANNELS):
+        raise ValueError(f"windows must be float32 (n, {WINDOW_LENGTH}, {N_CHANNELS}), got "
+                         f"{windows.dtype} {windows.shape}")
+    device = np.asarray(device, dtype=np.int64).reshape(-1)
+    if len(device) != len(windows):
+        raise ValueError(f"{len(device)} device keys for {len(windows)} windows")
+    coder = RowCoder() if previous is None else RowCoder.appending_to(previous)
+    codes, rows = coder.code_runs(device, windows)
+    if coder.first_row + coder.n_rows >= 2**32 - 1:
+        raise ValueError("more than 2**32 - 2 dictionary rows")
+    return Encoded(codes, rows.astype(np.uint32), np.ascontiguousarray(windows[:, :, 3]), coder.new_rows())
 
 
 @dataclass

@@ -2,8 +2,8 @@
 
 The layout birdzarr writes (version 1's ``birdzarr.dict16`` and ``birdzarr.gdict16`` codecs are
 read only): imu_x/y/z are uint16 codes into one dictionary row per device, held in ordinary
-arrays; gps_speed stays float32. Pure numpy and zarr.json documents, no I/O: the encode, the
-decode, the rules, and each array's metadata.
+arrays; gps_speed stays float32. Pure numpy and zarr.json documents, no I/O: the decode, the
+layout's rules, and each array's metadata (the encoder is ``birdzarr.format._rows``).
 
 Arrays
 ------
@@ -51,21 +51,13 @@ The rules
   dictionary would hold every speed (measured: +27 bytes a window, 30% more store); as
   float32 with zstd and no shuffle, a burst's equal values cost 2.6 (device order) to 4.2
   (shuffled) bytes a window, and speeds that vary inside a window need no rule at all.
-- **Overflow**: an IMU device-channel with more than 65,535 distinct values (not 12-bit counts:
-  a source of other floats) splits the device into several rows, windows in order: a new row
-  starts at the first window that would take some channel of the current row past 65,535 entries
-  (``MAX_ENTRIES``). Nothing falls back to another layout; every value stays a code.
+- **Overflow, append, entry order**: how a writer builds the rows (a row that would pass
+  ``MAX_ENTRIES`` entries closes at the first window that would overflow it; an append grows a
+  new row from the device's latest one and never rewrites a stored one; entries in first-seen or,
+  for ``--shuffle``, bit-pattern order) is ``birdzarr.format._rows``: ``RowCoder`` is the one
+  encoder, ``encode`` its whole-array use. A decoder assumes none of it.
 - **Many small devices**: still a row per device. At ~30 windows a device the dictionaries are
   most of the stored bytes; the cost is memory and locality for readers.
-- **Append**: new windows of a device that has rows reuse its latest row when it already holds
-  every value; otherwise they get a new row whose entries are the latest row's followed by the new
-  values (the dictionary grows; every old code means the same value in the old and the new row,
-  and no stored byte changes); when that would pass 65,535 entries, the new windows get rows of
-  their own (the overflow rule). Rows are never rewritten: the dictionary arrays only grow, so a
-  failed append that keeps the committed lengths leaves the previous state.
-- **Entry order** is the encoder's choice, never the decoder's: ``sorted`` (bit patterns
-  ascending, the default: a calibrated channel's codes follow its values, which bit-shuffles well)
-  or ``first`` (first occurrence), measured smaller and no faster.
 - **Device key**: ``dict_device`` records whatever integer the writer passes per window (the
   store's device index, or the device id); a window's device is ``dict_device[row[w]]``, so a
   separate per-window device array is redundant (the writer's choice).
@@ -92,18 +84,13 @@ START = "dict_start"
 DEVICE = "dict_device"
 ARRAYS = (CODES, GPS, ROW, VALUES, START, DEVICE)
 
-SORTED = "sorted"
-FIRST = "first"
-# Entry order per coded channel (imu_x, imu_y, imu_z): chosen by benchmarks/format2.py.
-ORDERS: tuple[str, ...] = (SORTED, SORTED, SORTED)
-
 
 @dataclass(frozen=True)
 class Dictionaries:
-    """The dictionary arrays as stored (or the part an encode appends to them)."""
+    """The dictionary arrays as stored (or the rows a coder appends to them: ``RowCoder.new_rows``)."""
 
     values: np.ndarray  # float32 (M,)
-    start: np.ndarray  # int64 (R, 4)
+    start: np.ndarray  # int64 (R, 3)
     device: np.ndarray  # int64 (R,)
 
     @classmethod
@@ -115,7 +102,7 @@ class Dictionaries:
         return len(self.device)
 
     def sizes(self) -> np.ndarray:
-        """Entries of each (row, channel) dictionary, int64 (R, 4)."""
+        """Entries of each (row, channel) dictionary, int64 (R, 3)."""
         return entry_counts(self.start, len(self.values))
 
     def entries(self, row: int, channel: int) -> np.ndarray:
@@ -124,24 +111,13 @@ class Dictionaries:
         return self.values[first : first + int(self.sizes()[row, channel])]
 
     def extend(self, part: Dictionaries) -> Dictionaries:
-        """These arrays with ``part`` (an encode's new rows, whose starts count from the end of
+        """These arrays with ``part`` (a coder's new rows, whose starts count from the end of
         these values) appended: what the store holds after the append."""
         return Dictionaries(
             np.concatenate([self.values, part.values]),
             np.concatenate([self.start, part.start]),
             np.concatenate([self.device, part.device]),
         )
-
-
-@dataclass(frozen=True)
-class Encoded:
-    """What one encode stores: the windows' codes, rows and gps_speed, and the rows to append to
-    the dictionary arrays (``new.start`` is absolute: it already counts the earlier entries)."""
-
-    codes: np.ndarray  # uint16 (n, 20, 3)
-    row: np.ndarray  # uint32 (n,)
-    gps: np.ndarray  # float32 (n, 20)
-    new: Dictionaries
 
 
 def entry_counts(start: np.ndarray, n_values: int) -> np.ndarray:
@@ -206,283 +182,6 @@ def check(codes: np.ndarray, row: np.ndarray, start: np.ndarray, n_values: int) 
         raise ValueError(f"gimu_row refers to row {int(row.max())}; the dictionary has {len(sizes)} rows")
     if (codes >= sizes[row][:, None, :]).any():
         raise ValueError("a gimu code is past the end of its dictionary")
-
-
-# -- encoding --------------------------------------------------------------------------------
-
-
-def _constant_rows(bits: np.ndarray) -> bool:
-    """Whether every window repeats its first value (one gps_speed a window)."""
-    head = bits[:16]
-    return bool((head == head[:, :1]).all()) and bool((bits == bits[:, :1]).all())
-
-
-def _channel_values(bits: np.ndarray, c: int) -> tuple[np.ndarray, int]:
-    """Channel ``c`` of (n, 20, 4) uint32 bit patterns as a flat array, and the values per window
-    it keeps: 1 when the channel is constant within every window (coded once a window), else 20."""
-    channel = bits[:, :, c]
-    if len(channel) and _constant_rows(channel):
-        return np.ascontiguousarray(channel[:, 0]), 1
-    return channel.reshape(-1), WINDOW_LENGTH
-
-
-def _previous_occurrence(values: np.ndarray) -> np.ndarray:
-    """For each position, the last earlier position holding the same value (-1 if none)."""
-    order = np.argsort(values, kind="stable")
-    ordered = values[order]
-    previous = np.full(len(values), -1, np.int64)
-    same = ordered[1:] == ordered[:-1]
-    previous[order[1:][same]] = order[:-1][same]
-    return previous
-
-
-def _split_device(channels: list[tuple[np.ndarray, int]], n_windows: int) -> np.ndarray:
-    """Row number (0, 1, ...) of each of one device's windows: a new row starts at the first window
-    that would take some channel of the current row past MAX_ENTRIES distinct values."""
-    previous = [(_previous_occurrence(values), per) for values, per in channels]
-    row = np.empty(n_windows, np.int64)
-    first, number = 0, 0
-    while first < n_windows:
-        stop = n_windows
-        for prev, per in previous:
-            # distinct values of windows [first, first + k) = values there seen nowhere earlier in it
-            fresh = np.cumsum(prev[first * per :] < first * per)[per - 1 :: per]
-            stop = min(stop, first + int(np.searchsorted(fresh, MAX_ENTRIES, side="right")))
-        if stop <= first:  # a window holds at most 20 distinct values a channel
-            raise AssertionError("a single window overflows a dictionary")
-        row[first:stop] = number
-        first, number = stop, number + 1
-    return row
-
-
-def _unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``np.unique(keys, return_index=True, return_inverse=True)``, except that the second array
-    only ranks the distinct keys by first occurrence (all the encoder needs). pandas' hash
-    factorisation (a dependency of birdzarr), then a sort of the distinct keys only: 4-5x faster
-    than numpy's sort of every key, and the same result."""
-    try:
-        import pandas as pd
-    except ImportError:  # pragma: no cover
-        return np.unique(keys, return_index=True, return_inverse=True)  # type: ignore[return-value]
-    seen, found = pd.factorize(keys, sort=False)  # found: the distinct keys by first occurrence
-    found = np.asarray(found, dtype=np.uint64)
-    by_key = np.argsort(found)
-    rank = np.empty(len(found), np.int64)
-    rank[by_key] = np.arange(len(found))
-    return found[by_key], by_key, rank[seen]
-
-
-_SLAB = 2**18  # values hashed at once, cut at a group boundary: a hash table that stays in the caches
-
-
-def _unique_grouped(keys: np.ndarray, group: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``_unique(keys)`` for keys whose high half is ``group``: slabs of whole groups are
-    factorised one by one (no key is in two slabs, so the slabs' sorted distinct keys follow one
-    another), which keeps each hash table small where a device's values are nearly all distinct
-    (many small devices: one table of millions of keys measured 5-10x slower)."""
-    n = len(keys)
-    order = None
-    if n and not bool((group[1:] >= group[:-1]).all()):  # windows not device after device
-        order = np.argsort(group, kind="stable")
-        keys, group = keys[order], group[order]
-    group_starts = np.flatnonzero(group[1:] != group[:-1]) + 1
-    at = np.searchsorted(group_starts, np.arange(_SLAB, n, _SLAB))
-    bounds = np.concatenate(([0], np.unique(group_starts[at[at < len(group_starts)]]), [n]))
-    distinct, first, inverse = [], [], np.empty(n, np.int64)
-    found = 0
-    for begin, end in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
-        slab_distinct, slab_first, slab_inverse = _unique(keys[begin:end])
-        distinct.append(slab_distinct)
-        first.append(slab_first + begin)  # still orders a group's keys by first occurrence
-        inverse[begin:end] = slab_inverse.reshape(-1) + found
-        found += len(slab_distinct)
-    if order is not None:
-        back = np.empty(n, np.int64)
-        back[order] = inverse
-        inverse = back
-    if not distinct:
-        return np.empty(0, np.uint64), np.empty(0, np.int64), inverse
-    return np.concatenate(distinct), np.concatenate(first), inverse
-
-
-def _code_channel(values: np.ndarray, group: np.ndarray, n_groups: int, order: str
-                  ) -> tuple[tuple[np.ndarray, np.ndarray] | None, np.ndarray]:
-    """Dictionary-code one channel whose values belong to ``group`` (0..n_groups-1, one per value).
-
-    Returns the codes (uint16, one per value) and the entries (uint32 bit patterns, group after
-    group), or None when a group has more than MAX_ENTRIES distinct values; and each group's
-    count of distinct values."""
-    keys = (group.astype(np.uint64) << np.uint64(32)) | values.astype(np.uint64)
-    distinct, first_at, inverse = _unique_grouped(keys, group)
-    owner = (distinct >> np.uint64(32)).astype(np.int64)
-    counts = np.bincount(owner, minlength=n_groups)
-    if counts.max(initial=0) > MAX_ENTRIES:
-        return None, counts
-    block = np.cumsum(counts) - counts
-    if order == FIRST:  # within each group, entries by first occurrence
-        placement = np.lexsort((first_at, owner))
-        rank = np.empty(len(distinct), np.int64)
-        rank[placement] = np.arange(len(distinct)) - block[owner[placement]]
-        entries = np.empty(len(distinct), np.uint32)
-        entries[block[owner] + rank] = distinct.astype(np.uint32)  # low 32 bits: the value
-    else:
-        rank = np.arange(len(distinct)) - block[owner]
-        entries = distinct.astype(np.uint32)
-    return (rank[inverse.reshape(-1)].astype(np.uint16), entries), counts
-
-
-def _encode_fresh(bits: np.ndarray, device: np.ndarray, orders: tuple[str, ...], first_value: int
-                  ) -> tuple[np.ndarray, np.ndarray, Dictionaries]:
-    """Codes, rows (0..R-1 local) and dictionaries (starts from ``first_value``) of windows whose
-    devices start new rows: a row per device, unless the overflow rule splits it. Codes the first
-    ``len(orders)`` channels of ``bits``."""
-    n, n_coded = len(bits), len(orders)
-    devices, group = np.unique(device, return_inverse=True)
-    group = group.reshape(-1).astype(np.int64)
-    channels = [_channel_values(bits, c) for c in range(n_coded)]
-    row_of_window, row_device = group, devices
-    coded = [_code_channel(values, np.repeat(group, per), len(devices), orders[c])
-             for c, (values, per) in enumerate(channels)]
-    overflowing = np.flatnonzero(np.any([counts > MAX_ENTRIES for _, counts in coded], axis=0))
-    if len(overflowing):  # the overflow rule: split those devices into rows, then code again
-        split = np.zeros(n, np.int64)  # row number within the device
-        for g in overflowing.tolist():
-            where = np.flatnonzero(group == g)
-            mine = [(values.reshape(n, per)[where].reshape(-1), per) for values, per in channels]
-            split[where] = _split_device(mine, len(where))
-        n_rows_of = np.ones(len(devices), np.int64)
-        np.maximum.at(n_rows_of, group, split + 1)
-        first_row = np.cumsum(n_rows_of) - n_rows_of
-        row_of_window = first_row[group] + split
-        row_device = np.repeat(devices, n_rows_of)
-        coded = [_code_channel(values, np.repeat(row_of_window, per), len(row_device), orders[c])
-                 for c, (values, per) in enumerate(channels)]
-    n_rows = len(row_device)
-    codes = np.empty((n, WINDOW_LENGTH, n_coded), np.uint16)
-    counts = np.empty((n_rows, n_coded), np.int64)
-    entries = []
-    for c, ((result, counts[:, c]), (_, per)) in enumerate(zip(coded, channels, strict=True)):
-        if result is None:
-            raise AssertionError("a row passed MAX_ENTRIES after the split")
-        codes[:, :, c] = result[0].reshape(n, per)  # per == 1 broadcasts over the window
-        entries.append(result[1])
-    flat = counts.reshape(-1)
-    start = (np.cumsum(flat) - flat).reshape(n_rows, n_coded)
-    table = np.empty(int(flat.sum()), np.uint32)
-    for c in range(n_coded):  # channel c's entries, row after row, into each row's slot
-        owner = np.repeat(np.arange(n_rows), counts[:, c])
-        within = np.arange(len(owner)) - np.repeat(np.cumsum(counts[:, c]) - counts[:, c], counts[:, c])
-        table[start[owner, c] + within] = entries[c]
-    new = Dictionaries(table.view(np.float32), start + first_value, row_device.astype(np.int64))
-    return codes, row_of_window.astype(np.int64), new
-
-
-def _extend_row(bits: np.ndarray, old: list[np.ndarray], orders: tuple[str, ...]
-                ) -> tuple[np.ndarray, list[np.ndarray]] | None:
-    """Codes of one device's new windows against its latest row's entries ``old`` (uint32 per
-    channel) extended by the values they lack; None when an extension would pass MAX_ENTRIES.
-    Returns the codes and the added entries per channel (all empty: the old row serves)."""
-    n = len(bits)
-    codes = np.empty((n, WINDOW_LENGTH, N_CODED), np.uint16)
-    added = []
-    for c in range(N_CODED):
-        values, per = _channel_values(bits, c)
-        order_first = orders[c] == FIRST
-        if order_first:
-            distinct, first_at, inverse = np.unique(values, return_index=True, return_inverse=True)
-        else:
-            distinct, inverse = np.unique(values, return_inverse=True)
-        sorter = np.argsort(old[c], kind="stable")
-        if len(old[c]):
-            at = np.minimum(np.searchsorted(old[c], distinct, sorter=sorter), len(old[c]) - 1)
-            known = old[c][sorter[at]] == distinct
-        else:
-            at, known = np.zeros(len(distinct), np.int64), np.zeros(len(distinct), bool)
-        # the values the row lacks, in the channel's entry order, after the old entries
-        rank = np.arange(int((~known).sum()))
-        if order_first:
-            rank = np.argsort(np.argsort(first_at[~known], kind="stable"), kind="stable")
-        new_values = np.empty(len(rank), np.uint32)
-        new_values[rank] = distinct[~known]
-        if len(old[c]) + len(new_values) > MAX_ENTRIES:
-            return None
-        code_of = np.empty(len(distinct), np.int64)
-        code_of[known] = sorter[at[known]]
-        code_of[~known] = len(old[c]) + rank
-        codes[:, :, c] = code_of[inverse.reshape(-1)].reshape(n, per).astype(np.uint16)
-        added.append(new_values)
-    return codes, added
-
-
-def encode(
-    windows: np.ndarray, device: np.ndarray, previous: Dictionaries | None = None,
-    *, orders: tuple[str, ...] = ORDERS,
-) -> Encoded:
-    """Encode float32 windows (n, 20, 4) of the given devices (any integer key per window, the
-    same key the store's rows record). ``previous``: the store's dictionary arrays when appending
-    (new windows of a device that has rows follow the append rule), None for a new store."""
-    windows = np.ascontiguousarray(windows)
-    if windows.dtype != np.float32 or windows.ndim != 3 or windows.shape[1:] != (WINDOW_LENGTH, N_CHANNELS):
-        raise ValueError(f"windows must be float32 (n, {WINDOW_LENGTH}, {N_CHANNELS}), got "
-                         f"{windows.dtype} {windows.shape}")
-    device = np.asarray(device, dtype=np.int64).reshape(-1)
-    if len(device) != len(windows):
-        raise ValueError(f"{len(device)} device keys for {len(windows)} windows")
-    if len(orders) != N_CODED or any(o not in (SORTED, FIRST) for o in orders):
-        raise ValueError(f"orders must be {N_CODED} of {SORTED!r}, {FIRST!r}")
-    previous = Dictionaries.empty() if previous is None else previous
-    bits = windows.view(np.uint32)
-    n = len(windows)
-    codes = np.empty((n, WINDOW_LENGTH, N_CODED), np.uint16)
-    row = np.empty(n, np.int64)
-    parts: list[Dictionaries] = []
-    n_values, n_rows = len(previous.values), previous.n_rows
-
-    def add(part: Dictionaries) -> int:
-        """Append rows to the output; returns the first new row's number."""
-        nonlocal n_values, n_rows
-        parts.append(part)
-        first_row = n_rows
-        n_values += len(part.values)
-        n_rows += part.n_rows
-        return first_row
-
-    fresh = ~np.isin(device, previous.device)
-    if n_rows:
-        latest = {int(d): r for r, d in enumerate(previous.device.tolist())}  # later rows win
-        sizes = previous.sizes()
-        bits_prev = previous.values.view(np.uint32)
-        for key in np.unique(device[~fresh]).tolist():
-            where = np.flatnonzero(device == key)
-            r = latest[key]
-            old = [bits_prev[previous.start[r, c] : previous.start[r, c] + sizes[r, c]]
-                   for c in range(N_CODED)]
-            extended = _extend_row(bits[where], old, orders)
-            if extended is None:  # the overflow rule: rows of their own
-                fresh[where] = True
-                continue
-            codes[where], added = extended
-            if not any(len(a) for a in added):
-                row[where] = r
-                continue
-            entries = [np.concatenate([old[c], added[c]]) for c in range(N_CODED)]
-            counts = np.array([len(e) for e in entries], np.int64)
-            start = n_values + np.cumsum(counts) - counts
-            row[where] = add(Dictionaries(np.concatenate(entries).view(np.float32), start[None, :],
-                                          np.array([key], np.int64)))
-    if fresh.any():
-        where = np.flatnonzero(fresh)
-        fresh_codes, fresh_row, part = _encode_fresh(bits[where], device[where], orders, n_values)
-        codes[where] = fresh_codes
-        row[where] = add(part) + fresh_row
-    new = Dictionaries(
-        np.concatenate([p.values for p in parts]) if parts else np.empty(0, np.float32),
-        np.concatenate([p.start for p in parts]) if parts else np.empty((0, N_CODED), np.int64),
-        np.concatenate([p.device for p in parts]) if parts else np.empty(0, np.int64),
-    )
-    if n_rows >= 2**32 - 1:
-        raise ValueError("more than 2**32 - 2 dictionary rows")
-    return Encoded(codes, row.astype(np.uint32), np.ascontiguousarray(windows[:, :, 3]), new)
 
 
 # -- zarr metadata ---------------------------------------------------------------------------
