@@ -419,3 +419,46 @@ def test_devices_counted_by_reading_are_read_together_too(
                          progress=False, on_bad_rows="skip")
     assert sum(together) == 2 * 299
     assert_same_store(tmp_path / "alone.zarr", tmp_path / "together.zarr")
+
+
+@pytest.mark.parametrize("engine", ["this thread", "threads", "processes"])
+def test_shuffled_devices_read_together_store_what_reading_each_alone_stores(
+    mixed: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, engine: str
+) -> None:
+    """``--shuffle``'s first pass reads, summarises, checks, codes and spills small devices of
+    partition files together (pieces of many devices): the store (every chunk, the device table
+    with its order-free digests, the report with its notes and repeated windows) is byte-identical
+    to spilling each device alone, in this thread, on threads and in forked worker processes
+    (input past ``PROCESS_MIN_BYTES``), with the same seed and buckets."""
+    from birdzarr._errors import DuplicateWindowsWarning
+    from birdzarr.convert import _segments, _shuffle, _shuffle_processes
+
+    monkeypatch.setattr(_shuffle, "BUCKET_WINDOWS", 1500)  # several buckets
+    source = mixed
+    if engine == "processes":
+        source = _mixed_parts(tmp_path / "large", pad=_segments.PROCESS_MIN_BYTES)
+    options = {"chunk_windows": 256, "shuffle": True, "seed": 5, "progress": False}
+    workers = 1 if engine == "this thread" else 2
+    with pytest.warns(DuplicateWindowsWarning), monkeypatch.context() as patch:
+        patch.setattr(_segments, "RUN_WINDOWS", 0)
+        reference = birdzarr.convert(str(source), str(tmp_path / "alone.zarr"), workers=workers, **options)
+    assert reference.meta["report"]["duplicate_windows"] == {"5": 1}
+    assert reference.meta["layout"]["shuffle_buckets"] > 2
+    together: list[int] = []
+    read_runs = _shuffle_processes.read_runs
+
+    def counted(devices: list) -> object:
+        found = read_runs(devices)
+        together.append(0 if found is None else len(devices))
+        return found
+
+    monkeypatch.setattr(_segments, "RUN_WINDOWS", RUN)
+    monkeypatch.setattr(_shuffle_processes, "read_runs", counted)
+    with pytest.warns(DuplicateWindowsWarning):
+        store = birdzarr.convert(str(source), str(tmp_path / "together.zarr"), workers=workers, **options)
+    assert ("worker_processes" in store.meta["report"]) == (engine == "processes")
+    assert_same_store(tmp_path / "alone.zarr", tmp_path / "together.zarr")
+    if engine != "processes":  # (a forked worker's calls are not counted here)
+        assert sum(together) == 299 and max(together) > 2  # all but the large device, in runs
+    entries = {e.device_id: e for e in store.device_table}
+    assert all(e.scattered_digest is not None and not e.ranges for e in entries.values())

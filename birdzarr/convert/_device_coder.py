@@ -104,3 +104,40 @@ class DeviceCoder:
             else:
                 np.take(codes, first_seen.reshape(n, n_samples), out=out[c], mode="clip")
         return out
+
+
+def run_codes(windows: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, list[list[np.ndarray]]]:
+    """``DeviceCoder`` for many devices' windows at once: ``windows`` (float32 ``(n, samples,
+    channels)``) are device after device, ``counts[k]`` windows of the ``k``-th. Each device's
+    distinct values per channel come from one hash of (device, bit pattern) keys for all of them
+    (``pd.factorize``, sorted): every device's dictionary holds the values ``DeviceCoder`` would
+    find (sorted by bit pattern instead of in the order first seen, which only ``seed_rows``
+    reads, after sorting). Returns the codes ``(channels, n, samples)`` of each window into its
+    own device's dictionaries (uint16 while every dictionary has at most 65,536 entries, uint32
+    beyond) and each device's dictionaries (views of one array a channel)."""
+    import pandas as pd
+
+    n, n_samples, n_channels = windows.shape
+    n_devices = len(counts)
+    run = np.repeat(np.arange(n_devices, dtype=np.uint64), counts)
+    bits = np.ascontiguousarray(windows.transpose(2, 0, 1)).view(np.uint32)
+    found: list[tuple[np.ndarray, np.ndarray, np.ndarray, bool]] = []
+    for c in range(n_channels):
+        channel = bits[c]
+        per_window = n_samples > 1 and n > 0 and constant_rows(channel)
+        values = channel[:, :1] if per_window else channel
+        keys = (run[:, None] << np.uint64(32)) | values.astype(np.uint64)
+        codes, distinct = pd.factorize(keys.reshape(-1), sort=True)
+        distinct = np.asarray(distinct, dtype=np.uint64)
+        edges = np.searchsorted(distinct >> np.uint64(32), np.arange(n_devices + 1, dtype=np.uint64))
+        local = codes.reshape(values.shape) - edges[:-1][run.astype(np.intp)][:, None]
+        found.append((local, (distinct & np.uint64(0xFFFFFFFF)).astype(np.uint32), edges, per_window))
+    widest = max((int(np.diff(edges).max(initial=0)) for _, _, edges, _ in found), default=0)
+    dtype = np.uint16 if widest <= 2**16 else np.uint32
+    out = np.empty((n_channels, n, n_samples), dtype=dtype)
+    for c, (local, _, _, _) in enumerate(found):
+        out[c] = local  # one value a window broadcasts over its samples
+    edges_of = [edges.tolist() for _, _, edges, _ in found]
+    dictionaries = [[found[c][1][edges_of[c][k]: edges_of[c][k + 1]] for c in range(n_channels)]
+                    for k in range(n_devices)]
+    return out, dictionaries

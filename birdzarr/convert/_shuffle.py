@@ -38,9 +38,12 @@ import numpy as np
 from numcodecs import Blosc
 
 from birdzarr.convert._blocks import WindowBlock
-from birdzarr.convert._device_coder import BlockValues, DeviceCoder, block_values
-from birdzarr.convert._summary import DeviceSummary, Summarizer
+from birdzarr.convert._device_coder import BlockValues, DeviceCoder, block_values, run_codes
+from birdzarr.convert._duplicates import repeated_in_runs
+from birdzarr.convert._parquet import PartitionRuns
+from birdzarr.convert._summary import DeviceSummary, Summarizer, summarize_runs
 from birdzarr.format import _v2
+from birdzarr.format._digest import window_hashes
 from birdzarr.format._rows import RowCoder
 from birdzarr.format._spec import (
     N_CHANNELS,
@@ -64,14 +67,15 @@ _FRAME = struct.Struct("<QqQQQ")
 # conversion time (4 alternating runs)
 _CODES_CODEC = Blosc(cname="lz4", clevel=5, shuffle=Blosc.BITSHUFFLE)
 _META_CODEC = Blosc(cname="lz4", clevel=5, shuffle=Blosc.SHUFFLE)
-_META = np.dtype([("label", "<i4"), ("timestamp", "<i8")])
+_META = np.dtype([("label", "<i4"), ("timestamp", "<i8"), ("device", "<i8")])
 T = TypeVar("T")
 
 
 @dataclass
 class _Piece:
-    """Windows of one device spilled together: codes ``(channels, n, samples)`` into the
-    device's dictionaries (``DeviceCoder``), labels and times (``_META``)."""
+    """Windows spilled together: codes ``(channels, n, samples)`` into each window's device's
+    dictionaries (``DeviceCoder``), labels, times and devices (``_META``). ``device_id`` is the
+    one device of them all, or -1 for a piece of many small devices (``Spiller.runs``)."""
 
     device_id: int
     codes: np.ndarray
@@ -224,6 +228,36 @@ class Spiller:
         self._finding.append((state, None, None))
         self._advance(keep=self.finding_depth)
 
+    def runs(self, found: PartitionRuns, device_ids: list[int], sources: list[list[str]]) -> dict[int, int]:
+        """Consecutive small devices read together (``_parquet.read_runs``), spilled at once:
+        summarised (``summarize_runs``), checked for repeats (``repeated_in_runs``) and coded
+        (``run_codes``) in one vectorised pass each; each window's bucket drawn from its device's
+        generator as ``device`` draws it, and each bucket's windows (device after device, each
+        device's in order: what ``device`` gives a bucket, device by device) cut as one piece of
+        many devices. Returns the devices' repeated windows (those with any)."""
+        self._advance(keep=0)  # the devices before cut their pieces first: a bucket keeps device order
+        counts = found.counts
+        hashes = window_hashes(found.windows, found.timestamps)
+        for summary in summarize_runs(device_ids, sources, None, counts, found.windows, found.timestamps,
+                                      found.labels, found.reports, hashes=hashes):
+            self.summaries[summary.entry.device_id] = summary
+        repeated = repeated_in_runs(hashes, counts)
+        codes, dictionaries = run_codes(found.windows, counts)
+        self.dictionaries.update(zip(device_ids, dictionaries, strict=True))
+        if len(found.windows):
+            target = np.concatenate([
+                np.random.default_rng([self.seed, device]).integers(0, self.buckets, size=count)
+                for device, count in zip(device_ids, counts.tolist(), strict=True) if count])
+            order = np.argsort(target, kind="stable")
+            meta = np.empty(len(order), dtype=_META)
+            meta["label"], meta["timestamp"], meta["device"] = found.labels, found.timestamps, found.devices
+            codes, meta = np.take(codes, order, axis=1), meta[order]
+            bounds = np.searchsorted(target[order], np.arange(self.buckets + 1))
+            for bucket in np.flatnonzero(np.diff(bounds)).tolist():
+                start, stop = int(bounds[bucket]), int(bounds[bucket + 1])
+                self._release(-1, bucket, [(codes[:, start:stop, :], meta[start:stop])])
+        return {device_ids[k]: int(repeated[k]) for k in np.flatnonzero(repeated).tolist()}
+
     def _advance(self, keep: int) -> None:
         """Code and place found blocks, in order, until at most ``keep`` are left."""
         while len(self._finding) > keep:
@@ -238,7 +272,7 @@ class Spiller:
         target = state.draw.integers(0, self.buckets, size=len(block))
         order = np.argsort(target, kind="stable")
         meta = np.empty(len(block), dtype=_META)
-        meta["label"], meta["timestamp"] = block.labels, block.timestamps
+        meta["label"], meta["timestamp"], meta["device"] = block.labels, block.timestamps, state.device_id
         # the block in bucket order, gathered at once: one take per block, not a fancy index on
         # the middle axis per bucket (1.4x faster, alone); each bucket's run is then copied out
         # (new arrays, not views that would keep the whole block alive until the bucket is released)
@@ -308,6 +342,7 @@ class BucketLoader:
         self.starts = np.concatenate(([0], np.cumsum(spill.windows)[:-1])).astype(np.int64)
         # per device and channel, a code of pass 1 (order first seen) -> its value's bit pattern
         self.lookups = dictionaries
+        self._flat: tuple[np.ndarray, list[np.ndarray], list[np.ndarray]] | None = None  # ``_many``'s
         largest = int(spill.windows.max(initial=0))
         self._free: queue.SimpleQueue[_Scratch] = queue.SimpleQueue()
         for _ in range(max(1, min(slots, len(spill.windows)))):
@@ -325,15 +360,39 @@ class BucketLoader:
         finally:
             self._free.put(scratch)
 
+    def _many(self, piece: _Piece, out: np.ndarray) -> None:
+        """Decode a piece of many devices into ``out``: every device's dictionaries laid end to
+        end a channel (once a loader), each code offset by its device's start, one take a channel."""
+        if self._flat is None:
+            ids = np.fromiter(self.lookups, np.int64, len(self.lookups))
+            order = np.argsort(ids)
+            ids = ids[order]
+            known = [self.lookups[d] for d in ids.tolist()]
+            values, starts = [], []
+            for c in range(N_CHANNELS):
+                parts = [k[c] for k in known]
+                values.append(np.concatenate(parts) if parts else np.empty(0, np.uint32))
+                starts.append(np.concatenate(([0], np.cumsum([len(p) for p in parts])[:-1])).astype(np.int64))
+            self._flat = (ids, values, starts)
+        ids, values, starts = self._flat
+        which = np.searchsorted(ids, piece.meta["device"])
+        for c in range(N_CHANNELS):
+            index = piece.codes[c].astype(np.int64)
+            index += starts[c][which][:, None]
+            np.take(values[c], index, out=out[:, :, c], mode="clip")
+
     def _decode(self, bucket: int, scratch: _Scratch) -> tuple[int, np.ndarray, np.ndarray]:
         """Decode the bucket into ``scratch``; its windows' store order (as spilled rows) and devices."""
         n = int(self.spill.windows[bucket])
         at = 0
         for piece in self.spill.pieces(bucket):
             k = len(piece.meta)
-            for c, lookup in enumerate(self.lookups[piece.device_id]):
-                np.take(lookup, piece.codes[c], out=scratch.bits[at : at + k, :, c], mode="clip")
-            scratch.devices[at : at + k] = piece.device_id
+            if piece.device_id >= 0:
+                for c, lookup in enumerate(self.lookups[piece.device_id]):
+                    np.take(lookup, piece.codes[c], out=scratch.bits[at : at + k, :, c], mode="clip")
+            else:
+                self._many(piece, scratch.bits[at : at + k])
+            scratch.devices[at : at + k] = piece.meta["device"]
             scratch.meta[at : at + k] = piece.meta
             at += k
         order = np.random.default_rng([self.seed, bucket]).permutation(n)  # store row -> spilled row

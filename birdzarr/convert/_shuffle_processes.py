@@ -59,10 +59,12 @@ from typing import Any
 import numpy as np
 
 from birdzarr._errors import ArgumentError
+from birdzarr.convert import _segments
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._chunkwrite import ChunkSink
 from birdzarr.convert._duplicates import DeviceKeys, DuplicateCounter
 from birdzarr.convert._engine import Engine, Runner
+from birdzarr.convert._parquet import read_runs
 from birdzarr.convert._readahead import read_ahead
 from birdzarr.convert._segments import (
     SEGMENTS_PER_WORKER,
@@ -70,6 +72,7 @@ from birdzarr.convert._segments import (
     Segment,
     SegmentCollector,
     SegmentResult,
+    _partition_only,
     whole_chunks,
 )
 from birdzarr.convert._shuffle import (
@@ -139,13 +142,33 @@ def spill_group(devices: list[DeviceSource], directory: str, *, seed: int, bucke
     try:
         spiller = Spiller(spill, seed=seed, buckets=buckets, pool=pool, file_writer=file_writer,
                           workers=threads, buffer_windows=buffer_windows)
-        for device in devices:
-            keys = DeviceKeys()
-            blocks = (read_ahead(device, curation, on_bad_rows) if threads > 1 else
-                      device.blocks(curation=curation, on_bad_rows=on_bad_rows))
-            spiller.device(device.device_id, device.source_names(), _keyed(blocks, keys, progress))
-            if count := keys.repeated():
-                repeated[device.device_id] = count
+        partition: dict[str, bool] = {}  # file URL -> a partition file
+        at = 0
+        while at < len(devices):
+            end, rows = at, 0  # consecutive small devices of partition files, read together
+            while end < len(devices):
+                known = devices[end].partition_rows
+                if (known is None or rows + known > _segments.RUN_WINDOWS
+                        or not _partition_only(devices[end], partition)):
+                    break
+                rows += known
+                end += 1
+            found = read_runs([(d.device_id, d.files) for d in devices[at:end]]) if end > at else None
+            if found is not None:
+                repeated.update(spiller.runs(found, [d.device_id for d in devices[at:end]],
+                                             [d.source_names() for d in devices[at:end]]))
+                if progress is not None and len(found.windows):
+                    progress(len(found.windows))
+                at = end
+                continue
+            for device in devices[at: max(end, at + 1)]:  # read one by one (which reports any problem)
+                keys = DeviceKeys()
+                blocks = (read_ahead(device, curation, on_bad_rows) if threads > 1 else
+                          device.blocks(curation=curation, on_bad_rows=on_bad_rows))
+                spiller.device(device.device_id, device.source_names(), _keyed(blocks, keys, progress))
+                if count := keys.repeated():
+                    repeated[device.device_id] = count
+            at = max(end, at + 1)
         spiller.finish()
     finally:
         # the pool first: a piece waiting to be written then ends with its cancelled compression

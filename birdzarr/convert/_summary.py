@@ -15,7 +15,7 @@ import google_crc32c
 import numpy as np
 
 from birdzarr.convert._blocks import WindowBlock
-from birdzarr.format._digest import RowDigest
+from birdzarr.format._digest import RowDigest, _with_labels, digest_hex, window_hashes
 from birdzarr.format._spec import TIMESTAMP_UNKNOWN, DeviceEntry, DeviceRange, DeviceReport
 
 
@@ -152,14 +152,17 @@ class Summarizer:
         return DeviceSummary(self.entry, self.report, self.tail)
 
 
-def summarize_runs(device_ids: list[int], sources: list[list[str]], starts: list[int], counts: np.ndarray,
-                   windows: np.ndarray, timestamps: np.ndarray, labels: np.ndarray,
-                   reports: list[DeviceReport]) -> list[DeviceSummary]:
+def summarize_runs(device_ids: list[int], sources: list[list[str]], starts: list[int] | None,
+                   counts: np.ndarray, windows: np.ndarray, timestamps: np.ndarray, labels: np.ndarray,
+                   reports: list[DeviceReport], hashes: np.ndarray | None = None) -> list[DeviceSummary]:
     """The summaries ``Summarizer`` gives devices stored as consecutive runs (``windows`` and the
     per-window columns are device after device, ``counts[k]`` windows of ``device_ids[k]``, whose
     first global window is ``starts[k]``), for all of them in one vectorised pass: label counts by
     one sort, times by ``reduceat``, and a checksum call a device (the same entries and reports
-    as feeding each device's blocks to its own ``Summarizer``)."""
+    as feeding each device's blocks to its own ``Summarizer``). ``starts`` None: the devices'
+    windows are scattered (a shuffled store, ``Summarizer(start=None)``): no ranges, and each
+    entry's order-free digest from one wrapping ``reduceat`` of the rows' hashes (``hashes``:
+    the windows' ``window_hashes``, found here where not given)."""
     bounds = np.concatenate(([0], np.cumsum(counts)))
     held = np.flatnonzero(counts > 0)
     first_times = np.full(len(counts), TIMESTAMP_UNKNOWN, np.int64)
@@ -188,6 +191,9 @@ def summarize_runs(device_ids: list[int], sources: list[list[str]], starts: list
         for k, label, size in zip(keyed_run[edge].tolist(), keyed_label[edge].tolist(), sizes.tolist(),
                                   strict=True):
             per_device[k][label] = size
+    if starts is None:
+        return _scattered(device_ids, sources, counts, bounds, held, first_times, last_times, per_device,
+                          window_hashes(windows, timestamps) if hashes is None else hashes, labels, reports)
     data = np.ascontiguousarray(windows, dtype="<f4").view(np.uint8)  # what extend_checksum reads
     out = []
     for k, (device_id, count, a, b, first, last) in enumerate(zip(
@@ -202,3 +208,21 @@ def summarize_runs(device_ids: list[int], sources: list[list[str]], starts: list
             entry = DeviceEntry(device_id=device_id, sources=sources[k])
         out.append(DeviceSummary(entry, reports[k]))
     return out
+
+
+def _scattered(device_ids: list[int], sources: list[list[str]], counts: np.ndarray, bounds: np.ndarray,
+               held: np.ndarray, first_times: np.ndarray, last_times: np.ndarray,
+               per_device: list[dict[int, int]], hashes: np.ndarray, labels: np.ndarray,
+               reports: list[DeviceReport]) -> list[DeviceSummary]:
+    """``summarize_runs``' entries of scattered devices: each with its rows' digest (the wrapping
+    sum of their ``row_hashes``, as ``RowDigest`` adds them), no range."""
+    digests = np.zeros(len(counts), np.uint64)
+    if len(held):
+        with np.errstate(over="ignore"):
+            digests[held] = np.add.reduceat(_with_labels(hashes, labels), bounds[held], dtype=np.uint64)
+    return [DeviceSummary(DeviceEntry(device_id=device_id, sources=sources[k], n_windows=count,
+                                      first_time=first, last_time=last, label_counts=per_device[k],
+                                      scattered_digest=digest_hex(digest)), reports[k])
+            for k, (device_id, count, first, last, digest) in enumerate(zip(
+                device_ids, counts.tolist(), first_times.tolist(), last_times.tolist(), digests.tolist(),
+                strict=True))]
