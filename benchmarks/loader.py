@@ -309,7 +309,7 @@ def cases(meta: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]
          "allow_device_order": True},
         {"label": "(f) WindowDataset device order, allow_device_order, split=train", **device,
          "allow_device_order": True, "split": "train"},
-        {"label": "(h) resident='cpu', --shuffle store (float32), 0 workers", **shuffled, "resident": "cpu",
+        {"label": "(h) resident='cpu', --shuffle store (codes), 0 workers", **shuffled, "resident": "cpu",
          "workers": 0},
         {"label": "(h) resident='cpu', device order (codes), 0 workers", **device, "resident": "cpu",
          "workers": 0},
