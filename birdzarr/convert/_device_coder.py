@@ -106,7 +106,67 @@ class DeviceCoder:
         return out
 
 
-def run_codes(windows: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, list[list[np.ndarray]]]:
+@dataclass
+class DeviceValues:
+    """Devices' dictionaries (their distinct values per channel, into which pass 1's codes
+    point) laid end to end a channel: a few arrays whatever the number of devices (pickled
+    once for pass 2, and read there with one take a channel), not an array a device and channel.
+    Device ``ids[k]``'s dictionary of channel ``c`` is ``values[c][starts[c][k]:starts[c][k + 1]]``."""
+
+    ids: np.ndarray  # int64, ascending
+    values: list[np.ndarray]  # per channel: uint32 bit patterns
+    starts: list[np.ndarray]  # per channel: int64, len(ids) + 1
+
+    @classmethod
+    def of_devices(cls, known: list[tuple[int, list[np.ndarray]]], n_channels: int) -> DeviceValues:
+        """From each device's dictionaries (``DeviceCoder.known``)."""
+        ids = np.fromiter((d for d, _ in known), np.int64, len(known))
+        values, starts = [], []
+        for c in range(n_channels):
+            parts = [k[c] for _, k in known]
+            values.append(np.concatenate(parts).astype(np.uint32) if parts else np.empty(0, np.uint32))
+            starts.append(np.concatenate(([0], np.cumsum([len(p) for p in parts], dtype=np.int64))))
+        return cls(ids, values, starts).ascending()
+
+    @classmethod
+    def joined(cls, parts: list[DeviceValues], n_channels: int) -> DeviceValues:
+        """All of ``parts``' devices (each device in one part)."""
+        if not parts:
+            return cls.of_devices([], n_channels)
+        ids = np.concatenate([p.ids for p in parts])
+        values = [np.concatenate([p.values[c] for p in parts]) for c in range(n_channels)]
+        starts = []
+        for c in range(n_channels):
+            shift = np.cumsum([0] + [len(p.values[c]) for p in parts[:-1]])
+            ends = [p.starts[c][1:] + s for p, s in zip(parts, shift, strict=True)]
+            starts.append(np.concatenate([np.zeros(1, np.int64), *ends]))
+        return cls(ids, values, starts).ascending()
+
+    def ascending(self) -> DeviceValues:
+        """The same dictionaries, devices in ascending id."""
+        if len(self.ids) < 2 or bool((self.ids[1:] > self.ids[:-1]).all()):
+            return self
+        order = np.argsort(self.ids, kind="stable")
+        values, starts = [], []
+        for c in range(len(self.values)):
+            lengths = np.diff(self.starts[c])[order]
+            first = self.starts[c][:-1][order]
+            take = np.repeat(first - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
+            take += np.arange(int(lengths.sum()))
+            values.append(self.values[c][take])
+            starts.append(np.concatenate(([0], np.cumsum(lengths))).astype(np.int64))
+        return DeviceValues(self.ids[order], values, starts)
+
+    def index(self, device: int) -> int:
+        return int(np.searchsorted(self.ids, device))
+
+    def of(self, k: int) -> list[np.ndarray]:
+        """The ``k``-th device's dictionaries (views)."""
+        return [v[s[k]: s[k + 1]] for v, s in zip(self.values, self.starts, strict=True)]
+
+
+def run_codes(windows: np.ndarray, counts: np.ndarray,
+              device_ids: np.ndarray) -> tuple[np.ndarray, DeviceValues]:
     """``DeviceCoder`` for many devices' windows at once: ``windows`` (float32 ``(n, samples,
     channels)``) are device after device, ``counts[k]`` windows of the ``k``-th. Each device's
     distinct values per channel come from one hash of (device, bit pattern) keys for all of them
@@ -114,7 +174,7 @@ def run_codes(windows: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, list
     find (sorted by bit pattern instead of in the order first seen, which only ``seed_rows``
     reads, after sorting). Returns the codes ``(channels, n, samples)`` of each window into its
     own device's dictionaries (uint16 while every dictionary has at most 65,536 entries, uint32
-    beyond) and each device's dictionaries (views of one array a channel)."""
+    beyond) and the devices' dictionaries (``device_ids``, ascending)."""
     import pandas as pd
 
     n, n_samples, n_channels = windows.shape
@@ -137,7 +197,5 @@ def run_codes(windows: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, list
     out = np.empty((n_channels, n, n_samples), dtype=dtype)
     for c, (local, _, _, _) in enumerate(found):
         out[c] = local  # one value a window broadcasts over its samples
-    edges_of = [edges.tolist() for _, _, edges, _ in found]
-    dictionaries = [[found[c][1][edges_of[c][k]: edges_of[c][k + 1]] for c in range(n_channels)]
-                    for k in range(n_devices)]
-    return out, dictionaries
+    return out, DeviceValues(np.asarray(device_ids, np.int64), [f[1] for f in found],
+                             [f[2].astype(np.int64) for f in found])

@@ -38,7 +38,7 @@ import numpy as np
 from numcodecs import Blosc
 
 from birdzarr.convert._blocks import WindowBlock
-from birdzarr.convert._device_coder import BlockValues, DeviceCoder, block_values, run_codes
+from birdzarr.convert._device_coder import BlockValues, DeviceCoder, DeviceValues, block_values, run_codes
 from birdzarr.convert._duplicates import repeated_in_runs
 from birdzarr.convert._parquet import PartitionRuns
 from birdzarr.convert._summary import DeviceSummary, Summarizer, summarize_runs
@@ -158,19 +158,15 @@ def encode_piece(piece: _Piece) -> bytes:
     return _FRAME.pack(len(piece.meta), piece.device_id, code_bytes, len(codes), len(packed)) + codes + packed
 
 
-def seed_rows(coder: RowCoder, dictionaries: dict[int, list[np.ndarray]]) -> list[int]:
+def seed_rows(coder: RowCoder, dictionaries: DeviceValues) -> list[int]:
     """Format 2: open every device's row with its values from pass 1, sorted by bit pattern
     (the row then holds every value its windows use and never grows), in ascending device id.
     Returns the devices left out: a channel with more than 65,535 distinct values, whose rows
     open as pass 2 codes them (the overflow rule)."""
-    left_out = []
-    for device in sorted(dictionaries):
-        entries = [np.sort(dictionaries[device][c]) for c in range(_v2.N_CODED)]
-        if max(len(e) for e in entries) > _v2.MAX_ENTRIES:
-            left_out.append(device)
-            continue
-        coder.seed(device, entries)
-    return left_out
+    sizes = np.stack([np.diff(dictionaries.starts[c]) for c in range(_v2.N_CODED)]).max(axis=0, initial=0)
+    for k in np.flatnonzero(sizes <= _v2.MAX_ENTRIES).tolist():
+        coder.seed(int(dictionaries.ids[k]), [np.sort(e) for e in dictionaries.of(k)[: _v2.N_CODED]])
+    return dictionaries.ids[sizes > _v2.MAX_ENTRIES].tolist()
 
 
 class _DeviceSpill:
@@ -212,7 +208,9 @@ class Spiller:
         # blocks being coded at once: none left waiting when everything runs in this thread
         self.finding_depth = 0 if pool is None else FINDING_PER_WORKER * workers
         self.summaries: dict[int, DeviceSummary] = {}
-        self.dictionaries: dict[int, list[np.ndarray]] = {}  # per device and channel, as first seen
+        # per device and channel, as first seen: devices read alone, then runs read together
+        self._known: list[tuple[int, list[np.ndarray]]] = []
+        self._parts: list[DeviceValues] = []
         # blocks whose values are being found (block None: the device's end), in input order
         self._finding: collections.deque[_Finding] = collections.deque()
         self._pending: collections.deque[Future[None]] = collections.deque()  # pieces being written
@@ -242,8 +240,9 @@ class Spiller:
                                       found.labels, found.reports, hashes=hashes):
             self.summaries[summary.entry.device_id] = summary
         repeated = repeated_in_runs(hashes, counts)
-        codes, dictionaries = run_codes(found.windows, counts)
-        self.dictionaries.update(zip(device_ids, dictionaries, strict=True))
+        codes, dictionaries = run_codes(found.windows, counts, np.asarray(device_ids, np.int64))
+        self._flush_known()
+        self._parts.append(dictionaries)
         if len(found.windows):
             target = np.concatenate([
                 np.random.default_rng([self.seed, device]).integers(0, self.buckets, size=count)
@@ -291,7 +290,17 @@ class Spiller:
             self._release(state.device_id, bucket, state.held[bucket])
         state.held.clear()
         self.summaries[state.device_id] = state.summarizer.finish()
-        self.dictionaries[state.device_id] = state.coder.known
+        self._known.append((state.device_id, state.coder.known))
+
+    def _flush_known(self) -> None:
+        if self._known:
+            self._parts.append(DeviceValues.of_devices(self._known, N_CHANNELS))
+            self._known = []
+
+    def dictionaries(self) -> DeviceValues:
+        """Every device's dictionaries, once ``finish`` has run."""
+        self._flush_known()
+        return DeviceValues.joined(self._parts, N_CHANNELS)
 
     def _release(self, device_id: int, bucket: int, parts: list[tuple[np.ndarray, np.ndarray]]) -> None:
         codes, meta = parts[0] if len(parts) == 1 else (
@@ -319,12 +328,13 @@ class Spiller:
 class _Scratch:
     """One load's buffers, reused from bucket to bucket (new memory costs a page fault per
     4 KiB): a bucket's float32 values (as bit patterns), devices and metadata in the order they
-    were spilled."""
+    were spilled; with ``coded``, their format 2 codes too."""
 
-    def __init__(self, windows: int) -> None:
+    def __init__(self, windows: int, coded: bool) -> None:
         self.bits = np.empty((windows, WINDOW_LENGTH, N_CHANNELS), dtype=np.uint32)
         self.devices = np.empty(windows, dtype=np.int32)
         self.meta = np.empty(windows, dtype=_META)
+        self.codes = np.empty((windows if coded else 0, WINDOW_LENGTH, _v2.N_CODED), dtype=np.uint16)
 
 
 class BucketLoader:
@@ -334,19 +344,24 @@ class BucketLoader:
     float32 values. They are then permuted into new arrays (the writer keeps them until they are
     written). Loads are independent: any bucket, in any order, on any thread."""
 
-    def __init__(self, spill: SpillFiles, dictionaries: dict[int, list[np.ndarray]], *, seed: int,
-                 chunk_windows: int, slots: int = 1) -> None:
+    def __init__(self, spill: SpillFiles, dictionaries: DeviceValues, *, seed: int,
+                 chunk_windows: int, slots: int = 1, first_row: int | None = None) -> None:
         self.spill, self.seed = spill, seed
         self.chunk_windows = chunk_windows
         # the store position of each bucket's first window (a shuffled store is written from 0)
         self.starts = np.concatenate(([0], np.cumsum(spill.windows)[:-1])).astype(np.int64)
         # per device and channel, a code of pass 1 (order first seen) -> its value's bit pattern
         self.lookups = dictionaries
-        self._flat: tuple[np.ndarray, list[np.ndarray], list[np.ndarray]] | None = None  # ``_many``'s
         largest = int(spill.windows.max(initial=0))
         self._free: queue.SimpleQueue[_Scratch] = queue.SimpleQueue()
         for _ in range(max(1, min(slots, len(spill.windows)))):
-            self._free.put(_Scratch(largest))
+            self._free.put(_Scratch(largest, first_row is not None))
+        # format 2, every device seeded: the ``k``-th device's row is ``first_row + k``, and a
+        # window's codes are its values' positions in its device's sorted dictionaries (a row's
+        # seeded entries): the bucket is handed over coded (``WindowBlock.coded``), not searched
+        # for again by the writer's coder
+        self.first_row = first_row
+        self._ranks: dict[int, list[np.ndarray]] = {}  # a device read alone: first seen -> sorted
 
     def load(self, bucket: int) -> WindowBlock:
         """The bucket's windows permuted with a generator seeded with ``(seed, bucket)``, as
@@ -356,25 +371,31 @@ class BucketLoader:
             n, order, devices = self._decode(bucket, scratch)
             meta = scratch.meta[:n][order]
             windows = np.take(scratch.bits[:n], order, axis=0).view(np.float32)
-            return WindowBlock(windows, meta["timestamp"], meta["label"], DeviceReport(), devices)
+            coded = None
+            if self.first_row is not None:
+                rows = self.first_row + np.searchsorted(self.lookups.ids, devices)
+                coded = (np.take(scratch.codes[:n], order, axis=0), rows.astype(np.int64))
+            return WindowBlock(windows, meta["timestamp"], meta["label"], DeviceReport(), devices,
+                               coded=coded)
         finally:
             self._free.put(scratch)
 
+    def _rank(self, device: int) -> list[np.ndarray]:
+        """The position of each of a device's values (first seen order) in its sorted dictionaries."""
+        ranks = self._ranks.get(device)
+        if ranks is None:
+            ranks = []
+            for known in self.lookups.of(device)[: _v2.N_CODED]:
+                rank = np.empty(len(known), np.uint16)
+                rank[np.argsort(known, kind="stable")] = np.arange(len(known))
+                ranks.append(rank)
+            self._ranks[device] = ranks
+        return ranks
+
     def _many(self, piece: _Piece, out: np.ndarray) -> None:
         """Decode a piece of many devices into ``out``: every device's dictionaries laid end to
-        end a channel (once a loader), each code offset by its device's start, one take a channel."""
-        if self._flat is None:
-            ids = np.fromiter(self.lookups, np.int64, len(self.lookups))
-            order = np.argsort(ids)
-            ids = ids[order]
-            known = [self.lookups[d] for d in ids.tolist()]
-            values, starts = [], []
-            for c in range(N_CHANNELS):
-                parts = [k[c] for k in known]
-                values.append(np.concatenate(parts) if parts else np.empty(0, np.uint32))
-                starts.append(np.concatenate(([0], np.cumsum([len(p) for p in parts])[:-1])).astype(np.int64))
-            self._flat = (ids, values, starts)
-        ids, values, starts = self._flat
+        end a channel, each code offset by its device's start, one take a channel."""
+        ids, values, starts = self.lookups.ids, self.lookups.values, self.lookups.starts
         which = np.searchsorted(ids, piece.meta["device"])
         for c in range(N_CHANNELS):
             index = piece.codes[c].astype(np.int64)
@@ -388,10 +409,16 @@ class BucketLoader:
         for piece in self.spill.pieces(bucket):
             k = len(piece.meta)
             if piece.device_id >= 0:
-                for c, lookup in enumerate(self.lookups[piece.device_id]):
+                device = self.lookups.index(piece.device_id)
+                for c, lookup in enumerate(self.lookups.of(device)):
                     np.take(lookup, piece.codes[c], out=scratch.bits[at : at + k, :, c], mode="clip")
+                if self.first_row is not None:
+                    for c, rank in enumerate(self._rank(device)):
+                        np.take(rank, piece.codes[c], out=scratch.codes[at : at + k, :, c], mode="clip")
             else:
                 self._many(piece, scratch.bits[at : at + k])
+                if self.first_row is not None:  # codes into sorted dictionaries (``run_codes``)
+                    scratch.codes[at : at + k] = piece.codes[: _v2.N_CODED].transpose(1, 2, 0)
             scratch.devices[at : at + k] = piece.meta["device"]
             scratch.meta[at : at + k] = piece.meta
             at += k

@@ -62,6 +62,7 @@ from birdzarr._errors import ArgumentError
 from birdzarr.convert import _segments
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._chunkwrite import ChunkSink
+from birdzarr.convert._device_coder import DeviceValues
 from birdzarr.convert._duplicates import DeviceKeys, DuplicateCounter
 from birdzarr.convert._engine import Engine, Runner
 from birdzarr.convert._parquet import read_runs
@@ -89,7 +90,7 @@ from birdzarr.convert._summary import DeviceSummary
 from birdzarr.convert._writer import StoreWriter
 from birdzarr.format import _v2
 from birdzarr.format._rows import RowCoder
-from birdzarr.format._spec import DEVICE, Curation
+from birdzarr.format._spec import DEVICE, N_CHANNELS, Curation
 from birdzarr.storage._location import Location, resolve
 
 
@@ -120,7 +121,7 @@ class SpillResult:
     its bucket files and their windows, and its devices' repeated windows."""
 
     summaries: dict[int, DeviceSummary]
-    dictionaries: dict[int, list[np.ndarray]]
+    dictionaries: DeviceValues
     paths: list[str]
     windows: np.ndarray
     bytes_written: int
@@ -176,7 +177,7 @@ def spill_group(devices: list[DeviceSource], directory: str, *, seed: int, bucke
             if executor is not None:
                 executor.shutdown(wait=True, cancel_futures=True)
         spill.close()
-    return SpillResult(spiller.summaries, spiller.dictionaries, spill.paths, spill.windows,
+    return SpillResult(spiller.summaries, spiller.dictionaries(), spill.paths, spill.windows,
                        spill.bytes_written, repeated)
 
 
@@ -200,11 +201,14 @@ class Pass2Plan:
     """What every pass-2 task needs, written once to the spill directory (``pass2.pickle``)."""
 
     spill: SpillFiles
-    dictionaries: dict[int, list[np.ndarray]]  # per device and channel, as pass 1 found them
+    dictionaries: DeviceValues  # per device and channel, as pass 1 found them
     seed: int
     chunk_windows: int
     coder: RowCoder  # every device's row, seeded
     seeded_rows: int = 0  # the rows the coder holds (a device left unseeded opens more)
+    # every device seeded: the row of the k-th device (ascending id), whose windows pass 2 then
+    # hands the writer coded (``BucketLoader``); None: the writer's coder codes them
+    first_row: int | None = None
 
 
 @dataclass
@@ -234,7 +238,8 @@ def _pass2(plan_path: str, dest_url: str, dest_options: dict[str, Any]) -> _Pass
         _LOCAL.state = None  # the previous conversion's buffers go first
         with open(plan_path, "rb") as handle:
             plan: Pass2Plan = pickle.load(handle)
-        loader = BucketLoader(plan.spill, plan.dictionaries, seed=plan.seed, chunk_windows=plan.chunk_windows)
+        loader = BucketLoader(plan.spill, plan.dictionaries, seed=plan.seed, chunk_windows=plan.chunk_windows,
+                              first_row=plan.first_row)
         dest = resolve(dest_url, dest_options)
         group = zarr.open_group(zarr_store(dest, read_only=False), mode="r+", zarr_format=3)
         state = _Pass2(plan_path, loader, plan.coder, dest,
@@ -387,9 +392,9 @@ def write_shuffled_on(
         ordered = [results[i] for i in range(len(groups))]
         require_shared(directory, [os.path.join(directory, f"group-{i:04d}") for i in range(len(groups))])
         summaries = {d: s for r in ordered for d, s in r.summaries.items()}
-        dictionaries = {d: known for r in ordered for d, known in r.dictionaries.items()}
+        dictionaries = DeviceValues.joined([r.dictionaries for r in ordered], N_CHANNELS)
         for r in ordered:  # held once, here, until pass2.pickle is written
-            r.dictionaries = {}
+            r.dictionaries = DeviceValues.of_devices([], N_CHANNELS)
         if duplicates is not None:
             for r in ordered:
                 for device_id, count in r.repeated.items():
@@ -400,12 +405,16 @@ def write_shuffled_on(
             on_pass("write", int(windows.sum()))
         # format 2: a device left unseeded opens rows in pass 2, which one task only can number
         assert writer.coder is not None
+        before = writer.coder.first_row + writer.coder.n_rows
         left_out = seed_rows(writer.coder, dictionaries)
         seeded = writer.coder.n_rows
+        # rows are opened one after another from ``before``, in ascending device id
+        opened = seeded + writer.coder.first_row - before
+        first_row = None if left_out or opened != len(dictionaries.ids) else before
         plan_path = os.path.join(directory, "pass2.pickle")
         with open(plan_path, "wb") as handle:
             pickle.dump(Pass2Plan(files, dictionaries, seed, writer.slabs.chunk_windows, writer.coder,
-                                  seeded),
+                                  seeded, first_row),
                         handle, protocol=pickle.HIGHEST_PROTOCOL)
         del dictionaries
         where = (plan_path, dest.url, dest.storage_options)
