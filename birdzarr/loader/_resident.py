@@ -541,13 +541,12 @@ class ResidentSelection:
         Looked up in ascending row order (the windows of one group of chunks, which share a
         dictionary, then look up one after another), then put back in the batch's order by one
         row copy, and gps_speed's one value a window copied to its 20 samples by one column
-        gather. ``python benchmarks/resident_decode.py`` times the decode and its steps on the
-        loader benchmark's 2.5 M-window store (a 6 MB table), a batch of 8192, each way from
-        cold caches: the table lookup is about half the decode; fancy indexing of the codes
-        instead of ``np.take`` of rows costs 1.19x, the offsets built per batch 1.07x, the index
-        in two passes 1.01x. Without the sort the decode is 4% faster there (the table fits in
-        the L3 cache); the sort is for tables that do not (the 25 M-window corpus's would be
-        about ten times larger)."""
+        gather. Measured on a 2.5 M-window dict16 store (a 6 MB table), a batch of 8192, each
+        way from cold caches: the table lookup is about half the decode; fancy indexing of the
+        codes instead of ``np.take`` of rows cost 1.19x, the offsets built per batch 1.07x, the
+        index in two passes 1.01x. Without the sort the decode was 4% faster there (the table
+        fits in the L3 cache); the sort is for tables that do not (the 25 M-window corpus's
+        would be about ten times larger)."""
         assert self.table is not None and self.chunk_bounds is not None and self.row_offsets is not None
         n = len(rows)
         order = np.argsort(rows)  # rows are distinct: any sort is stable

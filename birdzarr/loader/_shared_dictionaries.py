@@ -10,9 +10,9 @@ Why: every value of a batch is a lookup in the table of all dictionaries. On the
 benchmark's 2.5 M-window store the table shrinks from 15.2 MB (306 chunks) to 6.0 MB (9
 groups), and a batch's lookups, in ascending row order, stay within one group's union (a few
 hundred KB, held by the CPU's L2 cache) for many windows at a time: the host decode of a batch
-took 3.84 against 4.39 ms with every chunk's dictionary apart (``python
-benchmarks/resident_decode.py``, the two versions alternated; docs/benchmarks.md). The recode
-costs one pass over the codes while loading.
+took 3.84 against 4.39 ms with every chunk's dictionary apart, measured when birdzarr still
+wrote dict16 stores (the two versions alternated). The recode costs one pass over the codes
+while loading.
 """
 
 from __future__ import annotations
