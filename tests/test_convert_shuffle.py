@@ -236,3 +236,61 @@ def test_pass_2_copies_only_the_windows_that_outlive_a_bucket() -> None:
     assert not np.shares_memory(pieces[2][1].devices, block.devices)  # type: ignore[arg-type]
     assert np.array_equal(np.concatenate([piece.windows for _, piece in pieces]), windows)
     assert np.array_equal(np.concatenate([piece.timestamps for _, piece in pieces]), block.timestamps)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
+def test_a_device_past_a_rows_entries_among_devices_read_together_is_shuffled_as_alone(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, small_buckets: None, workers: int
+) -> None:
+    """Small devices of partition files read together, one of them with more distinct values in a
+    channel than a dictionary row holds (its run's codes are uint32, its rows open in pass 2, and
+    pass 2 leaves the coding to the writer): the store is byte-identical to spilling each device
+    alone, and holds the input's windows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zarr
+
+    from birdzarr.convert import _segments, _shuffle_processes
+    from birdzarr.demo import _synthetic
+    from birdzarr.format import _v2
+    from tests.store_files import assert_same_store
+
+    rng = np.random.default_rng(4)
+    sizes = rng.integers(1, 12, size=90)
+    sizes[40] = 3400  # 68,000 distinct imu_x values: more than a row holds
+    ids = np.arange(90) * 2 + 1
+    owner = np.repeat(ids, sizes)
+    windows = _synthetic.curated_windows(len(owner), seed=4)
+    big = np.flatnonzero(owner == ids[40])
+    windows[big, :, 0] = (np.arange(len(big) * 20, dtype=np.float32) / 70_000 - 0.5).reshape(-1, 20)
+    source = tmp_path / "parts"
+    source.mkdir()
+    for number, rows in enumerate(np.array_split(np.arange(len(owner)), 3)):
+        flat = pa.array(windows[rows].reshape(-1), type=pa.float32())
+        gimu = pa.ListArray.from_arrays(pa.array(np.arange(0, len(flat) + 1, 80, dtype=np.int32)), flat)
+        pq.write_table(pa.table({"device_id": pa.array(owner[rows], pa.int32()), "gimu": gimu}),
+                       source / f"part-{number}.parquet")
+    options = {"chunk_windows": 512, "shuffle": True, "seed": 9, "workers": workers, "progress": False}
+    with monkeypatch.context() as patch:
+        patch.setattr(_segments, "RUN_WINDOWS", 0)
+        alone = birdzarr.convert(str(source), str(tmp_path / "alone.zarr"), **options)
+    monkeypatch.setattr(_segments, "RUN_WINDOWS", 4000)  # the large device in a run of others
+    read_runs, runs = _shuffle_processes.read_runs, []
+
+    def watched(devices: list) -> object:
+        found = read_runs(devices)
+        runs.append([d for d, _ in devices] if found is not None else [])
+        return found
+
+    monkeypatch.setattr(_shuffle_processes, "read_runs", watched)
+    together = birdzarr.convert(str(source), str(tmp_path / "together.zarr"), **options)
+    assert_same_store(tmp_path / "alone.zarr", tmp_path / "together.zarr")
+    assert alone.meta["layout"]["shuffle_buckets"] > 1
+    assert any(ids[40] in run and len(run) > 1 for run in runs)
+    rows = zarr.open_array(str(tmp_path / "together.zarr" / _v2.DEVICE), mode="r")[:]
+    assert len(rows) == len(ids) + 1 and (rows == ids[40]).sum() == 2  # the large device's two rows
+    stored = _rows(together)[:, :81]  # values and device
+    expected = np.concatenate([windows.reshape(len(owner), -1).view(np.uint32).astype(np.int64),
+                               owner[:, None].astype(np.int64)], axis=1)
+    assert np.array_equal(_sorted_rows(stored), _sorted_rows(expected))
