@@ -12,9 +12,12 @@ tasks on any engine (``_shuffle_processes.write_shuffled_on``): pass 1 by groups
 (``Spiller``), pass 2 by runs of buckets (``BucketLoader``).
 
 Pass 1 spills each window as codes into its device's dictionaries (``DeviceCoder``: a device's
-distinct values per channel, found as its windows pass in order). After it, every device's
-sorted dictionaries seed format 2's dictionary rows (``seed_rows``), and pass 2 turns the codes
-back into values for the writer, which codes them into those rows.
+distinct values per channel, found as its windows pass in order). Small devices of partition
+files are read, summarised, coded and spilled together (``Spiller.runs``: their dictionaries
+sorted, pieces of many devices). After it, every device's sorted dictionaries seed format 2's
+dictionary rows (``seed_rows``), and pass 2 turns the codes back into values for the writer
+and, where every device was seeded, into the codes of those rows (a value's place in its
+device's sorted dictionary), which the writer then stores as they are.
 
 Where the bytes go: the bucket files live in a fresh ``birdzarr-shuffle-*`` directory under
 ``tmp_dir`` (default: the system temporary directory, ``$TMPDIR``), hold every window once as
