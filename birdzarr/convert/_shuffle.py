@@ -167,8 +167,17 @@ def seed_rows(coder: RowCoder, dictionaries: DeviceValues) -> list[int]:
     Returns the devices left out: a channel with more than 65,535 distinct values, whose rows
     open as pass 2 codes them (the overflow rule)."""
     sizes = np.stack([np.diff(dictionaries.starts[c]) for c in range(_v2.N_CODED)]).max(axis=0, initial=0)
+    # devices whose dictionaries are not sorted already (read alone: first-seen order), found at once
+    unsorted = np.zeros(len(dictionaries.ids), bool)
+    for values, starts in zip(dictionaries.values[: _v2.N_CODED], dictionaries.starts[: _v2.N_CODED],
+                              strict=True):
+        falls = np.flatnonzero(values[1:] <= values[:-1]) + 1  # an entry not above the one before
+        inside = falls[~np.isin(falls, starts)]  # not at a device's first entry
+        unsorted[np.searchsorted(starts, inside, "right") - 1] = True
+    ids = dictionaries.ids.tolist()
     for k in np.flatnonzero(sizes <= _v2.MAX_ENTRIES).tolist():
-        coder.seed(int(dictionaries.ids[k]), [np.sort(e) for e in dictionaries.of(k)[: _v2.N_CODED]])
+        entries = dictionaries.of(k)[: _v2.N_CODED]
+        coder.seed(ids[k], [np.sort(e) for e in entries] if unsorted[k] else entries)
     return dictionaries.ids[sizes > _v2.MAX_ENTRIES].tolist()
 
 

@@ -205,7 +205,9 @@ class Pass2Plan:
     dictionaries: DeviceValues  # per device and channel, as pass 1 found them
     seed: int
     chunk_windows: int
-    coder: RowCoder  # every device's row, seeded
+    # every device's row, seeded; None where pass 2 hands the writer coded windows (``first_row``):
+    # its rows (one a device) are then not pickled for every task
+    coder: RowCoder | None
     seeded_rows: int = 0  # the rows the coder holds (a device left unseeded opens more)
     # every device seeded: the row of the k-th device (ascending id), whose windows pass 2 then
     # hands the writer coded (``BucketLoader``); None: the writer's coder codes them
@@ -243,7 +245,9 @@ def _pass2(plan_path: str, dest_url: str, dest_options: dict[str, Any]) -> _Pass
                               first_row=plan.first_row)
         dest = resolve(dest_url, dest_options)
         group = zarr.open_group(zarr_store(dest, read_only=False), mode="r+", zarr_format=3)
-        state = _Pass2(plan_path, loader, plan.coder, dest,
+        # a plan without a coder hands the writer coded windows: its slab writer's coder stays unused
+        coder = RowCoder() if plan.coder is None else plan.coder
+        state = _Pass2(plan_path, loader, coder, dest,
                        writable_arrays(group), plan.seeded_rows)  # sized before any task started
         _LOCAL.state = state
     return state
@@ -414,8 +418,8 @@ def write_shuffled_on(
         first_row = None if left_out or opened != len(dictionaries.ids) else before
         plan_path = os.path.join(directory, "pass2.pickle")
         with open(plan_path, "wb") as handle:
-            pickle.dump(Pass2Plan(files, dictionaries, seed, writer.slabs.chunk_windows, writer.coder,
-                                  seeded, first_row),
+            pickle.dump(Pass2Plan(files, dictionaries, seed, writer.slabs.chunk_windows,
+                                  writer.coder if first_row is None else None, seeded, first_row),
                         handle, protocol=pickle.HIGHEST_PROTOCOL)
         del dictionaries
         where = (plan_path, dest.url, dest.storage_options)
