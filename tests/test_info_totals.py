@@ -85,3 +85,26 @@ def test_the_text_repr_reads_no_device_entries_and_says_what_the_entries_say(
     inline = ", ".join(f"{e.device_id} ({e.n_windows:,})" for e in entries)
     assert f"devices  {inline}" in text
     assert int(np.sum([e.n_windows for e in entries])) == len(store)
+
+
+def test_the_html_summary_of_many_devices_reads_only_the_index_columns(
+    parts: dict[str, pathlib.Path], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from birdzarr.explore import _html
+
+    dest = tmp_path / "s.zarr"
+    birdzarr.convert(parts["more"], dest, chunk_windows=16, progress=False)
+    full = birdzarr.open_store(dest)._repr_html_()  # type: ignore[attr-defined]
+    assert "<th>sources</th>" in full and "<th class='num'>labelled</th>" in full
+    monkeypatch.setattr(_html, "_DEVICES_WITH_DETAILS", 2)  # the store's 3 devices count as many
+    monkeypatch.setattr(_html, "_DEVICES_HTML", 2)
+    store = birdzarr.open_store(dest)
+    html = store._repr_html_()  # type: ignore[attr-defined]
+    assert "meta" not in store.__dict__ and "device_table" not in store.__dict__
+    entries = store.device_table
+    for e in entries[:2]:
+        assert (f"<td class='num'>{e.device_id}</td><td class='num'>{e.n_windows:,}</td>"
+                f"<td>{_html.format_time(e.first_time)}</td><td>{_html.format_time(e.last_time)}</td>") in html
+    assert f">{entries[2].device_id}<" not in html
+    assert "<th>sources</th>" not in html and "... 1 more devices" in html
+    assert "Labels and sources of each device: <code>store.devices</code>." in html
