@@ -23,10 +23,6 @@ class WindowBlock:
     labels: np.ndarray  # int32 (n,)
     report: DeviceReport  # what producing this block read, wrote and dropped
     devices: np.ndarray | None = None  # int32 (n,), only in blocks that mix devices
-    # (n, channels, samples): the windows as codes into per-device dictionaries, from which the
-    # shuffle's writer encodes gdict16 chunks without a sort (birdzarr/convert/_gdict_encode.py);
-    # a block with codes is written from them alone, its ``windows`` may be a placeholder
-    codes: np.ndarray | None = None
     # format 2: the windows' codes (uint16 (n, 20, 3)) and dictionary rows (int64 (n,)) from the
     # writer's RowCoder (birdzarr/format/_rows.py); gps_speed stays in ``windows``
     coded: tuple[np.ndarray, np.ndarray] | None = None
@@ -52,11 +48,9 @@ class WindowBlock:
         """Windows ``[start, stop)`` (views, no copies), with the whole block's report."""
         window = slice(start, stop)
         devices = None if self.devices is None else self.devices[window]
-        codes = None if self.codes is None else self.codes[window]
         coded = None if self.coded is None else (self.coded[0][window], self.coded[1][window])
         return WindowBlock(
-            self.windows[window], self.timestamps[window], self.labels[window], self.report, devices, codes,
-            coded,
+            self.windows[window], self.timestamps[window], self.labels[window], self.report, devices, coded,
         )
 
     def tail(self, start: int) -> WindowBlock:

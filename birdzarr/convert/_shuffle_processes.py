@@ -349,7 +349,7 @@ def _copied(block: WindowBlock) -> WindowBlock:
     windows = block.windows if 0 in block.windows.strides else block.windows.copy()
     coded = None if block.coded is None else (block.coded[0].copy(), block.coded[1].copy())
     return WindowBlock(windows, block.timestamps.copy(), block.labels.copy(), block.report,
-                       own(block.devices), own(block.codes), coded)
+                       own(block.devices), coded)
 
 
 def _rows_after(rows: _v2.Dictionaries, seeded: int) -> _v2.Dictionaries:
