@@ -311,7 +311,7 @@ def test_devices_read_together_store_what_reading_each_alone_stores(
     threads and in forked worker processes (input past ``PROCESS_MIN_BYTES``), with devices split
     over files, rows of a device not grouped, and one device larger than a run between them."""
     from birdzarr._errors import DuplicateWindowsWarning
-    from birdzarr.convert import _parquet, _segments
+    from birdzarr.convert import _segments
 
     source = mixed
     if engine == "processes":
@@ -319,16 +319,7 @@ def test_devices_read_together_store_what_reading_each_alone_stores(
     with pytest.warns(DuplicateWindowsWarning):
         reference = _one_by_one(source, tmp_path / "alone.zarr", monkeypatch)
     assert reference.meta["report"]["duplicate_windows"] == {"5": 1}
-    together: list[int] = []
-    read_runs = _parquet.read_runs
-
-    def counted(devices: list) -> object:
-        found = read_runs(devices)
-        together.append(0 if found is None else len(devices))
-        return found
-
-    monkeypatch.setattr(_segments, "RUN_WINDOWS", RUN)
-    monkeypatch.setattr(_segments, "read_runs", counted)
+    together = _count_runs(monkeypatch, _segments)
     with pytest.warns(DuplicateWindowsWarning):
         store = birdzarr.convert(str(source), str(tmp_path / "together.zarr"), chunk_windows=256,
                                  workers=1 if engine == "this thread" else 2, progress=False)
@@ -400,20 +391,11 @@ def test_devices_counted_by_reading_are_read_together_too(
     to count them, small devices of partition files together as in the conversion (each of the
     299 small devices read together twice), and the store is the same as reading each alone."""
     from birdzarr._errors import DuplicateWindowsWarning
-    from birdzarr.convert import _parquet, _segments
+    from birdzarr.convert import _segments
 
     with pytest.warns(DuplicateWindowsWarning):
         _one_by_one(mixed, tmp_path / "alone.zarr", monkeypatch, on_bad_rows="skip")
-    together: list[int] = []
-    read_runs = _parquet.read_runs
-
-    def counted(devices: list) -> object:
-        found = read_runs(devices)
-        together.append(0 if found is None else len(devices))
-        return found
-
-    monkeypatch.setattr(_segments, "RUN_WINDOWS", RUN)
-    monkeypatch.setattr(_segments, "read_runs", counted)
+    together = _count_runs(monkeypatch, _segments)
     with pytest.warns(DuplicateWindowsWarning):
         birdzarr.convert(str(mixed), str(tmp_path / "together.zarr"), chunk_windows=256, workers=1,
                          progress=False, on_bad_rows="skip")
@@ -444,16 +426,7 @@ def test_shuffled_devices_read_together_store_what_reading_each_alone_stores(
         reference = birdzarr.convert(str(source), str(tmp_path / "alone.zarr"), workers=workers, **options)
     assert reference.meta["report"]["duplicate_windows"] == {"5": 1}
     assert reference.meta["layout"]["shuffle_buckets"] > 2
-    together: list[int] = []
-    read_runs = _shuffle_processes.read_runs
-
-    def counted(devices: list) -> object:
-        found = read_runs(devices)
-        together.append(0 if found is None else len(devices))
-        return found
-
-    monkeypatch.setattr(_segments, "RUN_WINDOWS", RUN)
-    monkeypatch.setattr(_shuffle_processes, "read_runs", counted)
+    together = _count_runs(monkeypatch, _shuffle_processes)
     with pytest.warns(DuplicateWindowsWarning):
         store = birdzarr.convert(str(source), str(tmp_path / "together.zarr"), workers=workers, **options)
     assert ("worker_processes" in store.meta["report"]) == (engine == "processes")
@@ -462,3 +435,21 @@ def test_shuffled_devices_read_together_store_what_reading_each_alone_stores(
         assert sum(together) == 299 and max(together) > 2  # all but the large device, in runs
     entries = {e.device_id: e for e in store.device_table}
     assert all(e.scattered_digest is not None and not e.ranges for e in entries.values())
+
+
+def _count_runs(monkeypatch: pytest.MonkeyPatch, reader: object) -> list[int]:
+    """Runs of RUN windows, and the number of devices each ``read_runs`` call of ``reader`` read
+    together (0: it fell back to reading them alone), appended as the conversion calls it."""
+    from birdzarr.convert import _segments
+
+    together: list[int] = []
+    read_runs = reader.read_runs  # type: ignore[attr-defined]
+
+    def counted(devices: list) -> object:
+        found = read_runs(devices)
+        together.append(0 if found is None else len(devices))
+        return found
+
+    monkeypatch.setattr(_segments, "RUN_WINDOWS", RUN)
+    monkeypatch.setattr(reader, "read_runs", counted)
+    return together

@@ -279,7 +279,7 @@ class ChunkRouter:
 
     def add(self, device_id: int, block: WindowBlock, position: int) -> None:
         inside = self.whole[0] <= position and position + len(block) <= self.whole[1]
-        if self.slabs.format2 and block.coded is None and not (inside and block.devices is None):
+        if block.coded is None and not (inside and block.devices is None):
             # coded here, before routing (a shared chunk's windows), after the blocks waiting in
             # the slab writer; a block wholly in whole chunks waits there (SlabWriter.code_pending)
             block = self.slabs.code(device_id, block)

@@ -181,6 +181,18 @@ def seed_rows(coder: RowCoder, dictionaries: DeviceValues) -> list[int]:
     return dictionaries.ids[sizes > _v2.MAX_ENTRIES].tolist()
 
 
+def _by_bucket(codes: np.ndarray, meta: np.ndarray, target: np.ndarray,
+               buckets: int) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, int]]]:
+    """Windows (codes ``(channels, n, samples)`` and ``meta``) in the order of their buckets
+    ``target`` (stable: each bucket keeps their order), gathered at once (one take, not a fancy
+    index on the middle axis per bucket: 1.4x faster), and each non-empty bucket's
+    ``(bucket, start, stop)`` in that order."""
+    order = np.argsort(target, kind="stable")
+    bounds = np.searchsorted(target[order], np.arange(buckets + 1))
+    cuts = [(b, int(bounds[b]), int(bounds[b + 1])) for b in np.flatnonzero(np.diff(bounds)).tolist()]
+    return np.take(codes, order, axis=1), meta[order], cuts
+
+
 class _DeviceSpill:
     """One device's state in pass 1: its summary so far, its dictionaries and the windows it
     holds per bucket until a piece is large enough (or the device ends)."""
@@ -259,13 +271,10 @@ class Spiller:
             target = np.concatenate([
                 np.random.default_rng([self.seed, device]).integers(0, self.buckets, size=count)
                 for device, count in zip(device_ids, counts.tolist(), strict=True) if count])
-            order = np.argsort(target, kind="stable")
-            meta = np.empty(len(order), dtype=_META)
+            meta = np.empty(len(target), dtype=_META)
             meta["label"], meta["timestamp"], meta["device"] = found.labels, found.timestamps, found.devices
-            codes, meta = np.take(codes, order, axis=1), meta[order]
-            bounds = np.searchsorted(target[order], np.arange(self.buckets + 1))
-            for bucket in np.flatnonzero(np.diff(bounds)).tolist():
-                start, stop = int(bounds[bucket]), int(bounds[bucket + 1])
+            codes, meta, cuts = _by_bucket(codes, meta, target, self.buckets)
+            for bucket, start, stop in cuts:
                 self._release(-1, bucket, [(codes[:, start:stop, :], meta[start:stop])])
         return {device_ids[k]: int(repeated[k]) for k in np.flatnonzero(repeated).tolist()}
 
@@ -281,16 +290,12 @@ class Spiller:
     def _place(self, state: _DeviceSpill, block: WindowBlock, codes: np.ndarray) -> None:
         """Send each window of the block (coded) to a bucket drawn from the seed's generator."""
         target = state.draw.integers(0, self.buckets, size=len(block))
-        order = np.argsort(target, kind="stable")
         meta = np.empty(len(block), dtype=_META)
         meta["label"], meta["timestamp"], meta["device"] = block.labels, block.timestamps, state.device_id
-        # the block in bucket order, gathered at once: one take per block, not a fancy index on
-        # the middle axis per bucket (1.4x faster, alone); each bucket's run is then copied out
-        # (new arrays, not views that would keep the whole block alive until the bucket is released)
-        codes, meta = np.take(codes, order, axis=1), meta[order]
-        bounds = np.searchsorted(target[order], np.arange(self.buckets + 1))
-        for bucket in np.flatnonzero(np.diff(bounds)).tolist():
-            start, stop = int(bounds[bucket]), int(bounds[bucket + 1])
+        # each bucket's run is copied out (new arrays, not views that would keep the whole block
+        # alive until the bucket is released)
+        codes, meta, cuts = _by_bucket(codes, meta, target, self.buckets)
+        for bucket, start, stop in cuts:
             state.held[bucket].append((codes[:, start:stop, :].copy(), meta[start:stop].copy()))
             state.held_windows[bucket] += stop - start
             if state.held_windows[bucket] >= self.piece_windows:

@@ -341,14 +341,12 @@ def _pieces(block: WindowBlock, position: int, whole: tuple[int, int],
 
 
 def _copied(block: WindowBlock) -> WindowBlock:
-    """``block`` with its own arrays (not views of a larger block); a placeholder ``windows``
-    (broadcast, of a block written from its codes) stays one."""
+    """``block`` with its own arrays (not views of a larger block)."""
     def own(a: np.ndarray | None) -> np.ndarray | None:
         return None if a is None else a.copy()
 
-    windows = block.windows if 0 in block.windows.strides else block.windows.copy()
     coded = None if block.coded is None else (block.coded[0].copy(), block.coded[1].copy())
-    return WindowBlock(windows, block.timestamps.copy(), block.labels.copy(), block.report,
+    return WindowBlock(block.windows.copy(), block.timestamps.copy(), block.labels.copy(), block.report,
                        own(block.devices), coded)
 
 

@@ -69,7 +69,6 @@ class SlabWriter:
         self.arrays = arrays
         if _v2.CODES not in arrays or coder is None:
             raise ValueError("a SlabWriter writes format 2's arrays, with a RowCoder")
-        self.format2 = True  # (every store it writes is; kept for the callers that ask)
         self.coder = coder
         self.sink = ChunkSink(location, arrays, workers=workers)
         self.chunk_windows = int(arrays[DEVICE].chunks[0])
