@@ -110,6 +110,20 @@ class Dictionaries:
         first = int(self.start[row, channel])
         return self.values[first : first + int(self.sizes()[row, channel])]
 
+    def kept(self, used: np.ndarray) -> Dictionaries:
+        """The rows flagged by ``used`` (bool (R,)), in order, holding only the entries they use:
+        the entries are cut at every distinct start (each (row, channel) dictionary is one such
+        span), and a span several rows share (small devices') is kept once."""
+        starts = self.start.reshape(-1)
+        distinct = np.unique(starts)
+        lengths = np.diff(np.append(distinct, np.int64(len(self.values))))
+        span = np.searchsorted(distinct, self.start[used])  # (kept rows, 3)
+        held = np.zeros(len(distinct), dtype=bool)
+        held[span] = True
+        kept = np.where(held, lengths, 0)
+        return Dictionaries(self.values[np.repeat(held, lengths)], (np.cumsum(kept) - kept)[span],
+                            self.device[used])
+
     def extend(self, part: Dictionaries) -> Dictionaries:
         """These arrays with ``part`` (a coder's new rows, whose starts count from the end of
         these values) appended: what the store holds after the append."""
@@ -121,11 +135,31 @@ class Dictionaries:
 
 
 def entry_counts(start: np.ndarray, n_values: int) -> np.ndarray:
-    """Entries of each (row, channel) dictionary: from its start to the next start in row-major
-    order, ``n_values`` after the last."""
+    """Entries of each (row, channel) dictionary: from its start up to the next larger start of
+    any row and channel (``n_values`` after the largest). Rows of small devices may share their
+    entries (their starts are equal: docs/format.md, "Dictionary rows"); where no two starts are
+    equal this is the next start in row-major order. A start outside ``[0, n_values]`` gives a
+    negative count."""
     flat = np.asarray(start, dtype=np.int64).reshape(-1)
-    ends = np.append(flat[1:], np.int64(n_values))
-    return (ends - flat).reshape(-1, N_CODED)
+    if not len(flat):
+        return flat.reshape(-1, N_CODED)
+    if bool((flat[1:] > flat[:-1]).all()):  # no shared entries: the next start
+        ends = np.append(flat[1:], np.int64(n_values))
+        return (ends - flat).reshape(-1, N_CODED)
+    distinct = np.unique(flat)
+    ends = np.append(distinct[1:], np.int64(n_values))[np.searchsorted(distinct, flat)]
+    counts = ends - flat
+    counts[(flat < 0) | (flat > n_values)] = -1
+    return counts.reshape(-1, N_CODED)
+
+
+def misplaced_rows(start: np.ndarray, n_values: int) -> np.ndarray:
+    """Rows (bool (R,)) whose starts are not ascending across their channels or point outside
+    ``dict_values``: what no writer stores (a row's channels follow each other; rows that share
+    entries repeat the same starts)."""
+    start = np.asarray(start, dtype=np.int64).reshape(-1, N_CODED)
+    return ((start[:, 1:] < start[:, :-1]).any(axis=1) | (start < 0).any(axis=1)
+            | (start > n_values).any(axis=1))
 
 
 # -- decoding --------------------------------------------------------------------------------
@@ -175,8 +209,8 @@ def check(codes: np.ndarray, row: np.ndarray, start: np.ndarray, n_values: int) 
     """Raise ValueError unless every window's row exists and every code falls inside its
     (row, channel) dictionary."""
     sizes = entry_counts(start, n_values)
-    if (sizes < 0).any():
-        raise ValueError("dict_start is not ascending in row-major order")
+    if misplaced_rows(start, n_values).any():
+        raise ValueError("dict_start is not ascending within a row or points outside dict_values")
     row = np.asarray(row)
     if len(row) and int(row.max()) >= len(sizes):
         raise ValueError(f"gimu_row refers to row {int(row.max())}; the dictionary has {len(sizes)} rows")

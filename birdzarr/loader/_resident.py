@@ -586,17 +586,14 @@ def format2_window_bytes(gps_once: bool) -> int:
 def held_dictionaries(dictionaries: _v2.Dictionaries, row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The entries of the dictionary rows that ``row`` (the store's row of each held window,
     int32) uses, renumbered ``0..R-1`` in store order, and their offsets (``HeldCodes.offsets``);
-    ``row`` is renumbered in place. Offsets are int32 unless the held entries pass 2**31."""
-    sizes = dictionaries.sizes()  # (R, 3): a row's entries lie together, channel after channel
+    ``row`` is renumbered in place. Entries that several rows share (small devices') are held
+    once. Offsets are int32 unless the held entries pass 2**31."""
     used = np.zeros(dictionaries.n_rows, dtype=bool)
     used[row] = True
     renumber = (np.cumsum(used) - 1).astype(np.int32)
     np.take(renumber, row, out=row)
-    row_entries = sizes.sum(axis=1)
-    values = dictionaries.values[np.repeat(used, row_entries)]
-    held_entries = row_entries[used]
-    first = np.cumsum(held_entries) - held_entries  # where each held row's entries start now
-    start = dictionaries.start[used] - dictionaries.start[used][:, :1] + first[:, None]
+    kept = dictionaries.kept(used)
+    values, start = kept.values, kept.start
     dtype = np.int32 if len(values) + CODE_BIAS < 2**31 else np.int64
     offsets = np.tile((start + CODE_BIAS).astype(dtype), (1, WINDOW_LENGTH))  # sample-major
     return np.ascontiguousarray(values, dtype=np.float32), offsets

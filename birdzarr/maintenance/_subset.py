@@ -364,20 +364,14 @@ def _now() -> str:
 
 def _kept_rows(source: _v2.Dictionaries, used: np.ndarray) -> tuple[_v2.Dictionaries, np.ndarray]:
     """The dictionary rows the subset's windows use, in the source's order, their entries copied
-    (a row owns the entries from its first start to the next row's), and the source row -> kept
-    row map (uint32)."""
+    (``Dictionaries.kept``: entries rows share copied once), and the source row -> kept row map
+    (uint32)."""
     rows = np.flatnonzero(used)
     renumber = np.zeros(source.n_rows, dtype=np.uint32)
     renumber[rows] = np.arange(len(rows), dtype=np.uint32)
-    firsts = source.start[:, 0] if source.n_rows else np.empty(0, np.int64)
-    ends = np.append(firsts[1:], len(source.values)) if source.n_rows else firsts
-    lengths = (ends - firsts)[rows]
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    pieces = [source.values[int(a) : int(b)] for a, b in zip(firsts[rows], ends[rows], strict=True)]
-    values = np.concatenate(pieces) if pieces else np.empty(0, np.float32)
-    start = source.start[rows] - firsts[rows][:, None] + offsets[:-1][:, None]
-    return _v2.Dictionaries(values.astype(np.float32, copy=False), start.astype(np.int64),
-                            source.device[rows].astype(np.int64)), renumber
+    kept = source.kept(used)
+    return _v2.Dictionaries(kept.values.astype(np.float32, copy=False), kept.start.astype(np.int64),
+                            kept.device.astype(np.int64)), renumber
 
 
 class _TableBuilder:

@@ -910,10 +910,11 @@ def load_dictionaries(store: Store, problems: Callable[[str], None]) -> _v2.Dict
     values, start, device = arrays[_v2.VALUES], arrays[_v2.START], arrays[_v2.DEVICE]
     sizes = _v2.entry_counts(start, len(values))
     where = f"{store.location.display}: the dictionaries"
-    if (sizes < 0).any() or (len(start) and int(start[0, 0]) < 0):
-        row = int(np.flatnonzero((sizes < 0).any(axis=1))[0]) if (sizes < 0).any() else 0
-        problems(f"{where}: 'dict_start' is not ascending in row-major order (row {row}) or points "
-                 "outside 'dict_values'")
+    misplaced = _v2.misplaced_rows(start, len(values))
+    if misplaced.any():
+        row = int(np.flatnonzero(misplaced)[0])
+        problems(f"{where}: 'dict_start' is not ascending within row {row} or points outside "
+                 "'dict_values'")
         return None
     if (sizes > _v2.MAX_ENTRIES).any():
         row = int(np.flatnonzero((sizes > _v2.MAX_ENTRIES).any(axis=1))[0])

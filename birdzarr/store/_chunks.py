@@ -471,7 +471,7 @@ class ChunkReader:
             problem = f"{len(device)} rows in '{_v2.DEVICE}' and {len(start)} in '{_v2.START}'"
         elif len(start) and int(start[0, 0]) != 0:
             problem = f"the first row of '{_v2.START}' starts at entry {int(start[0, 0])}, not 0"
-        elif (sizes < 0).any() or (sizes > _v2.MAX_ENTRIES).any():
+        elif _v2.misplaced_rows(start, len(values)).any() or (sizes > _v2.MAX_ENTRIES).any():
             problem = f"'{_v2.START}' is not ascending within the {len(values)} entries of '{_v2.VALUES}'"
         if problem is not None:
             raise CorruptChunkError(
