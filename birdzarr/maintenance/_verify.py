@@ -28,6 +28,8 @@ removes them.
 
 from __future__ import annotations
 
+import json
+import re
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -43,7 +45,7 @@ from birdzarr._errors import (
     CorruptChunkError,
     MissingChunkError,
 )
-from birdzarr.convert._summary import checksum_hasher, device_runs, extend_checksum
+from birdzarr.convert._summary import checksum_hasher, device_runs
 from birdzarr.format import _v2
 from birdzarr.format._codec import strip_crc32c
 from birdzarr.format._digest import RowDigest, digest_hex, row_hashes
@@ -53,9 +55,9 @@ from birdzarr.format._spec import (
     LABEL,
     N_CHANNELS,
     TIMESTAMP,
-    TIMESTAMP_UNKNOWN,
     WINDOW_LENGTH,
     DeviceEntry,
+    DeviceRange,
 )
 from birdzarr.storage._location import Location, StoreLike, read_object, resolve
 from birdzarr.storage._lock import read_holder
@@ -129,17 +131,6 @@ class VerifyResult:
         return self.format()
 
 
-@dataclass
-class _RangeCheck:
-    device_id: int
-    start: int
-    stop: int
-    checksum: str
-    crc: int = 0  # CRC-32C of its windows so far (``extend_checksum``; a hasher object a range cost 7 us)
-    wrong_device: int = 0
-    unreadable: bool = False
-
-
 def verify(
     store: StoreLike,
     *,
@@ -158,14 +149,15 @@ def verify(
     if source is not None:
         given: list[StoreLike] = list(source) if isinstance(source, list | tuple) else [source]  # type: ignore[list-item]
         sources = _read_source(opened, [resolve(one, source_storage_options) for one in given])
-    committed = opened.meta.get("committed") or {}
+    committed = opened.root.get("committed") or {}  # the root attributes hold it (no device table read)
     generation = int(committed.get("generation", 0))
     result = VerifyResult(url=opened.url, n_windows=len(opened), generation=generation)
-    _check_table_arrays(opened, result)
-    ranges = _check_table(opened, result)
-    digests = _check_chunks(opened, ranges, result, progress=progress)
+    table = device_table_columns(opened)
+    _check_table_arrays(opened, table, result)
+    ranges = _check_table(opened, table, result)
+    digests = _check_chunks(opened, table, ranges, result, progress=progress)
     if sources is not None:
-        _compare_with_source(opened, *sources, result, digests)
+        _compare_with_source(opened, *sources, result, digests, table=table)
     for name, length in short_arrays(opened.location, len(opened), window_arrays(opened.format_version)):
         result.problem(f"array '{name}' has shape {length:,} along windows, but {len(opened):,} windows "
                        "are committed: readers of its Zarr array (zarr-python, TensorStore) see only "
@@ -192,7 +184,7 @@ def _table_index(store: Store) -> tuple[np.ndarray, np.ndarray]:
     return ids[order], order
 
 
-def _check_table_arrays(store: Store, result: VerifyResult) -> None:
+def _check_table_arrays(store: Store, table: _Table, result: VerifyResult) -> None:
     """A format-2 store's device table index arrays (``device_table/<generation>/...``): every
     chunk present and intact, and their columns equal to the entries they index."""
     from birdzarr.format import _device_table
@@ -201,15 +193,14 @@ def _check_table_arrays(store: Store, result: VerifyResult) -> None:
     where = table_path(store.root)
     if where is None:
         return
-    entries = sorted(store.device_table, key=lambda e: e.device_id)
-    expected = {
-        "device_id": [e.device_id for e in entries], "n_windows": [e.n_windows for e in entries],
-        "first_time": [e.first_time for e in entries], "last_time": [e.last_time for e in entries],
-    }
-    runs = sorted((r.start, r.stop, e.device_id) for e in entries for r in e.ranges)
+    ids, order = table.sorted_ids()
+    expected = {"device_id": ids, "n_windows": table.n_windows[order],
+                "first_time": table.first_time[order], "last_time": table.last_time[order]}
     if not store.shuffled:
-        expected.update(range_device=[d for _, _, d in runs], range_start=[a for a, _, _ in runs],
-                        range_stop=[b for _, b, _ in runs])
+        owner = table.ids[table.range_entry]
+        runs = np.lexsort((owner, table.range_stop, table.range_start))  # by start, stop, device
+        expected.update(range_device=owner[runs], range_start=table.range_start[runs],
+                        range_stop=table.range_stop[runs])
     for name in (*_device_table.COLUMNS, *(() if store.shuffled else _device_table.RANGES)):
         try:
             chunks = ArrayChunks.open(store.location, f"{where}/{name}")
@@ -228,58 +219,122 @@ def _check_table_arrays(store: Store, result: VerifyResult) -> None:
         if not sound:
             continue
         column = np.concatenate(parts) if parts else np.empty(0, np.int64)
-        want = np.array([v if v is not None else TIMESTAMP_UNKNOWN for v in expected[name]], np.int64)
+        want = expected[name]
         if len(column) != len(want) or (column != want).any():
             result.problem(f"device table: its index array '{where}/{name}' disagrees with the entries it "
                            f"indexes (in '{where}/zarr.json'); {RESTORE_HINT}")
 
 
-def _check_table(store: Store, result: VerifyResult) -> list[_RangeCheck]:
+@dataclass
+class _Ranges:
+    """The device ranges inside the committed windows, by start (a stable sort of the table's
+    order), and what the pass over the chunks finds for each."""
+
+    device_id: np.ndarray
+    start: np.ndarray
+    stop: np.ndarray
+    checksum: np.ndarray  # str, as recorded
+    sound: bool  # no two overlap: each chunk holds the ranges that meet it, found by binary search
+    crc: list[int] = field(default_factory=list)  # CRC-32C of each one's windows so far
+    wrong_device: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    unreadable: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+
+    def __post_init__(self) -> None:
+        self.crc = [0] * len(self.start)
+        self.wrong_device = np.zeros(len(self.start), np.int64)
+        self.unreadable = np.zeros(len(self.start), bool)
+
+    def __len__(self) -> int:
+        return len(self.start)
+
+
+def _check_table(store: Store, table: _Table, result: VerifyResult) -> _Ranges | None:
     n = len(store)
-    total = sum(e.n_windows for e in store.device_table)
+    total = sum(table.n_windows.tolist())
     if total != n:
         result.problem(f"device table: its window counts add up to {total:,}, but {n:,} windows are "
                        "committed")
     if store.shuffled:
-        return []
-    ranges = []
-    for entry in store.device_table:
-        in_ranges = sum(r.stop - r.start for r in entry.ranges)
-        if in_ranges != entry.n_windows:
-            result.problem(f"device {entry.device_id}: n_windows is {entry.n_windows:,} but its ranges "
-                           f"hold {in_ranges:,} windows")
-        for r in entry.ranges:
-            if not 0 <= r.start <= r.stop <= n:
-                result.problem(f"device {entry.device_id}: range [{r.start}, {r.stop}) lies outside "
+        return None
+    start, stop, entry = table.range_start, table.range_stop, table.range_entry
+    in_ranges = np.zeros(len(table), np.int64)
+    np.add.at(in_ranges, entry, stop - start)
+    outside = ~((start >= 0) & (start <= stop) & (stop <= n))
+    miscounted = in_ranges != table.n_windows
+    flagged = miscounted.copy()
+    flagged[entry[outside]] = True
+    for k in np.flatnonzero(flagged).tolist():  # in the table's order, as the entries are read
+        device = int(table.ids[k])
+        if miscounted[k]:
+            result.problem(f"device {device}: n_windows is {int(table.n_windows[k]):,} but its ranges "
+                           f"hold {int(in_ranges[k]):,} windows")
+        a, b = np.searchsorted(entry, [k, k + 1])
+        for r in range(int(a), int(b)):
+            if outside[r]:
+                result.problem(f"device {device}: range [{int(start[r])}, {int(stop[r])}) lies outside "
                                f"the {n:,} committed windows")
-                continue
-            ranges.append(_RangeCheck(entry.device_id, r.start, r.stop, r.checksum))
-    ranges.sort(key=lambda r: r.start)
-    for before, after in zip(ranges, ranges[1:], strict=False):
-        if after.start < before.stop:
-            result.problem(f"devices {before.device_id} and {after.device_id}: ranges "
-                           f"[{before.start}, {before.stop}) and [{after.start}, {after.stop}) overlap")
+    kept = np.flatnonzero(~outside)
+    kept = kept[np.argsort(start[kept], kind="stable")]
+    ranges = _Ranges(table.ids[entry[kept]], start[kept], stop[kept], table.range_checksum[kept], sound=True)
+    overlapping = np.flatnonzero(ranges.start[1:] < ranges.stop[:-1])
+    for i in overlapping.tolist():
+        result.problem(f"devices {int(ranges.device_id[i])} and {int(ranges.device_id[i + 1])}: ranges "
+                       f"[{int(ranges.start[i])}, {int(ranges.stop[i])}) and [{int(ranges.start[i + 1])}, "
+                       f"{int(ranges.stop[i + 1])}) overlap")
+    ranges.sound = not len(overlapping)
     return ranges
 
 
-def _check_chunks(store: Store, ranges: list[_RangeCheck], result: VerifyResult, *, progress: bool,
-) -> _Digests | None:
+def _parts(ranges: _Ranges, first: int, chunk_start: int, chunk_stop: int
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """The parts of the ranges that lie in chunk ``[chunk_start, chunk_stop)``: each one's range,
+    and its windows ``[lo, hi)`` counted from the chunk's start; and the first range not yet fully
+    hashed. Ranges that do not overlap are found by binary search; overlapping ones (a damaged
+    table) are walked in order from ``first``, stopping at one that goes on past the chunk."""
+    if ranges.sound:
+        a = int(np.searchsorted(ranges.stop, chunk_start, "right"))  # stops ascend where none overlap
+        b = int(np.searchsorted(ranges.start, chunk_stop, "left"))
+        which = np.arange(a, max(a, b))
+        following = a
+    else:
+        found = []
+        position = first
+        starts, stops = ranges.start, ranges.stop
+        while position < len(ranges) and starts[position] < chunk_stop:
+            found.append(position)
+            if stops[position] > chunk_stop:
+                break  # continues in the next chunk
+            position += 1
+        which = np.array(found, dtype=np.int64)
+        following = position
+    lo = np.maximum(ranges.start[which], chunk_start) - chunk_start
+    hi = np.minimum(ranges.stop[which], chunk_stop) - chunk_start
+    some = hi > lo
+    return which[some], lo[some], hi[some], following
+
+
+def _check_chunks(store: Store, table: _Table, ranges: _Ranges | None, result: VerifyResult, *,
+                  progress: bool) -> _Digests | None:
     """Read every committed chunk once and check it (module doc); a shuffled store's per-device
     digests, gathered in this pass, are returned for the comparison with the source."""
+    import google_crc32c
+
     from birdzarr._progress import progress_bar
 
     reader = store.reader
-    known = _table_index(store)[0]  # the table's ids, sorted
+    known = table.sorted_ids()[0]
     coded = store.format_version >= 2  # windows from codes, rows and gps_speed and the dictionaries
-    dicts = load_dictionaries(store, result.problem) if coded else None
+    dicts = load_dictionaries(store, result.problem, known=known) if coded else None
     result.undecodable = coded and dicts is None
+    sizes = dicts.sizes() if dicts is not None else None  # each row's entries a channel, found once
     arrays = (*WINDOW_ARRAYS_V2, DEVICE, TIMESTAMP, LABEL) if coded else _ARRAYS
     # a shuffled store's devices are checked (and compared with the source) through digests
     # gathered in this one pass: each device's windows are scattered over every chunk
     digests = _Digests(known) if store.shuffled else None
     # stores shuffled by earlier versions: a CRC-32C of each device's windows in index order
-    scattered = {e.device_id: checksum_hasher() for e in store.device_table
-                 if e.scattered_digest is None and e.scattered_checksum is not None}
+    scattered = {int(table.ids[k]): checksum_hasher() for k in range(len(table))
+                 if table.scattered_digest[k] is None and table.scattered_checksum[k] is not None
+                 } if store.shuffled else {}
     first = 0  # index of the first range not yet fully hashed
     with progress_bar(progress, desc="verify", total=reader.n_chunks, unit=" chunks") as bar:
         for index in range(reader.n_chunks):
@@ -293,7 +348,7 @@ def _check_chunks(store: Store, ranges: list[_RangeCheck], result: VerifyResult,
             result.chunks_checked += 1
             bar.update(1)
             if coded:
-                decoded = _decode_checked(data, dicts, index, chunk_start, chunk_stop, result)
+                decoded = _decode_checked(data, dicts, index, chunk_start, chunk_stop, result, sizes)
                 if decoded is not None:
                     data[GIMU] = decoded
             windows, devices = data.get(GIMU), data.get(DEVICE)
@@ -307,54 +362,62 @@ def _check_chunks(store: Store, ranges: list[_RangeCheck], result: VerifyResult,
                 if scattered:
                     _hash_scattered(windows, devices, scattered)
                 continue
-            position = first
-            inside: list[tuple[_RangeCheck, int, int]] = []  # the ranges' parts in this chunk
-            while position < len(ranges) and ranges[position].start < chunk_stop:
-                check = ranges[position]
-                lo = max(check.start, chunk_start) - chunk_start
-                hi = min(check.stop, chunk_stop) - chunk_start
-                if hi > lo:
-                    if windows is None:
-                        check.unreadable = True
-                    else:
-                        check.crc = extend_checksum(check.crc, windows[lo:hi])
-                    inside.append((check, lo, hi))
-                if check.stop > chunk_stop:
-                    break  # continues in the next chunk
-                position += 1
-            first = position
-            if devices is not None:
-                _count_wrong_devices(devices, inside)
+            assert ranges is not None
+            which, lo, hi, first = _parts(ranges, first, chunk_start, chunk_stop)
+            if windows is None:
+                ranges.unreadable[which] = True
+            else:
+                rows = np.ascontiguousarray(windows, dtype="<f4").view(np.uint8).reshape(len(windows), -1)
+                crc = ranges.crc
+                for r, a, b in zip(which.tolist(), lo.tolist(), hi.tolist(), strict=True):
+                    crc[r] = google_crc32c.extend(crc[r], rows[a:b])
+            if devices is not None and len(which):
+                _count_wrong_devices(devices, ranges, which, lo, hi)
     if digests is not None:
-        _finish_scattered(store, scattered, digests, result)
+        _finish_scattered(table, scattered, digests, result)
         return digests
-    undecodable = result.undecodable and bool(ranges)
+    assert ranges is not None
+    undecodable = result.undecodable and bool(len(ranges))
     if undecodable:  # not one line a range: no window decodes without the dictionaries
         result.problem(f"the checksums of all {len(ranges):,} device ranges cannot be checked: the "
                        "dictionaries are missing or damaged (above)")
     stored_in = ", ".join(f"'{name}'" for name in WINDOW_ARRAYS_V2) if coded else f"'{GIMU}'"
-    for check in ranges:
-        where = f"device {check.device_id}, windows [{check.start:,}, {check.stop:,})"
-        if check.wrong_device:
-            result.problem(f"{where}: {check.wrong_device:,} window(s) carry another device id in "
+    checked = ~ranges.unreadable
+    if not undecodable:
+        result.checksums_checked += int(checked.sum())
+    differing = checked & (_hex8(np.array(ranges.crc, dtype=np.uint32)) != ranges.checksum)
+    flagged = (ranges.wrong_device > 0) | (~undecodable & (ranges.unreadable | differing))
+    for r in np.flatnonzero(flagged).tolist():
+        start, stop = int(ranges.start[r]), int(ranges.stop[r])
+        where = f"device {int(ranges.device_id[r])}, windows [{start:,}, {stop:,})"
+        if ranges.wrong_device[r]:
+            result.problem(f"{where}: {int(ranges.wrong_device[r]):,} window(s) carry another device id in "
                            "the 'device' array")
         if undecodable:
             continue
-        if check.unreadable:
+        if ranges.unreadable[r]:
             result.problem(f"{where}: checksum cannot be checked, a chunk is missing or damaged (above)")
-            continue
-        result.checksums_checked += 1
-        digest = f"{check.crc:08x}"
-        if digest != check.checksum:
+        elif differing[r]:
             chunk = reader.chunk_windows
-            result.problem(f"{where}: checksum {digest} differs from the {check.checksum} recorded at "
-                           f"write time: the windows changed after they were written (chunks "
-                           f"{check.start // chunk}..{(check.stop - 1) // chunk} of {stored_in})")
+            result.problem(f"{where}: checksum {ranges.crc[r]:08x} differs from the {ranges.checksum[r]} "
+                           f"recorded at write time: the windows changed after they were written (chunks "
+                           f"{start // chunk}..{(stop - 1) // chunk} of {stored_in})")
     return None
 
 
+_HEX_DIGITS = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
+
+
+def _hex8(values: np.ndarray) -> np.ndarray:
+    """Each uint32 as 8 lowercase hex digits (``f"{v:08x}"``, for all at once)."""
+    shifts = np.arange(28, -4, -4, dtype=np.uint32)
+    nibbles = (values[:, None] >> shifts) & np.uint32(0xF)
+    return _HEX_DIGITS[nibbles].view("S8").ravel().astype(str)
+
+
 def _decode_checked(data: dict[str, np.ndarray], dicts: _v2.Dictionaries | None, index: int,
-                    chunk_start: int, chunk_stop: int, result: VerifyResult) -> np.ndarray | None:
+                    chunk_start: int, chunk_stop: int, result: VerifyResult,
+                    sizes: np.ndarray | None = None) -> np.ndarray | None:
     """A version-2 chunk's windows decoded, after its codes and rows are checked against the
     dictionaries and each window's row against its ``device`` id; None when they cannot be (a
     chunk or the dictionaries missing or damaged, reported already, or a code or row out of range,
@@ -363,7 +426,7 @@ def _decode_checked(data: dict[str, np.ndarray], dicts: _v2.Dictionaries | None,
     if dicts is None or codes is None or row is None:
         return None
     windows = f"windows {chunk_start:,}..{chunk_stop - 1:,}"
-    wrong = check_coded(codes, row, dicts, chunk_start)
+    wrong = check_coded(codes, row, dicts, chunk_start, sizes)
     if wrong is not None:
         result.problem(f"{windows} (chunks '{_v2.CODES}/c/{index}/0/0' and '{_v2.ROW}/c/{index}'): {wrong}")
         return None
@@ -383,23 +446,20 @@ def _decode_checked(data: dict[str, np.ndarray], dicts: _v2.Dictionaries | None,
     return _v2.decode(codes, row, gps, dicts.values, dicts.start)
 
 
-def _count_wrong_devices(devices: np.ndarray, inside: list[tuple[_RangeCheck, int, int]]) -> None:
-    """Count, for each range part ``(check, lo, hi)`` of a chunk, its windows whose ``device``
-    id is another device's: one comparison for the chunk where the parts tile it (a sound
-    table), part by part otherwise."""
-    los = [lo for _, lo, _ in inside]
-    his = [hi for _, _, hi in inside]
-    if los and los[0] == 0 and his[-1] == len(devices) and los[1:] == his[:-1]:
-        expected = np.repeat(np.array([c.device_id for c, _, _ in inside], dtype=np.int64),
-                             np.subtract(his, los))
+def _count_wrong_devices(devices: np.ndarray, ranges: _Ranges, which: np.ndarray, lo: np.ndarray,
+                         hi: np.ndarray) -> None:
+    """Count, for each range part ``which, lo, hi`` of a chunk (non-empty), its windows whose
+    ``device`` id is another device's: one comparison for all the parts."""
+    sizes = hi - lo
+    expected = np.repeat(ranges.device_id[which], sizes)
+    offsets = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    if lo[0] == 0 and hi[-1] == len(devices) and (lo[1:] == hi[:-1]).all():  # the parts tile the chunk
         wrong = devices != expected
-        if not wrong.any():
-            return
-        for (check, _, _), count in zip(inside, np.add.reduceat(wrong, los).tolist(), strict=True):
-            check.wrong_device += int(count)
-        return
-    for check, lo, hi in inside:
-        check.wrong_device += int((devices[lo:hi] != check.device_id).sum())
+    else:
+        positions = np.arange(int(sizes.sum())) + np.repeat(lo - offsets, sizes)
+        wrong = devices[positions] != expected
+    if wrong.any():
+        np.add.at(ranges.wrong_device, which, np.add.reduceat(wrong, offsets))
 
 
 def _unknown_ids(devices: np.ndarray, known: np.ndarray) -> np.ndarray:
@@ -422,40 +482,215 @@ def _hash_scattered(windows: np.ndarray | None, devices: np.ndarray | None, hash
             hashers[device].update(grouped[start:stop])
 
 
-def _finish_scattered(store: Store, hashers: dict[int, Any], digests: _Digests,
+def _finish_scattered(table: _Table, hashers: dict[int, Any], digests: _Digests,
                       result: VerifyResult) -> None:
-    table = store.device_table
     # each table entry's position among the sorted ids, where the digests keep its figures
     position = np.empty(len(table), dtype=np.int64)
-    position[_table_index(store)[1]] = np.arange(len(table))
+    position[table.sorted_ids()[1]] = np.arange(len(table))
     counts, sums = digests.count_of[position].tolist(), digests.sum_of[position].tolist()
-    if result.undecodable and table:  # not one line a device: no window decodes
+    if result.undecodable and len(table):  # not one line a device: no window decodes
         result.problem(f"the checksums of all {len(table):,} devices cannot be checked: the dictionaries "
                        "are missing or damaged (above)")
         return
-    for entry, count, total in zip(table, counts, sums, strict=True):
-        device = entry.device_id
+    for device, n_windows, recorded, old, count, total in zip(
+            table.ids.tolist(), table.n_windows.tolist(), table.scattered_digest, table.scattered_checksum,
+            counts, sums, strict=True):
         if digests.broken:
             result.problem(f"device {device}: checksum cannot be checked, a chunk is missing "
                            "or damaged (above)")
             continue
-        if count != entry.n_windows:
+        if count != n_windows:
             result.problem(f"device {device}: {count:,} windows carry its id, the device table says "
-                           f"{entry.n_windows:,}")
-        if entry.scattered_digest is not None:
+                           f"{n_windows:,}")
+        if recorded is not None:
             result.checksums_checked += 1
             digest = digest_hex(total)
-            if digest != entry.scattered_digest:
+            if digest != recorded:
                 result.problem(f"device {device}: scattered digest {digest} differs from the "
-                               f"{entry.scattered_digest} recorded at write time: its windows, times or "
+                               f"{recorded} recorded at write time: its windows, times or "
                                "labels changed after writing")
-        elif entry.scattered_checksum is not None:
+        elif old is not None:
             result.checksums_checked += 1
             crc = hashers[device].hexdigest()
-            if crc != entry.scattered_checksum:
+            if crc != old:
                 result.problem(f"device {device}: scattered checksum {crc} differs from the "
-                               f"{entry.scattered_checksum} recorded at write time: its windows changed "
+                               f"{old} recorded at write time: its windows changed "
                                "after writing")
+
+
+# -- the device table as columns -------------------------------------------------------------------
+# A 100,000-device table is 40 MB of JSON: parsed into dictionaries and then DeviceEntry objects it
+# cost 3.5 CPU s and 600 MB, more than verify's pass over the chunks. verify reads a format-2
+# table written as the writers write it as columns instead: pyarrow's JSON parser reads the whole
+# document (every value checked, typed by a schema: no Python object a value), and the ranges,
+# lists that mix numbers and a string (which that parser cannot type), and the label counts are
+# taken from the text by patterns anchored at each entry, checked against the parsed entries.
+# Anything else (another layout, a value of another type, a number past int64, damage) reads the
+# table as before, through ``Store.device_table``, with its errors.
+
+_TABLE_HEAD = b'{"zarr_format": 3, "node_type": "group", "attributes": {"birdzarr": {"devices": ['
+_ENTRY_RANGES = re.compile(rb'\{"device_id": (-?[0-9]++), "n_windows": -?[0-9]++, '
+                           rb'"ranges": \[((?:\[[^\]]*+\](?:, )?)*+)\], "first_time": ')
+_RANGE_ITEM = re.compile(rb'\[(-?[0-9]{1,19}), (-?[0-9]{1,19}), "([0-9a-f]{8})"\]')
+_ENTRY_LABELS = re.compile(rb'"label_counts": \{([^}]*+)\}, "scattered_checksum": ')
+
+
+@dataclass
+class _Table:
+    """The device table's entries as columns, in the table's order (entry ``k`` is row ``k``);
+    the ranges entry by entry (``range_entry``: the row of each range's entry)."""
+
+    ids: np.ndarray
+    n_windows: np.ndarray
+    first_time: np.ndarray
+    last_time: np.ndarray
+    range_entry: np.ndarray
+    range_start: np.ndarray
+    range_stop: np.ndarray
+    range_checksum: np.ndarray  # str, as recorded
+    scattered_checksum: list[str | None]
+    scattered_digest: list[str | None]
+    # each entry's sources: a list, or (names, where each entry's start) of all entries at once
+    _sources: list[list[str]] | tuple[list[str], list[int]]
+    _label_counts: list[bytes] | list[dict[int, int]]  # a dict, or the text of its JSON object
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @classmethod
+    def of_entries(cls, entries: list[DeviceEntry]) -> _Table:
+        ranges = [(k, r) for k, e in enumerate(entries) for r in e.ranges]
+
+        def column(values: list[int]) -> np.ndarray:
+            return np.array(values, dtype=np.int64) if values else np.empty(0, np.int64)
+
+        return cls(
+            ids=column([e.device_id for e in entries]), n_windows=column([e.n_windows for e in entries]),
+            first_time=column([e.first_time for e in entries]),
+            last_time=column([e.last_time for e in entries]),
+            range_entry=column([k for k, _ in ranges]), range_start=column([r.start for _, r in ranges]),
+            range_stop=column([r.stop for _, r in ranges]),
+            range_checksum=np.array([r.checksum for _, r in ranges], dtype=str),
+            scattered_checksum=[e.scattered_checksum for e in entries],
+            scattered_digest=[e.scattered_digest for e in entries],
+            _sources=[list(e.sources) for e in entries], _label_counts=[e.label_counts for e in entries],
+        )
+
+    @classmethod
+    def of_text(cls, raw: bytes) -> _Table | None:
+        """The table of a format-2 table group's ``zarr.json`` written as the writers write it;
+        None for any other text (read then as JSON)."""
+        if not raw.startswith(_TABLE_HEAD) or not raw.isascii():
+            return None
+        # a second "devices" key would replace the first (json.loads keeps the last)
+        if raw.count(b'"devices": [') != 1:
+            return None
+        entries = _parsed_entries(raw)
+        if entries is None:
+            return None
+        n = len(entries)
+        columns = {name: entries.field(name) for name in
+                   ("device_id", "n_windows", "first_time", "last_time", "sources")}
+        if any(c.null_count for c in columns.values()) or columns["sources"].values.null_count:
+            return None  # a key missing (or null): Store.device_table says what is wrong
+        ids = columns["device_id"].to_numpy()
+        ranges = _ENTRY_RANGES.findall(raw, len(_TABLE_HEAD) - 1)
+        labels = _ENTRY_LABELS.findall(raw, len(_TABLE_HEAD) - 1)
+        if len(ranges) != n or len(labels) != n:
+            return None
+        texts = [text for _, text in ranges]
+        try:
+            if n and not np.array_equal(np.array([i for i, _ in ranges]).astype(np.int64), ids):
+                return None  # the patterns did not find each entry's own ranges
+            counts = np.fromiter((text.count(b"[") for text in texts), np.int64, n)
+            found = _RANGE_ITEM.findall(b" ".join(texts))
+            if len(found) != int(counts.sum()):
+                return None  # a range of another shape: as JSON
+            triples = np.array(found, dtype=bytes).reshape(-1, 3)
+            starts, stops = triples[:, 0].astype(np.int64), triples[:, 1].astype(np.int64)
+        except (OverflowError, ValueError):  # a number past int64: as JSON (a Python int there)
+            return None
+        sources = columns["sources"]
+        return cls(
+            ids=ids, n_windows=columns["n_windows"].to_numpy(), first_time=columns["first_time"].to_numpy(),
+            last_time=columns["last_time"].to_numpy(), range_entry=np.repeat(np.arange(n), counts),
+            range_start=starts, range_stop=stops, range_checksum=triples[:, 2].astype(str),
+            scattered_checksum=entries.field("scattered_checksum").to_pylist(),
+            scattered_digest=entries.field("scattered_digest").to_pylist(),
+            _sources=(sources.values.to_pylist(), sources.offsets.to_numpy().tolist()), _label_counts=labels,
+        )
+
+    def sources(self, k: int) -> list[str]:
+        """Entry ``k``'s source file names."""
+        if isinstance(self._sources, tuple):
+            names, offsets = self._sources
+            return names[offsets[k] : offsets[k + 1]]
+        return list(self._sources[k])
+
+    def entry(self, k: int) -> DeviceEntry:
+        """Entry ``k`` as ``Store.device_table`` gives it."""
+        counts = self._label_counts[k]
+        if isinstance(counts, bytes):
+            counts = {int(a): int(b) for a, b in json.loads(b"{" + counts + b"}").items()}
+        a, b = np.searchsorted(self.range_entry, [k, k + 1])
+        return DeviceEntry(
+            device_id=int(self.ids[k]), n_windows=int(self.n_windows[k]),
+            ranges=[DeviceRange(int(s), int(e), str(c)) for s, e, c in zip(
+                self.range_start[a:b].tolist(), self.range_stop[a:b].tolist(),
+                self.range_checksum[a:b].tolist(), strict=True)],
+            first_time=int(self.first_time[k]), last_time=int(self.last_time[k]), sources=self.sources(k),
+            label_counts=dict(counts), scattered_checksum=self.scattered_checksum[k],
+            scattered_digest=self.scattered_digest[k],
+        )
+
+    def sorted_ids(self) -> tuple[np.ndarray, np.ndarray]:
+        """The ids sorted, and each one's row."""
+        order = np.argsort(self.ids, kind="stable")
+        return self.ids[order], order
+
+
+def _parsed_entries(raw: bytes) -> Any:
+    """The entries of a table group's ``zarr.json`` parsed by pyarrow as a struct array (the
+    columns verify reads; other keys, the reports and tails, parsed and left out), or None where
+    the text is not one JSON document or a value has another type."""
+    import pyarrow as pa
+    import pyarrow.json as pa_json
+
+    entry = pa.struct([("device_id", pa.int64()), ("n_windows", pa.int64()), ("first_time", pa.int64()),
+                       ("last_time", pa.int64()), ("sources", pa.list_(pa.string())),
+                       ("scattered_checksum", pa.string()), ("scattered_digest", pa.string())])
+    devices = pa.struct([("devices", pa.list_(entry))])
+    schema = pa.schema([("attributes", pa.struct([("birdzarr", devices)]))])
+    try:
+        parsed = pa_json.read_json(
+            pa.py_buffer(raw), read_options=pa_json.ReadOptions(block_size=len(raw) + 64, use_threads=False),
+            parse_options=pa_json.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore"))
+    except (pa.ArrowInvalid, OSError):
+        return None
+    if parsed.num_rows != 1:
+        return None
+    found = parsed.column("attributes").combine_chunks().field("birdzarr").field("devices")
+    if found.null_count:
+        return None
+    return found.values[found.offsets[0].as_py() : found.offsets[1].as_py()]
+
+
+def device_table_columns(store: Store) -> _Table:
+    """The store's device table as columns (module note above): a format-2 table written as the
+    writers write it is read from its text; any other (and format 1's) from ``Store.device_table``."""
+    from birdzarr.store._device_table import table_path
+
+    where = table_path(store.root)
+    if where is not None and "device_table" not in store.__dict__:
+        try:
+            raw = read_object(store.location, f"{where}/zarr.json")
+        except (BirdzarrError, OSError):
+            raw = b""  # said by Store.device_table, below
+        found = _Table.of_text(raw)
+        del raw
+        if found is not None:
+            return found
+    return _Table.of_entries(store.device_table)
 
 
 # -- comparison with the sources ---------------------------------------------------------------
@@ -466,7 +701,7 @@ def _batches(store: Store, entry: DeviceEntry) -> list[list[str]]:
     append; an append that continued the device's unfinished last burst (``continued_rows``)
     read its files as the continuation of the batch before, so they join it."""
     device = str(entry.device_id)
-    appends = store.meta.get("report", {}).get("appends", [])
+    appends = (store.root.get("report") or {}).get("appends") or []  # the root holds them
     appended = [a.get("files", {}).get(device, []) for a in appends]
     later = {name for files in appended for name in files}
     batches = [[name for name in entry.sources if name not in later]]
@@ -512,40 +747,33 @@ def _read_source(store: Store, given: list[Location]) -> tuple[Location, list[De
 
 def _compare_with_source(
     store: Store, src: Location, devices: list[DeviceSource], result: VerifyResult,
-    digests: _Digests | None = None,
+    digests: _Digests | None = None, *, table: _Table | None = None,
 ) -> None:
     from birdzarr.convert._append import store_curation
+    from birdzarr.convert._parquet import clear_group_cache
 
     if result.undecodable:
         result.problem(f"the devices cannot be compared with {src.display}: the dictionaries are missing or "
                        "damaged (above)")
         return
-    curation = store_curation(store.meta)
-    reports = store.report
-    in_source = {d.device_id: d for d in devices}
-    entries = {e.device_id: e for e in store.device_table}
-    for entry in store.device_table:
-        if entry.device_id not in in_source:
-            result.problem(f"device {entry.device_id} ({entry.n_windows:,} windows) has no source files in "
-                           f"{src.display}")
+    table = device_table_columns(store) if table is None else table
+    curation = store_curation(store.root)
+    reports = _reports_that_skip(store)
+    ids = table.ids.tolist()
+    in_source = np.fromiter((d.device_id for d in devices), np.int64, len(devices))
+    for gone in np.flatnonzero(~np.isin(table.ids, in_source)).tolist():
+        result.problem(f"device {ids[gone]} ({int(table.n_windows[gone]):,} windows) has no source files in "
+                       f"{src.display}")
+    row_of = dict(zip(ids, range(len(ids)), strict=True))
     stored = _ChunkMemo(store)  # devices share chunks: each is decoded once, not once a device
-    for device in devices:
-        found = entries.get(device.device_id)
-        if found is None:
-            result.problem(f"device {device.device_id} is in {src.display} but not in the store "
-                           "(add it with `birdzarr append`)")
-            continue
-        entry = found
-        files = {f.display.rsplit("/", 1)[-1]: f for f in device.files}
-        missing = [name for name in entry.sources if name not in files]
-        extra = [name for name in files if name not in entry.sources]
-        if extra:
-            result.problem(f"device {device.device_id}: source file(s) {extra[:5]} are not in the store "
-                           "(add them with `birdzarr append`)")
-        if missing:
-            result.problem(f"device {device.device_id}: the store was made from {missing[:5]}, which "
-                           f"{src.display} does not hold; cannot compare this device")
-            continue
+    parquet = store.root.get("source_kind") == "parquet"
+    runs = _Runs(store, table, stored) if digests is None and parquet and not store.shuffled else None
+    names: dict[int, str] = {}  # id(file) -> its name (partition files are listed by many devices)
+
+    def compare(device: DeviceSource, k: int) -> None:
+        """One device of the source against its entry ``k``, as read by itself."""
+        entry = table.entry(k)
+
         def derived(device: DeviceSource = device, entry: DeviceEntry = entry) -> _Rows:
             return derive_device(store, device, entry, curation, reports)
 
@@ -559,6 +787,140 @@ def _compare_with_source(
         except BirdzarrError as exc:
             result.problem(f"device {device.device_id}: its source cannot be read again: {exc}")
         result.devices_compared += 1
+
+    for device in devices:
+        row = row_of.get(device.device_id)
+        if row is None:
+            if runs is not None:
+                runs.flush(result, compare)
+            result.problem(f"device {device.device_id} is in {src.display} but not in the store "
+                           "(add it with `birdzarr append`)")
+            continue
+        k: int = row
+        files: dict[str, Location] = {}
+        for f in device.files:
+            name = names.get(id(f))
+            if name is None:
+                name = names[id(f)] = f.display.rsplit("/", 1)[-1]
+            files[name] = f
+        sources = table.sources(k)
+        if runs is not None and runs.add(device, k, files, sources):
+            continue  # compared with the devices around it (``_Runs``)
+        if runs is not None:
+            runs.flush(result, compare)
+        missing = [name for name in sources if name not in files]
+        extra = [name for name in files if name not in sources]
+        if extra:
+            result.problem(f"device {device.device_id}: source file(s) {extra[:5]} are not in the store "
+                           "(add them with `birdzarr append`)")
+        if missing:
+            result.problem(f"device {device.device_id}: the store was made from {missing[:5]}, which "
+                           f"{src.display} does not hold; cannot compare this device")
+            continue
+        compare(device, k)
+    if runs is not None:
+        runs.flush(result, compare)
+        clear_group_cache()  # the row groups read_runs kept decoded
+
+
+def _reports_that_skip(store: Store) -> dict[int, Any]:
+    """The reports ``derive_device`` needs: every device's, unless the root's totals say that no
+    device had bad lines or files (then none reads its source skipping them: no report needed,
+    and the table's reports are not read)."""
+    totals = (store.root.get("report") or {}).get("totals")
+    if totals is not None and not int(totals.get("bad_lines", 0)) and not int(totals.get("bad_files", 0)):
+        return {}
+    return store.report
+
+
+_RUN_WINDOWS = 65_536  # windows of consecutive small devices read and compared at once
+
+
+class _Runs:
+    """Consecutive devices of a device-ordered Parquet store compared at once: devices read only
+    from partition files, all their files named in their entry (none appended since), one range
+    each, the ranges end to end. Their windows, times and labels are read together
+    (``_parquet.read_runs``, as ``convert`` reads them) and compared with the stored run in one
+    comparison; a device whose count or values differ anywhere, or a run that cannot be read
+    that way, is compared again by itself, which says what differs as for any device."""
+
+    def __init__(self, store: Store, table: _Table, memo: _ChunkMemo) -> None:
+        appends = (store.root.get("report") or {}).get("appends") or []
+        self.appended = {int(d) for a in appends for d in (a.get("files") or {})}
+        self.memo = memo
+        self.partition: dict[int, bool] = {}  # id(file) -> a partition file (no device in its name)
+        # each entry's range where it has one, else -1
+        self.start = np.full(len(table), -1, np.int64)
+        self.stop = np.full(len(table), -1, np.int64)
+        one = np.bincount(table.range_entry, minlength=len(table)) == 1
+        at = np.searchsorted(table.range_entry, np.flatnonzero(one))
+        self.start[one], self.stop[one] = table.range_start[at], table.range_stop[at]
+        self.held: list[tuple[DeviceSource, int, list[Location]]] = []
+        self.windows = 0
+
+    def add(self, device: DeviceSource, k: int, files: dict[str, Location], sources: list[str]) -> bool:
+        """Hold ``device`` (entry ``k``) for the run where it qualifies (class doc); False: it does
+        not, and the devices held must be compared (``flush``) before it."""
+        from birdzarr.convert._parquet import names_its_device
+
+        start, stop = int(self.start[k]), int(self.stop[k])
+        if (start < 0 or device.kind != "parquet" or device.device_id in self.appended
+                or len(files) != len(sources) or any(name not in files for name in sources)):
+            return False
+        for f in files.values():
+            partition = self.partition.get(id(f))
+            if partition is None:
+                partition = self.partition[id(f)] = names_its_device(f) is None
+            if not partition:
+                return False
+        if self.held and (self.windows + stop - start > _RUN_WINDOWS or start != self.stop[self.held[-1][1]]):
+            return False
+        self.held.append((device, k, [files[name] for name in sources]))
+        self.windows += stop - start
+        return True
+
+    def flush(self, result: VerifyResult, compare: Callable[[DeviceSource, int], None]) -> None:
+        """Compare the devices held: those found equal are counted, the others ``compare`` d alone."""
+        held, self.held, self.windows = self.held, [], 0
+        if not held:
+            return
+        for (device, k, _), equal in zip(held, self._equal(held).tolist(), strict=True):
+            if equal:
+                result.devices_compared += 1
+            else:
+                compare(device, k)
+
+    def _equal(self, held: list[tuple[DeviceSource, int, list[Location]]]) -> np.ndarray:
+        """Whether each device held has the windows, times and labels of its source, in order."""
+        from birdzarr.convert._parquet import read_runs
+
+        rows = np.array([k for _, k, _ in held], np.int64)
+        unknown = np.zeros(len(held), bool)
+        try:
+            found = read_runs([(device.device_id, files) for device, _, files in held])
+        except BirdzarrError:
+            return unknown
+        counts = self.stop[rows] - self.start[rows]
+        if found is None or not np.array_equal(found.counts, counts):
+            return unknown
+        lo, hi = int(self.start[rows[0]]), int(self.stop[rows[-1]])
+        n = hi - lo
+        if not n:
+            return ~unknown
+        try:
+            windows, times, labels = (self.memo.read(name, lo, hi) for name in (GIMU, TIMESTAMP, LABEL))
+        except BirdzarrError:
+            return unknown
+        mine = np.ascontiguousarray(windows, dtype="<f4").reshape(n, _VALUES).view(np.uint32)
+        theirs = np.ascontiguousarray(found.windows, dtype="<f4").reshape(n, _VALUES).view(np.uint32)
+        unequal = (mine != theirs).any(axis=1)  # bitwise, so NaN equals NaN
+        unequal |= (times != found.timestamps) | (labels != found.labels)
+        if not unequal.any():
+            return ~unknown
+        some = counts > 0
+        differing = np.zeros(len(held), bool)
+        differing[some] = np.logical_or.reduceat(unequal, (np.cumsum(counts) - counts)[some])
+        return ~differing
 
 
 def derive_device(store: Store, device: DeviceSource, entry: DeviceEntry, curation: Any,
@@ -887,9 +1249,11 @@ def dictionary_lengths(store: Store) -> tuple[int, int]:
     return layouts[_v2.VALUES].length, layouts[_v2.DEVICE].length
 
 
-def load_dictionaries(store: Store, problems: Callable[[str], None]) -> _v2.Dictionaries | None:
+def load_dictionaries(store: Store, problems: Callable[[str], None], *, known: np.ndarray | None = None
+                      ) -> _v2.Dictionaries | None:
     """A version-2 store's dictionary arrays, every chunk read and checked; each damaged chunk and
-    each inconsistency is passed to ``problems`` (one line each), and then None is returned."""
+    each inconsistency is passed to ``problems`` (one line each), and then None is returned.
+    ``known``: the device table's ids, sorted (read from the table when not given)."""
     n_values, n_rows = dictionary_lengths(store)
     lengths = {_v2.VALUES: n_values, _v2.START: n_rows, _v2.DEVICE: n_rows}
     arrays: dict[str, np.ndarray] = {}
@@ -920,17 +1284,18 @@ def load_dictionaries(store: Store, problems: Callable[[str], None]) -> _v2.Dict
         row = int(np.flatnonzero((sizes > _v2.MAX_ENTRIES).any(axis=1))[0])
         problems(f"{where}: row {row} of 'dict_start' holds more than {_v2.MAX_ENTRIES:,} entries a channel")
         return None
-    unknown = _unknown_ids(device, _table_index(store)[0])
+    unknown = _unknown_ids(device, _table_index(store)[0] if known is None else known)
     if len(unknown):
         problems(f"{where}: 'dict_device' names device ids {unknown[:5].tolist()} that are not in the "
                  "device table")
     return _v2.Dictionaries(values, start, device)
 
 
-def check_coded(codes: np.ndarray, row: np.ndarray, dicts: _v2.Dictionaries, first_window: int
-                ) -> str | None:
+def check_coded(codes: np.ndarray, row: np.ndarray, dicts: _v2.Dictionaries, first_window: int,
+                sizes: np.ndarray | None = None) -> str | None:
     """What is wrong with a chunk's codes and rows against the dictionaries (None: every row
-    exists and every code lies inside its row's dictionary); ``_v2.check``, said precisely."""
+    exists and every code lies inside its row's dictionary); ``_v2.check``, said precisely.
+    ``sizes``: ``dicts.sizes()``, found once by a caller checking many chunks."""
     n_rows = dicts.n_rows
     missing_row = row >= n_rows
     if missing_row.any():
@@ -938,7 +1303,7 @@ def check_coded(codes: np.ndarray, row: np.ndarray, dicts: _v2.Dictionaries, fir
         return (f"{int(missing_row.sum()):,} window(s) refer to a dictionary row that does not exist "
                 f"(first: window {first_window + at:,}, row {int(row[at])}; the dictionaries hold "
                 f"{n_rows:,} rows)")
-    sizes = dicts.sizes()
+    sizes = dicts.sizes() if sizes is None else sizes
     # uint16 against uint16 (sizes are at most MAX_ENTRIES), each window's 60 codes in one run
     limits = np.tile(sizes[row].astype(np.uint16), (1, _v2.WINDOW_LENGTH))  # (n, 60) as (20, 3) flattens
     flat = np.ascontiguousarray(codes).reshape(len(row), -1)
