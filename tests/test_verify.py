@@ -337,3 +337,149 @@ def test_verify_takes_the_several_sources_convert_and_append_took(tmp_path: path
     assert main(["verify", str(dest), "--source", str(s1), str(s2), "--quiet"]) == 0
     assert birdzarr.verify(dest, source=[s1, s2]).ok
     assert not birdzarr.verify(dest, source=s1).ok
+
+
+# -- 100,000 devices: the device table read as columns, small devices compared in runs -------------
+
+
+def _partition_source(root: pathlib.Path, names: list[str], sizes: list[int], seed: int = 4
+                      ) -> tuple[list[int], np.ndarray]:
+    """Parquet partition files (``names``) of consecutive devices with ``sizes`` windows, with
+    labels and timestamps; the device ids and the windows in their order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root.mkdir()
+    ids = [3 * k + 2 for k in range(len(sizes))]
+    owner = np.repeat(ids, sizes)
+    windows = _synthetic.curated_windows(len(owner), seed=seed)
+    labels = np.arange(len(owner), dtype=np.int32) % 3
+    times = 1_700_000_000 + 60 * np.arange(len(owner), dtype=np.int64)
+    for name, part in zip(names, np.array_split(np.arange(len(ids)), len(names)), strict=True):
+        rows = np.isin(owner, np.asarray(ids)[part])
+        flat = pa.array(windows[rows].reshape(-1), type=pa.float32())
+        gimu = pa.ListArray.from_arrays(pa.array(np.arange(0, len(flat) + 1, 80, dtype=np.int32)), flat)
+        pq.write_table(pa.table({"device_id": pa.array(owner[rows], pa.int32()),
+                                 "label": pa.array(labels[rows]), "timestamp": pa.array(times[rows]),
+                                 "gimu": gimu}), root / name)
+    return ids, windows
+
+
+def _same_table(store: birdzarr.Store) -> None:
+    """The table read as columns (not as DeviceEntry objects) holds what its entries hold."""
+    from birdzarr.maintenance import _verify
+
+    table = _verify.device_table_columns(store)
+    assert "device_table" not in store.__dict__  # read from the text, not through the entries
+    entries = _verify._Table.of_entries(store.device_table)
+    for name in ("ids", "n_windows", "first_time", "last_time", "range_entry", "range_start", "range_stop",
+                 "range_checksum"):
+        assert np.array_equal(getattr(table, name), getattr(entries, name)), name
+    assert [table.entry(k) for k in range(len(table))] == store.device_table
+
+
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
+def test_the_device_table_read_as_columns_holds_its_entries(tmp_path: pathlib.Path) -> None:
+    """verify reads a format-2 table's zarr.json with pyarrow and patterns, without a Python
+    object a device: the same ids, counts, times, ranges, checksums, sources and label counts as
+    the entries, for file names JSON escapes, devices appended (two ranges), labels and times,
+    and a shuffled store's digests."""
+    names = ['part "é" 0.parquet', "part\\1.parquet", "part-2.parquet"]
+    _partition_source(tmp_path / "src", names, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3])
+    dest = tmp_path / "s.zarr"
+    store = birdzarr.convert(tmp_path / "src", dest, chunk_windows=8, progress=False)
+    assert store.device_table[0].sources == ['part "é" 0.parquet']
+    _same_table(birdzarr.open_store(dest))
+    shuffled = birdzarr.convert(tmp_path / "src", tmp_path / "sh.zarr", chunk_windows=8, shuffle=True, seed=1,
+                                progress=False)
+    assert shuffled.device_table[0].scattered_digest is not None
+    _same_table(birdzarr.open_store(tmp_path / "sh.zarr"))
+    raw = tmp_path / "raw"
+    _synthetic.make_csv_dir(raw, n_devices=3, bursts_per_device=12, parts=2)
+    s1, s2 = tmp_path / "s1", tmp_path / "s2"
+    s1.mkdir()
+    s2.mkdir()
+    for f in sorted(raw.iterdir()):
+        (s2 if f.stem.endswith("_1") else s1).joinpath(f.name).write_bytes(f.read_bytes())
+    appended = tmp_path / "a.zarr"
+    assert main(["convert", str(s1), str(appended), "--quiet"]) == 0
+    assert main(["append", str(appended), str(s2), "--quiet"]) == 0
+    assert all(len(e.ranges) == 2 for e in birdzarr.open_store(appended).device_table)
+    _same_table(birdzarr.open_store(appended))
+    assert verify(appended, source=[s1, s2]).ok
+
+
+def test_a_table_the_columns_cannot_read_is_read_as_before(store_copy: pathlib.Path) -> None:
+    """A checksum that is not 8 hex digits, or a number past int64, is not read by the patterns:
+    the table is read through its entries, and verify says what it always said."""
+    from birdzarr.maintenance import _verify
+
+    def odd(devices: list[dict]) -> str:
+        devices[3]["ranges"][0][2] = "not-hex!"
+        return str(devices[3]["device_id"])
+
+    device = rewrite_device_table(store_copy, odd)
+    store = birdzarr.open_store(store_copy)
+    assert _verify.device_table_columns(store).range_checksum[3] == "not-hex!"
+    assert "device_table" in store.__dict__  # read through the entries
+    problems = [p for p in verify(store_copy).problems if "checksum" in p]
+    assert len(problems) == 1 and problems[0].startswith(f"device {device}, windows [")
+    assert "differs from the not-hex! recorded at write time" in problems[0]
+
+
+def test_a_damaged_device_table_document_is_refused_as_before(store_copy: pathlib.Path) -> None:
+    from birdzarr._errors import CorruptChunkError
+
+    path = store_copy / "device_table" / "1" / "zarr.json"
+    path.write_bytes(path.read_bytes()[:-40])
+    with pytest.raises(CorruptChunkError, match="device_table/1/zarr.json' is damaged"):
+        verify(store_copy)
+
+
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
+def test_verify_source_compares_small_devices_together_and_says_what_each_alone_says(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Devices of partition files are read and compared a run at a time (as convert reads
+    them); a device that differs is then compared alone: the messages of the per-device
+    comparison, in device order, and every device counted once."""
+    import pyarrow.parquet as pq
+
+    from birdzarr.convert import _parquet
+
+    sizes = [4, 2, 5, 3, 6, 1, 4, 3, 2, 5, 4, 3]
+    names = ["part-0.parquet", "part-1.parquet", "part-2.parquet"]
+    ids, _ = _partition_source(tmp_path / "src", names, sizes)
+    dest = tmp_path / "s.zarr"
+    birdzarr.convert(tmp_path / "src", dest, chunk_windows=8, progress=False)
+    together: list[int] = []  # the devices each read_runs call read at once
+    read_runs = _parquet.read_runs
+
+    def counted(devices: list) -> object:
+        together.append(len(devices))
+        return read_runs(devices)
+
+    monkeypatch.setattr(_parquet, "read_runs", counted)
+    clean = verify(dest, source=tmp_path / "src")
+    assert clean.ok and clean.devices_compared == len(ids), clean.format()
+    assert together == [len(ids)]  # one run: 47 windows
+    # in part-1: one value of the 3rd window of its first device changed, its last device's last
+    # window gone, and one label of its second device changed
+    path = tmp_path / "src" / "part-1.parquet"
+    table = pq.read_table(path).to_pydict()
+    first, second, last = ids[4], ids[5], ids[7]
+    rows = [i for i, d in enumerate(table["device_id"]) if d == first]
+    table["gimu"][rows[2]][13] += 0.5
+    table["label"][table["device_id"].index(second)] += 1
+    drop = max(i for i, d in enumerate(table["device_id"]) if d == last)
+    changed = {k: [v for i, v in enumerate(values) if i != drop] for k, values in table.items()}
+    import pyarrow as pa
+
+    pq.write_table(pa.table(changed, schema=pq.read_schema(path)), path)
+    result = verify(dest, source=tmp_path / "src")
+    assert result.problems == [
+        f"device {first}: 1 window(s) differ in windows from the sources (first at the device's window 2)",
+        f"device {second}: 1 window(s) differ in labels from the sources (first at the device's window 0)",
+        f"device {last}: the store holds {sizes[7]:,} windows, its sources give {sizes[7] - 1:,}",
+    ]
+    assert result.devices_compared == len(ids)
