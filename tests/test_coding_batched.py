@@ -16,7 +16,7 @@ import birdzarr
 from birdzarr.convert import _segments, _slabs
 from birdzarr.demo import _synthetic
 from birdzarr.format import _v2
-from birdzarr.format._rows import RowCoder
+from birdzarr.format._rows import RowCoder, shared_groups
 from birdzarr.format._spec import DEVICE
 
 
@@ -64,10 +64,14 @@ def test_many_small_devices_are_coded_as_device_by_device_on_every_path(
     assert chunk_files(tmp_path / "threads") == expected
     assert chunk_files(tmp_path / "processes") == expected
 
-    # the reference: the source's windows coded device after device, one RowCoder.code each
+    # the reference: the source's windows coded device after device, one RowCoder.code each,
+    # consecutive small devices sharing their entries (every path cuts its work between groups)
     z = zarr.open_group(str(tmp_path / "one"), mode="r")
     assert np.array_equal(z[DEVICE][:], owner)
     reference = RowCoder()
+    groups = shared_groups(ids.tolist(), sizes.tolist())
+    assert len(groups) == 9 and min(len(g) for g in groups) > 1
+    reference.share(groups)
     codes, rows = [], []
     for device, lo, hi in zip(ids.tolist(), starts[:-1].tolist(), starts[1:].tolist(), strict=True):
         device_codes, device_rows = reference.code(device, windows[lo:hi])

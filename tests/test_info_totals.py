@@ -103,8 +103,9 @@ def test_the_html_summary_of_many_devices_reads_only_the_index_columns(
     assert "meta" not in store.__dict__ and "device_table" not in store.__dict__
     entries = store.device_table
     for e in entries[:2]:
+        first, last = _html.format_time(e.first_time), _html.format_time(e.last_time)
         assert (f"<td class='num'>{e.device_id}</td><td class='num'>{e.n_windows:,}</td>"
-                f"<td>{_html.format_time(e.first_time)}</td><td>{_html.format_time(e.last_time)}</td>") in html
+                f"<td>{first}</td><td>{last}</td>") in html
     assert f">{entries[2].device_id}<" not in html
     assert "<th>sources</th>" not in html and "... 1 more devices" in html
     assert "Labels and sources of each device: <code>store.devices</code>." in html

@@ -477,9 +477,9 @@ def _append_segments(engine: Engine, writer: AppendWriter, work: list[DeviceSour
     segment's extended devices continue their committed dictionary rows (format 2) and are
     checked for duplicates against their committed windows here. Facts for the report."""
     counts = count_devices(work, curation=curation, on_bad_rows=on_bad_rows, engine=engine)
-    plan = plan_segments(work, counts, workers=engine.width, chunk_windows=writer.slabs.chunk_windows,
-                         first=writer.previous_windows)
     extended = {d.device_id for d in work} & set(writer.devices)
+    plan = plan_segments(work, counts, workers=engine.width, chunk_windows=writer.slabs.chunk_windows,
+                         first=writer.previous_windows, alone=extended)
     rows = writer.committed_rows
     latest = latest_rows(rows, extended) if writer.coder is not None else {}
 

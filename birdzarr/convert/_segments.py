@@ -42,7 +42,7 @@ a segment).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,7 +61,7 @@ from birdzarr.convert._summary import DeviceSummary, Summarizer, summarize_runs
 from birdzarr.convert._writer import SLABS_IN_FLIGHT, Writer
 from birdzarr.format import _v2
 from birdzarr.format._digest import window_hashes
-from birdzarr.format._rows import RowCoder
+from birdzarr.format._rows import RowCoder, shared_groups
 from birdzarr.format._spec import DEVICE, LABEL, TIMESTAMP, Curation, DeviceReport
 from birdzarr.storage._location import Location, resolve
 
@@ -189,36 +189,52 @@ def input_bytes(devices: list[DeviceSource]) -> int:
 
 @dataclass(frozen=True)
 class Segment:
-    """Global windows ``[start, stop)``: whole devices, each with its first window and count."""
+    """Global windows ``[start, stop)``: whole devices, each with its first window and count, and
+    the groups of its devices whose dictionary rows share entries (``_rows.shared_groups``)."""
 
     start: int
     stop: int
     devices: list[tuple[DeviceSource, int, int]]
+    shares: list[list[int]] = field(default_factory=list)
 
 
 def plan_segments(devices: list[DeviceSource], counts: list[int], *, workers: int,
-                  chunk_windows: int, first: int = 0) -> list[Segment]:
+                  chunk_windows: int, first: int = 0, alone: Container[int] = ()) -> list[Segment]:
     """Consecutive devices grouped into segments of at least the target size (the last may be
     smaller); every device in exactly one segment, in order, the first from window ``first`` (an
-    append's: the committed count). One worker: one segment (nothing to even out)."""
+    append's: the committed count). One worker: one segment (nothing to even out). Small devices
+    share dictionary entries in groups (``_rows.shared_groups``; ``alone``: devices that
+    continue committed rows), and a segment ends only where a group does, so the groups, and
+    the store, do not depend on the number of workers."""
+    ids = [device.device_id for device in devices]
+    groups = shared_groups(ids, counts, alone=alone)
+    group_of = {d: k for k, group in enumerate(groups) for d in group}
     total = sum(counts)
     if workers <= 1:
         starts = first + np.cumsum([0, *counts[:-1]])
         return [Segment(first, first + total,
-                        [(d, int(at), c) for d, c, at in zip(devices, counts, starts, strict=True)])]
+                        [(d, int(at), c) for d, c, at in zip(devices, counts, starts, strict=True)], groups)]
     target = max(math.ceil(total / (SEGMENTS_PER_WORKER * workers)), MIN_SEGMENT_CHUNKS * chunk_windows)
     segments: list[Segment] = []
     members: list[tuple[DeviceSource, int, int]] = []
     start = position = first
-    for device, count in zip(devices, counts, strict=True):
+    for k, (device, count) in enumerate(zip(devices, counts, strict=True)):
         members.append((device, position, count))
         position += count
-        if position - start >= target:
-            segments.append(Segment(start, position, members))
+        group = group_of.get(ids[k])
+        inside = group is not None and k + 1 < len(ids) and group_of.get(ids[k + 1]) == group
+        if position - start >= target and not inside:
+            segments.append(_segment(start, position, members, groups, group_of))
             members, start = [], position
     if members:
-        segments.append(Segment(start, position, members))
+        segments.append(_segment(start, position, members, groups, group_of))
     return segments
+
+
+def _segment(start: int, stop: int, members: list[tuple[DeviceSource, int, int]],
+             groups: list[list[int]], group_of: dict[int, int]) -> Segment:
+    inside = sorted({group_of[d.device_id] for d, _, _ in members if d.device_id in group_of})
+    return Segment(start, stop, members, [groups[k] for k in inside])
 
 
 @dataclass
@@ -339,6 +355,8 @@ def convert_segment(segment: Segment, dest_url: str, dest_options: dict[str, Any
     first = whole_chunks(segment.start, segment.stop, int(arrays[DEVICE].chunks[0]))[0]
     more = continuation or Continuation()
     coder = RowCoder.continuing(more.rows, first_row=more.first_row) if _v2.CODES in arrays else None
+    if coder is not None:
+        coder.share(segment.shares)
     slabs = SlabWriter(location, arrays, start=first, workers=threads,
                        in_flight=0 if threads <= 1 else SLABS_IN_FLIGHT, coder=coder)
     router = ChunkRouter(segment.start, segment.stop, slabs)

@@ -32,7 +32,7 @@ import math
 import os
 import queue
 import struct
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, BinaryIO, TypeVar
@@ -47,7 +47,7 @@ from birdzarr.convert._parquet import PartitionRuns
 from birdzarr.convert._summary import DeviceSummary, Summarizer, summarize_runs
 from birdzarr.format import _v2
 from birdzarr.format._digest import window_hashes
-from birdzarr.format._rows import RowCoder
+from birdzarr.format._rows import RowCoder, shared_groups
 from birdzarr.format._spec import (
     N_CHANNELS,
     WINDOW_LENGTH,
@@ -161,24 +161,77 @@ def encode_piece(piece: _Piece) -> bytes:
     return _FRAME.pack(len(piece.meta), piece.device_id, code_bytes, len(codes), len(packed)) + codes + packed
 
 
-def seed_rows(coder: RowCoder, dictionaries: DeviceValues) -> list[int]:
+@dataclass(frozen=True)
+class SeededRows:
+    """What ``seed_rows`` opened: the devices left out (their rows open as pass 2 codes them),
+    and per coded channel each pass-1 code's code in its device's row, indexed as the device's
+    dictionary (``DeviceValues``: ``starts[c][k] + code``), what pass 2 hands the writer."""
+
+    left_out: list[int]
+    row_codes: list[np.ndarray]  # per coded channel: uint16
+
+
+_SEED_BATCH = 1 << 21  # dictionary entries sorted at once by seed_rows (bounded memory)
+
+
+def seed_rows(coder: RowCoder, dictionaries: DeviceValues, counts: Sequence[int]) -> SeededRows:
     """Format 2: open every device's row with its values from pass 1, sorted by bit pattern
     (the row then holds every value its windows use and never grows), in ascending device id.
-    Returns the devices left out: a channel with more than 65,535 distinct values, whose rows
-    open as pass 2 codes them (the overflow rule)."""
+    Consecutive small devices (``_rows.shared_groups`` of the ids and their window ``counts``)
+    share their entries: the sorted union of their values. Devices with more than 65,535
+    distinct values in a channel are left out: their rows open as pass 2 codes them (the
+    overflow rule).
+
+    Each channel's entries become keys ``(first device of the row) << 32 | value``, sorted a
+    batch of whole rows at a time (stable: a device's sorted entries are runs that merge), so a
+    value's code in its row is its rank among the distinct keys of that row."""
+    ids = dictionaries.ids
     sizes = np.stack([np.diff(dictionaries.starts[c]) for c in range(_v2.N_CODED)]).max(axis=0, initial=0)
-    # devices whose dictionaries are not sorted already (read alone: first-seen order), found at once
-    unsorted = np.zeros(len(dictionaries.ids), bool)
-    for values, starts in zip(dictionaries.values[: _v2.N_CODED], dictionaries.starts[: _v2.N_CODED],
-                              strict=True):
-        falls = np.flatnonzero(values[1:] <= values[:-1]) + 1  # an entry not above the one before
-        inside = falls[~np.isin(falls, starts)]  # not at a device's first entry
-        unsorted[np.searchsorted(starts, inside, "right") - 1] = True
-    ids = dictionaries.ids.tolist()
-    for k in np.flatnonzero(sizes <= _v2.MAX_ENTRIES).tolist():
-        entries = dictionaries.of(k)[: _v2.N_CODED]
-        coder.seed(ids[k], [np.sort(e) for e in entries] if unsorted[k] else entries)
-    return dictionaries.ids[sizes > _v2.MAX_ENTRIES].tolist()
+    over = sizes > _v2.MAX_ENTRIES
+    groups = shared_groups(ids.tolist(), counts, alone=set(ids[over].tolist()))
+    coder.share(groups)
+    owner = np.arange(len(ids))  # the device (index) whose id keys each device's row
+    for group in groups:
+        k = int(np.searchsorted(ids, group[0]))
+        owner[k : k + len(group)] = k
+    rows = np.flatnonzero(owner == np.arange(len(ids)))  # first device of each row
+    ends = np.append(rows[1:], len(ids))
+    row_codes: list[np.ndarray] = []
+    unions: list[dict[int, np.ndarray]] = [{} for _ in range(_v2.N_CODED)]  # per channel: row -> entries
+    for c in range(_v2.N_CODED):
+        values, starts = dictionaries.values[c], dictionaries.starts[c]
+        codes = np.zeros(len(values), np.uint16)  # a left-out device's wrap: pass 2 codes its windows
+        first = 0
+        while first < len(rows):  # a batch of whole rows
+            last = int(np.searchsorted(starts[ends], starts[rows[first]] + _SEED_BATCH, "right"))
+            last = max(last, first + 1)
+            lo, hi = int(starts[rows[first]]), int(starts[ends[last - 1]])
+            device = np.repeat(np.arange(rows[first], ends[last - 1]),
+                               np.diff(starts[rows[first] : ends[last - 1] + 1]))
+            keys = (owner[device].astype(np.uint64) << np.uint64(32)) | values[lo:hi]
+            order = np.argsort(keys, kind="stable")
+            ranked = keys[order]
+            distinct = np.r_[True, ranked[1:] != ranked[:-1]]
+            number = np.cumsum(distinct) - 1  # each sorted key's distinct key
+            row_of = (ranked >> np.uint64(32)).astype(np.int64)
+            row_first = np.r_[True, row_of[1:] != row_of[:-1]]
+            number -= number[row_first][np.cumsum(row_first) - 1]  # ... counted within its row
+            codes[lo:hi][order] = number
+            kept = ranked[distinct]
+            kept_row = kept >> np.uint64(32)
+            cuts = np.flatnonzero(np.r_[True, kept_row[1:] != kept_row[:-1], True])
+            entries = (kept & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+            for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist(), strict=True):
+                unions[c][int(kept[a] >> np.uint64(32))] = entries[a:b]
+            first = last
+        row_codes.append(codes)
+    members = {group[0]: group for group in groups}
+    none = np.empty(0, np.uint32)
+    for k in rows.tolist():
+        if not over[k]:
+            coder.seed(int(ids[k]), [unions[c].get(k, none) for c in range(_v2.N_CODED)],
+                       members.get(int(ids[k]), ()))
+    return SeededRows(ids[over].tolist(), row_codes)
 
 
 def _by_bucket(codes: np.ndarray, meta: np.ndarray, target: np.ndarray,
@@ -362,7 +415,8 @@ class BucketLoader:
     written). Loads are independent: any bucket, in any order, on any thread."""
 
     def __init__(self, spill: SpillFiles, dictionaries: DeviceValues, *, seed: int,
-                 chunk_windows: int, slots: int = 1, first_row: int | None = None) -> None:
+                 chunk_windows: int, slots: int = 1, first_row: int | None = None,
+                 row_codes: list[np.ndarray] | None = None) -> None:
         self.spill, self.seed = spill, seed
         self.chunk_windows = chunk_windows
         # the store position of each bucket's first window (a shuffled store is written from 0)
@@ -374,11 +428,12 @@ class BucketLoader:
         for _ in range(max(1, min(slots, len(spill.windows)))):
             self._free.put(_Scratch(largest, first_row is not None))
         # format 2, every device seeded: the ``k``-th device's row is ``first_row + k``, and a
-        # window's codes are its values' positions in its device's sorted dictionaries (a row's
-        # seeded entries): the bucket is handed over coded (``WindowBlock.coded``), not searched
-        # for again by the writer's coder
-        self.first_row = first_row
-        self._ranks: dict[int, list[np.ndarray]] = {}  # a device read alone: first seen -> sorted
+        # window's codes are its pass-1 codes through ``row_codes`` (``SeededRows``: their
+        # values' places in its row's sorted entries): the bucket is handed over coded
+        # (``WindowBlock.coded``), not searched for again by the writer's coder
+        if (first_row is None) != (row_codes is None):
+            raise ValueError("first_row and row_codes go together")
+        self.first_row, self.row_codes = first_row, row_codes
 
     def load(self, bucket: int) -> WindowBlock:
         """The bucket's windows permuted with a generator seeded with ``(seed, bucket)``, as
@@ -397,27 +452,18 @@ class BucketLoader:
         finally:
             self._free.put(scratch)
 
-    def _rank(self, device: int) -> list[np.ndarray]:
-        """The position of each of a device's values (first seen order) in its sorted dictionaries."""
-        ranks = self._ranks.get(device)
-        if ranks is None:
-            ranks = []
-            for known in self.lookups.of(device)[: _v2.N_CODED]:
-                rank = np.empty(len(known), np.uint16)
-                rank[np.argsort(known, kind="stable")] = np.arange(len(known))
-                ranks.append(rank)
-            self._ranks[device] = ranks
-        return ranks
-
-    def _many(self, piece: _Piece, out: np.ndarray) -> None:
-        """Decode a piece of many devices into ``out``: every device's dictionaries laid end to
-        end a channel, each code offset by its device's start, one take a channel."""
+    def _many(self, piece: _Piece, out: np.ndarray, codes: np.ndarray | None) -> None:
+        """Decode a piece of many devices into ``out`` (and its row codes into ``codes``): every
+        device's dictionaries laid end to end a channel, each code offset by its device's start,
+        one take a channel."""
         ids, values, starts = self.lookups.ids, self.lookups.values, self.lookups.starts
         which = np.searchsorted(ids, piece.meta["device"])
         for c in range(N_CHANNELS):
             index = piece.codes[c].astype(np.int64)
             index += starts[c][which][:, None]
             np.take(values[c], index, out=out[:, :, c], mode="clip")
+            if codes is not None and self.row_codes is not None and c < _v2.N_CODED:
+                np.take(self.row_codes[c], index, out=codes[:, :, c], mode="clip")
 
     def _decode(self, bucket: int, scratch: _Scratch) -> tuple[int, np.ndarray, np.ndarray]:
         """Decode the bucket into ``scratch``; its windows' store order (as spilled rows) and devices."""
@@ -425,17 +471,17 @@ class BucketLoader:
         at = 0
         for piece in self.spill.pieces(bucket):
             k = len(piece.meta)
+            codes = scratch.codes[at : at + k] if self.row_codes is not None else None
             if piece.device_id >= 0:
                 device = self.lookups.index(piece.device_id)
                 for c, lookup in enumerate(self.lookups.of(device)):
                     np.take(lookup, piece.codes[c], out=scratch.bits[at : at + k, :, c], mode="clip")
-                if self.first_row is not None:
-                    for c, rank in enumerate(self._rank(device)):
-                        np.take(rank, piece.codes[c], out=scratch.codes[at : at + k, :, c], mode="clip")
+                if codes is not None and self.row_codes is not None:
+                    for c in range(_v2.N_CODED):
+                        mine = self.row_codes[c][self.lookups.starts[c][device]:]
+                        np.take(mine, piece.codes[c], out=codes[:, :, c], mode="clip")
             else:
-                self._many(piece, scratch.bits[at : at + k])
-                if self.first_row is not None:  # codes into sorted dictionaries (``run_codes``)
-                    scratch.codes[at : at + k] = piece.codes[: _v2.N_CODED].transpose(1, 2, 0)
+                self._many(piece, scratch.bits[at : at + k], codes)
             scratch.devices[at : at + k] = piece.meta["device"]
             scratch.meta[at : at + k] = piece.meta
             at += k

@@ -210,8 +210,9 @@ class Pass2Plan:
     coder: RowCoder | None
     seeded_rows: int = 0  # the rows the coder holds (a device left unseeded opens more)
     # every device seeded: the row of the k-th device (ascending id), whose windows pass 2 then
-    # hands the writer coded (``BucketLoader``); None: the writer's coder codes them
+    # hands the writer coded (``BucketLoader``) with ``row_codes``; None: the writer's coder codes them
     first_row: int | None = None
+    row_codes: list[np.ndarray] | None = None
 
 
 @dataclass
@@ -242,7 +243,7 @@ def _pass2(plan_path: str, dest_url: str, dest_options: dict[str, Any]) -> _Pass
         with open(plan_path, "rb") as handle:
             plan: Pass2Plan = pickle.load(handle)
         loader = BucketLoader(plan.spill, plan.dictionaries, seed=plan.seed, chunk_windows=plan.chunk_windows,
-                              first_row=plan.first_row)
+                              first_row=plan.first_row, row_codes=plan.row_codes)
         dest = resolve(dest_url, dest_options)
         group = zarr.open_group(zarr_store(dest, read_only=False), mode="r+", zarr_format=3)
         # a plan without a coder hands the writer coded windows: its slab writer's coder stays unused
@@ -409,7 +410,9 @@ def write_shuffled_on(
         # format 2: a device left unseeded opens rows in pass 2, which one task only can number
         assert writer.coder is not None
         before = writer.coder.first_row + writer.coder.n_rows
-        left_out = seed_rows(writer.coder, dictionaries)
+        counts = [summaries[d].entry.n_windows for d in dictionaries.ids.tolist()]
+        seeding = seed_rows(writer.coder, dictionaries, counts)
+        left_out = seeding.left_out
         seeded = writer.coder.n_rows
         # rows are opened one after another from ``before``, in ascending device id
         opened = seeded + writer.coder.first_row - before
@@ -417,7 +420,8 @@ def write_shuffled_on(
         plan_path = os.path.join(directory, "pass2.pickle")
         with open(plan_path, "wb") as handle:
             pickle.dump(Pass2Plan(files, dictionaries, seed, writer.slabs.chunk_windows,
-                                  writer.coder if first_row is None else None, seeded, first_row),
+                                  writer.coder if first_row is None else None, seeded, first_row,
+                                  None if first_row is None else seeding.row_codes),
                         handle, protocol=pickle.HIGHEST_PROTOCOL)
         del dictionaries
         where = (plan_path, dest.url, dest.storage_options)

@@ -36,6 +36,7 @@ keeps only its entries (``close_device``) until the writer stores them. Rows ope
 
 from __future__ import annotations
 
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,6 +141,7 @@ class RowCoder:
     _new: list[_Row | _Bulk] = field(default_factory=list)  # rows opened here, in order
     _n_new: int = 0  # rows in _new
     _seeded: _SeededIndex | None = None  # every seeded row at once (``code_mixed``'s fast path)
+    _shares: _Shares | None = None  # devices whose rows share entries (``share``), None if none
 
     @classmethod
     def appending_to(cls, previous: Dictionaries) -> RowCoder:
@@ -162,11 +164,38 @@ class RowCoder:
     @property
     def n_rows(self) -> int:
         """Rows opened by this coder."""
-        return self._n_new
+        return self._n_new if self._shares is None else len(self._shares.rows)
 
-    def seed(self, device: int, entries: list[np.ndarray]) -> None:
+    def share(self, groups: Iterable[Sequence[int]]) -> None:
+        """Let each group of devices (``shared_groups``: consecutive small devices, before any of
+        their windows) share one set of entries: the group's windows are coded into one
+        dictionary, first-seen over the group's windows in store order (or seeded), and each
+        device gets its own row that starts at those entries. A group is coded under its first
+        device's id."""
+        shares = self._shares if self._shares is not None else _Shares(self.first_row)
+        for group in groups:
+            members = [int(d) for d in group]
+            if len(members) < 2:
+                continue
+            if self._n_new and not shares.rows:  # numbered as the coder's own rows so far: no more
+                raise ValueError("groups are shared before any row opens")
+            for d in members:
+                if d in shares.key or d in self._open:
+                    raise ValueError(f"device {d} already has a row or a group")
+                shares.key[d] = members[0]
+            shares.left[members[0]] = set(members)
+        shares.lookup = None
+        if shares.key:
+            self._shares = shares
+
+    def seed(self, device: int, entries: list[np.ndarray], members: Sequence[int] = ()) -> None:
         """Open ``device``'s row with the given entries (uint32 bit patterns per channel), before
-        any of its windows: a shuffle knows every device's values before it writes any."""
+        any of its windows: a shuffle knows every device's values before it writes any. With
+        ``members`` (a group of ``share``, ``device`` its first), the group's entries: each member
+        gets its row, in that order."""
+        if self._shares is not None:
+            for d in members or (device,):
+                self._shares.outer(int(d), self.first_row + self._n_new)
         if device in self._open:
             raise ValueError(f"device {device} already has a row")
         if any(len(e) > MAX_ENTRIES for e in entries):
@@ -179,6 +208,14 @@ class RowCoder:
     def code(self, device: int, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Codes (uint16 (n, 20, 3)) and row numbers (int64 (n,)) of ``device``'s next windows
         (float32 (n, 20, 4), in store order)."""
+        if self._shares is None:
+            return self._code(device, windows)
+        codes, rows = self._code(self._shares.key.get(device, device), windows)
+        return codes, self._shares.rows_of(np.full(len(rows), device, np.int64), rows)
+
+    def _code(self, device: int, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``code`` of a row key (a device, or a group's first device), in the coder's own row
+        numbers (``_Shares.rows_of`` makes them the devices')."""
         bits = np.ascontiguousarray(windows).view(np.uint32)
         n = len(bits)
         codes = np.empty((n, WINDOW_LENGTH, N_CODED), np.uint16)
@@ -207,9 +244,16 @@ class RowCoder:
         have opened them: by their first window. A device stays open after the call
         (``close_device`` or ``close_devices`` when it has no more windows)."""
         devices = np.asarray(devices, dtype=np.int64).reshape(-1)
+        if len(devices) != len(windows):
+            raise ValueError(f"{len(devices)} device ids for {len(windows)} windows")
+        if self._shares is None:
+            return self._code_runs(devices, windows)
+        codes, rows = self._code_runs(self._shares.keys(devices), windows)
+        return codes, self._shares.rows_of(devices, rows)
+
+    def _code_runs(self, devices: np.ndarray, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``code_runs`` of row keys, in the coder's own row numbers."""
         n = len(devices)
-        if n != len(windows):
-            raise ValueError(f"{n} device ids for {len(windows)} windows")
         codes = np.empty((n, WINDOW_LENGTH, N_CODED), np.uint16)
         rows = np.empty(n, np.int64)
         if not n:
@@ -229,7 +273,7 @@ class RowCoder:
             bounds = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1], True])
             for begin, end in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
                 mine = order[begin:end]
-                codes[mine], rows[mine] = self.code(int(ids[ordered[begin]]), windows[mine])
+                codes[mine], rows[mine] = self._code(int(ids[ordered[begin]]), windows[mine])
         if not old.all():
             self._code_fresh_devices(np.flatnonzero(~old), devices, windows, bits, codes, rows)
         self._number_by_first_window(before, rows)
@@ -238,12 +282,19 @@ class RowCoder:
     def close_devices(self, devices: np.ndarray) -> None:
         """``close_device`` for each of ``devices``."""
         for device in np.asarray(devices).reshape(-1).tolist():
-            self._open.pop(device, None)
+            self.close_device(device)
 
     def code_mixed(self, devices: np.ndarray, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``code`` for windows of several devices (``devices``: one id a window); each device's
         windows are coded in the order they appear."""
-        devices = np.asarray(devices).reshape(-1)
+        devices = np.asarray(devices, dtype=np.int64).reshape(-1)
+        if self._shares is None:
+            return self._code_mixed(devices, windows)
+        codes, rows = self._code_mixed(self._shares.keys(devices), windows)
+        return codes, self._shares.rows_of(devices, rows)
+
+    def _code_mixed(self, devices: np.ndarray, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``code_mixed`` of row keys, in the coder's own row numbers."""
         fast = self._code_seeded(devices, windows)
         if fast is not None:
             return fast
@@ -254,7 +305,7 @@ class RowCoder:
         bounds = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1], True])
         for begin, end in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
             where = order[begin:end]
-            codes[where], rows[where] = self.code(int(ordered[begin]), windows[where])
+            codes[where], rows[where] = self._code(int(ordered[begin]), windows[where])
         return codes, rows
 
     def _code_seeded(self, devices: np.ndarray, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
@@ -297,8 +348,11 @@ class RowCoder:
         return self._seeded if self._seeded.valid else None
 
     def close_device(self, device: int) -> None:
-        """``device`` has no more windows: drop its look-up state (its entries stay)."""
-        self._open.pop(device, None)
+        """``device`` has no more windows: drop its look-up state (its entries stay); a group's
+        once every member is closed."""
+        key = device if self._shares is None else self._shares.close(device)
+        if key is not None:
+            self._open.pop(key, None)
 
     def new_rows(self) -> Dictionaries:
         """The rows opened here as dictionary arrays: entries row after row, channel after channel
@@ -336,7 +390,8 @@ class RowCoder:
                 lo, hi = int(before[a]), int(ends[b - 1])
                 slots = np.repeat(start[a:b, c] - before[a:b], count[a:b, c]) + np.arange(lo, hi)
                 values[slots] = channel[lo:hi]
-        return Dictionaries(values.view(np.float32), start + self.first_value, np.concatenate(devices))
+        own = Dictionaries(values.view(np.float32), start + self.first_value, np.concatenate(devices))
+        return own if self._shares is None else self._shares.devices_rows(own)
 
     # -- inside ----------------------------------------------------------------------------------
     def _start_row(self, device: int, entries: list[np.ndarray]) -> _Row:
@@ -383,7 +438,7 @@ class RowCoder:
         rows[where] = number[group]
         for g in np.flatnonzero(over).tolist():  # the overflow rule, device by device
             mine = where[group == g]
-            codes[mine], rows[mine] = self.code(int(ids[by_first[g]]), windows[mine])
+            codes[mine], rows[mine] = self._code(int(ids[by_first[g]]), windows[mine])
 
     def _number_by_first_window(self, before: tuple[int, int], rows: np.ndarray) -> None:
         """Renumber the rows opened since ``(len(self._new), self._n_new) == before`` (every one
@@ -524,6 +579,99 @@ def encode(windows: np.ndarray, device: np.ndarray, previous: Dictionaries | Non
     if coder.first_row + coder.n_rows >= 2**32 - 1:
         raise ValueError("more than 2**32 - 2 dictionary rows")
     return Encoded(codes, rows.astype(np.uint32), np.ascontiguousarray(windows[:, :, 3]), coder.new_rows())
+
+
+SHARED_ROW_WINDOWS = 2048  # a group's windows: 40,960 values a channel, so a shared row never overflows
+
+
+def shared_groups(devices: Sequence[int], counts: Sequence[int], *,
+                  alone: Container[int] = ()) -> list[list[int]]:
+    """The groups of consecutive devices (in store order) whose rows share their entries: devices
+    of at most ``SHARED_ROW_WINDOWS`` windows each, gathered while the group holds at most
+    ``SHARED_ROW_WINDOWS`` windows; a larger device, or one of ``alone`` (an append's devices that
+    continue their committed rows), ends a group. Groups of one device are left out (own rows).
+    A pure function of the devices and their counts, so every executor, and a plan cut only at
+    group boundaries, gives the same groups."""
+    groups: list[list[int]] = []
+    group: list[int] = []
+    held = 0
+    for device, count in zip(devices, counts, strict=True):
+        small = 0 < count <= SHARED_ROW_WINDOWS and device not in alone
+        if not small or held + count > SHARED_ROW_WINDOWS:
+            if len(group) > 1:
+                groups.append(group)
+            group, held = [], 0
+        if small:
+            group.append(int(device))
+            held += int(count)
+    if len(group) > 1:
+        groups.append(group)
+    return groups
+
+
+@dataclass
+class _Shares:
+    """A coder's groups (``RowCoder.share``) and the devices' own rows: the coder codes a group
+    under one key into one set of entries (its own rows), and each (device, own row) pair it
+    codes becomes a row of the store, numbered in the order of its first window (or seeding),
+    which is where the row opens; the store's row starts at its own row's entries."""
+
+    first_row: int
+    key: dict[int, int] = field(default_factory=dict)  # member -> the group's key (first member)
+    left: dict[int, set[int]] = field(default_factory=dict)  # key -> members not closed yet
+    lookup: tuple[np.ndarray, np.ndarray] | None = None  # members sorted, and their keys
+    number: dict[tuple[int, int], int] = field(default_factory=dict)  # (device, own row) -> row
+    rows: list[tuple[int, int]] = field(default_factory=list)  # the rows: (device, own row)
+
+    def keys(self, devices: np.ndarray) -> np.ndarray:
+        """Each window's row key: its group's, or its device id."""
+        if self.lookup is None:
+            members = np.array(sorted(self.key), np.int64)
+            self.lookup = members, np.array([self.key[d] for d in members.tolist()], np.int64)
+        members, keys = self.lookup
+        if not len(members):
+            return devices
+        at = np.minimum(np.searchsorted(members, devices), len(members) - 1)
+        return np.where(members[at] == devices, keys[at], devices)
+
+    def outer(self, device: int, own: int) -> int:
+        """The store's row of ``device``'s windows coded in the coder's row ``own``."""
+        number = self.number.get((device, own))
+        if number is None:
+            number = self.number[(device, own)] = self.first_row + len(self.rows)
+            self.rows.append((device, own))
+        return number
+
+    def rows_of(self, devices: np.ndarray, own: np.ndarray) -> np.ndarray:
+        """The store's rows of windows of ``devices`` coded in the coder's rows ``own`` (rows
+        below ``first_row``, an append's committed ones, stay)."""
+        if not len(own):
+            return own
+        cut = np.flatnonzero(np.r_[True, (devices[1:] != devices[:-1]) | (own[1:] != own[:-1])])
+        numbers = [r if r < self.first_row else self.outer(d, r)
+                   for d, r in zip(devices[cut].tolist(), own[cut].tolist(), strict=True)]
+        return np.repeat(np.array(numbers, np.int64), np.diff(np.r_[cut, len(own)]))
+
+    def close(self, device: int) -> int | None:
+        """The row key to close once ``device`` is closed (None while its group has members open)."""
+        key = self.key.get(device)
+        if key is None:
+            return device
+        left = self.left.get(key)
+        if left is None:
+            return None  # closed already
+        left.discard(device)
+        if left:
+            return None
+        del self.left[key]
+        return key
+
+    def devices_rows(self, own: Dictionaries) -> Dictionaries:
+        """The store's rows from the coder's own (``own``: its rows from ``first_row``, their
+        entries): each (device, own row) a row starting at its own row's entries."""
+        index = np.array([r - self.first_row for _, r in self.rows], np.int64)
+        device = np.array([d for d, _ in self.rows], np.int64)
+        return Dictionaries(own.values, own.start[index], device)
 
 
 @dataclass

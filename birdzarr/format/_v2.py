@@ -158,8 +158,8 @@ def misplaced_rows(start: np.ndarray, n_values: int) -> np.ndarray:
     ``dict_values``: what no writer stores (a row's channels follow each other; rows that share
     entries repeat the same starts)."""
     start = np.asarray(start, dtype=np.int64).reshape(-1, N_CODED)
-    return ((start[:, 1:] < start[:, :-1]).any(axis=1) | (start < 0).any(axis=1)
-            | (start > n_values).any(axis=1))
+    return np.asarray((start[:, 1:] < start[:, :-1]).any(axis=1) | (start < 0).any(axis=1)
+                      | (start > n_values).any(axis=1))
 
 
 # -- decoding --------------------------------------------------------------------------------
