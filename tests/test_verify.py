@@ -366,16 +366,25 @@ def _partition_source(root: pathlib.Path, names: list[str], sizes: list[int], se
 
 
 def _same_table(store: birdzarr.Store) -> None:
-    """The table read as columns (not as DeviceEntry objects) holds what its entries hold."""
+    """The table read as columns (not as DeviceEntry objects) holds what its entries hold, read
+    from the store and from its JSON written either way a table group holds it: as the group's
+    attributes (json.dumps' separators) or as the group's details array (compact separators)."""
     from birdzarr.maintenance import _verify
 
-    table = _verify.device_table_columns(store)
+    tables = [_verify.device_table_columns(store)]
     assert "device_table" not in store.__dict__  # read from the text, not through the entries
+    details = {"devices": store.meta["devices"], "report_devices": store.meta["report"]["devices"],
+               "csv_tails": store.meta.get("csv_tails")}
+    group = {"zarr_format": 3, "node_type": "group", "attributes": {"birdzarr": details}}
+    tables += [_verify._Table.of_text(json.dumps(group).encode(), _verify._IN_ATTRIBUTES),
+               _verify._Table.of_text(json.dumps(details, separators=(",", ":")).encode(), _verify._IN_ARRAY)]
     entries = _verify._Table.of_entries(store.device_table)
-    for name in ("ids", "n_windows", "first_time", "last_time", "range_entry", "range_start", "range_stop",
-                 "range_checksum"):
-        assert np.array_equal(getattr(table, name), getattr(entries, name)), name
-    assert [table.entry(k) for k in range(len(table))] == store.device_table
+    for table in tables:
+        assert table is not None
+        for name in ("ids", "n_windows", "first_time", "last_time", "range_entry", "range_start",
+                     "range_stop", "range_checksum"):
+            assert np.array_equal(getattr(table, name), getattr(entries, name)), name
+        assert [table.entry(k) for k in range(len(table))] == store.device_table
 
 
 @pytest.mark.slow  # over a second of CPU: not in the fast loop
@@ -420,7 +429,7 @@ def test_a_table_the_columns_cannot_read_is_read_as_before(store_copy: pathlib.P
 
     device = rewrite_device_table(store_copy, odd)
     store = birdzarr.open_store(store_copy)
-    assert _verify.device_table_columns(store).range_checksum[3] == "not-hex!"
+    assert _verify.device_table_columns(store).range_checksum[3] == b"not-hex!"
     assert "device_table" in store.__dict__  # read through the entries
     problems = [p for p in verify(store_copy).problems if "checksum" in p]
     assert len(problems) == 1 and problems[0].startswith(f"device {device}, windows [")

@@ -33,7 +33,7 @@ import re
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -233,7 +233,7 @@ class _Ranges:
     device_id: np.ndarray
     start: np.ndarray
     stop: np.ndarray
-    checksum: np.ndarray  # str, as recorded
+    checksum: np.ndarray  # bytes (UTF-8), as recorded
     sound: bool  # no two overlap: each chunk holds the ranges that meet it, found by binary search
     crc: list[int] = field(default_factory=list)  # CRC-32C of each one's windows so far
     wrong_device: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -398,8 +398,8 @@ def _check_chunks(store: Store, table: _Table, ranges: _Ranges | None, result: V
         if ranges.unreadable[r]:
             result.problem(f"{where}: checksum cannot be checked, a chunk is missing or damaged (above)")
         elif differing[r]:
-            chunk = reader.chunk_windows
-            result.problem(f"{where}: checksum {ranges.crc[r]:08x} differs from the {ranges.checksum[r]} "
+            chunk, recorded = reader.chunk_windows, ranges.checksum[r].decode()
+            result.problem(f"{where}: checksum {ranges.crc[r]:08x} differs from the {recorded} "
                            f"recorded at write time: the windows changed after they were written (chunks "
                            f"{start // chunk}..{(stop - 1) // chunk} of {stored_in})")
     return None
@@ -409,10 +409,10 @@ _HEX_DIGITS = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
 
 
 def _hex8(values: np.ndarray) -> np.ndarray:
-    """Each uint32 as 8 lowercase hex digits (``f"{v:08x}"``, for all at once)."""
+    """Each uint32 as 8 lowercase hex digits (``f"{v:08x}"`` as bytes, for all at once)."""
     shifts = np.arange(28, -4, -4, dtype=np.uint32)
     nibbles = (values[:, None] >> shifts) & np.uint32(0xF)
-    return _HEX_DIGITS[nibbles].view("S8").ravel().astype(str)
+    return _HEX_DIGITS[nibbles].view("S8").ravel()
 
 
 def _decode_checked(data: dict[str, np.ndarray], dicts: _v2.Dictionaries | None, index: int,
@@ -528,11 +528,39 @@ def _finish_scattered(table: _Table, hashers: dict[int, Any], digests: _Digests,
 # Anything else (another layout, a value of another type, a number past int64, damage) reads the
 # table as before, through ``Store.device_table``, with its errors.
 
-_TABLE_HEAD = b'{"zarr_format": 3, "node_type": "group", "attributes": {"birdzarr": {"devices": ['
-_ENTRY_RANGES = re.compile(rb'\{"device_id": (-?[0-9]++), "n_windows": -?[0-9]++, '
-                           rb'"ranges": \[((?:\[[^\]]*+\](?:, )?)*+)\], "first_time": ')
-_RANGE_ITEM = re.compile(rb'\[(-?[0-9]{1,19}), (-?[0-9]{1,19}), "([0-9a-f]{8})"\]')
-_ENTRY_LABELS = re.compile(rb'"label_counts": \{([^}]*+)\}, "scattered_checksum": ')
+class _Syntax(NamedTuple):
+    """How a table's JSON is written: its text before the entries, and the patterns for them."""
+
+    head: bytes  # the text before the entries' list
+    devices: bytes  # the "devices" key and the list's opening bracket
+    between: bytes  # the text between two entries
+    entry_ranges: re.Pattern[bytes]  # an entry's id and its ranges' text
+    range_item: re.Pattern[bytes]  # one range in that text
+    entry_labels: re.Pattern[bytes]  # an entry's label counts' text
+    in_attributes: bool  # the object is the attributes of the group's zarr.json
+
+
+def _syntax(comma: bytes, colon: bytes, head: bytes, in_attributes: bool) -> _Syntax:
+    def key(name: bytes) -> bytes:
+        return b'"' + name + b'"' + colon
+
+    return _Syntax(
+        head=head, devices=key(b"devices") + b"[", between=b"}" + comma + b"{" + key(b"device_id"),
+        entry_ranges=re.compile(rb"\{" + key(b"device_id") + rb"(-?[0-9]++)" + comma + key(b"n_windows")
+                                + rb"-?[0-9]++" + comma + key(b"ranges") + rb"\[((?:\[[^\]]*+\](?:" + comma
+                                + rb")?)*+)\]" + comma + key(b"first_time")),
+        range_item=re.compile(rb"\[(-?[0-9]{1,19})" + comma + rb"(-?[0-9]{1,19})" + comma
+                              + rb'"([0-9a-f]{8})"\]'),
+        entry_labels=re.compile(key(b"label_counts") + rb"\{([^}]*+)\}" + comma + key(b"scattered_checksum")),
+        in_attributes=in_attributes,
+    )
+
+
+# the group's zarr.json holding the entries in its attributes (json.dumps' separators), and the
+# group's details array holding their JSON object (compact separators)
+_IN_ATTRIBUTES = _syntax(b", ", b": ", b'{"zarr_format": 3, "node_type": "group", "attributes": '
+                         b'{"birdzarr": {"devices": [', in_attributes=True)
+_IN_ARRAY = _syntax(b",", b":", b'{"devices":[', in_attributes=False)
 
 
 @dataclass
@@ -547,12 +575,15 @@ class _Table:
     range_entry: np.ndarray
     range_start: np.ndarray
     range_stop: np.ndarray
-    range_checksum: np.ndarray  # str, as recorded
+    range_checksum: np.ndarray  # bytes (UTF-8), as recorded
     scattered_checksum: list[str | None]
     scattered_digest: list[str | None]
-    # each entry's sources: a list, or (names, where each entry's start) of all entries at once
-    _sources: list[list[str]] | tuple[list[str], list[int]]
-    _label_counts: list[bytes] | list[dict[int, int]]  # a dict, or the text of its JSON object
+    # each entry's sources: a list, or of all entries at once: the distinct names, each entry's
+    # names as their positions there, and where each entry's begin (``_names``)
+    _sources: list[list[str]] | tuple[list[str], np.ndarray, np.ndarray]
+    # each entry's label counts: a dict, or of all entries at once the text of their JSON objects
+    # end to end and where each begins
+    _label_counts: list[dict[int, int]] | tuple[bytes, np.ndarray]
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -570,79 +601,81 @@ class _Table:
             last_time=column([e.last_time for e in entries]),
             range_entry=column([k for k, _ in ranges]), range_start=column([r.start for _, r in ranges]),
             range_stop=column([r.stop for _, r in ranges]),
-            range_checksum=np.array([r.checksum for _, r in ranges], dtype=str),
+            range_checksum=np.array([r.checksum.encode() for _, r in ranges], dtype=bytes),
             scattered_checksum=[e.scattered_checksum for e in entries],
             scattered_digest=[e.scattered_digest for e in entries],
             _sources=[list(e.sources) for e in entries], _label_counts=[e.label_counts for e in entries],
         )
 
     @classmethod
-    def of_text(cls, raw: bytes) -> _Table | None:
-        """The table of a format-2 table group's ``zarr.json`` written as the writers write it;
+    def of_text(cls, raw: bytes, syntax: _Syntax) -> _Table | None:
+        """The table of a format-2 table's JSON written as the writers write it (``syntax``);
         None for any other text (read then as JSON)."""
-        if not raw.startswith(_TABLE_HEAD) or not raw.isascii():
+        if not raw.startswith(syntax.head) or not raw.isascii():
             return None
         # a second "devices" key would replace the first (json.loads keeps the last)
-        if raw.count(b'"devices": [') != 1:
+        if raw.count(syntax.devices) != 1:
             return None
-        entries = _parsed_entries(raw)
+        entries = _parsed_entries(raw, syntax)
         if entries is None:
             return None
         n = len(entries)
         columns = dict(zip((f.name for f in entries.type), entries.flatten(), strict=True))
         if any(columns[name].null_count for name in _TABLE_COLUMNS) or columns["sources"].values.null_count:
             return None  # a key missing (or null): Store.device_table says what is wrong
-        ids = _int64s(columns["device_id"])
-        ranges = _ENTRY_RANGES.findall(raw, len(_TABLE_HEAD) - 1)
-        labels = _ENTRY_LABELS.findall(raw, len(_TABLE_HEAD) - 1)
-        if len(ranges) != n or len(labels) != n:
-            return None
-        texts = [text for _, text in ranges]
-        try:
-            if n and not np.array_equal(np.array([i for i, _ in ranges]).astype(np.int64), ids):
-                return None  # the patterns did not find each entry's own ranges
-            counts = np.fromiter((text.count(b"[") for text in texts), np.int64, n)
-            found = _RANGE_ITEM.findall(b" ".join(texts))
-            if len(found) != int(counts.sum()):
-                return None  # a range of another shape: as JSON
-            triples = np.array(found, dtype=bytes).reshape(-1, 3)
-            starts, stops = triples[:, 0].astype(np.int64), triples[:, 1].astype(np.int64)
-        except (OverflowError, ValueError):  # a number past int64: as JSON (a Python int there)
-            return None
-        sources = columns["sources"]
+        ids, n_windows, first_time, last_time = (
+            _numbers(columns[name], np.int64) for name in _TABLE_COLUMNS[:4])
+        sources = _names(columns["sources"])
+        scattered_checksum = columns["scattered_checksum"].to_pylist()
+        scattered_digest = columns["scattered_digest"].to_pylist()
+        del entries, columns  # the parser's memory, before the patterns' lists
+        parts = []
+        for part in _ranges_and_labels(raw, syntax):
+            if part is None or len(part.label_sizes) != len(part.owners):
+                return None
+            parts.append(part)
+        owners = np.concatenate([part.owners for part in parts])
+        if len(owners) != n or not np.array_equal(owners, ids):
+            return None  # the patterns did not find each entry's own ranges
         return cls(
-            ids=ids, n_windows=_int64s(columns["n_windows"]), first_time=_int64s(columns["first_time"]),
-            last_time=_int64s(columns["last_time"]), range_entry=np.repeat(np.arange(n), counts),
-            range_start=starts, range_stop=stops, range_checksum=triples[:, 2].astype(str),
-            scattered_checksum=columns["scattered_checksum"].to_pylist(),
-            scattered_digest=columns["scattered_digest"].to_pylist(),
-            _sources=(sources.values.to_pylist(), sources.offsets.to_pylist()), _label_counts=labels,
+            ids=ids, n_windows=n_windows, first_time=first_time, last_time=last_time,
+            range_entry=np.repeat(np.arange(n), np.concatenate([part.counts for part in parts])),
+            range_start=np.concatenate([part.starts for part in parts]),
+            range_stop=np.concatenate([part.stops for part in parts]),
+            range_checksum=np.concatenate([part.checksums for part in parts]),
+            scattered_checksum=scattered_checksum, scattered_digest=scattered_digest,
+            _sources=sources, _label_counts=(b"".join(part.labels for part in parts), np.concatenate(
+                [[0], np.cumsum(np.concatenate([part.label_sizes for part in parts]))])),
         )
 
     def only_source(self, k: int) -> str | None:
         """Entry ``k``'s source file name where it names one file, else None."""
         if isinstance(self._sources, tuple):
-            names, offsets = self._sources
-            return names[offsets[k]] if offsets[k + 1] - offsets[k] == 1 else None
+            names, which, offsets = self._sources
+            first = int(offsets[k])
+            return names[which[first]] if int(offsets[k + 1]) - first == 1 else None
         found = self._sources[k]
         return found[0] if len(found) == 1 else None
 
     def sources(self, k: int) -> list[str]:
         """Entry ``k``'s source file names."""
         if isinstance(self._sources, tuple):
-            names, offsets = self._sources
-            return names[offsets[k] : offsets[k + 1]]
+            names, which, offsets = self._sources
+            return [names[i] for i in which[offsets[k] : offsets[k + 1]].tolist()]
         return list(self._sources[k])
 
     def entry(self, k: int) -> DeviceEntry:
         """Entry ``k`` as ``Store.device_table`` gives it."""
-        counts = self._label_counts[k]
-        if isinstance(counts, bytes):
-            counts = {int(a): int(b) for a, b in json.loads(b"{" + counts + b"}").items()}
+        if isinstance(self._label_counts, tuple):
+            text, where = self._label_counts
+            found = json.loads(b"{" + text[int(where[k]) : int(where[k + 1])] + b"}")
+            counts = {int(a): int(b) for a, b in found.items()}
+        else:
+            counts = self._label_counts[k]
         a, b = np.searchsorted(self.range_entry, [k, k + 1])
         return DeviceEntry(
             device_id=int(self.ids[k]), n_windows=int(self.n_windows[k]),
-            ranges=[DeviceRange(int(s), int(e), str(c)) for s, e, c in zip(
+            ranges=[DeviceRange(int(s), int(e), c.decode()) for s, e, c in zip(
                 self.range_start[a:b].tolist(), self.range_stop[a:b].tolist(),
                 self.range_checksum[a:b].tolist(), strict=True)],
             first_time=int(self.first_time[k]), last_time=int(self.last_time[k]), sources=self.sources(k),
@@ -657,36 +690,97 @@ class _Table:
 
 
 _TABLE_COLUMNS = ("device_id", "n_windows", "first_time", "last_time", "sources")
+_SLICE = 4 << 20  # bytes of the entries' text matched at a time (bounds the patterns' lists)
 
 
-def _int64s(column: Any) -> np.ndarray:
-    """A pyarrow int64 array without nulls as numpy, from its buffer (``to_numpy`` imports pandas:
-    +30 MB and 0.3 s)."""
-    values = np.frombuffer(column.buffers()[1], dtype=np.int64)
+class _Slice(NamedTuple):
+    """The ranges and label counts of a slice of the entries, from their text (``_ranges_and_labels``)."""
+
+    owners: np.ndarray  # each entry's id, as its ranges' pattern found it
+    counts: np.ndarray  # each entry's number of ranges
+    starts: np.ndarray
+    stops: np.ndarray
+    checksums: np.ndarray  # str
+    labels: bytes  # each entry's label counts, the text of their JSON objects end to end
+    label_sizes: np.ndarray  # each one's length
+
+
+def _ranges_and_labels(raw: bytes, syntax: _Syntax) -> Iterator[_Slice | None]:
+    """The entries' ranges and label counts, a slice of whole entries at a time (the patterns'
+    lists stay small); None where a range has another shape or a number is past int64 (the
+    table is then read as JSON)."""
+    position = len(syntax.head) - 1
+    while True:
+        cut = raw.find(syntax.between, position + _SLICE)
+        end = len(raw) if cut < 0 else cut + 1
+        ranges = syntax.entry_ranges.findall(raw, position, end)
+        texts = [text for _, text in ranges]
+        counts = np.fromiter((text.count(b"[") for text in texts), np.int64, len(texts))
+        found = syntax.range_item.findall(b" ".join(texts))
+        if len(found) != int(counts.sum()):
+            yield None  # a range of another shape
+            return
+        triples = np.array(found, dtype=bytes).reshape(-1, 3)
+        try:
+            owners = np.array([i for i, _ in ranges], dtype=bytes).astype(np.int64)
+            starts, stops = triples[:, 0].astype(np.int64), triples[:, 1].astype(np.int64)
+        except OverflowError:
+            yield None
+            return
+        labels = syntax.entry_labels.findall(raw, position, end)
+        sizes = np.fromiter(map(len, labels), np.int64, len(labels))
+        yield _Slice(owners, counts, starts, stops, triples[:, 2].copy(), b"".join(labels), sizes)
+        if cut < 0:
+            return
+        position = end
+
+
+def _names(column: Any) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """A pyarrow list<string> array (no nulls) as its distinct strings, each item's position
+    among them and each list's first item: a partition file's name is held once, not once for
+    each of its devices."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    encoded = pc.dictionary_encode(column.values, memory_pool=pa.system_memory_pool())
+    which = encoded.indices
+    offsets = column.offsets
+    return encoded.dictionary.to_pylist(), _numbers(which, np.int32), _numbers(offsets, np.int32)
+
+
+def _numbers(column: Any, dtype: type[np.generic]) -> np.ndarray:
+    """A pyarrow array of numbers without nulls as numpy, from its buffer (``to_numpy`` imports
+    pandas: +30 MB and 0.3 s)."""
+    values = np.frombuffer(column.buffers()[1], dtype=dtype)
     return values[column.offset : column.offset + len(column)].copy()
 
 
-def _parsed_entries(raw: bytes) -> Any:
-    """The entries of a table group's ``zarr.json`` parsed by pyarrow as a struct array (the
-    columns verify reads; other keys, the reports and tails, parsed and left out), or None where
-    the text is not one JSON document or a value has another type."""
+def _parsed_entries(raw: bytes, syntax: _Syntax) -> Any:
+    """The entries of a table's JSON parsed by pyarrow as a struct array (the columns verify
+    reads; other keys, the reports and tails, parsed and left out), or None where the text is
+    not one JSON document or a value has another type."""
     import pyarrow as pa
     import pyarrow.json as pa_json
 
     entry = pa.struct([("device_id", pa.int64()), ("n_windows", pa.int64()), ("first_time", pa.int64()),
                        ("last_time", pa.int64()), ("sources", pa.list_(pa.string())),
                        ("scattered_checksum", pa.string()), ("scattered_digest", pa.string())])
-    devices = pa.struct([("devices", pa.list_(entry))])
-    schema = pa.schema([("attributes", pa.struct([("birdzarr", devices)]))])
-    try:
+    devices = [("devices", pa.list_(entry))]
+    schema = pa.schema([("attributes", pa.struct([("birdzarr", pa.struct(devices))]))] if syntax.in_attributes
+                       else devices)
+    try:  # the system allocator: the parser's ~1x the text is given back once the columns are read
         parsed = pa_json.read_json(
             pa.py_buffer(raw), read_options=pa_json.ReadOptions(block_size=len(raw) + 64, use_threads=False),
-            parse_options=pa_json.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore"))
+            parse_options=pa_json.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore"),
+            memory_pool=pa.system_memory_pool())
     except (pa.ArrowInvalid, OSError):
         return None
     if parsed.num_rows != 1:
         return None
-    found = parsed.column("attributes").combine_chunks().field("birdzarr").field("devices")
+    if syntax.in_attributes:
+        found = parsed.column("attributes").combine_chunks().field("birdzarr").field("devices")
+    else:
+        found = parsed.column("devices").combine_chunks()
     if found.null_count:
         return None
     return found.values[found.offsets[0].as_py() : found.offsets[1].as_py()]
@@ -699,15 +793,39 @@ def device_table_columns(store: Store) -> _Table:
 
     where = table_path(store.root)
     if where is not None and "device_table" not in store.__dict__:
-        try:
-            raw = read_object(store.location, f"{where}/zarr.json")
-        except (BirdzarrError, OSError):
-            raw = b""  # said by Store.device_table, below
-        found = _Table.of_text(raw)
-        del raw
+        found = _table_text(store.location, where)
         if found is not None:
-            return found
+            table = _Table.of_text(*found)
+            del found
+            if table is not None:
+                return table
     return _Table.of_entries(store.device_table)
+
+
+def _table_text(location: Location, where: str) -> tuple[bytes, _Syntax] | None:
+    """The JSON text of the table group at ``where``: its zarr.json where its attributes hold the
+    entries, or the array its attributes name (``details``); None where it cannot be read (then
+    ``Store.device_table`` says why)."""
+    try:
+        raw = read_object(location, f"{where}/zarr.json")
+        if raw.startswith(_IN_ATTRIBUTES.head):
+            return raw, _IN_ATTRIBUTES
+        if len(raw) > 1 << 16:
+            return None
+        name = json.loads(raw)["attributes"]["birdzarr"]["details"]
+        chunks = ArrayChunks.open(location, f"{where}/{name}")
+        if chunks.dtype != np.uint8 or len(chunks.shape) != 1:
+            return None
+        text = bytearray(chunks.length)
+        for index in range(chunks.n_chunks):  # chunk by chunk: the chunks never held at once
+            first, last = chunks.span(index)
+            part = chunks.read(index)
+            if len(part) != last - first:
+                return None
+            text[first:last] = part.tobytes()
+    except (BirdzarrError, OSError, ValueError, KeyError, TypeError):
+        return None
+    return bytes(text), _IN_ARRAY
 
 
 # -- comparison with the sources ---------------------------------------------------------------
