@@ -608,7 +608,7 @@ class _Table:
         )
 
     @classmethod
-    def of_text(cls, raw: bytes, syntax: _Syntax) -> _Table | None:
+    def of_text(cls, raw: bytes | bytearray, syntax: _Syntax) -> _Table | None:
         """The table of a format-2 table's JSON written as the writers write it (``syntax``);
         None for any other text (read then as JSON)."""
         if not raw.startswith(syntax.head) or not raw.isascii():
@@ -705,7 +705,7 @@ class _Slice(NamedTuple):
     label_sizes: np.ndarray  # each one's length
 
 
-def _ranges_and_labels(raw: bytes, syntax: _Syntax) -> Iterator[_Slice | None]:
+def _ranges_and_labels(raw: bytes | bytearray, syntax: _Syntax) -> Iterator[_Slice | None]:
     """The entries' ranges and label counts, a slice of whole entries at a time (the patterns'
     lists stay small); None where a range has another shape or a number is past int64 (the
     table is then read as JSON)."""
@@ -755,7 +755,7 @@ def _numbers(column: Any, dtype: type[np.generic]) -> np.ndarray:
     return values[column.offset : column.offset + len(column)].copy()
 
 
-def _parsed_entries(raw: bytes, syntax: _Syntax) -> Any:
+def _parsed_entries(raw: bytes | bytearray, syntax: _Syntax) -> Any:
     """The entries of a table's JSON parsed by pyarrow as a struct array (the columns verify
     reads; other keys, the reports and tails, parsed and left out), or None where the text is
     not one JSON document or a value has another type."""
@@ -802,7 +802,7 @@ def device_table_columns(store: Store) -> _Table:
     return _Table.of_entries(store.device_table)
 
 
-def _table_text(location: Location, where: str) -> tuple[bytes, _Syntax] | None:
+def _table_text(location: Location, where: str) -> tuple[bytes | bytearray, _Syntax] | None:
     """The JSON text of the table group at ``where``: its zarr.json where its attributes hold the
     entries, or the array its attributes name (``details``); None where it cannot be read (then
     ``Store.device_table`` says why)."""
@@ -825,7 +825,7 @@ def _table_text(location: Location, where: str) -> tuple[bytes, _Syntax] | None:
             text[first:last] = part.tobytes()
     except (BirdzarrError, OSError, ValueError, KeyError, TypeError):
         return None
-    return bytes(text), _IN_ARRAY
+    return text, _IN_ARRAY  # bytes-like: the patterns give bytes, pyarrow reads it in place
 
 
 # -- comparison with the sources ---------------------------------------------------------------
