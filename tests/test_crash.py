@@ -401,6 +401,8 @@ def _convert_with_stuck_workers(source: str, dest: str, markers: str) -> None:
     segments = importlib.import_module("birdzarr.convert._segments")
     segments.PROCESS_MIN_BYTES = 0
     segments.MIN_SEGMENT_CHUNKS = 0
+    # a segment a device: no group of small devices sharing dictionary entries to keep together
+    importlib.import_module("birdzarr.format._rows").SHARED_ROW_WINDOWS = 0
 
     def stuck(*args: Any) -> Any:  # the first call a worker makes for its segment
         pathlib.Path(markers, str(os.getpid())).write_text("")
@@ -428,14 +430,16 @@ def test_worker_processes_end_with_a_killed_conversion(
     driver = _context().Process(target=_convert_with_stuck_workers,
                                 args=(str(sources["parquet"]), str(dest), str(markers)))
     driver.start()
-    deadline = time.monotonic() + 60
-    while len(list(markers.iterdir())) < 2 and driver.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.01)  # polling for the event: both workers have announced themselves
-    workers = [int(p.name) for p in markers.iterdir()]
-    assert len(workers) == 2, driver.exitcode
-    assert not any(_ended(pid) for pid in workers)
-    driver.kill()
-    driver.join()
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(markers.iterdir())) < 2 and driver.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling for the event: both workers have announced themselves
+        workers = [int(p.name) for p in markers.iterdir()]
+        assert len(workers) == 2, driver.exitcode
+        assert not any(_ended(pid) for pid in workers)
+    finally:  # a failed check must not leave the driver (and pytest) waiting forever
+        driver.kill()
+        driver.join()
     deadline = time.monotonic() + 30
     while not all(_ended(pid) for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.01)
