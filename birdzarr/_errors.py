@@ -136,6 +136,11 @@ class IgnoredColumnsWarning(BirdzarrWarning):
     """Input files have columns birdzarr does not read; they are named in the report."""
 
 
+class SkippedFilesWarning(BirdzarrWarning):
+    """An append skipped source files whose names its devices already record (a file is identified
+    by its name within its device); the message names them."""
+
+
 class FallbackWarning(BirdzarrWarning):
     """birdzarr fell back to a weaker mechanism (a non-exclusive lock, fsspec instead of obstore);
     the message says what and what it costs."""

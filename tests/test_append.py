@@ -211,6 +211,23 @@ def test_readers_during_an_append_see_one_committed_snapshot(
     assert len(seen) >= 4
 
 
+def test_an_append_names_the_files_it_skips_in_a_warning(csv_parts: dict[str, pathlib.Path],
+                                                          tmp_path: pathlib.Path) -> None:
+    """Files already in the store (by name within their device) are skipped with a word, not
+    silently: a new export reusing old file names would otherwise add nothing."""
+    dest = tmp_path / "s.zarr"
+    birdzarr.convert(csv_parts["base"], dest, chunk_windows=CHUNK, progress=False)
+    n = len(birdzarr.open_store(dest))
+    with pytest.warns(birdzarr.SkippedFilesWarning) as warned:
+        store = append(dest, csv_parts["base"], progress=False, workers=1)
+    assert len(store) == n
+    names = sorted(p.name for p in csv_parts["base"].iterdir())
+    message = str(warned[0].message)
+    assert message.startswith(f"{len(names)} file(s) skipped, already in the store by name within "
+                              "their device: ")
+    assert names[0] in message and message.endswith("New data for an existing device needs a new file name.")
+
+
 @pytest.mark.slow
 def test_cli_append_verify_repair(csv_parts: dict[str, pathlib.Path], tmp_path: pathlib.Path,
                                   capsys: pytest.CaptureFixture[str]) -> None:

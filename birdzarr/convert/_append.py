@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
@@ -36,7 +37,7 @@ import numpy as np
 import zarr
 
 from birdzarr._checks import require_bool
-from birdzarr._errors import AppendError, ArgumentError, IncompleteStoreError
+from birdzarr._errors import AppendError, ArgumentError, IncompleteStoreError, SkippedFilesWarning
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._cpus import cpu_report, cpu_seconds, resolve_workers
 from birdzarr.convert._csv import tail_from_json, tail_to_json
@@ -535,7 +536,14 @@ def append(store: StoreLike, source: StoreLike, **options: Unpack[AppendOptions]
     ``source_storage_options``, ``skip_unknown_files``, ``client`` (an unknown option is a
     ``TypeError``). The new windows are read and written by the tasks convert runs, on the same
     engine (threads, worker processes, or the Dask cluster behind ``client``).
-    Files already in the store are skipped, so re-running an interrupted append completes it.
+    Files already in the store are skipped, so re-running an interrupted append completes it;
+    a ``SkippedFilesWarning`` names them (a file is identified by its name within its device).
     Returns the store, opened read-only, at its new commit.
     """
-    return append_detailed(store, source, **options).store
+    result = append_detailed(store, source, **options)
+    if result.skipped_files:
+        shown = ", ".join(result.skipped_files[:10]) + (" ..." if len(result.skipped_files) > 10 else "")
+        warnings.warn(SkippedFilesWarning(
+            f"{len(result.skipped_files)} file(s) skipped, already in the store by name within their "
+            f"device: {shown}. New data for an existing device needs a new file name."), stacklevel=2)
+    return result.store
