@@ -492,3 +492,40 @@ def test_verify_source_compares_small_devices_together_and_says_what_each_alone_
         f"device {last}: the store holds {sizes[7]:,} windows, its sources give {sizes[7] - 1:,}",
     ]
     assert result.devices_compared == len(ids)
+
+
+@pytest.mark.slow  # over a second of CPU: not in the fast loop
+def test_verify_source_of_a_shuffled_store_compares_runs_of_devices_by_their_digests(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A shuffled store's small partition devices are read a run at a time and compared with the
+    digests of the pass over the chunks; a device that differs is compared alone, as before."""
+    import pyarrow.parquet as pq
+
+    from birdzarr.convert import _parquet
+
+    sizes = [4, 2, 5, 3, 6, 1, 4, 3]
+    ids, _ = _partition_source(tmp_path / "src", ["part-0.parquet", "part-1.parquet"], sizes)
+    dest = tmp_path / "sh.zarr"
+    birdzarr.convert(tmp_path / "src", dest, chunk_windows=8, shuffle=True, seed=1, progress=False)
+    together: list[int] = []
+    read_runs = _parquet.read_runs
+
+    def counted(devices: list) -> object:
+        together.append(len(devices))
+        return read_runs(devices)
+
+    monkeypatch.setattr(_parquet, "read_runs", counted)
+    clean = verify(dest, source=tmp_path / "src")
+    assert clean.ok and clean.devices_compared == len(ids), clean.format()
+    assert together == [len(ids)]
+    path = tmp_path / "src" / "part-1.parquet"
+    table = pq.read_table(path).to_pydict()
+    table["gimu"][1][5] += 0.25  # the second window of part-1's first device
+    import pyarrow as pa
+
+    pq.write_table(pa.table(table, schema=pq.read_schema(path)), path)
+    result = verify(dest, source=tmp_path / "src")
+    assert result.problems == [f"device {ids[4]}: 1 window(s) (with their times and labels) differ from "
+                               "the sources (compared as sets: the store is shuffled)"]
+    assert result.devices_compared == len(ids)

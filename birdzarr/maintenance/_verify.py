@@ -903,7 +903,9 @@ def _compare_with_source(
     row_of = dict(zip(ids, range(len(ids)), strict=True))
     stored = _ChunkMemo(store)  # devices share chunks: each is decoded once, not once a device
     parquet = store.root.get("source_kind") == "parquet"
-    runs = _Runs(store, table, stored) if digests is None and parquet and not store.shuffled else None
+    # device order: compared with the stored windows; shuffled: with the digests of this pass
+    runs = (_Runs(store, table, stored, digests)
+            if parquet and (digests is not None) == store.shuffled else None)
     names: dict[int, str] = {}  # id(file) -> its name (partition files are listed by many devices)
 
     def compare(device: DeviceSource, k: int) -> None:
@@ -981,17 +983,21 @@ _RUN_WINDOWS = 16_384  # windows of consecutive small devices read and compared 
 
 
 class _Runs:
-    """Consecutive devices of a device-ordered Parquet store compared at once: devices read only
-    from partition files, all their files named in their entry (none appended since), one range
-    each, the ranges end to end. Their windows, times and labels are read together
+    """Consecutive devices of a Parquet store compared at once: devices read only from partition
+    files, all their files named in their entry (none appended since) and, in device order, one
+    range each, the ranges end to end. Their windows, times and labels are read together
     (``_parquet.read_runs``, as ``convert`` reads them) and compared with the stored run in one
-    comparison; a device whose count or values differ anywhere, or a run that cannot be read
-    that way, is compared again by itself, which says what differs as for any device."""
+    comparison, or, in a shuffled store, each device's count and digest with the ones this pass
+    gathered (``_Digests``); a device whose count or values differ anywhere, or a run that cannot
+    be read that way, is compared again by itself, which says what differs as for any device."""
 
-    def __init__(self, store: Store, table: _Table, memo: _ChunkMemo) -> None:
+    def __init__(self, store: Store, table: _Table, memo: _ChunkMemo, digests: _Digests | None = None
+                 ) -> None:
         appends = (store.root.get("report") or {}).get("appends") or []
         self.appended = {int(d) for a in appends for d in (a.get("files") or {})}
         self.memo = memo
+        self.digests = digests
+        self.count = table.n_windows.tolist()
         self.partition: dict[int, bool] = {}  # id(file) -> a partition file (no device in its name)
         # each entry's range where it has one, else -1 (lists: read one entry at a time)
         start = np.full(len(table), -1, np.int64)
@@ -1002,7 +1008,7 @@ class _Runs:
         self.start, self.stop = start.tolist(), stop.tolist()
         self.held: list[tuple[DeviceSource, int, list[Location]]] = []
         self.windows = 0
-        self.end = -1  # where the run held ends
+        self.end = -1 if digests is None else 0  # where the run held ends (shuffled: its windows)
 
     def add(self, device: DeviceSource, k: int) -> bool:
         """Hold ``device`` (entry ``k``, which names its files in their order) for the run where
@@ -1011,6 +1017,8 @@ class _Runs:
         from birdzarr.convert._parquet import names_its_device
 
         start, stop = self.start[k], self.stop[k]
+        if self.digests is not None:  # shuffled: no ranges, any devices in turn
+            start, stop = self.end, self.end + max(self.count[k], 0)
         if start < 0 or device.kind != "parquet" or device.device_id in self.appended:
             return False
         if self.held and (self.windows + stop - start > _RUN_WINDOWS or start != self.end):
@@ -1037,6 +1045,24 @@ class _Runs:
             else:
                 compare(device, k)
 
+    def _same_digests(self, held: list[tuple[DeviceSource, int, list[Location]]], found: Any) -> np.ndarray:
+        """Whether each device held has the count and digest (``_Digests``) of its source's rows."""
+        digests = self.digests
+        assert digests is not None
+        unknown = np.zeros(len(held), bool)
+        if digests.broken or not len(digests.known):
+            return unknown
+        counts = found.counts
+        sums = np.zeros(len(held), np.uint64)
+        some = counts > 0
+        if some.any():  # each device's rows' hashes summed, wrapping as the digest does
+            hashes = row_hashes(found.windows, found.timestamps, found.labels)
+            sums[some] = np.add.reduceat(hashes, (np.cumsum(counts) - counts)[some]).astype(np.uint64)
+        ids = np.array([device.device_id for device, _, _ in held], np.int64)
+        at = np.minimum(np.searchsorted(digests.known, ids), len(digests.known) - 1)
+        return ((digests.known[at] == ids) & (digests.count_of[at] == counts)
+                & (digests.sum_of[at] == sums))
+
     def _equal(self, held: list[tuple[DeviceSource, int, list[Location]]]) -> np.ndarray:
         """Whether each device held has the windows, times and labels of its source, in order."""
         from birdzarr.convert._parquet import read_runs
@@ -1047,6 +1073,8 @@ class _Runs:
             found = read_runs([(device.device_id, files) for device, _, files in held])
         except BirdzarrError:
             return unknown
+        if self.digests is not None:
+            return unknown if found is None else self._same_digests(held, found)
         counts = np.array([self.stop[k] - self.start[k] for k in rows], np.int64)
         if found is None or not np.array_equal(found.counts, counts):
             return unknown
