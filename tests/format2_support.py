@@ -117,28 +117,48 @@ T = TypeVar("T")
 
 
 def device_table_file(store: Path) -> Path:
-    """The zarr.json that holds the device table's entries on disk: the committed device table
-    group's on a format-2 store (the default), whose attributes hold them as format 1's root did."""
+    """The zarr.json of the committed device table group of a format-2 store (the default); its
+    ``details`` array beside it holds the entries (``read_details``)."""
     root = json.loads((store / "zarr.json").read_text())
     return store / root["attributes"][ATTRS_KEY]["committed"]["device_table"] / "zarr.json"
 
 
+def read_details(store: Path) -> dict[str, Any]:
+    """The committed device table's details as written on disk: the JSON object (entries, reports,
+    CSV tails) its ``details`` array holds."""
+    import zarr
+
+    array: Any = zarr.open_array(str(device_table_file(store).parent / "details"), mode="r", zarr_format=3)
+    found: dict[str, Any] = json.loads(array[:].tobytes())
+    return found
+
+
+def write_details(store: Path, details: dict[str, Any]) -> None:
+    """Rewrite the committed device table's ``details`` array with ``details``."""
+    import numpy as np
+    import zarr
+
+    blob = np.frombuffer(json.dumps(details).encode(), np.uint8)
+    array: Any = zarr.open_array(str(device_table_file(store).parent / "details"), mode="r+", zarr_format=3)
+    array.resize(blob.shape)
+    array[:] = blob
+
+
 def rewrite_device_table(store: Path, edit: Callable[[list[dict[str, Any]]], T]) -> T:
     """Damage the device table as a consistent rewrite of it would: ``edit`` changes the entries in
-    the committed group's zarr.json and the group's index arrays are written again from them (left
-    as they were, verify would name the index arrays that disagree with the entries first); what
-    ``edit`` returns."""
+    the committed group's ``details`` and the group's index arrays are written again from them
+    (left as they were, verify would name the index arrays that disagree with the entries first);
+    what ``edit`` returns."""
     import zarr
 
     from birdzarr.format import _device_table
     from birdzarr.format._spec import DeviceEntry
 
-    path = device_table_file(store)
-    document = json.loads(path.read_text())
-    devices = document["attributes"][ATTRS_KEY]["devices"]
+    details = read_details(store)
+    devices = details["devices"]
     result = edit(devices)
-    path.write_text(json.dumps(document))
-    group = zarr.open_group(str(path.parent), mode="r+", zarr_format=3)
+    write_details(store, details)
+    group = zarr.open_group(str(device_table_file(store).parent), mode="r+", zarr_format=3)
     for name, values in _device_table.columns([DeviceEntry.from_json(d) for d in devices]).items():
         array: Any = group[name]
         array.resize(values.shape)

@@ -10,6 +10,7 @@ import threading
 
 import numpy as np
 import pytest
+from format2_support import read_details
 
 import birdzarr
 from birdzarr._errors import AppendError, BirdzarrError, IncompleteStoreError
@@ -57,10 +58,9 @@ _CHUNK_TAILS = {"gimu_codes": "0/0", "gps_speed": "0", "gimu_row": "", "device":
 
 
 def _csv_tails(dest: pathlib.Path) -> dict:
-    """The unfinished CSV bursts as written on disk: the committed device table group's attribute."""
-    root = json.loads((dest / "zarr.json").read_text())["attributes"]["birdzarr"]
-    table = json.loads((dest / root["committed"]["device_table"] / "zarr.json").read_text())
-    return table["attributes"]["birdzarr"]["csv_tails"]
+    """The unfinished CSV bursts as written on disk: in the committed device table's details."""
+    tails: dict = read_details(dest)["csv_tails"]
+    return tails
 
 
 @pytest.mark.slow  # over a second of CPU: not in the fast loop

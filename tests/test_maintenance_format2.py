@@ -240,7 +240,7 @@ def test_verify_finds_a_device_table_index_that_disagrees_with_its_entries(
     column[:] = counts  # CRC-valid, but not what the entries say
     assert verify(path).problems == [
         "device table: its index array 'device_table/1/n_windows' disagrees with the entries it indexes (in "
-        "'device_table/1/zarr.json'); restore that file from a copy of the store, or convert the store again "
+        "'device_table/1/details'); restore that file from a copy of the store, or convert the store again "
         "from its sources"]
 
 

@@ -377,10 +377,13 @@ def write_device_table(location: Location, where: str, details: dict[str, Any],
     """Write a format-2 device table group at ``where`` (its attributes and index arrays)."""
     store = zarr_store(location, read_only=False)
     documents = {device_table.GROUP: {"zarr_format": 3, "node_type": "group", "attributes": {}},
-                 where: device_table.group_metadata(details)}
+                 where: device_table.group_metadata()}
     arrays = device_table.columns(entries)
     for name, values in arrays.items():
         documents[f"{where}/{name}"] = device_table.array_metadata(len(values))
+    blob = np.frombuffer(json.dumps(details, separators=(",", ":"), allow_nan=False).encode(), np.uint8)
+    documents[f"{where}/{device_table.DETAILS}"] = device_table.details_metadata(len(blob))
+    arrays[device_table.DETAILS] = blob
     for key, document in documents.items():
         write_json(location, f"{key}/zarr.json", document)
     for name, values in arrays.items():

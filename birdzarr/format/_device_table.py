@@ -4,9 +4,12 @@ A version-1 store keeps every device's entry, report and unfinished CSV burst in
 ``zarr.json`` (~750 bytes a device: 75 MB at 100K devices, parsed at every open by every rank and
 worker). A version-2 store keeps them in the group ``device_table/<generation>``:
 
-- its ``zarr.json`` attributes (``birdzarr``): ``devices`` (the entries, as version 1's root
-  attribute), ``report_devices`` (each device's conversion report) and, for CSV stores in device
-  order, ``csv_tails``; read the first time a reader needs an entry, never at open;
+- the uint8 array ``details``: the UTF-8 JSON object of ``devices`` (the entries, as version 1's
+  root attribute), ``report_devices`` (each device's conversion report) and, for CSV stores in
+  device order, ``csv_tails``, compressed with zstd (~400 bytes of JSON a device, ~10x smaller
+  stored); read the first time a reader needs an entry, never at open. The group's attributes
+  say so (``{"birdzarr": {"details": "details"}}``); a store written before the array existed
+  holds the object itself as the attributes (``birdzarr``), which readers accept;
 - core-codec int64 arrays, an index of the entries for readers that need only these columns:
   ``device_id``, ``n_windows``, ``first_time``, ``last_time`` (one a device, ascending id) and
   ``range_device``, ``range_start``, ``range_stop`` (one a run of windows ``[start, stop)`` of
@@ -26,7 +29,6 @@ import numpy as np
 from birdzarr.format._spec import DeviceEntry
 
 GROUP = "device_table"
-DETAILS = ("devices", "report_devices", "csv_tails")  # the attributes the group holds
 COLUMNS = ("device_id", "n_windows", "first_time", "last_time")
 RANGES = ("range_device", "range_start", "range_stop")
 _CODECS = [{"name": "bytes", "configuration": {"endian": "little"}},
@@ -67,6 +69,25 @@ def array_metadata(length: int) -> dict[str, Any]:
     }
 
 
-def group_metadata(details: dict[str, Any]) -> dict[str, Any]:
-    """The group's zarr.json, the entries, reports and tails in its attributes."""
-    return {"zarr_format": 3, "node_type": "group", "attributes": {"birdzarr": details}}
+DETAILS = "details"  # the array of the details' JSON
+DETAILS_CHUNK = 2**22  # bytes a chunk of it
+_DETAILS_CODECS = [{"name": "bytes"},
+                   {"name": "blosc", "configuration": {"cname": "zstd", "clevel": 3, "shuffle": "noshuffle",
+                                                       "typesize": 1, "blocksize": 0}},
+                   {"name": "crc32c"}]
+
+
+def group_metadata() -> dict[str, Any]:
+    """The group's zarr.json: its attributes name the array holding the details."""
+    return {"zarr_format": 3, "node_type": "group", "attributes": {"birdzarr": {"details": DETAILS}}}
+
+
+def details_metadata(length: int) -> dict[str, Any]:
+    """The zarr.json of the ``details`` array of ``length`` bytes."""
+    return {
+        "zarr_format": 3, "node_type": "array", "shape": [length], "data_type": "uint8",
+        "chunk_grid": {"name": "regular",
+                       "configuration": {"chunk_shape": [max(1, min(length, DETAILS_CHUNK))]}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": 0, "codecs": _DETAILS_CODECS, "attributes": {}, "dimension_names": ["byte"],
+    }

@@ -325,13 +325,16 @@ def _device_table_objects(store: Store) -> dict[str, bool]:
 
     from birdzarr.format import _device_table
     from birdzarr.store._chunks import read_array_meta
-    from birdzarr.store._device_table import table_path
+    from birdzarr.store._device_table import details_in_array, table_path
 
     where = table_path(store.root)
     if where is None:
         return {}
     found = {f"{where}/zarr.json": False}
-    for name in (*_device_table.COLUMNS, *(() if store.shuffled else _device_table.RANGES)):
+    names = [*_device_table.COLUMNS, *(() if store.shuffled else _device_table.RANGES)]
+    if details_in_array(store.location, where):  # else (an older store) in the group's attributes
+        names.append(_device_table.DETAILS)
+    for name in names:
         document = read_array_meta(store.location, f"{where}/{name}")
         meta = ArrayV3Metadata.from_dict(document)
         checkable = (document.get("codecs") or [{}])[-1].get("name") == "crc32c"

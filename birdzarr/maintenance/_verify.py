@@ -188,7 +188,7 @@ def _check_table_arrays(store: Store, table: _Table, result: VerifyResult) -> No
     """A format-2 store's device table index arrays (``device_table/<generation>/...``): every
     chunk present and intact, and their columns equal to the entries they index."""
     from birdzarr.format import _device_table
-    from birdzarr.store._device_table import table_path
+    from birdzarr.store._device_table import details_in_array, table_path
 
     where = table_path(store.root)
     if where is None:
@@ -221,8 +221,10 @@ def _check_table_arrays(store: Store, table: _Table, result: VerifyResult) -> No
         column = np.concatenate(parts) if parts else np.empty(0, np.int64)
         want = expected[name]
         if len(column) != len(want) or (column != want).any():
+            held = f"{where}/{_device_table.DETAILS}" if details_in_array(store.location, where) else \
+                f"{where}/zarr.json"
             result.problem(f"device table: its index array '{where}/{name}' disagrees with the entries it "
-                           f"indexes (in '{where}/zarr.json'); {RESTORE_HINT}")
+                           f"indexes (in '{held}'); {RESTORE_HINT}")
 
 
 @dataclass

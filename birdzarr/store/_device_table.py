@@ -28,8 +28,32 @@ def table_path(root: dict[str, Any]) -> str | None:
     return str(where) if where else None
 
 
+def details_in_array(location: Location, where: str) -> bool:
+    """Whether the table at ``where`` holds its details in the ``details`` array (else, a store
+    written before it, in the group's attributes)."""
+    return _group_attributes(location, where).get(device_table.DETAILS) == device_table.DETAILS
+
+
 def details(location: Location, where: str) -> dict[str, Any]:
-    """The group's attributes: ``devices``, ``report_devices``, ``csv_tails``."""
+    """The table's ``devices``, ``report_devices`` and ``csv_tails`` (the ``details`` array's JSON,
+    or the group's attributes)."""
+    found = _group_attributes(location, where)
+    if found.get(device_table.DETAILS) != device_table.DETAILS:
+        return found  # written before the details array: the attributes hold them
+    data = _plain(location, f"{where}/{device_table.DETAILS}", "uint8")
+    try:
+        held = json.loads(data.tobytes())
+    except ValueError as exc:
+        raise CorruptChunkError(f"{location.display}: '{where}/{device_table.DETAILS}' is damaged "
+                                f"({type(exc).__name__}: {exc}); {RESTORE_HINT}.") from None
+    if not isinstance(held, dict):
+        raise CorruptChunkError(f"{location.display}: '{where}/{device_table.DETAILS}' holds no device "
+                                f"table; {RESTORE_HINT}.")
+    return held
+
+
+def _group_attributes(location: Location, where: str) -> dict[str, Any]:
+    """The ``birdzarr`` attributes of the table's group."""
     key = f"{where}/zarr.json"
     raw = read_object(location, key)
     try:
@@ -60,21 +84,23 @@ def merged(location: Location, root: dict[str, Any]) -> dict[str, Any]:
 
 def columns(location: Location, where: str) -> dict[str, np.ndarray]:
     """The index arrays (``device_table.COLUMNS`` and ``RANGES``) of the table at ``where``."""
-    out = {}
-    for name in (*device_table.COLUMNS, *device_table.RANGES):
-        key = f"{where}/{name}"
-        meta = read_array_meta(location, key)  # damaged or missing: the readers' one-line error
-        length = int(meta["shape"][0])
-        chunk = int(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
-        codec = ChunkCodec.parse(meta["codecs"], dtype="int64")
-        assert codec is not None and codec.kind == "plain", "the device table's arrays are plain int64"
-        parts = []
-        for index in range(-(-length // chunk)):
-            data = read_object(location, f"{key}/c/{index}")
-            try:
-                parts.append(np.array(codec.decode(data, (chunk,)), np.int64))
-            except (ValueError, RuntimeError) as exc:
-                raise CorruptChunkError(f"{location.display}: chunk '{key}/c/{index}' cannot be decoded "
-                                        f"({exc}); {RESTORE_HINT}.") from None
-        out[name] = np.concatenate(parts)[:length] if parts else np.empty(0, np.int64)
-    return out
+    return {name: _plain(location, f"{where}/{name}", "int64")
+            for name in (*device_table.COLUMNS, *device_table.RANGES)}
+
+
+def _plain(location: Location, key: str, dtype: str) -> np.ndarray:
+    """A one-dimensional array of the table's, every chunk read and decoded (core codecs)."""
+    meta = read_array_meta(location, key)  # damaged or missing: the readers' one-line error
+    length = int(meta["shape"][0])
+    chunk = int(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
+    codec = ChunkCodec.parse(meta["codecs"], dtype=dtype)
+    assert codec is not None and codec.kind == "plain", "the device table's arrays use core codecs"
+    parts = []
+    for index in range(-(-length // chunk)):
+        data = read_object(location, f"{key}/c/{index}")
+        try:
+            parts.append(np.array(codec.decode(data, (chunk,)), dtype))
+        except (ValueError, RuntimeError) as exc:
+            raise CorruptChunkError(f"{location.display}: chunk '{key}/c/{index}' cannot be decoded "
+                                    f"({exc}); {RESTORE_HINT}.") from None
+    return np.concatenate(parts)[:length] if parts else np.empty(0, dtype)
