@@ -3,6 +3,7 @@
     python benchmarks/many_devices.py                                  # 186 vs 20,000 devices, 700 K windows
     python benchmarks/many_devices.py --devices 186 100000 --windows 3500000
     python benchmarks/many_devices.py --pythonpath /tmp/old            # another birdzarr (a before figure)
+    python benchmarks/many_devices.py --calibration device             # no values shared between devices
 
 The same ``--windows`` windows (``_synthetic.curated_windows``) are written as ``--files``
 Parquet partition files with a ``device_id`` column, once for each device count (devices of
@@ -105,9 +106,12 @@ def _gimu(windows: np.ndarray) -> pa.Array:
     return pa.ListArray.from_arrays(pa.array(np.arange(0, len(flat) + 1, 80, dtype=np.int32)), flat)
 
 
-def make(root: pathlib.Path, devices: int, total: int, files: int) -> None:
+def make(root: pathlib.Path, devices: int, total: int, files: int, calibration: str = "shared") -> None:
     """``files`` partition files of consecutive devices; a marker beside the directory (the
-    converter refuses files that are not inputs) says it is complete."""
+    converter refuses files that are not inputs) says it is complete. ``calibration="device"``:
+    each device's IMU values pass through its own affine map (float32 ``a * v + b``, ``a`` in
+    [0.9, 1.1], ``b`` ~ N(0, 0.01)), so no two devices share values, as trackers calibrated one by
+    one; ``"shared"``: the devices cut one calibrated sequence, so neighbours share values."""
     from birdzarr.demo import _synthetic
 
     done = root.parent / (root.name + ".complete")
@@ -117,6 +121,11 @@ def make(root: pathlib.Path, devices: int, total: int, files: int) -> None:
     root.mkdir(parents=True)
     windows = _synthetic.curated_windows(total, seed=1)
     owner = np.minimum(np.arange(total) // (total // devices), devices - 1) + 1
+    if calibration == "device":
+        rng = np.random.default_rng(2)
+        scale = rng.uniform(0.9, 1.1, (devices + 1, 3)).astype(np.float32)
+        shift = rng.normal(0, 0.01, (devices + 1, 3)).astype(np.float32)
+        windows[:, :, :3] = windows[:, :, :3] * scale[owner][:, None, :] + shift[owner][:, None, :]
     bounds = np.searchsorted(owner, np.linspace(1, devices + 1, files + 1).astype(int))
     for number in range(files):
         lo, hi = bounds[number], bounds[number + 1]
@@ -149,11 +158,13 @@ def main() -> None:
     parser.add_argument("--steps", nargs="+", default=STEPS, choices=STEPS)
     parser.add_argument("--pythonpath", default=None, help="put this first on the steps' PYTHONPATH")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--calibration", choices=["shared", "device"], default="shared",
+                        help="'device': every device its own calibration (no values shared between devices)")
     args = parser.parse_args()
     work = pathlib.Path(args.workdir)
     results: dict[int, dict[str, dict]] = {}
     for devices in args.devices:
-        make(work / f"src{devices}", devices, args.windows, args.files)
+        make(work / f"src{devices}", devices, args.windows, args.files, args.calibration)
         results[devices] = {}
         for step in args.steps:
             if step.startswith("convert"):
@@ -169,8 +180,20 @@ def main() -> None:
         row = " | ".join(f"{c['seconds']} / {c['cpu']} / {c['rss_mb']}" for c in cells)
         ratio = f" {cells[1]['cpu'] / max(cells[0]['cpu'], 1e-3):.1f}x |" if len(cells) == 2 else ""
         print(f"| {step} | {row} |{ratio}")
+    sizes = []
+    for devices in args.devices:
+        parquet = _megabytes(work / f"src{devices}")
+        stored = [(name, _megabytes(work / f"{name}{devices}.zarr")) for name in ("store", "shuffled")]
+        sizes.append(f"{devices:,} devices: Parquet {parquet:.1f} MB" + "".join(
+            f", {name} {mb:.1f} MB ({mb / parquet:.2f}x)" for name, mb in stored if mb))
+    print("\nbytes on disk: " + "; ".join(sizes))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+def _megabytes(path: pathlib.Path) -> float:
+    """Bytes of the files under ``path`` (0 if absent), in MB."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 1e6 if path.exists() else 0.0
 
 
 if __name__ == "__main__":
