@@ -120,6 +120,24 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def tree_cpu() -> float:
+    """CPU seconds (user + system) of this process, its ended children (reaped worker
+    processes) and its live descendants (DataLoader workers, a LocalCluster's nannies and
+    workers): take the difference of two calls."""
+    import psutil
+
+    me = psutil.Process()
+    own = me.cpu_times()
+    total = own.user + own.system + own.children_user + own.children_system
+    for child in me.children(recursive=True):
+        try:
+            times = child.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
 def run_measured(
     argv: Sequence[str], *, interval: float = 0.05, env: dict[str, str] | None = None
 ) -> tuple[float, int, str]:

@@ -21,31 +21,18 @@ import os
 import pathlib
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _util import tree_cpu  # noqa: E402
 
 
 def _files(root: pathlib.Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*")
             if p.is_file() and p.relative_to(root) != pathlib.Path("zarr.json")}
-
-
-def _cpu_seconds() -> float:
-    """CPU seconds of this process, its ended children (the local converter's worker processes,
-    reaped after each pass) and its live descendants (the LocalCluster's nannies and workers)."""
-    import psutil
-
-    me = psutil.Process()
-    own = me.cpu_times()
-    total = own.user + own.system + own.children_user + own.children_system
-    for child in me.children(recursive=True):
-        try:
-            times = child.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += times.user + times.system
-    return total
 
 
 def main() -> None:
@@ -100,9 +87,9 @@ def main() -> None:
                     if where == "dask":
                         options["client"] = client
                     load = os.getloadavg()[0]
-                    began, cpu = time.perf_counter(), _cpu_seconds()
+                    began, cpu = time.perf_counter(), tree_cpu()
                     store = birdzarr.convert(src, dest, **options)
-                    seconds, cpu = time.perf_counter() - began, _cpu_seconds() - cpu
+                    seconds, cpu = time.perf_counter() - began, tree_cpu() - cpu
                     times.setdefault((order, where), []).append(seconds)
                     cpus.setdefault((order, where), []).append(cpu)
                     report = store.meta["report"]

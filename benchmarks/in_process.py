@@ -34,7 +34,16 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _util import PeakSampler, log, machine, outside_repository, table, tree_private, work_directory  # noqa: E402
+from _util import (  # noqa: E402
+    PeakSampler,
+    log,
+    machine,
+    outside_repository,
+    table,
+    tree_cpu,
+    tree_private,
+    work_directory,
+)
 
 BATCH = 8192
 SEED = 1234
@@ -64,21 +73,6 @@ def make_store(workdir: str, n_windows: int, n_devices: int) -> str:
     log(f"converted {n_windows:,} windows of {n_devices} devices with --shuffle in "
         f"{time.perf_counter() - started:.0f} s")
     return store
-
-
-def tree_cpu() -> float:
-    """CPU seconds (user + system) of this process and its live children (the workers)."""
-    import psutil
-
-    me = psutil.Process()
-    total = 0.0
-    for proc in [me, *me.children(recursive=True)]:
-        try:
-            times = proc.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += times.user + times.system
-    return total
 
 
 def run_case(spec: dict[str, Any]) -> dict[str, Any]:

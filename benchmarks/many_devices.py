@@ -35,6 +35,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _util import dir_bytes  # noqa: E402
+
 STEP = r'''
 import json, sys, time
 step, store, shuffled, src = sys.argv[1:5]
@@ -182,18 +185,15 @@ def main() -> None:
         print(f"| {step} | {row} |{ratio}")
     sizes = []
     for devices in args.devices:
-        parquet = _megabytes(work / f"src{devices}")
-        stored = [(name, _megabytes(work / f"{name}{devices}.zarr")) for name in ("store", "shuffled")]
+        parquet = dir_bytes(str(work / f"src{devices}")) / 1e6
+        stored = [(name, dir_bytes(str(work / f"{name}{devices}.zarr")) / 1e6)
+                  for name in ("store", "shuffled")]
         sizes.append(f"{devices:,} devices: Parquet {parquet:.1f} MB" + "".join(
             f", {name} {mb:.1f} MB ({mb / parquet:.2f}x)" for name, mb in stored if mb))
     print("\nbytes on disk: " + "; ".join(sizes))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=2))
 
-
-def _megabytes(path: pathlib.Path) -> float:
-    """Bytes of the files under ``path`` (0 if absent), in MB."""
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 1e6 if path.exists() else 0.0
 
 
 if __name__ == "__main__":

@@ -319,18 +319,26 @@ def test_a_shuffled_csv_store_verifies_against_its_source_and_finds_a_changed_wi
     assert "FAILED" in capsys.readouterr().out
 
 
+def _two_seasons(tmp_path: pathlib.Path, *, bursts_per_device: int, parts: int
+                 ) -> tuple[pathlib.Path, pathlib.Path]:
+    """CSV exports of 3 devices in ``parts`` parts: the last part of each device in ``s2`` (a
+    second season), the others in ``s1``."""
+    raw = tmp_path / "raw"
+    _synthetic.make_csv_dir(raw, n_devices=3, bursts_per_device=bursts_per_device, parts=parts)
+    s1, s2 = tmp_path / "s1", tmp_path / "s2"
+    s1.mkdir()
+    s2.mkdir()
+    for f in sorted(raw.iterdir()):
+        (s2 if f.stem.endswith(f"_{parts - 1}") else s1).joinpath(f.name).write_bytes(f.read_bytes())
+    return s1, s2
+
+
 @pytest.mark.slow  # over a second of CPU: not in the fast loop
 def test_verify_takes_the_several_sources_convert_and_append_took(tmp_path: pathlib.Path) -> None:
     """A store converted from season 1 and appended season 2 verifies against both sources at
     once (``--source s1 s2``, Python ``source=[s1, s2]``), as ``convert s1 s2`` reads them; one
     season alone is reported as missing windows, not as OK."""
-    raw = tmp_path / "raw"
-    _synthetic.make_csv_dir(raw, n_devices=3, bursts_per_device=40, parts=3)
-    s1, s2 = tmp_path / "s1", tmp_path / "s2"
-    s1.mkdir()
-    s2.mkdir()
-    for f in sorted(raw.iterdir()):
-        (s2 if f.stem.endswith("_2") else s1).joinpath(f.name).write_bytes(f.read_bytes())
+    s1, s2 = _two_seasons(tmp_path, bursts_per_device=40, parts=3)
     dest = tmp_path / "a.zarr"
     assert main(["convert", str(s1), str(dest), "--quiet"]) == 0
     assert main(["append", str(dest), str(s2), "--quiet"]) == 0
@@ -403,13 +411,7 @@ def test_the_device_table_read_as_columns_holds_its_entries(tmp_path: pathlib.Pa
                                 progress=False)
     assert shuffled.device_table[0].scattered_digest is not None
     _same_table(birdzarr.open_store(tmp_path / "sh.zarr"))
-    raw = tmp_path / "raw"
-    _synthetic.make_csv_dir(raw, n_devices=3, bursts_per_device=12, parts=2)
-    s1, s2 = tmp_path / "s1", tmp_path / "s2"
-    s1.mkdir()
-    s2.mkdir()
-    for f in sorted(raw.iterdir()):
-        (s2 if f.stem.endswith("_1") else s1).joinpath(f.name).write_bytes(f.read_bytes())
+    s1, s2 = _two_seasons(tmp_path, bursts_per_device=12, parts=2)
     appended = tmp_path / "a.zarr"
     assert main(["convert", str(s1), str(appended), "--quiet"]) == 0
     assert main(["append", str(appended), str(s2), "--quiet"]) == 0

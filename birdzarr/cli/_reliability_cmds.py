@@ -27,10 +27,8 @@ def _cmd_append(args: argparse.Namespace) -> int:
             client.close()
     print(format_summary(summary(result.store)))
     print(result.format())
-    if result.skipped_files:
-        shown = ", ".join(result.skipped_files[:10]) + (" ..." if len(result.skipped_files) > 10 else "")
-        print(f"already in the store (skipped by file name): {shown}. New data for an existing device "
-              "needs a new file name, e.g. a new part number {device}_{part}.csv.")
+    if (skipped := result.skipped_line()) is not None:
+        print(skipped)
     return 0
 
 

@@ -345,6 +345,15 @@ class AppendResult:
     duplicate_windows: dict[int, int] = field(default_factory=dict)  # device -> repeated windows
     unknown_files: list[str] = field(default_factory=list)  # not input files, skipped on request
 
+    def skipped_line(self) -> str | None:
+        """The files skipped as already in the store, in one line (the CLI prints it, ``append``
+        warns with it); None if none was."""
+        if not self.skipped_files:
+            return None
+        shown = ", ".join(self.skipped_files[:10]) + (" ..." if len(self.skipped_files) > 10 else "")
+        return (f"{len(self.skipped_files)} file(s) skipped, already in the store by name within their "
+                f"device: {shown}. New data for an existing device needs a new file name.")
+
     def format(self) -> str:
         """What the append did, as ``birdzarr append`` prints it (``str(result)`` is the same)."""
         lines = [f"appended {self.windows_added:,} windows: {len(self.devices_added)} new device(s), "
@@ -541,9 +550,6 @@ def append(store: StoreLike, source: StoreLike, **options: Unpack[AppendOptions]
     Returns the store, opened read-only, at its new commit.
     """
     result = append_detailed(store, source, **options)
-    if result.skipped_files:
-        shown = ", ".join(result.skipped_files[:10]) + (" ..." if len(result.skipped_files) > 10 else "")
-        warnings.warn(SkippedFilesWarning(
-            f"{len(result.skipped_files)} file(s) skipped, already in the store by name within their "
-            f"device: {shown}. New data for an existing device needs a new file name."), stacklevel=2)
+    if (skipped := result.skipped_line()) is not None:
+        warnings.warn(SkippedFilesWarning(skipped), stacklevel=2)
     return result.store

@@ -195,7 +195,7 @@ class RowCoder:
         gets its row, in that order."""
         if self._shares is not None:
             for d in members or (device,):
-                self._shares.outer(int(d), self.first_row + self._n_new)
+                self._shares.store_row(int(d), self.first_row + self._n_new)
         if device in self._open:
             raise ValueError(f"device {device} already has a row")
         if any(len(e) > MAX_ENTRIES for e in entries):
@@ -634,7 +634,7 @@ class _Shares:
         at = np.minimum(np.searchsorted(members, devices), len(members) - 1)
         return np.where(members[at] == devices, keys[at], devices)
 
-    def outer(self, device: int, own: int) -> int:
+    def store_row(self, device: int, own: int) -> int:
         """The store's row of ``device``'s windows coded in the coder's row ``own``."""
         number = self.number.get((device, own))
         if number is None:
@@ -648,7 +648,7 @@ class _Shares:
         if not len(own):
             return own
         cut = np.flatnonzero(np.r_[True, (devices[1:] != devices[:-1]) | (own[1:] != own[:-1])])
-        numbers = [r if r < self.first_row else self.outer(d, r)
+        numbers = [r if r < self.first_row else self.store_row(d, r)
                    for d, r in zip(devices[cut].tolist(), own[cut].tolist(), strict=True)]
         return np.repeat(np.array(numbers, np.int64), np.diff(np.r_[cut, len(own)]))
 
