@@ -211,6 +211,40 @@ def test_readers_during_an_append_see_one_committed_snapshot(
     assert len(seen) >= 4
 
 
+def test_a_reader_opened_before_an_append_reads_its_own_snapshot_after_the_commit(
+    csv_parts: dict[str, pathlib.Path], tmp_path: pathlib.Path
+) -> None:
+    """A reader opens the root and reads the device table later, when first used: the commit
+    keeps the table it replaced, so the reader still gets the snapshot it opened (before, the
+    commit removed that table and the reader failed: a race the test above met under load)."""
+    more = sorted(csv_parts["more"].iterdir())
+    for name, files in (("more_a", more[: len(more) // 2]), ("more_b", more[len(more) // 2 :])):
+        (tmp_path / name).mkdir()
+        for path in files:
+            shutil.copy(path, tmp_path / name / path.name)
+    dest = tmp_path / "live.zarr"
+    birdzarr.convert(csv_parts["base"], dest, chunk_windows=CHUNK, progress=False)
+    expected = birdzarr.open_store(dest)
+    before = (expected.device_table, expected.windows[:])
+    reader = birdzarr.open_store(dest)  # the root only: nothing of the table read yet
+    stale = birdzarr.open_store(dest)
+    assert "device_table" not in reader.__dict__
+    appended = append(dest, tmp_path / "more_a", progress=False)
+    assert len(appended) > len(reader)
+    assert reader.device_table == before[0]
+    assert np.array_equal(reader.windows[:], before[1])
+    assert sorted(p.name for p in (dest / "device_table").iterdir()) == ["1", "2", "zarr.json"]
+    assert verify(dest).notes == []  # the replaced table is no leftover
+    # a second commit removes the first table: a reader opened before both is told to open again
+    append(dest, tmp_path / "more_b", progress=False)
+    assert sorted(p.name for p in (dest / "device_table").iterdir()) == ["2", "3", "zarr.json"]
+    with pytest.raises(BirdzarrError, match=(
+            r"live.zarr: this Store was opened at commit generation 1, and the store has been committed "
+            r"since \(now generation 3\), which removed the device table of the commit it opened. Open the "
+            r"store again \(birdzarr.open_store\).$")):
+        stale.device_table  # noqa: B018
+
+
 def test_an_append_names_the_files_it_skips_in_a_warning(csv_parts: dict[str, pathlib.Path],
                                                           tmp_path: pathlib.Path) -> None:
     """Files already in the store (by name within their device) are skipped with a word, not

@@ -590,8 +590,8 @@ def test_verify_names_and_repair_removes_what_an_interrupted_format2_append_leav
         f"uncommitted leftover: array 'dict_values' holds {n_values + 2**20 + 5:,} entries; the commit "
         f"counts {n_values:,} {hint}",
         f"uncommitted leftover: array 'dict_device' holds 15 rows; the commit counts 12 {hint}",
-        "uncommitted leftover: device table group 'device_table/2' is not the committed generation's "
-        f"{hint}",
+        "uncommitted leftover: device table group 'device_table/2' is neither the committed generation's "
+        f"nor the one it replaced {hint}",
     ]
     assert repair(path).actions == [
         f"resized 'dict_values' from {n_values + 2**20 + 5:,} to the committed {n_values:,} entries",

@@ -17,7 +17,9 @@ worker). A version-2 store keeps them in the group ``device_table/<generation>``
 
 The root attribute ``committed.device_table`` names the committed generation's group, so a commit
 writes the new group first and the root last: a run killed in between leaves the previous
-generation in force (and its new group is a leftover that the next writer removes).
+generation in force (and its new group is a leftover that the next writer removes). A commit keeps
+the group it replaced until the next one (birdzarr/store/_tail.py ``kept_tables``): readers read
+the table lazily, after the root, and one that opened just before a commit still finds it.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -14,6 +14,7 @@ from birdzarr._errors import (
     DeviceNotFoundError,
     FormatVersionError,
     IncompleteStoreError,
+    MissingChunkError,
     WindowIndexError,
 )
 from birdzarr.format._device_table import columns as device_table_columns
@@ -34,8 +35,12 @@ from birdzarr.store._chunks import ChunkReader
 from birdzarr.store._device_table import columns, merged, table_path
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import pandas as pd
     import zarr
+
+_T = TypeVar("_T")
 
 
 class Store:
@@ -67,7 +72,7 @@ class Store:
         """The store's attributes, as format 1 keeps them all in the root ``zarr.json``: with the
         device table (``devices``), each device's report (``report.devices``) and CSV tails. A
         format-2 store reads its device table group the first time this is used."""
-        return merged(self.location, self.root)
+        return self._of_this_commit(lambda: merged(self.location, self.root))
 
     @cached_property
     def device_table(self) -> list[DeviceEntry]:
@@ -82,8 +87,26 @@ class Store:
         selection at 100K devices parses no per-device JSON."""
         where = table_path(self.root)
         if where is not None:
-            return columns(self.location, where)
+            return self._of_this_commit(lambda: columns(self.location, where))
         return device_table_columns(self.device_table)
+
+    def _of_this_commit(self, read: Callable[[], _T]) -> _T:
+        """``read()`` of this commit's device table, which is read lazily, after the open. A
+        commit keeps the table it replaced, so one commit since the open is fine; after two, the
+        table is gone, and the error says to open the store again rather than that it is damaged."""
+        try:
+            return read()
+        except MissingChunkError:
+            opened = int(self.root["committed"].get("generation", 0))
+            now = (check_root_attrs(_read_root(self.location), where=self.location.display).get("committed")
+                   or {})
+            if int(now.get("generation", opened)) != opened:
+                raise MissingChunkError(
+                    f"{self.location.display}: this Store was opened at commit generation {opened}, and the "
+                    f"store has been committed since (now generation {now.get('generation')}), which removed "
+                    "the device table of the commit it opened. Open the store again (birdzarr.open_store)."
+                ) from None
+            raise
 
     @property
     def n_devices(self) -> int:

@@ -119,7 +119,8 @@ def discard_uncommitted(location: Location, group: Any, n_windows: int,
 def format2_leftovers(location: Location, committed: dict[str, Any]) -> list[tuple[str, str, int, int]]:
     """What an interrupted format-2 writer leaves beyond the per-window arrays: dictionary
     arrays longer than the commit counts (``("array", name, length, committed)``) and device
-    table groups of other generations than the committed one (``("table", key, 0, 0)``)."""
+    table groups other than the committed generation's and the one before it
+    (``("table", key, 0, 0)``, see ``kept_tables``)."""
     found: list[tuple[str, str, int, int]] = []
     counted = committed.get("dictionary") or {}
     for name, key in ((_v2.VALUES, "values"), (_v2.START, "rows"), (_v2.DEVICE, "rows")):
@@ -128,27 +129,44 @@ def format2_leftovers(location: Location, committed: dict[str, Any]) -> list[tup
             if length > int(counted[key]):
                 found.append(("array", name, length, int(counted[key])))
     keep = committed.get("device_table")
+    if not keep:
+        return found
     try:
         entries = location.fs.ls(location.join(_device_table.GROUP), detail=False)
     except (FileNotFoundError, OSError):
         entries = []
-    for entry in sorted(entries):
-        name = entry.rstrip("/").rsplit("/", 1)[-1]
-        if keep and name.isdigit() and f"{_device_table.GROUP}/{name}" != keep:
-            found.append(("table", f"{_device_table.GROUP}/{name}", 0, 0))
+    names = (entry.rstrip("/").rsplit("/", 1)[-1] for entry in entries)
+    generations = [int(name) for name in names if name.isdigit()]
+    kept = kept_tables(str(keep), generations)
+    found += [("table", _device_table.path(g), 0, 0) for g in sorted(generations) if g not in kept]
     return found
+
+
+def kept_tables(committed_table: str, generations: list[int]) -> set[int]:
+    """The device table generations a store keeps: the committed one, and the highest below it
+    (the table the last commit replaced). A reader that opened the root just before a commit
+    reads its table later, lazily; keeping the replaced table until the next commit lets it
+    finish instead of finding its table gone. Any other group (older, or a killed commit's
+    newer one) is a leftover."""
+    name = committed_table.rsplit("/", 1)[-1]
+    if not name.isdigit():  # not a root this library wrote: remove nothing
+        return set(generations)
+    current = int(name)
+    older = [g for g in generations if g < current]
+    return {current, *([max(older)] if older else [])}
 
 
 def describe_leftover(kind: str, name: str, length: int, committed: int) -> str:
     if kind == "table":
-        return f"device table group '{name}' is not the committed generation's"
+        return f"device table group '{name}' is neither the committed generation's nor the one it replaced"
     unit = "entries" if name == _v2.VALUES else "rows"
     return f"array '{name}' holds {length:,} {unit}; the commit counts {committed:,}"
 
 
 def discard_format2_leftovers(location: Location, group: Any, committed: dict[str, Any]) -> list[str]:
-    """Cut the dictionary arrays back to the lengths the commit counts and remove device table
-    groups of other generations (what an interrupted append or commit leaves)."""
+    """Cut the dictionary arrays back to the lengths the commit counts and remove the device
+    table groups ``kept_tables`` does not keep (what an interrupted append or commit leaves, and
+    the tables older than the one the last commit replaced)."""
     actions = []
     for kind, name, length, counted in format2_leftovers(location, committed):
         if kind == "array":
