@@ -220,7 +220,7 @@ class Writer:
             root = self._write_device_table(attrs)
         self.group.attrs.put({ATTRS_KEY: root})
         self._committed = True
-        if self.coder is not None:  # the generation this commit replaced, a killed one's: leftovers now
+        if self.coder is not None:  # older tables and a killed commit's: leftovers now (kept_tables)
             with contextlib.suppress(OSError):  # best effort: the next writer or repair removes them too
                 discard_format2_leftovers(self.location, self.group, root["committed"])
         return attrs
