@@ -294,3 +294,22 @@ def test_a_device_past_a_rows_entries_among_devices_read_together_is_shuffled_as
     expected = np.concatenate([windows.reshape(len(owner), -1).view(np.uint32).astype(np.int64),
                                owner[:, None].astype(np.int64)], axis=1)
     assert np.array_equal(_sorted_rows(stored), _sorted_rows(expected))
+
+
+def test_buckets_are_drawn_by_window_number_whatever_the_cut() -> None:
+    """``draw_buckets`` is a pure function of (seed, device, the window's number in its device):
+    drawing a device's windows in blocks (a device read alone), or many devices at once (a run of
+    small devices), gives the same buckets; they are uniform and the seed changes them. The
+    values are pinned: they are the store's layout for a seed."""
+    draw = _shuffle.draw_buckets
+    together = draw(1, np.array([5, 7]), np.array([10, 3]), 0, 8)
+    blocks = np.concatenate([draw(1, np.array([5]), np.array([4]), 0, 8),
+                             draw(1, np.array([5]), np.array([6]), 4, 8),
+                             draw(1, np.array([7]), np.array([3]), 0, 8)])
+    assert together.tolist() == blocks.tolist() == [5, 3, 5, 2, 0, 2, 7, 0, 3, 1, 5, 2, 3]
+    assert draw(1, np.array([7]), np.array([2]), np.array([1]), 8).tolist() == [2, 3]
+    assert draw(2, np.array([5, 7]), np.array([10, 3]), 0, 8).tolist() != together.tolist()
+    many = draw(3, np.arange(20_000), np.full(20_000, 10), 0, 40)
+    counts = np.bincount(many, minlength=40)
+    assert len(counts) == 40 and abs(counts - 5000).max() < 5 * np.sqrt(5000)
+    assert draw(3, np.array([], np.int64), np.array([], np.int64), 0, 40).tolist() == []

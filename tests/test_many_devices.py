@@ -453,3 +453,39 @@ def _count_runs(monkeypatch: pytest.MonkeyPatch, reader: object) -> list[int]:
     monkeypatch.setattr(_segments, "RUN_WINDOWS", RUN)
     monkeypatch.setattr(reader, "read_runs", counted)
     return together
+
+
+def test_each_windows_bucket_is_a_hash_of_the_seed_its_device_and_its_number(
+    mixed: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--shuffle`` sends the ``i``-th window of a device (its input order, the device-ordered
+    store's) to bucket ``draw_buckets(seed, device, i)``, whether the device is read with others
+    (runs of small devices) or alone (the 300-window device): bucket ``b``'s stretch of the
+    store holds exactly the windows drawn to ``b``."""
+    from birdzarr._errors import DuplicateWindowsWarning
+    from birdzarr.convert import _shuffle
+
+    monkeypatch.setattr(_shuffle, "BUCKET_WINDOWS", 1500)  # several buckets
+    options = {"chunk_windows": 256, "workers": 1, "progress": False}
+    with pytest.warns(DuplicateWindowsWarning):
+        plain = birdzarr.convert(str(mixed), str(tmp_path / "plain.zarr"), **options)
+    with pytest.warns(DuplicateWindowsWarning):
+        shuffled = birdzarr.convert(str(mixed), str(tmp_path / "s.zarr"), shuffle=True, seed=5, **options)
+    buckets = shuffled.meta["layout"]["shuffle_buckets"]
+    assert buckets > 2
+    devices = plain.window_devices[:]
+    cut = np.flatnonzero(np.r_[True, devices[1:] != devices[:-1]])
+    assert len(cut) == len(np.unique(devices))  # device order: a device's windows in one stretch
+    drawn = _shuffle.draw_buckets(5, devices[cut], np.diff(np.r_[cut, len(devices)]), 0, buckets)
+    ends = np.r_[0, np.cumsum(np.bincount(drawn, minlength=buckets))]
+
+    def rows(store: birdzarr.Store) -> np.ndarray:
+        """Each window's values, device, label and time as one opaque row."""
+        values = store.windows[:].reshape(len(store), -1).view(np.uint32).astype(np.int64)
+        extra = np.stack([store.window_devices[:], store.labels[:], store.timestamps[:]], axis=1)
+        out = np.ascontiguousarray(np.concatenate([values, extra.astype(np.int64)], axis=1))
+        return out.view(np.dtype((np.void, 8 * out.shape[1]))).ravel()
+
+    ours, theirs = rows(shuffled), rows(plain)
+    for b in range(buckets):
+        assert np.array_equal(np.sort(ours[ends[b] : ends[b + 1]]), np.sort(theirs[drawn == b]))

@@ -133,6 +133,8 @@ class DeviceValues:
         """All of ``parts``' devices (each device in one part)."""
         if not parts:
             return cls.of_devices([], n_channels)
+        if len(parts) == 1:  # no copy (the dictionaries of a 100,000-device shuffle are ~230 MB)
+            return parts[0].ascending()
         ids = np.concatenate([p.ids for p in parts])
         values = [np.concatenate([p.values[c] for p in parts]) for c in range(n_channels)]
         starts = []
@@ -169,14 +171,12 @@ def run_codes(windows: np.ndarray, counts: np.ndarray,
               device_ids: np.ndarray) -> tuple[np.ndarray, DeviceValues]:
     """``DeviceCoder`` for many devices' windows at once: ``windows`` (float32 ``(n, samples,
     channels)``) are device after device, ``counts[k]`` windows of the ``k``-th. Each device's
-    distinct values per channel come from one hash of (device, bit pattern) keys for all of them
-    (``pd.factorize``, sorted): every device's dictionary holds the values ``DeviceCoder`` would
+    distinct values per channel come from one stable sort of (device, bit pattern) keys for all of
+    them (``_sorted_codes``): every device's dictionary holds the values ``DeviceCoder`` would
     find (sorted by bit pattern instead of in the order first seen, which only ``seed_rows``
     reads, after sorting). Returns the codes ``(channels, n, samples)`` of each window into its
     own device's dictionaries (uint16 while every dictionary has at most 65,536 entries, uint32
     beyond) and the devices' dictionaries (``device_ids``, ascending)."""
-    import pandas as pd
-
     n, n_samples, n_channels = windows.shape
     n_devices = len(counts)
     run = np.repeat(np.arange(n_devices, dtype=np.uint64), counts)
@@ -187,8 +187,7 @@ def run_codes(windows: np.ndarray, counts: np.ndarray,
         per_window = n_samples > 1 and n > 0 and constant_rows(channel)
         values = channel[:, :1] if per_window else channel
         keys = (run[:, None] << np.uint64(32)) | values.astype(np.uint64)
-        codes, distinct = pd.factorize(keys.reshape(-1), sort=True)
-        distinct = np.asarray(distinct, dtype=np.uint64)
+        codes, distinct = _sorted_codes(keys.reshape(-1))
         edges = np.searchsorted(distinct >> np.uint64(32), np.arange(n_devices + 1, dtype=np.uint64))
         local = codes.reshape(values.shape) - edges[:-1][run.astype(np.intp)][:, None]
         found.append((local, (distinct & np.uint64(0xFFFFFFFF)).astype(np.uint32), edges, per_window))
@@ -199,3 +198,20 @@ def run_codes(windows: np.ndarray, counts: np.ndarray,
         out[c] = local  # one value a window broadcasts over its samples
     return out, DeviceValues(np.asarray(device_ids, np.int64), [f[1] for f in found],
                              [f[2].astype(np.int64) for f in found])
+
+
+def _sorted_codes(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``pd.factorize(keys, sort=True)`` of uint64 keys: each key's rank among the distinct keys
+    (int64) and the distinct keys, ascending. One stable argsort: 2.3x faster than the hash and
+    sort of ``factorize`` on a run of small devices, whose values are nearly all distinct (16,384
+    windows of 15-window devices: 20 against 46 ms a channel)."""
+    order = np.argsort(keys, kind="stable")
+    ranked = keys[order]
+    first = np.empty(len(ranked), dtype=bool)
+    first[:1] = True
+    np.not_equal(ranked[1:], ranked[:-1], out=first[1:])
+    number = np.cumsum(first)
+    number -= 1
+    codes = np.empty(len(keys), dtype=np.int64)
+    codes[order] = number
+    return codes, ranked[first]

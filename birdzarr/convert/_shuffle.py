@@ -1,8 +1,9 @@
 """Global seeded pre-shuffle at conversion, with memory bounded by one bucket (an external shuffle).
 
 Pass 1 reads every device as usual and sends each window to one of K bucket files, the bucket
-drawn uniformly by a generator seeded with ``(seed, device)`` (so devices can be spilled apart,
-in any order). Pass 2 loads one bucket at a time, permutes
+a counter-based hash of ``(seed, device, the window's place among the device's windows)``
+(``draw_buckets``: so devices can be spilled apart, in any order, and many devices' windows are
+drawn in one vectorised pass). Pass 2 loads one bucket at a time, permutes
 it with a generator seeded with ``(seed, bucket)`` and appends it to the store. A uniform bucket
 per window followed by a uniform permutation inside each bucket is a uniform permutation of all
 windows, and the same input and seed give the same store. Each chunk of the store is therefore a
@@ -46,7 +47,7 @@ from birdzarr.convert._duplicates import repeated_in_runs
 from birdzarr.convert._parquet import PartitionRuns
 from birdzarr.convert._summary import DeviceSummary, Summarizer, summarize_runs
 from birdzarr.format import _v2
-from birdzarr.format._digest import window_hashes
+from birdzarr.format._digest import fmix64, window_hashes
 from birdzarr.format._rows import RowCoder, shared_groups
 from birdzarr.format._spec import (
     N_CHANNELS,
@@ -72,6 +73,29 @@ _CODES_CODEC = Blosc(cname="lz4", clevel=5, shuffle=Blosc.BITSHUFFLE)
 _META_CODEC = Blosc(cname="lz4", clevel=5, shuffle=Blosc.SHUFFLE)
 _META = np.dtype([("label", "<i4"), ("timestamp", "<i8"), ("device", "<i8")])
 T = TypeVar("T")
+# draw_buckets' keys: the seed's stream, and the Weyl step between a device's windows (splitmix64's)
+_BUCKET_STREAM = 0xB0C4E7_5EED_D2A3
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def draw_buckets(seed: int, devices: np.ndarray, counts: np.ndarray, first: np.ndarray | int,
+                 buckets: int) -> np.ndarray:
+    """The buckets (int64, uniform in ``0..buckets-1``) of ``counts[k]`` consecutive windows of
+    device ``devices[k]``, the first of them its window number ``first[k]`` (its place among the
+    device's windows, from 0), device after device. A window's bucket is a hash of (seed, device,
+    window number) alone: splitmix64's sequence ``fmix64(base + (i + 1) * golden)`` from a base
+    hashed from the seed and the device, its high 32 bits scaled to ``buckets`` (multiply and
+    shift). So it does not depend on how the device's windows are cut into blocks or runs, nor on
+    which worker or engine draws it, and many devices are drawn in one vectorised pass."""
+    counts = np.asarray(counts, np.int64)
+    with np.errstate(over="ignore"):
+        key = fmix64(np.array([(seed ^ _BUCKET_STREAM) & 0xFFFFFFFFFFFFFFFF], np.uint64))
+        base = fmix64(fmix64(np.asarray(devices, np.int64).view(np.uint64) + key) ^ key)
+        step = np.arange(int(counts.sum()), dtype=np.int64)
+        step -= np.repeat(np.cumsum(counts) - counts, counts)  # each window's place in its count
+        step += np.repeat(np.asarray(first, np.int64) + 1, counts) if np.ndim(first) else int(first) + 1
+        mixed = fmix64(np.repeat(base, counts) + step.view(np.uint64) * _GOLDEN)
+    return ((mixed >> np.uint64(32)) * np.uint64(buckets) >> np.uint64(32)).view(np.int64)
 
 
 @dataclass
@@ -252,9 +276,8 @@ class _DeviceSpill:
 
     def __init__(self, device_id: int, sources: list[str], buckets: int, seed: int) -> None:
         self.device_id = device_id
-        # the device's windows' buckets, drawn in order (a draw does not depend on how its
-        # windows are cut into blocks: numpy's bounded integers come from one stream)
-        self.draw = np.random.default_rng([seed, device_id])
+        self.seed = seed
+        self.placed = 0  # the device's windows placed so far: the next one's number (draw_buckets)
         self.summarizer = Summarizer(device_id, sources, start=None)  # scattered: no range
         self.coder = DeviceCoder(N_CHANNELS)
         self.held: dict[int, list[tuple[np.ndarray, np.ndarray]]] = collections.defaultdict(list)
@@ -306,8 +329,8 @@ class Spiller:
     def runs(self, found: PartitionRuns, device_ids: list[int], sources: list[list[str]]) -> dict[int, int]:
         """Consecutive small devices read together (``_parquet.read_runs``), spilled at once:
         summarised (``summarize_runs``), checked for repeats (``repeated_in_runs``) and coded
-        (``run_codes``) in one vectorised pass each; each window's bucket drawn from its device's
-        generator as ``device`` draws it, and each bucket's windows (device after device, each
+        (``run_codes``) in one vectorised pass each; each window's bucket drawn as ``device``
+        draws it (``draw_buckets``, all devices at once), and each bucket's windows (device after device, each
         device's in order: what ``device`` gives a bucket, device by device) cut as one piece of
         many devices. Returns the devices' repeated windows (those with any)."""
         self._advance(keep=0)  # the devices before cut their pieces first: a bucket keeps device order
@@ -321,9 +344,7 @@ class Spiller:
         self._flush_known()
         self._parts.append(dictionaries)
         if len(found.windows):
-            target = np.concatenate([
-                np.random.default_rng([self.seed, device]).integers(0, self.buckets, size=count)
-                for device, count in zip(device_ids, counts.tolist(), strict=True) if count])
+            target = draw_buckets(self.seed, np.asarray(device_ids, np.int64), counts, 0, self.buckets)
             meta = np.empty(len(target), dtype=_META)
             meta["label"], meta["timestamp"], meta["device"] = found.labels, found.timestamps, found.devices
             codes, meta, cuts = _by_bucket(codes, meta, target, self.buckets)
@@ -341,8 +362,10 @@ class Spiller:
                 self._place(state, block, state.coder.codes_of(values.result()))
 
     def _place(self, state: _DeviceSpill, block: WindowBlock, codes: np.ndarray) -> None:
-        """Send each window of the block (coded) to a bucket drawn from the seed's generator."""
-        target = state.draw.integers(0, self.buckets, size=len(block))
+        """Send each window of the block (coded) to its bucket (``draw_buckets``)."""
+        target = draw_buckets(state.seed, np.array([state.device_id], np.int64), np.array([len(block)]),
+                              state.placed, self.buckets)
+        state.placed += len(block)
         meta = np.empty(len(block), dtype=_META)
         meta["label"], meta["timestamp"], meta["device"] = block.labels, block.timestamps, state.device_id
         # each bucket's run is copied out (new arrays, not views that would keep the whole block

@@ -8,8 +8,8 @@ process (``thread_engine``) or this thread (``in_process_engine``), the same tas
 - **Pass 1** (``spill_group``): consecutive devices are cut into groups of about
   ``input bytes / (4 x width)``, and each group is read, coded and spilled by one task into bucket
   files of its own, in a folder of the spill directory. A window's bucket is drawn from
-  ``(seed, device)``, so a bucket holds the same windows, in the same order, as on threads: each
-  group's file of that bucket, in group order.
+  ``(seed, device, window number)`` (``draw_buckets``), so a bucket holds the same windows, in
+  the same order, as on threads: each group's file of that bucket, in group order.
 - Between the passes (here): the groups' dictionaries make every device's table, format 2's rows
   are seeded, and what pass 2 needs (the bucket files of every group, the dictionaries, the
   seed, the coder) is written once to ``pass2.pickle`` in the spill directory, which every
@@ -423,7 +423,7 @@ def write_shuffled_on(
                                   writer.coder if first_row is None else None, seeded, first_row,
                                   None if first_row is None else seeding.row_codes),
                         handle, protocol=pickle.HIGHEST_PROTOCOL)
-        del dictionaries
+        del dictionaries, seeding  # pass 2 reads them from the plan (this thread too, one worker)
         where = (plan_path, dest.url, dest.storage_options)
         with engines() as engine, Runner(engine) as runner:
             one_run = bool(left_out) or engine.width <= 1
