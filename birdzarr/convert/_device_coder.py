@@ -129,19 +129,33 @@ class DeviceValues:
         return cls(ids, values, starts).ascending()
 
     @classmethod
-    def joined(cls, parts: list[DeviceValues], n_channels: int) -> DeviceValues:
-        """All of ``parts``' devices (each device in one part)."""
+    def joined(cls, parts: list[DeviceValues], n_channels: int, *, consume: bool = False) -> DeviceValues:
+        """All of ``parts``' devices (each device in one part). ``consume``: ``parts`` is emptied
+        as they are copied, each part freed once copied (the dictionaries of a 100,000-device
+        shuffle are ~220 MB: held once, not twice)."""
         if not parts:
             return cls.of_devices([], n_channels)
-        if len(parts) == 1:  # no copy (the dictionaries of a 100,000-device shuffle are ~230 MB)
-            return parts[0].ascending()
+        if len(parts) == 1:  # no copy
+            return (parts.pop() if consume else parts[0]).ascending()
         ids = np.concatenate([p.ids for p in parts])
-        values = [np.concatenate([p.values[c] for p in parts]) for c in range(n_channels)]
-        starts = []
+        sizes = [[len(p.values[c]) for p in parts] for c in range(n_channels)]
+        values = [np.empty(sum(sizes[c]), np.uint32) for c in range(n_channels)]
+        starts = [np.empty(len(ids) + 1, np.int64) for _ in range(n_channels)]
         for c in range(n_channels):
-            shift = np.cumsum([0] + [len(p.values[c]) for p in parts[:-1]])
-            ends = [p.starts[c][1:] + s for p, s in zip(parts, shift, strict=True)]
-            starts.append(np.concatenate([np.zeros(1, np.int64), *ends]))
+            starts[c][0] = 0
+        at, devices = [0] * n_channels, 0
+        for k in range(len(parts)):
+            part = parts[k]
+            if consume:
+                parts[k] = _EMPTY  # the caller's list no longer holds it
+            for c in range(n_channels):
+                values[c][at[c] : at[c] + sizes[c][k]] = part.values[c]
+                starts[c][devices + 1 : devices + 1 + len(part.ids)] = part.starts[c][1:] + at[c]
+                at[c] += sizes[c][k]
+            devices += len(part.ids)
+            del part
+        if consume:
+            parts.clear()
         return cls(ids, values, starts).ascending()
 
     def ascending(self) -> DeviceValues:
@@ -165,6 +179,9 @@ class DeviceValues:
     def of(self, k: int) -> list[np.ndarray]:
         """The ``k``-th device's dictionaries (views)."""
         return [v[s[k]: s[k + 1]] for v, s in zip(self.values, self.starts, strict=True)]
+
+
+_EMPTY = DeviceValues(np.empty(0, np.int64), [], [])
 
 
 def run_codes(windows: np.ndarray, counts: np.ndarray,

@@ -195,7 +195,7 @@ class SeededRows:
     row_codes: list[np.ndarray]  # per coded channel: uint16
 
 
-_SEED_BATCH = 1 << 21  # dictionary entries sorted at once by seed_rows (bounded memory)
+_SEED_BATCH = 1 << 19  # dictionary entries sorted at once by seed_rows (bounded memory: ~40 MB)
 
 
 def seed_rows(coder: RowCoder, dictionaries: DeviceValues, counts: Sequence[int]) -> SeededRows:
@@ -391,9 +391,9 @@ class Spiller:
             self._known = []
 
     def dictionaries(self) -> DeviceValues:
-        """Every device's dictionaries, once ``finish`` has run."""
+        """Every device's dictionaries, once ``finish`` has run (once: they are handed over)."""
         self._flush_known()
-        return DeviceValues.joined(self._parts, N_CHANNELS)
+        return DeviceValues.joined(self._parts, N_CHANNELS, consume=True)
 
     def _release(self, device_id: int, bucket: int, parts: list[tuple[np.ndarray, np.ndarray]]) -> None:
         codes, meta = parts[0] if len(parts) == 1 else (

@@ -66,7 +66,7 @@ from birdzarr.convert._chunkwrite import ChunkSink
 from birdzarr.convert._device_coder import DeviceValues
 from birdzarr.convert._duplicates import DeviceKeys, DuplicateCounter
 from birdzarr.convert._engine import Engine, Runner
-from birdzarr.convert._parquet import read_runs
+from birdzarr.convert._parquet import clear_group_cache, read_runs
 from birdzarr.convert._readahead import read_ahead
 from birdzarr.convert._segments import (
     SEGMENTS_PER_WORKER,
@@ -393,12 +393,16 @@ def write_shuffled_on(
                 results[i] = result
                 if on_spilled is not None and progress is None:
                     on_spilled(int(result.windows.sum()))
+        # every device read: this process's decoded row groups of partition files (up to
+        # GROUP_CACHE_BYTES) go before the dictionaries are seeded and pass 2 loads its buckets
+        clear_group_cache()
         ordered = [results[i] for i in range(len(groups))]
         require_shared(directory, [os.path.join(directory, f"group-{i:04d}") for i in range(len(groups))])
         summaries = {d: s for r in ordered for d, s in r.summaries.items()}
-        dictionaries = DeviceValues.joined([r.dictionaries for r in ordered], N_CHANNELS)
+        parts = [r.dictionaries for r in ordered]
         for r in ordered:  # held once, here, until pass2.pickle is written
             r.dictionaries = DeviceValues.of_devices([], N_CHANNELS)
+        dictionaries = DeviceValues.joined(parts, N_CHANNELS, consume=True)
         if duplicates is not None:
             for r in ordered:
                 for device_id, count in r.repeated.items():
