@@ -313,3 +313,31 @@ def test_buckets_are_drawn_by_window_number_whatever_the_cut() -> None:
     counts = np.bincount(many, minlength=40)
     assert len(counts) == 40 and abs(counts - 5000).max() < 5 * np.sqrt(5000)
     assert draw(3, np.array([], np.int64), np.array([], np.int64), 0, 40).tolist() == []
+
+
+def test_pass_ones_dictionaries_are_joined_once_each_run_freed_as_copied() -> None:
+    """``DeviceValues.joined(consume=True)`` (pass 1's dictionaries of many runs) empties the
+    list it is given, so each run's arrays are freed once copied, and joins exactly as without."""
+    from birdzarr.convert._device_coder import DeviceValues
+
+    rng = np.random.default_rng(3)
+
+    def part(ids: list[int]) -> DeviceValues:
+        values = [(i, [rng.integers(0, 99, rng.integers(0, 6)).astype(np.uint32) for _ in range(4)])
+                  for i in ids]
+        return DeviceValues.of_devices(values, 4)
+
+    parts = [part([1, 2, 3]), part([]), part([8]), part([4, 5])]
+    kept = DeviceValues.joined(list(parts), 4)
+    given = list(parts)
+    joined = DeviceValues.joined(given, 4, consume=True)
+    assert given == []
+    assert joined.ids.tolist() == kept.ids.tolist() == [1, 2, 3, 4, 5, 8]
+    for c in range(4):
+        assert joined.values[c].tolist() == kept.values[c].tolist()
+        assert joined.starts[c].tolist() == kept.starts[c].tolist()
+        for k, device in enumerate(joined.ids.tolist()):
+            owner = next(p for p in parts if device in p.ids.tolist())
+            assert joined.of(k)[c].tolist() == owner.of(owner.index(device))[c].tolist()
+    single = [parts[0]]
+    assert DeviceValues.joined(single, 4, consume=True) is parts[0] and single == []

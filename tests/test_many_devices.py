@@ -489,3 +489,36 @@ def test_each_windows_bucket_is_a_hash_of_the_seed_its_device_and_its_number(
     ours, theirs = rows(shuffled), rows(plain)
     for b in range(buckets):
         assert np.array_equal(np.sort(ours[ends[b] : ends[b + 1]]), np.sort(theirs[drawn == b]))
+
+
+def test_the_shuffles_second_pass_starts_without_the_decoded_row_groups(
+    mixed: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pass 1 keeps partition files' decoded row groups for the next devices (``_GROUPS``, up to
+    ``GROUP_CACHE_BYTES``); once every device is read they are freed, before the rows are seeded
+    and pass 2 loads its buckets (memory: they are not held beside the dictionaries)."""
+    from birdzarr._errors import DuplicateWindowsWarning
+    from birdzarr.convert import _parquet, _shuffle_processes
+
+    held: list[int] = []
+    seed_rows = _shuffle_processes.seed_rows
+
+    def watched(*args: object, **kwargs: object) -> object:
+        held.append(len(_parquet._GROUPS.entries))
+        return seed_rows(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_shuffle_processes, "seed_rows", watched)
+    kept: list[int] = []
+    read_runs = _shuffle_processes.read_runs
+
+    def reading(devices: list) -> object:
+        found = read_runs(devices)
+        kept.append(len(_parquet._GROUPS.entries))
+        return found
+
+    monkeypatch.setattr(_shuffle_processes, "read_runs", reading)
+    with pytest.warns(DuplicateWindowsWarning):
+        birdzarr.convert(str(mixed), str(tmp_path / "s.zarr"), chunk_windows=256, workers=1, progress=False,
+                         shuffle=True, seed=5)
+    assert kept and min(kept) > 0  # pass 1 keeps decoded groups for the next devices
+    assert held == [0]
