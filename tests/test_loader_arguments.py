@@ -171,3 +171,42 @@ def test_loader_options_are_refused_by_name(
     assert str(refused.value) == message
     if error is birdzarr.ArgumentError:
         assert isinstance(refused.value, ValueError)  # callers catching ValueError keep working
+
+
+def test_a_reader_of_a_local_store_decodes_on_its_share_of_the_cores() -> None:
+    """``requests`` is the reads in flight for a store read over a network; on this machine's
+    file system, where decoding is the work, a reader uses no more threads than its share of the
+    cores (more only contend for them, each with its own decode scratch)."""
+    from birdzarr.loader._pool import reader_threads
+
+    assert reader_threads(4, local=True, readers=2, cores=2) == 1  # the benchmark machine, 2 workers
+    assert reader_threads(4, local=True, readers=1, cores=2) == 2  # the training process
+    assert reader_threads(4, local=True, readers=15, cores=16) == 1
+    assert reader_threads(4, local=True, readers=2, cores=16) == 4  # never more than requests
+    assert reader_threads(1, local=True, readers=1, cores=16) == 1
+    assert reader_threads(4, local=False, readers=2, cores=2) == 4  # S3: reads in flight hide latency
+    assert reader_threads(16, local=False, readers=15, cores=16) == 16
+
+
+def _threads(batch: object) -> tuple[object, int]:
+    """collate_fn (it runs in the worker): the batch and the worker's reader threads."""
+    from torch.utils.data import get_worker_info
+
+    info = get_worker_info()
+    assert info is not None
+    return batch, info.dataset._local().pool.threads  # type: ignore[attr-defined]
+
+
+def test_the_readers_of_a_local_store_take_their_threads_from_the_cores(small_store: birdzarr.Store) -> None:
+    import os
+
+    from torch.utils.data import DataLoader
+
+    cores = len(os.sched_getaffinity(0))
+    ds = _dataset(small_store, requests=4)
+    next(iter(ds))
+    assert ds._local().pool.threads == max(1, min(4, cores))  # the training process: one reader
+    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork",
+                        collate_fn=_threads)
+    threads = {n for _, n in loader}  # type: ignore[misc]
+    assert threads == {max(1, min(4, cores // 2))}

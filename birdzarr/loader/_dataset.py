@@ -49,7 +49,7 @@ from birdzarr.loader._config import (
     Transform,
     resolve_ranks,
 )
-from birdzarr.loader._pool import LoadedPool, PoolBuffers, _DaemonThreads
+from birdzarr.loader._pool import LoadedPool, PoolBuffers, _DaemonThreads, reader_threads
 from birdzarr.loader._sampling import EpochPlan, plan_epoch
 from birdzarr.loader._sink import Batch, BatchLayout, Filler, SharedBatch, Sink, device_batch, make_sink
 from birdzarr.loader._state import MAX_EPOCH, OrderKey, Progress, ResumeState
@@ -628,9 +628,12 @@ class WindowDataset(IterableDataset[Batch]):
             reader.cache = self._cache
             if self._template is not None:  # the dictionaries read (and checked) in _open
                 reader.take_dictionaries_from(self._template)
-            pool = PoolBuffers(reader, self.selection, with_ldt=c.with_ldt, threads=c.requests)
+            info = get_worker_info()
+            threads = reader_threads(c.requests, local=location.is_local,
+                                     readers=1 if info is None else info.num_workers)
+            pool = PoolBuffers(reader, self.selection, with_ldt=c.with_ldt, threads=threads)
             sink = make_sink(BatchLayout(c.batch_size, c.channel_first, c.with_ldt), c.transform,
-                             in_worker=get_worker_info() is not None, reuse_slots=c.reuse_batch_memory,
+                             in_worker=info is not None, reuse_slots=c.reuse_batch_memory,
                              transform_ldt=c.transform_ldt)
             self._per_process = _PerProcess(os.getpid(), reader, pool, sink)
         return self._per_process

@@ -43,6 +43,7 @@ from the bank.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable, Hashable, Sequence
@@ -58,6 +59,29 @@ from birdzarr.store._chunks import ChunkReader
 from birdzarr.store._selection import Selection
 
 PER_WINDOW = {LABEL: np.int32, DEVICE: np.int32, TIMESTAMP: np.int64}
+
+
+def _cores() -> int:
+    """The cores this process may run on (its affinity: what a job scheduler gives it)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def reader_threads(requests: int, *, local: bool, readers: int, cores: int | None = None) -> int:
+    """The threads one reader fetches and decodes chunks on.
+
+    A store read over a network: ``requests`` (reads in flight hide its latency). A store on this
+    machine's file system: no more than the reader's share of the cores, ``cores // readers``
+    (at least 1), where ``readers`` is the number of DataLoader workers (1 for the training
+    process): a read there is a copy from the page cache and decoding is the work, so more threads
+    only contend for the same cores and for the interpreter lock, and each holds its own decode
+    scratch (about 13 MB for a chunk of 32,768 windows). On the 2-core benchmark machine with 2
+    workers that is one thread a worker (docs/training.md#memory)."""
+    if not local:
+        return requests
+    return max(1, min(requests, (_cores() if cores is None else cores) // max(1, readers)))
 
 
 @dataclass
@@ -255,7 +279,8 @@ class PoolBuffers:
         self.with_ldt = with_ldt
         self._banks = (_Bank(with_ldt), _Bank(with_ldt))
         self._serving = 0  # the bank of the pool handed out last
-        self._threads = _DaemonThreads(max(1, threads), "birdzarr-fetch")
+        self.threads = max(1, threads)
+        self._threads = _DaemonThreads(self.threads, "birdzarr-fetch")
         self._pending: tuple[Hashable, Pool, list[Future[np.ndarray]], _Arranged] | None = None
         self.decoded = 0  # chunks decoded by this reader for pools it served (tests count them)
         self.reused = 0  # pieces of pools it served taken from a bank instead (tests count them)
