@@ -341,3 +341,31 @@ def test_pass_ones_dictionaries_are_joined_once_each_run_freed_as_copied() -> No
             assert joined.of(k)[c].tolist() == owner.of(owner.index(device))[c].tolist()
     single = [parts[0]]
     assert DeviceValues.joined(single, 4, consume=True) is parts[0] and single == []
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_pass_two_in_this_process_shares_the_plan_without_writing_it(
+    parquet_source: tuple[pathlib.Path, dict[int, np.ndarray]], tmp_path: pathlib.Path, small_buckets: None,
+    monkeypatch: pytest.MonkeyPatch, workers: int,
+) -> None:
+    """Pass 2's tasks in this process (this thread; threads, under the worker processes' 64 MB)
+    read the plan the conversion holds (every device seeded: read only): no ``pass2.pickle``
+    is written and read back (336 MB at 100,000 devices of 10 windows). The store is the one
+    the same seed gives on any engine (test_convert_parallel), and the plan is let go after."""
+    import os
+
+    from birdzarr.convert import _shuffle_processes
+
+    seen: list[tuple[bool, bool]] = []
+    run = _shuffle_processes.write_bucket_run
+
+    def watched(plan_path: str, *args: object, **kwargs: object) -> object:
+        seen.append((os.path.exists(plan_path), plan_path in _shuffle_processes._PLANS))
+        return run(plan_path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_shuffle_processes, "write_bucket_run", watched)
+    store = birdzarr.convert(parquet_source[0], tmp_path / "s.zarr", shuffle=True, seed=1, workers=workers,
+                             chunk_windows=1024, progress=False)
+    assert len(store) == 30_000 and store.meta["layout"]["shuffle_buckets"] > 1
+    assert seen and set(seen) == {(False, True)}
+    assert _shuffle_processes._PLANS == {}

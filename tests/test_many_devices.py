@@ -522,3 +522,32 @@ def test_the_shuffles_second_pass_starts_without_the_decoded_row_groups(
                          shuffle=True, seed=5)
     assert kept and min(kept) > 0  # pass 1 keeps decoded groups for the next devices
     assert held == [0]
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_the_files_of_devices_read_together_are_named_once(
+    mixed: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, shuffle: bool
+) -> None:
+    """The devices of partition files share their files: the names their entries list
+    (``sources``) are found once a file for a run of devices read together, not once a device
+    (``_sources.source_names_of``), and are each device's files' names."""
+    from birdzarr._errors import DuplicateWindowsWarning
+    from birdzarr.convert import _sources
+
+    named: list[str] = []
+    file_name = _sources.file_name
+
+    def counted(file: object) -> str:
+        named.append(file_name(file))  # type: ignore[arg-type]
+        return named[-1]
+
+    monkeypatch.setattr(_sources, "file_name", counted)
+    options = {"chunk_windows": 256, "workers": 1, "progress": False}
+    with pytest.warns(DuplicateWindowsWarning):
+        store = birdzarr.convert(str(mixed), str(tmp_path / "s.zarr"), shuffle=shuffle,
+                                 **({"seed": 5} if shuffle else {}), **options)
+    entries = store.device_table
+    assert len(entries) == 300 and len(named) <= 8  # 4 files, in one run (once a device: 343)
+    names = {f"part-{k}.parquet" for k in range(4)}
+    assert all(e.sources and set(e.sources) <= names for e in entries)
+    assert sum(len(e.sources) == 2 for e in entries) > 20  # devices split over two files name both

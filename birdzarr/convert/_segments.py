@@ -56,7 +56,7 @@ from birdzarr.convert._parquet import clear_group_cache, names_its_device, read_
 from birdzarr.convert._pipeline import bar_counter, count_on_bar
 from birdzarr.convert._readahead import read_ahead
 from birdzarr.convert._slabs import SlabWriter, writable_arrays
-from birdzarr.convert._sources import DeviceSource
+from birdzarr.convert._sources import DeviceSource, source_names_of
 from birdzarr.convert._summary import DeviceSummary, Summarizer, summarize_runs
 from birdzarr.convert._writer import SLABS_IN_FLIGHT, Writer
 from birdzarr.format import _v2
@@ -382,7 +382,7 @@ def convert_segment(segment: Segment, dest_url: str, dest_options: dict[str, Any
             raise _miscounted(run[k][0].device_id, int(expected[k]), int(found.counts[k]))
         ids = [device.device_id for device, _, _ in run]
         result.summaries.extend(summarize_runs(
-            ids, [device.source_names() for device, _, _ in run], [first for _, first, _ in run],
+            ids, source_names_of(device for device, _, _ in run), [first for _, first, _ in run],
             found.counts, found.windows, found.timestamps, found.labels, found.reports))
         repeated = repeated_in_runs(window_hashes(found.windows, found.timestamps), found.counts)
         for k in np.flatnonzero(repeated).tolist():

@@ -13,7 +13,9 @@ process (``thread_engine``) or this thread (``in_process_engine``), the same tas
 - Between the passes (here): the groups' dictionaries make every device's table, format 2's rows
   are seeded, and what pass 2 needs (the bucket files of every group, the dictionaries, the
   seed, the coder) is written once to ``pass2.pickle`` in the spill directory, which every
-  task reads (once per worker thread) instead of receiving it with each task.
+  task reads (once per worker thread) instead of receiving it with each task; tasks in this
+  process (this thread, its threads) share the plan itself (``_PLANS``) where every device was
+  seeded (the plan is then read only).
 - **Pass 2** (``write_bucket_run``): the buckets are cut into runs of consecutive buckets
   (``plan_bucket_runs``), and each run is written by one task, which loads and permutes its
   buckets one at a time and encodes every chunk wholly inside the run's windows, also the chunks
@@ -86,7 +88,7 @@ from birdzarr.convert._shuffle import (
     seed_rows,
 )
 from birdzarr.convert._slabs import SlabWriter, writable_arrays
-from birdzarr.convert._sources import DeviceSource
+from birdzarr.convert._sources import DeviceSource, source_names_of
 from birdzarr.convert._summary import DeviceSummary
 from birdzarr.convert._writer import StoreWriter
 from birdzarr.format import _v2
@@ -158,7 +160,7 @@ def spill_group(devices: list[DeviceSource], directory: str, *, seed: int, bucke
             found = read_runs([(d.device_id, d.files) for d in devices[at:end]]) if end > at else None
             if found is not None:
                 repeated.update(spiller.runs(found, [d.device_id for d in devices[at:end]],
-                                             [d.source_names() for d in devices[at:end]]))
+                                             source_names_of(devices[at:end])))
                 if progress is not None and len(found.windows):
                     progress(len(found.windows))
                 at = end
@@ -199,7 +201,8 @@ RUNS_PER_WORKER = 2
 
 @dataclass
 class Pass2Plan:
-    """What every pass-2 task needs, written once to the spill directory (``pass2.pickle``)."""
+    """What every pass-2 task needs, written once to the spill directory (``pass2.pickle``), or
+    shared by tasks in this process (``_PLANS``)."""
 
     spill: SpillFiles
     dictionaries: DeviceValues  # per device and channel, as pass 1 found them
@@ -228,6 +231,8 @@ class _Pass2:
 
 
 _LOCAL = threading.local()  # per worker thread: the _Pass2 of the plan it last ran
+# plans whose pass 2 runs in this process, by the path other processes would read them from
+_PLANS: dict[str, Pass2Plan] = {}
 
 
 def _pass2(plan_path: str, dest_url: str, dest_options: dict[str, Any]) -> _Pass2:
@@ -240,8 +245,10 @@ def _pass2(plan_path: str, dest_url: str, dest_options: dict[str, Any]) -> _Pass
     state: _Pass2 | None = getattr(_LOCAL, "state", None)
     if state is None or state.plan_path != plan_path:
         _LOCAL.state = None  # the previous conversion's buffers go first
-        with open(plan_path, "rb") as handle:
-            plan: Pass2Plan = pickle.load(handle)
+        plan = _PLANS.get(plan_path)
+        if plan is None:
+            with open(plan_path, "rb") as handle:
+                plan = pickle.load(handle)
         loader = BucketLoader(plan.spill, plan.dictionaries, seed=plan.seed, chunk_windows=plan.chunk_windows,
                               first_row=plan.first_row, row_codes=plan.row_codes)
         dest = resolve(dest_url, dest_options)
@@ -400,7 +407,7 @@ def write_shuffled_on(
         require_shared(directory, [os.path.join(directory, f"group-{i:04d}") for i in range(len(groups))])
         summaries = {d: s for r in ordered for d, s in r.summaries.items()}
         parts = [r.dictionaries for r in ordered]
-        for r in ordered:  # held once, here, until pass2.pickle is written
+        for r in ordered:  # held once, here, until pass 2's plan holds them
             r.dictionaries = DeviceValues.of_devices([], N_CHANNELS)
         dictionaries = DeviceValues.joined(parts, N_CHANNELS, consume=True)
         if duplicates is not None:
@@ -422,14 +429,20 @@ def write_shuffled_on(
         opened = seeded + writer.coder.first_row - before
         first_row = None if left_out or opened != len(dictionaries.ids) else before
         plan_path = os.path.join(directory, "pass2.pickle")
-        with open(plan_path, "wb") as handle:
-            pickle.dump(Pass2Plan(files, dictionaries, seed, writer.slabs.chunk_windows,
-                                  writer.coder if first_row is None else None, seeded, first_row,
-                                  None if first_row is None else seeding.row_codes),
-                        handle, protocol=pickle.HIGHEST_PROTOCOL)
-        del dictionaries, seeding  # pass 2 reads them from the plan (this thread too, one worker)
+        plan = Pass2Plan(files, dictionaries, seed, writer.slabs.chunk_windows,
+                         writer.coder if first_row is None else None, seeded, first_row,
+                         None if first_row is None else seeding.row_codes)
+        del dictionaries, seeding  # pass 2 reads them from the plan
         where = (plan_path, dest.url, dest.storage_options)
         with engines() as engine, Runner(engine) as runner:
+            if engine.in_process and plan.coder is None:
+                # tasks in this process (this thread, its threads) share the plan, read only:
+                # nothing written, read back or copied (336 MB at 100,000 devices of 10 windows)
+                _PLANS[plan_path] = plan
+            else:  # other processes read it; a plan with the writer's coder is copied for its task
+                with open(plan_path, "wb") as handle:
+                    pickle.dump(plan, handle, protocol=pickle.HIGHEST_PROTOCOL)
+            del plan
             one_run = bool(left_out) or engine.width <= 1
             runs = [range(buckets)] if one_run else plan_bucket_runs(buckets, workers=engine.width)
             progress = on_written if engine.in_process else None
@@ -456,4 +469,5 @@ def write_shuffled_on(
     finally:
         # pass 2 in this thread (one worker) leaves its state here: not kept past the conversion
         _LOCAL.state = None
+        _PLANS.pop(os.path.join(directory, "pass2.pickle"), None)
         shutil.rmtree(directory, ignore_errors=True)

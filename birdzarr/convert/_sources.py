@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import posixpath
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -76,6 +76,22 @@ class DeviceSource:
         else:
             for file in self.files:
                 yield from ParquetDeviceReader(self.device_id, file, on_bad_rows).blocks()
+
+
+def source_names_of(devices: Iterable[DeviceSource]) -> list[list[str]]:
+    """Each device's ``source_names``, each file's name found once: the devices of partition
+    files share their files (a 100,000-device conversion named 100 files 100,000 times)."""
+    names: dict[int, str] = {}  # by file object: every one is alive while ``devices`` are
+    out = []
+    for device in devices:
+        mine = []
+        for file in device.files:
+            name = names.get(id(file))
+            if name is None:
+                name = names[id(file)] = file_name(file)
+            mine.append(name)
+        out.append(mine)
+    return out
 
 
 def refuse_repeated_devices(where: str, devices: list[DeviceSource]) -> None:
@@ -288,7 +304,14 @@ def _group_parquet(entries: list[_Entry]) -> list[DeviceSource]:
             parted.setdefault(device, []).append((entry, rows))
     devices = []
     for device in sorted(whole.keys() | parted.keys()):
-        files = whole.get(device, [])
+        files = whole.get(device)
+        if files is None:  # partition files only (most devices of a large collection)
+            pieces = parted[device]
+            if len(pieces) > 1:  # most devices of partition files are in one
+                pieces = sorted(pieces, key=lambda p: (natural_key(p[0].name), p[0].order))
+            devices.append(DeviceSource(device, "parquet", [p[0].file for p in pieces],
+                                        partition_rows=sum(p[1] for p in pieces)))
+            continue
         origins = {(e.order, e.name.split("/", 1)[0] if "/" in e.name else e.name) for e in files}
         if len(origins) > 1:  # "12.parquet" and "012.parquet", or a device's file in two sources
             one, other = sorted(files, key=lambda e: (e.order, e.name))[:2]
@@ -297,21 +320,14 @@ def _group_parquet(entries: list[_Entry]) -> list[DeviceSource]:
                 "folder) per device, or give files of many devices a device_id column and a name "
                 "that is not a device id (part-0.parquet)."
             )
-        if files and device in parted:
+        if device in parted:
             raise BadInputError(
                 f"device {device} is in {files[0].file.display!r} and also in the partition file "
                 f"{parted[device][0][0].file.display!r}: a device's windows come from its own file "
                 "(or folder) or from partition files, not both; remove one."
             )
-        if files:
-            ordered = sorted(files, key=lambda e: natural_key(e.name))
-            devices.append(DeviceSource(device, "parquet", [e.file for e in ordered]))
-        else:
-            pieces = parted[device]
-            if len(pieces) > 1:  # most devices of partition files are in one
-                pieces = sorted(pieces, key=lambda p: (natural_key(p[0].name), p[0].order))
-            devices.append(DeviceSource(device, "parquet", [p[0].file for p in pieces],
-                                        partition_rows=sum(p[1] for p in pieces)))
+        ordered = sorted(files, key=lambda e: natural_key(e.name))
+        devices.append(DeviceSource(device, "parquet", [e.file for e in ordered]))
     return devices
 
 
