@@ -369,3 +369,27 @@ def test_pass_two_in_this_process_shares_the_plan_without_writing_it(
     assert len(store) == 30_000 and store.meta["layout"]["shuffle_buckets"] > 1
     assert seen and set(seen) == {(False, True)}
     assert _shuffle_processes._PLANS == {}
+
+
+def test_rows_are_seeded_with_each_groups_sorted_union_also_where_a_channel_is_empty() -> None:
+    """``seed_rows``: consecutive small devices share one row, seeded with the sorted union of
+    their values a channel, and each pass-1 code (a device's sorted dictionary) maps to its
+    value's place in that union; a channel without values in a whole batch of rows is seeded
+    empty (it used to fail)."""
+    from birdzarr.convert._device_coder import DeviceValues
+    from birdzarr.format._rows import RowCoder
+
+    u = lambda *v: np.array(v, np.uint32)  # noqa: E731
+    dictionaries = DeviceValues.of_devices([(1, [u(), u(5, 9), u(7), u(1)]),
+                                            (2, [u(), u(2, 9), u(3, 7), u(1)])], 4)
+    coder = RowCoder()
+    seeded = _shuffle.seed_rows(coder, dictionaries, [1, 1])
+    assert seeded.left_out == []
+    assert [c.tolist() for c in seeded.row_codes] == [[], [1, 2, 0, 2], [1, 0, 1]]
+    rows = coder.new_rows()
+    assert rows.device.tolist() == [1, 2]  # one row each, both starting at the group's entries
+    values = rows.values.view(np.uint32)
+    assert rows.start[0].tolist() == rows.start[1].tolist()
+    ends = [*rows.start[0][1:].tolist(), len(values)]
+    entries = [values[a:b].tolist() for a, b in zip(rows.start[0].tolist(), ends, strict=True)]
+    assert entries == [[], [2, 5, 9], [3, 7]]

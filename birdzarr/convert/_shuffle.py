@@ -233,20 +233,27 @@ def seed_rows(coder: RowCoder, dictionaries: DeviceValues, counts: Sequence[int]
             device = np.repeat(np.arange(rows[first], ends[last - 1]),
                                np.diff(starts[rows[first] : ends[last - 1] + 1]))
             keys = (owner[device].astype(np.uint64) << np.uint64(32)) | values[lo:hi]
-            order = np.argsort(keys, kind="stable")
+            order = np.argsort(keys, kind="stable")  # each row's keys stay in the row's place
             ranked = keys[order]
-            distinct = np.r_[True, ranked[1:] != ranked[:-1]]
-            number = np.cumsum(distinct) - 1  # each sorted key's distinct key
-            row_of = (ranked >> np.uint64(32)).astype(np.int64)
-            row_first = np.r_[True, row_of[1:] != row_of[:-1]]
-            number -= number[row_first][np.cumsum(row_first) - 1]  # ... counted within its row
-            codes[lo:hi][order] = number
-            kept = ranked[distinct]
-            kept_row = kept >> np.uint64(32)
-            cuts = np.flatnonzero(np.r_[True, kept_row[1:] != kept_row[:-1], True])
-            entries = (kept & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-            for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist(), strict=True):
-                unions[c][int(kept[a] >> np.uint64(32))] = entries[a:b]
+            distinct = np.empty(len(ranked), bool)
+            distinct[:1] = True
+            np.not_equal(ranked[1:], ranked[:-1], out=distinct[1:])
+            seen = np.cumsum(distinct)  # distinct keys up to each sorted key, itself included
+            # each row's entries in the batch, and the distinct keys of the rows before it
+            row_lo = starts[rows[first:last]] - lo
+            row_hi = starts[ends[first:last]] - lo
+            held = row_hi > row_lo
+            before = np.zeros(last - first, np.int64)
+            if len(seen):  # (rows before it all empty here: none)
+                before[1:] = np.where(row_lo[1:] > 0, seen[np.maximum(row_lo[1:] - 1, 0)], 0)
+            seen -= 1
+            seen -= np.repeat(before, row_hi - row_lo)  # a key's code: its distinct key in its row
+            codes[lo:hi][order] = seen
+            entries = (ranked[distinct] & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+            after = np.append(before[1:], len(entries))
+            for r, a, b in zip(rows[first:last][held].tolist(), before[held].tolist(), after[held].tolist(),
+                               strict=True):
+                unions[c][r] = entries[a:b]
             first = last
         row_codes.append(codes)
     members = {group[0]: group for group in groups}
