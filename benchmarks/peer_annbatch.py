@@ -185,8 +185,10 @@ def _timed_epochs(epochs_of: Any, n_epochs: int) -> list[dict[str, float]]:
     return epochs
 
 
-def own_case(kind: str, workdir: str, store: str, n_epochs: int) -> dict[str, Any]:
-    """In this environment's child process: the gather limit, or birdzarr (streaming, resident)."""
+def own_case(kind: str, workdir: str, store: str, n_epochs: int, shuffle_buffer: int | None = None
+             ) -> dict[str, Any]:
+    """In this environment's child process: the gather limit, or birdzarr (streaming, resident;
+    ``shuffle_buffer``: streaming with that instead of the default)."""
     if kind == "gather":
         import _loader_baselines as base
 
@@ -207,6 +209,8 @@ def own_case(kind: str, workdir: str, store: str, n_epochs: int) -> dict[str, An
         import birdzarr
 
         options: dict[str, Any] = {"resident": "cpu", "progress": False} if kind == "resident" else {}
+        if shuffle_buffer is not None:
+            options["shuffle_buffer"] = shuffle_buffer
         ds = birdzarr.WindowDataset(store, batch_size=BATCH, seed=SEED, **options)
         loader = DataLoader(ds, batch_size=None, num_workers=WORKERS, persistent_workers=True)
 
@@ -221,7 +225,8 @@ def own_case(kind: str, workdir: str, store: str, n_epochs: int) -> dict[str, An
             plan = ds.plan(num_workers=WORKERS) if ds.resident is None else None
             members.append([ds.batch_indices(b, plan) for b in ds.delivery_order(WORKERS)])
         devices = birdzarr.open_store(store).window_devices[:]
-    path = os.path.join(workdir, f"members-{kind}.npz")
+    tag = "" if shuffle_buffer is None else f"-{shuffle_buffer}"
+    path = os.path.join(workdir, f"members-{kind}{tag}.npz")
     extra = {} if devices is None else {"devices": devices}
     np.savez(path, **{f"e{e}": np.concatenate(m) for e, m in enumerate(members)},
              **{f"s{e}": np.array([len(b) for b in m]) for e, m in enumerate(members)}, **extra)
@@ -279,11 +284,15 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the generated data (reused next time)")
     parser.add_argument("--quality-batches", type=int, default=100)
     parser.add_argument("--no-peer", action="store_true", help="skip annbatch")
+    parser.add_argument("--shuffle-buffers", default="",
+                        help="comma-separated shuffle_buffer values: a birdzarr streaming case for each, "
+                             "beside the default one (the memory a smaller pool saves, its co-occurrence)")
+    parser.add_argument("--shuffle-buffer", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--own-case", nargs=4, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.own_case:
         kind, workdir, store, n_epochs = args.own_case
-        print(json.dumps(own_case(kind, workdir, store, int(n_epochs))))
+        print(json.dumps(own_case(kind, workdir, store, int(n_epochs), args.shuffle_buffer)))
         return 0
     chosen = [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = sorted(set(chosen) - set(CASES))
@@ -310,6 +319,10 @@ def main() -> int:
         cases: list[tuple[str, list[str]]] = [
             (own[c][0], [*me, own[c][1], workdir, store, str(args.epochs)]) for c in CASES
             if c in own and c in chosen]
+        for value in [int(v) for v in args.shuffle_buffers.split(",") if v.strip()]:
+            cases.append((f"birdzarr streaming, shuffle_buffer={value:,}",
+                          [*me[:-1], "--shuffle-buffer", str(value), "--own-case", "birdzarr", workdir, store,
+                           str(args.epochs)]))
         wanted_peers = [c for c in ("annbatch", "annbatch-recommended") if c in chosen]
         python, why = (None, "--no-peer") if args.no_peer else (
             peer_environment(log) if wanted_peers else (None, "not in --cases"))

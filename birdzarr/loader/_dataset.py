@@ -183,7 +183,9 @@ class WindowDataset(IterableDataset[Batch]):
             524,288 = 160 MiB of float32 per reader). Larger pools make batches less likely to meet
             again next epoch (docs/training.md#shuffle-quality).
         requests: chunk reads in flight per reader: chunks fetched and decoded at once (raise it
-            for object stores). ``prefetch`` is its deprecated name.
+            for object stores). On a store on this machine's file system a reader uses at most
+            its share of the cores (``cores // num_workers``, at least 1): decoding is the work
+            there (docs/training.md#memory). ``prefetch`` is its deprecated name.
         transform: optional callable applied to each batch in the reader: ``transform(x) -> x``
             (a tensor); with ``transform_ldt=True`` (needs ``with_ldt``) ``transform(x, ldt) ->
             (x, ldt)``, a tuple of two tensors, for label mapping or label-aware augmentation
