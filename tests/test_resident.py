@@ -333,3 +333,65 @@ def test_persistent_workers_start_each_epoch_on_a_plan_drawn_ahead(small_store: 
     state = ds.state_dict(batches_seen=0)
     ds.load_state_dict({**state, "epoch": 6, "next_batch": 3})  # inside the prepared epoch 6
     assert epoch(6, skip=3) == {w: (5, 3, 1) for w in (0, 1)}
+
+
+def test_a_version2_selection_is_held_in_one_row_a_window_on_the_host(small_store: birdzarr.Store) -> None:
+    """On the host a window's codes, dictionary row and gps_speed lie in one 128-byte row
+    (``HeldCodes.packed``, in shared memory), of which ``codes``, ``row`` and ``gps`` are views:
+    nothing else is held a window, and every batch, from 0 and 2 DataLoader workers, equals the
+    store (ldt included)."""
+    ds = _resident(small_store, batch_size=700, seed=6, with_ldt=True, progress=False)
+    coded = ds.resident.coded
+    n = len(small_store)
+    assert coded is not None and coded.packed is not None
+    assert coded.packed.dtype == torch.int16 and tuple(coded.packed.shape) == (n, 64)
+    assert coded.packed.is_shared()
+    for view, column in ((coded.codes, 0), (coded.row, 60), (coded.gps, 62)):
+        assert view.untyped_storage().data_ptr() == coded.packed.untyped_storage().data_ptr()
+        assert view.data_ptr() == coded.packed.data_ptr() + 2 * column
+        assert view.stride(0) * view.element_size() == 128
+    assert coded.nbytes == n * 128 + 4 * (coded.values.numel() + coded.offsets.numel())
+    expected = [ds.batch_indices(b) for b in range(len(ds))]
+    for workers in (0, 2):
+        loader = DataLoader(ds, batch_size=None, num_workers=workers,
+                            multiprocessing_context="fork" if workers else None)
+        got = list(loader)
+        assert len(got) == len(expected)
+        for (x, ldt), idx in zip(got, expected, strict=True):
+            assert np.array_equal(x.numpy().view(np.uint32), small_store.windows[idx].view(np.uint32))
+            assert np.array_equal(ldt[:, 1].numpy(), small_store.window_devices[idx])
+            assert np.array_equal(ldt[:, 2].numpy(), small_store.timestamps[idx])
+
+
+@pytest.mark.parametrize("gps_once", [True, False])
+def test_the_host_decode_of_the_packed_rows_equals_arrays_of_their_own(
+    small_store: birdzarr.Store, gps_once: bool
+) -> None:
+    """``decode_host`` reads the host layout (one row a window) or, where codes, row and gps_speed
+    are arrays of their own (``packed=None``, as on a GPU), gathers them into it: the same
+    values, bit for bit, as the torch ops and the documented lookup, gps_speed once a window or
+    in every sample (NaN payloads and -0.0 kept), rows repeated, in a 102-column row for the latter."""
+    held = _resident(small_store, progress=False).resident.coded
+    assert held is not None
+    n = len(held.row)
+    rng = np.random.default_rng(7)
+    packed, codes, gps, row = resident_module.HeldCodes.host_layout(n, gps_once, shared=False)
+    assert tuple(packed.shape) == (n, 64 if gps_once else 102)
+    codes.copy_(held.codes)
+    row.copy_(held.row)
+    speeds = rng.standard_normal(gps.shape).astype(np.float32)
+    speeds.reshape(-1)[:3] = np.array([0x7FC00123, 0xFFC00001, 0x80000000], np.uint32).view(np.float32)
+    gps.copy_(torch.from_numpy(speeds))
+    in_rows = resident_module.HeldCodes(codes, gps, row, held.values, held.offsets, packed)
+    apart = resident_module.HeldCodes(codes.contiguous(), gps.contiguous(), row.contiguous(), held.values,
+                                      held.offsets)
+    picked = np.concatenate([rng.permutation(n)[:1500], [0, 0, n - 1]])
+    start = (held.offsets[:, :3] - resident_module.CODE_BIAS).numpy()
+    expected = np.empty((len(picked), 20, 4), np.float32)
+    true_codes = (held.codes.numpy().view(np.uint16) ^ np.uint16(resident_module.CODE_BIAS)).astype(np.int64)
+    expected[:, :, :3] = held.values.numpy()[start[held.row.numpy()[picked]][:, None, :] + true_codes[picked]]
+    expected[:, :, 3] = speeds[picked][:, None] if gps_once else speeds[picked]
+    rows = torch.from_numpy(picked)
+    for decoded in (in_rows.decode_host(picked), apart.decode_host(picked), in_rows.decode(rows).numpy(),
+                    apart.decode(rows).numpy()):
+        assert np.array_equal(decoded.view(np.uint32), expected.view(np.uint32))

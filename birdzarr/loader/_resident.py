@@ -10,8 +10,10 @@ where some window's gps_speed varies (found while loading: the load then starts 
 80 codes). A version-2 store (``birdzarr.format._v2``) is held as its own arrays (``HeldCodes``):
 uint16 codes (120 B a window), the dictionary row of each window (4 B), gps_speed once a window
 (4 B; 80 B where some window's gps_speed varies, found while loading as for dict16): 128 B a
-window, 0.40x float32 (204 B, 0.64x, with varying gps_speed); plus the dictionary rows the
-selection uses (4 B an entry, 240 B a row: 5.8 MiB for the loader benchmark's 186 devices).
+window, 0.40x float32 (204 B, 0.64x, with varying gps_speed), one row a window on the host
+(``HeldCodes.packed``: a batch's gather reads two cache lines a window); plus the dictionary
+rows the selection uses (4 B an entry, 240 B a row: 5.8 MiB for the loader benchmark's 186
+devices).
 They are decoded inside the gather as ``values[start[row, c] + code]``: by torch ops on a GPU
 (``HeldCodes.decode``), by numpy on the host (``HeldCodes.decode_host``, the windows grouped by
 dictionary row for the lookup). Any other store, or ``codes=False``, is held as
@@ -28,6 +30,7 @@ of their rank, so the order does not depend on ``num_workers``.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -79,12 +82,27 @@ CODE_BIAS = 2**15
 # Windows a host decode takes at once in a process with several torch threads: 60 codes a
 # window stay below torch's parallel grain (at::internal::GRAIN_SIZE, 32,768 elements)
 _HOST_SLICE = 512
-# A host decode's lookups go through torch.index_select (int32 indices, no int64 copy as np.take
-# makes) this many at a time: below torch's parallel grain, as _HOST_SLICE
+# In a process with several torch threads (the training process; a DataLoader worker has one),
+# a host decode's lookups go through torch.index_select (int32 indices, no int64 copy as np.take
+# makes) this many at a time: below torch's parallel grain, as _HOST_SLICE. With one thread they
+# go in one call (a call costs ~5 us: 0.90x the time of 30,720 a call, measured on the loader
+# benchmark's store)
 _LOOKUP_SLICE = _HOST_SLICE * WINDOW_LENGTH * 3
-# The 12 bytes of a sample's three coded channels (imu x, y, z) as one item, so that a copy into
-# the batch's (n, 20, 4) float32 array moves a sample's three values at once
-_SAMPLE_CODED = np.dtype((np.void, 4 * 3))
+# The 16 bytes of a sample (imu x, y, z and gps_speed) as one item: the looked-up values are
+# copied into the batch's (n, 20, 4) array a sample at a time, reading 16 bytes at a 12-byte
+# stride (the fourth value, the next sample's first, is then overwritten by gps_speed): with
+# the gather before it, half the time of the same with 12-byte items (1.6 ms a batch of 8192)
+_SAMPLE = np.dtype((np.void, 4 * N_CHANNELS))
+# A window's row of the host layout (``HeldCodes.packed``, int16 columns): its 60 codes, its
+# dictionary row (int32, two columns) and gps_speed (float32: two columns, or 40 in every sample)
+_PACKED_ROW = WINDOW_LENGTH * _v2.N_CODED
+_PACKED_GPS = _PACKED_ROW + 2
+
+
+def packed_width(gps_once: bool) -> int:
+    """int16 columns of a window's row in the host layout: 64 (128 B, two cache lines) with
+    gps_speed once a window, 102 with gps_speed in every sample."""
+    return _PACKED_GPS + 2 * (1 if gps_once else WINDOW_LENGTH)
 
 
 @dataclass(frozen=True)
@@ -97,7 +115,9 @@ class HeldCodes:
     ``decode_host`` gives the same values with numpy on the host (DataLoader workers and the
     training process with ``resident="cpu"``). Bytes a window: 120 (codes) + 4 (row) + 4
     (gps_speed once a window) or 80 (in every sample); and 4 an entry plus 240 a row for the
-    dictionaries."""
+    dictionaries. On the host the three lie in one row a window (``packed``, of which ``codes``,
+    ``row`` and ``gps`` are views): a batch's gather reads two cache lines a window instead of
+    four (three arrays), in one call."""
 
     codes: torch.Tensor  # int16 (n, 20, 3): code - CODE_BIAS
     gps: torch.Tensor  # float32 (n,) (one gps_speed a window) or (n, 20)
@@ -107,11 +127,25 @@ class HeldCodes:
     # codes (sample-major), so that a window's indices are its row's offsets plus its codes, one
     # add of two contiguous arrays (torch broadcasting (n, 1, 3) starts over the samples is slower)
     offsets: torch.Tensor
+    # int16 (n, packed_width): codes, row and gps_speed of a window in one row (``host_layout``),
+    # where codes, gps and row are its views; None where they are arrays of their own (on a GPU)
+    packed: torch.Tensor | None = None
+
+    @classmethod
+    def host_layout(cls, n: int, gps_once: bool, shared: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Uninitialised host arrays of ``n`` windows in the host layout: ``(packed, codes, gps,
+        row)``, the last three views of the first (in shared memory where ``shared``)."""
+        packed = _host_empty((n, packed_width(gps_once)), torch.int16, shared)
+        codes = packed[:, :_PACKED_ROW].view(n, WINDOW_LENGTH, _v2.N_CODED)
+        row = packed[:, _PACKED_ROW:_PACKED_GPS].view(torch.int32).view(n)
+        gps = packed[:, _PACKED_GPS:].view(torch.float32)
+        return packed, codes, gps.view(n) if gps_once else gps, row
 
     @property
     def nbytes(self) -> int:
-        tensors = (self.codes, self.gps, self.row, self.values, self.offsets)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        held = (self.codes, self.gps, self.row) if self.packed is None else (self.packed,)
+        return sum(t.numel() * t.element_size() for t in (*held, self.values, self.offsets))
 
     @property
     def start(self) -> torch.Tensor:
@@ -119,7 +153,9 @@ class HeldCodes:
         return self.offsets[:, : _v2.N_CODED] - CODE_BIAS
 
     def to(self, device: torch.device) -> HeldCodes:
-        return HeldCodes(*(t.to(device) for t in (self.codes, self.gps, self.row, self.values, self.offsets)))
+        """The held arrays on ``device``, each an array of its own (``decode``'s torch ops)."""
+        return HeldCodes(*(t.to(device).contiguous() for t in (self.codes, self.gps, self.row, self.values,
+                                                               self.offsets)))
 
     def decode(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The float32 windows ``(len(rows), 20, 4)`` of the held ``rows`` (int64, on the holding
@@ -150,46 +186,55 @@ class HeldCodes:
         """``decode`` on the host, with numpy: the float32 windows ``(len(rows), 20, 4)`` of the
         held ``rows`` (int64), into ``out`` (C-contiguous) where given. The same values, bit for bit.
 
-        The batch's windows are taken grouped by dictionary row (a stable radix sort of their
-        rows), so that the lookups of one device's windows follow one another inside its few tens
-        of KB of dictionary instead of jumping across all the held rows' entries; the looked-up
-        values are then put back in the batch's order and copied into ``out`` a sample's three
-        values at a time, and gps_speed written beside them. Each step is one numpy call over
-        the batch (the lookup: ``torch.index_select``, ``_LOOKUP_SLICE`` indices a call, so that
-        it never wakes torch's intra-op threads); the temporaries are kept per thread.
-        ``python benchmarks/resident_decode.py`` times it against ``decode``."""
+        One gather of the windows' rows of the host layout (codes, dictionary row and gps_speed:
+        two cache lines a window, one call); each window's row offsets plus its codes give the
+        index, one table lookup gives the values, which go into ``out`` a sample (16 bytes) at a
+        time, and gps_speed is written over each sample's fourth value: four passes over the
+        batch, each one numpy call (the lookup: ``torch.index_select``, in ``_LOOKUP_SLICE``
+        indices a call where torch has several threads, so that it never wakes them), the
+        temporaries kept per thread. The lookups go in the batch's order: grouping the windows
+        by dictionary row first (a sort, a second gather, the order restored) kept each device's
+        lookups inside its few tens of KB of dictionary but cost about what it saved: in the
+        batch's order the decode took 0.97x (1.03x after a cache flush) on the loader
+        benchmark's 186 devices (5.8 MiB of dictionaries), and 1.10x, 0.95x and 0.93x on
+        synthetic dictionaries of 186, 1,860 and 6,000 rows (6, 57 and 185 MiB: the more rows,
+        the fewer windows of a batch share one). ``python benchmarks/resident_decode.py`` times
+        it against ``decode``."""
         n = len(rows)
         if out is None:
             out = np.empty((n, WINDOW_LENGTH, N_CHANNELS), np.float32)
-        if not out.flags.c_contiguous:  # the sample-wide copy below needs out's own memory
+        if not out.flags.c_contiguous:  # the window-wide gather below needs out's own memory
             out[...] = self.decode_host(rows)
             return out
         if n == 0:
             return out
-        row = np.take(self.row.numpy(), rows)
+        width = packed_width(self.gps.dim() == 1)
+        taken = _scratch("taken", (n, width), np.int16)
+        if self.packed is not None:
+            np.take(self.packed.numpy(), rows, axis=0, out=taken, mode="clip")  # clip: out= unbuffered
+        else:  # arrays of their own: gathered into the same layout
+            held = self.codes.numpy().view()
+            held.shape = (len(held), _PACKED_ROW)  # raises rather than copy the held codes
+            np.take(held, rows, axis=0, out=taken[:, :_PACKED_ROW])
+            taken[:, _PACKED_ROW:_PACKED_GPS] = np.take(self.row.numpy(), rows).view(np.int16).reshape(n, 2)
+            gps = np.take(self.gps.numpy(), rows, axis=0)
+            taken[:, _PACKED_GPS:] = gps.view(np.int16).reshape(n, width - _PACKED_GPS)
         offsets = self.offsets.numpy()
-        # radix sort (stable) where the row numbers fit 16 bits; windows of one row keep their order
-        order = np.argsort(row.astype(np.uint16) if len(offsets) <= 2**16 else row, kind="stable")
-        index = _scratch("index", (n, WINDOW_LENGTH * _v2.N_CODED), offsets.dtype)
-        np.take(offsets, np.take(row, order), axis=0, out=index, mode="clip")  # clip: out= unbuffered
-        held = self.codes.numpy().view()
-        held.shape = (len(held), index.shape[1])  # raises rather than copy the held codes
-        codes = _scratch("codes", index.shape, np.int16)
-        np.take(held, np.take(rows, order), axis=0, out=codes, mode="clip")
-        np.add(index, codes, out=index)  # int16 (code - CODE_BIAS) + offsets (start + CODE_BIAS)
-        looked_up = _scratch("looked_up", index.shape, np.float32)
-        flat_index, flat_values = torch.from_numpy(index.reshape(-1)), torch.from_numpy(looked_up.reshape(-1))
-        for first in range(0, flat_index.numel(), _LOOKUP_SLICE):
-            last = first + _LOOKUP_SLICE
+        index = _scratch("index", (n, _PACKED_ROW), offsets.dtype)
+        row = taken[:, _PACKED_ROW:_PACKED_GPS].view(np.int32)[:, 0]
+        np.take(offsets, row, axis=0, out=index, mode="clip")
+        np.add(index, taken[:, :_PACKED_ROW], out=index)  # int16 (code - CODE_BIAS) + (start + CODE_BIAS)
+        # one more sample's worth: the last sample's 16-byte read below stays inside
+        looked_up = _scratch("looked_up", (index.size + N_CHANNELS,), np.float32)
+        flat_index = torch.from_numpy(index.reshape(-1))
+        flat_values = torch.from_numpy(looked_up[: index.size])
+        step = _LOOKUP_SLICE if torch.get_num_threads() > 1 else index.size
+        for first in range(0, index.size, step):
+            last = first + step
             torch.index_select(self.values, 0, flat_index[first:last], out=flat_values[first:last])
-        back = np.empty_like(order)  # where each window of the batch lies in the grouped order
-        back[order] = np.arange(n)
-        in_order = np.take(looked_up, back, axis=0, out=_scratch("in_order", index.shape, np.float32),
-                           mode="clip")
-        samples = out.view(np.uint8).reshape(n, WINDOW_LENGTH, 4 * N_CHANNELS)[:, :, : 4 * _v2.N_CODED]
-        samples.view(_SAMPLE_CODED)[..., 0] = in_order.view(_SAMPLE_CODED).reshape(n, WINDOW_LENGTH)
-        gps = self.gps.numpy()
-        out[:, :, _v2.N_CODED] = np.take(gps, rows, axis=0) if gps.ndim == 2 else np.take(gps, rows)[:, None]
+        samples = np.ndarray((n * WINDOW_LENGTH,), _SAMPLE, buffer=looked_up, strides=(4 * _v2.N_CODED,))
+        np.copyto(out.reshape(-1).view(_SAMPLE), samples)
+        out[:, :, _v2.N_CODED] = taken[:, _PACKED_GPS:].view(np.float32)  # (n, 1) or (n, 20)
         return out
 
 
@@ -335,9 +380,9 @@ class ResidentSelection:
                            prefetch: int, progress: bool, url: str, with_labels: bool) -> ResidentSelection:
         shared = device.type == "cpu"  # host copies live in shared memory: DataLoader workers share them
         starts = np.concatenate(([0], np.cumsum([len(rows) for _, rows in keep]))).astype(np.int64)
-        codes = _host_empty((n, WINDOW_LENGTH, _v2.N_CODED), torch.int16, shared)
-        gps = _host_empty((n,) if once else (n, WINDOW_LENGTH), torch.float32, shared)
-        row = _host_empty((n,), torch.int32, shared)
+        # the host layout (one row a window) also where it only stages the copy to a GPU: the
+        # copy moves the three arrays apart
+        packed, codes, gps, row = HeldCodes.host_layout(n, once, shared)
         codes_np, gps_np, row_np = codes.numpy(), gps.numpy(), row.numpy()
         ldt = _host_empty((n, _LDT_COLUMNS), torch.int32, shared) if with_ldt else None
         ldt_np = None if ldt is None else ldt.numpy()
@@ -365,7 +410,7 @@ class ResidentSelection:
 
         _load_chunks(load_one, len(keep), n, prefetch=prefetch, progress=progress, url=url)
         values, offsets = held_dictionaries(dictionaries, row_np)
-        held = HeldCodes(codes, gps, row, torch.from_numpy(values), torch.from_numpy(offsets))
+        held = HeldCodes(codes, gps, row, torch.from_numpy(values), torch.from_numpy(offsets), packed)
         global_index = np.concatenate([rows for _, rows in keep]) if keep else np.empty(0, np.int64)
         if device.type != "cpu":
             held = held.to(device)
@@ -529,9 +574,10 @@ class ResidentSelection:
             else:
                 self._decode_on_host(rows, out=x)
             if ldt is not None and self.ldt is not None:
-                held = np.take(self.ldt.numpy(), rows, axis=0)
+                held = np.take(self.ldt.numpy(), rows, axis=0, out=_scratch("ldt", (len(rows), _LDT_COLUMNS),
+                                                                           np.int32), mode="clip")
                 ldt[:, :2] = held[:, :2]
-                ldt[:, 2] = timestamps_of(held[:, 2:])
+                ldt[:, 2:] = held[:, 2:].view(np.int64)  # the two halves, in memory order
 
         return fill
 
@@ -640,7 +686,7 @@ def _scratch(name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     """A temporary of this thread, reused from batch to batch (a fresh one page-faults every
     batch); valid until this thread asks for ``name`` again. One of more than
     ``_SCRATCH_LIMIT`` bytes is new memory each time: a huge batch leaves nothing held."""
-    size = int(np.prod(shape))
+    size = math.prod(shape)  # not np.prod: ~5 us a call, several calls a batch
     if size * np.dtype(dtype).itemsize > _SCRATCH_LIMIT:
         return np.empty(shape, dtype)
     held = getattr(_SCRATCH, name, None)
