@@ -393,3 +393,30 @@ def test_rows_are_seeded_with_each_groups_sorted_union_also_where_a_channel_is_e
     ends = [*rows.start[0][1:].tolist(), len(values)]
     entries = [values[a:b].tolist() for a, b in zip(rows.start[0].tolist(), ends, strict=True)]
     assert entries == [[], [2, 5, 9], [3, 7]]
+
+
+def test_pass_ones_dictionaries_grow_in_place_as_runs_are_added() -> None:
+    """``DeviceValuesBuilder`` (the spiller's dictionaries, run after run) gives what joining the
+    runs' dictionaries gives, in arrays of its own sized to their entries, and starts empty again
+    once it has handed them over."""
+    from birdzarr.convert._device_coder import DeviceValues, DeviceValuesBuilder
+
+    rng = np.random.default_rng(5)
+
+    def part(ids: list[int]) -> DeviceValues:
+        values = [(i, [rng.integers(0, 99, rng.integers(0, 3000)).astype(np.uint32) for _ in range(4)])
+                  for i in ids]
+        return DeviceValues.of_devices(values, 4)
+
+    parts = [part([1, 2, 3]), part([]), part([5]), part(list(range(10, 60))), part([70])]
+    builder = DeviceValuesBuilder(4)
+    for p in parts:
+        builder.add(p)
+    built, joined = builder.finish(), DeviceValues.joined(parts, 4)
+    assert built.ids.tolist() == joined.ids.tolist()
+    for c in range(4):
+        assert built.values[c].tolist() == joined.values[c].tolist()
+        assert built.starts[c].tolist() == joined.starts[c].tolist()
+        assert built.values[c].flags.owndata and len(built.values[c]) == built.starts[c][-1]
+    again = builder.finish()
+    assert len(again.ids) == 0 and all(len(v) == 0 for v in again.values)

@@ -42,7 +42,14 @@ import numpy as np
 from numcodecs import Blosc
 
 from birdzarr.convert._blocks import WindowBlock
-from birdzarr.convert._device_coder import BlockValues, DeviceCoder, DeviceValues, block_values, run_codes
+from birdzarr.convert._device_coder import (
+    BlockValues,
+    DeviceCoder,
+    DeviceValues,
+    DeviceValuesBuilder,
+    block_values,
+    run_codes,
+)
 from birdzarr.convert._duplicates import repeated_in_runs
 from birdzarr.convert._parquet import PartitionRuns
 from birdzarr.convert._summary import DeviceSummary, Summarizer, summarize_runs
@@ -317,7 +324,7 @@ class Spiller:
         self.summaries: dict[int, DeviceSummary] = {}
         # per device and channel, as first seen: devices read alone, then runs read together
         self._known: list[tuple[int, list[np.ndarray]]] = []
-        self._parts: list[DeviceValues] = []
+        self._dictionaries = DeviceValuesBuilder(N_CHANNELS)
         # blocks whose values are being found (block None: the device's end), in input order
         self._finding: collections.deque[_Finding] = collections.deque()
         self._pending: collections.deque[Future[None]] = collections.deque()  # pieces being written
@@ -349,7 +356,7 @@ class Spiller:
         repeated = repeated_in_runs(hashes, counts)
         codes, dictionaries = run_codes(found.windows, counts, np.asarray(device_ids, np.int64))
         self._flush_known()
-        self._parts.append(dictionaries)
+        self._dictionaries.add(dictionaries)
         if len(found.windows):
             target = draw_buckets(self.seed, np.asarray(device_ids, np.int64), counts, 0, self.buckets)
             meta = np.empty(len(target), dtype=_META)
@@ -394,13 +401,13 @@ class Spiller:
 
     def _flush_known(self) -> None:
         if self._known:
-            self._parts.append(DeviceValues.of_devices(self._known, N_CHANNELS))
+            self._dictionaries.add(DeviceValues.of_devices(self._known, N_CHANNELS))
             self._known = []
 
     def dictionaries(self) -> DeviceValues:
         """Every device's dictionaries, once ``finish`` has run (once: they are handed over)."""
         self._flush_known()
-        return DeviceValues.joined(self._parts, N_CHANNELS, consume=True)
+        return self._dictionaries.finish()
 
     def _release(self, device_id: int, bucket: int, parts: list[tuple[np.ndarray, np.ndarray]]) -> None:
         codes, meta = parts[0] if len(parts) == 1 else (
