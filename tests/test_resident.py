@@ -368,7 +368,7 @@ def test_the_host_decode_of_the_packed_rows_equals_arrays_of_their_own(
     small_store: birdzarr.Store, gps_once: bool
 ) -> None:
     """``decode_host`` reads the host layout (one row a window) or, where codes, row and gps_speed
-    are arrays of their own (``packed=None``, as on a GPU), gathers them into it: the same
+    are arrays of their own (``packed=None``, as ``HeldCodes.to`` gives a GPU), gathers them into it: the same
     values, bit for bit, as the torch ops and the documented lookup, gps_speed once a window or
     in every sample (NaN payloads and -0.0 kept), rows repeated, in a 102-column row for the latter."""
     held = _resident(small_store, progress=False).resident.coded
@@ -383,8 +383,8 @@ def test_the_host_decode_of_the_packed_rows_equals_arrays_of_their_own(
     speeds.reshape(-1)[:3] = np.array([0x7FC00123, 0xFFC00001, 0x80000000], np.uint32).view(np.float32)
     gps.copy_(torch.from_numpy(speeds))
     in_rows = resident_module.HeldCodes(codes, gps, row, held.values, held.offsets, packed)
-    apart = resident_module.HeldCodes(codes.contiguous(), gps.contiguous(), row.contiguous(), held.values,
-                                      held.offsets)
+    apart = in_rows.to(torch.device("cpu"))  # what a GPU is given: each an array of its own
+    assert apart.packed is None and all(t.is_contiguous() for t in (apart.codes, apart.gps, apart.row))
     picked = np.concatenate([rng.permutation(n)[:1500], [0, 0, n - 1]])
     start = (held.offsets[:, :3] - resident_module.CODE_BIAS).numpy()
     expected = np.empty((len(picked), 20, 4), np.float32)
