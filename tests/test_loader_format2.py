@@ -389,9 +389,9 @@ def _synthetic_held(n_rows: int, n: int, seed: int) -> tuple[HeldCodes, np.ndarr
     return held, expected
 
 
-def test_the_host_decode_groups_windows_of_more_than_65536_dictionary_rows() -> None:
-    """Past 2**16 dictionary rows the windows are grouped by a sort of the int32 rows instead of
-    the 16-bit radix sort: the same values as the torch ops and the documented lookup."""
+def test_the_host_decode_is_exact_past_65536_dictionary_rows() -> None:
+    """Dictionary rows past 2**16 (rows held as int32, offsets past 16 bits): the host decode
+    gives the same values as the torch ops and the documented lookup."""
     held, expected = _synthetic_held(70_000, 3000, seed=2)
     assert int(held.row.max()) >= 2**16
     picked = np.random.default_rng(3).permutation(3000)
