@@ -420,3 +420,19 @@ def test_pass_ones_dictionaries_grow_in_place_as_runs_are_added() -> None:
         assert built.values[c].flags.owndata and len(built.values[c]) == built.starts[c][-1]
     again = builder.finish()
     assert len(again.ids) == 0 and all(len(v) == 0 for v in again.values)
+
+
+@pytest.mark.parametrize("rows", [[3, 0, 5, 1], [70_000, 2], [1] * 70_000])
+def test_seed_rows_sorts_each_rows_entries_by_value_ties_in_place(rows: list[int]) -> None:
+    """``_sorted_rows`` (seed_rows' sort of a batch of rows): entries by (row, value), equal
+    values in place order, whether one packed sort (rows of at most 65,536 entries, at most
+    65,536 rows) or a stable argsort (larger) does it."""
+    rng = np.random.default_rng(7)
+    row_len = np.array(rows, np.int64)
+    row_lo = np.concatenate([[0], np.cumsum(row_len)[:-1]])
+    values = rng.integers(0, 50, int(row_len.sum())).astype(np.uint32)
+    order, ranked = _shuffle._sorted_rows(values, row_lo, row_len)
+    row = np.repeat(np.arange(len(rows)), row_len)
+    expected = np.lexsort((np.arange(len(values)), values, row))
+    assert order.tolist() == expected.tolist()
+    assert ranked.tolist() == ((row[expected].astype(np.uint64) << np.uint64(32)) | values[expected]).tolist()

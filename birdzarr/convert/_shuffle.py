@@ -237,19 +237,16 @@ def seed_rows(coder: RowCoder, dictionaries: DeviceValues, counts: Sequence[int]
             last = int(np.searchsorted(starts[ends], starts[rows[first]] + _SEED_BATCH, "right"))
             last = max(last, first + 1)
             lo, hi = int(starts[rows[first]]), int(starts[ends[last - 1]])
-            device = np.repeat(np.arange(rows[first], ends[last - 1]),
-                               np.diff(starts[rows[first] : ends[last - 1] + 1]))
-            keys = (owner[device].astype(np.uint64) << np.uint64(32)) | values[lo:hi]
-            order = np.argsort(keys, kind="stable")  # each row's keys stay in the row's place
-            ranked = keys[order]
+            # each row's entries in the batch
+            row_lo = starts[rows[first:last]] - lo
+            row_hi = starts[ends[first:last]] - lo
+            held = row_hi > row_lo
+            order, ranked = _sorted_rows(values[lo:hi], row_lo, row_hi - row_lo)
             distinct = np.empty(len(ranked), bool)
             distinct[:1] = True
             np.not_equal(ranked[1:], ranked[:-1], out=distinct[1:])
             seen = np.cumsum(distinct)  # distinct keys up to each sorted key, itself included
-            # each row's entries in the batch, and the distinct keys of the rows before it
-            row_lo = starts[rows[first:last]] - lo
-            row_hi = starts[ends[first:last]] - lo
-            held = row_hi > row_lo
+            # the distinct keys of the rows before each row
             before = np.zeros(last - first, np.int64)
             if len(seen):  # (rows before it all empty here: none)
                 before[1:] = np.where(row_lo[1:] > 0, seen[np.maximum(row_lo[1:] - 1, 0)], 0)
@@ -270,6 +267,28 @@ def seed_rows(coder: RowCoder, dictionaries: DeviceValues, counts: Sequence[int]
             coder.seed(int(ids[k]), [unions[c].get(k, none) for c in range(_v2.N_CODED)],
                        members.get(int(ids[k]), ()))
     return SeededRows(ids[over].tolist(), row_codes)
+
+
+def _sorted_rows(values: np.ndarray, row_lo: np.ndarray,
+                 row_len: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The entries ``values`` (uint32) of consecutive rows (row ``r``: ``row_len[r]`` entries from
+    ``row_lo[r]``) sorted by (row, value), ties in place order: the place of each sorted entry
+    (``order``, int64) and its key ``row << 32 | value`` (uint64, row counted in the batch). Where
+    every row has at most 65,536 entries and there are at most 65,536 rows (shared rows: 40,960
+    entries at most), one sort of ``row << 48 | value << 16 | place in the row`` (numpy's
+    vectorised sort: 2.4x faster than a stable argsort), else a stable argsort of the keys."""
+    rel = np.repeat(np.arange(len(row_len), dtype=np.uint64), row_len)
+    if len(row_len) <= 1 << 16 and int(row_len.max(initial=0)) <= 1 << 16:
+        first = np.repeat(row_lo, row_len)
+        packed = (rel << np.uint64(48)) | (values.astype(np.uint64) << np.uint64(16))
+        packed |= (np.arange(len(values), dtype=np.int64) - first).astype(np.uint64)
+        packed.sort()
+        order = row_lo[(packed >> np.uint64(48)).astype(np.intp)]
+        order += (packed & np.uint64(0xFFFF)).astype(np.int64)
+        return order, packed >> np.uint64(16)
+    keys = (rel << np.uint64(32)) | values
+    order = np.argsort(keys, kind="stable")
+    return order, keys[order]
 
 
 def _by_bucket(codes: np.ndarray, meta: np.ndarray, target: np.ndarray,
