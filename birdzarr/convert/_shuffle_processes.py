@@ -35,7 +35,8 @@ number: pass 2 is then one run, whose task hands back the rows it opened.
 
 The store is byte-identical on every engine. Memory: each pass-1 task holds at
 most ``PASS1_BUFFER_WINDOWS / width`` windows waiting to be spilled (so all together as one
-task's) and one block; each pass-2 worker thread the dictionaries, one bucket's buffers (344
+task's) and one block; each pass-2 worker thread the dictionaries (a copy each, but
+threads of this process share this process's), one bucket's buffers (344
 bytes a window: the float32 values, device, label and time; 464 with the format 2 codes, where
 every device was seeded), one
 permuted bucket (the one before is freed as the next loads: the windows of it that the slab
