@@ -436,3 +436,22 @@ def test_seed_rows_sorts_each_rows_entries_by_value_ties_in_place(rows: list[int
     expected = np.lexsort((np.arange(len(values)), values, row))
     assert order.tolist() == expected.tolist()
     assert ranked.tolist() == ((row[expected].astype(np.uint64) << np.uint64(32)) | values[expected]).tolist()
+
+
+@pytest.mark.parametrize("devices,windows,values", [(40, 30, 10), (9000, 5, 2**32 - 1), (1, 1, 1), (0, 0, 1)])
+def test_run_codes_keys_are_ranked_as_a_sorted_factorisation(devices: int, windows: int, values: int) -> None:
+    """``_device_coder._sorted_codes`` (run_codes' sort of (device, value) keys) gives
+    ``pd.factorize(keys, sort=True)``'s codes and distinct keys, whether the keys and their
+    places fit one packed sort (few devices) or not (a stable argsort: 9,000 devices)."""
+    import pandas as pd
+
+    from birdzarr.convert._device_coder import _sorted_codes
+
+    rng = np.random.default_rng(11)
+    counts = rng.integers(0, windows + 1, devices)
+    run = np.repeat(np.arange(devices, dtype=np.uint64), counts)
+    keys = (run[:, None] << np.uint64(32)) | rng.integers(0, values, (len(run), 20), dtype=np.uint64)
+    codes, distinct = _sorted_codes(keys.reshape(-1))
+    expected, expected_distinct = pd.factorize(keys.reshape(-1), sort=True)
+    assert codes.tolist() == expected.tolist()
+    assert distinct.tolist() == np.asarray(expected_distinct, np.uint64).tolist()

@@ -277,9 +277,22 @@ def _sorted_codes(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``pd.factorize(keys, sort=True)`` of uint64 keys: each key's rank among the distinct keys
     (int64) and the distinct keys, ascending. One stable argsort: 2.3x faster than the hash and
     sort of ``factorize`` on a run of small devices, whose values are nearly all distinct (16,384
-    windows of 15-window devices: 20 against 46 ms a channel)."""
-    order = np.argsort(keys, kind="stable")
-    ranked = keys[order]
+    windows of 15-window devices: 20 against 46 ms a channel). Where the keys' high bits (the
+    device's place in the run), their 32 low bits and a key's place fit in 64 bits, one sort of
+    ``key << bits | place`` (numpy's vectorised sort; the places only undo it) instead
+    (``run_codes`` of 1,613 10-window devices, 16,128 windows: 48 against 72 ms)."""
+    n = len(keys)
+    bits = max(1, (n - 1).bit_length())
+    high = int(keys.max(initial=0) >> np.uint64(32)).bit_length()
+    if high + 32 + bits <= 64:
+        packed = keys << np.uint64(bits)
+        packed |= np.arange(n, dtype=np.uint64)
+        packed.sort()
+        order = (packed & np.uint64((1 << bits) - 1)).astype(np.intp)
+        ranked = packed >> np.uint64(bits)
+    else:
+        order = np.argsort(keys, kind="stable")
+        ranked = keys[order]
     first = np.empty(len(ranked), dtype=bool)
     first[:1] = True
     np.not_equal(ranked[1:], ranked[:-1], out=first[1:])
