@@ -376,3 +376,104 @@ def test_docs_format_spells_each_arrays_attributes() -> None:
     assert table == ARRAY_ATTRIBUTES
     assert {name: _v2.ATTRIBUTES[name] for name in _v2.ARRAYS} == {
         name: ARRAY_ATTRIBUTES[name] for name in _v2.ARRAYS}
+
+
+# -- the device table's details: the bytes stored -------------------------------------------------
+
+DETAILS_DATA = Path(__file__).resolve().parent / "data" / "details"
+
+
+def _golden_csv_source(root: Path) -> Path:
+    """Three devices of CSV exports in two parts each (``_synthetic``, seed 5), one with a
+    malformed line (skipped: a problem, a bad line, a dropped row) and one whose last burst is
+    unfinished (a CSV tail)."""
+    from birdzarr.demo import _synthetic
+
+    source = root / "src"
+    _synthetic.make_csv_dir(source, n_devices=3, bursts_per_device=6, parts=2, seed=5)
+    files = sorted(source.iterdir())
+    with open(files[0], "a") as handle:
+        handle.write('not a row,"quoted\\ \u00e9\n')
+    lines = files[-1].read_text().splitlines(True)
+    files[-1].write_text("".join(lines[:-7]))
+    return source
+
+
+@pytest.mark.parametrize("name", ["csv_store", "csv_shuffled_store"])
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
+def test_the_stored_details_are_the_bytes_of_the_golden_store(tmp_path: Path, name: str) -> None:
+    """The device table's ``details`` array of a small CSV store, in device order and shuffled,
+    holds exactly the JSON bytes the commit wrote before it spelled them out a device at a time
+    (tests/data/details/*.json: written by 5cae983's ``json.dumps`` of the ``to_json`` dicts, the
+    source's directory written as SRC)."""
+    import zarr
+
+    import birdzarr
+
+    source = _golden_csv_source(tmp_path)
+    store = tmp_path / "s.zarr"
+    shuffled = name == "csv_shuffled_store"
+    birdzarr.convert(source, store, on_bad_rows="skip", progress=False, shuffle=shuffled,
+                     seed=1 if shuffled else None)
+    group = zarr.open_group(str(store), mode="r", zarr_format=3)
+    root: dict[str, Any] = dict(group.attrs["birdzarr"])  # type: ignore[arg-type]
+    details: Any = group[f"{root['committed']['device_table']}/details"]
+    stored = details[:].tobytes().replace(str(source).encode(), b"SRC")
+    golden = (DETAILS_DATA / f"{name}.json").read_bytes()
+    assert stored == golden
+    decoded = json.loads(golden)
+    assert root["committed"]["n_devices"] == len(decoded["devices"]) == 3
+    assert list(root["committed"]) == ["n_windows", "generation", "committed_at", "dictionary",
+                                       "device_table", "n_devices", "label_counts"]
+    labels = {"0": 2, "1": 4, "3": 1, "5": 9, "6": 2, "7": 1, "8": 3, "9": 5}
+    assert root["committed"]["label_counts"] == labels
+    totals = {"rows_read": 613, "bad_lines": 1, "bad_files": 0, "mixed_label_windows": 0,
+              "dropped": {"bad_rows": 1, "remainder_rows": 53}}
+    assert root["report"]["totals"] == totals
+
+
+def test_the_details_json_is_json_dumps_of_the_entries_and_reports_to_json() -> None:
+    """``details_json`` spells out, byte for byte, the compact ``json.dumps`` of the ``to_json``
+    dicts, for strings that need escaping (quotes, backslashes, control and non-ASCII
+    characters), several ranges, sources and labels (unsorted), empty ones, scattered checksums
+    and digests, the extreme timestamps, dropped reasons in their order and problems."""
+    from birdzarr.format import _device_table
+    from birdzarr.format._spec import DeviceEntry, DeviceRange, DeviceReport
+
+    odd = 'a "quoted" \\ back\tslash\n, caf\u00e9 \u2603 \U0001f426 \x00'
+    entries = [
+        DeviceEntry(3, 30, [DeviceRange(0, 10, "0000abcd"), DeviceRange(50, 70, odd)], -2**63, 2**63 - 1,
+                    ["3.csv", odd, "d\u00e9vice=3/part.parquet"], {9: 1, -1: 20, 2: 9}),
+        DeviceEntry(7),
+        DeviceEntry(11, 4, [], 1_337_000_000, 1_337_000_001, ["11.parquet"], {0: 4},
+                    scattered_checksum="89abcdef", scattered_digest=odd),
+    ]
+    reports = [(3, DeviceReport(35, 30, {"remainder_rows": 3, "bad_rows": 2}, 1, 2, 1, [odd, "second"])),
+               (7, DeviceReport()), (11, DeviceReport(80, 4, {}, 0, 0, 0, []))]
+    for tails in (None, {"devices": {"3": {"time": 5, "labels": [1, -1], "values": "AAA=", "bad_rows": [0]}},
+                         "unknown": [7, 11]}):
+        expected = {"devices": [e.to_json() for e in entries],
+                    "report_devices": {str(d): r.to_json() for d, r in reports}, "csv_tails": tails}
+        spelled = _device_table.details_json(entries, reports, tails)
+        assert spelled == json.dumps(expected, separators=(",", ":"), allow_nan=False).encode()
+        assert json.loads(spelled) == expected
+    assert _device_table.details_json([], [], None) == b'{"devices":[],"report_devices":{},"csv_tails":null}'
+
+
+def test_the_range_index_is_ordered_by_start_stop_and_device() -> None:
+    """The index arrays: one row a device by ascending id, the ranges by (start, stop, device)."""
+    from birdzarr.format import _device_table
+    from birdzarr.format._spec import DeviceEntry, DeviceRange
+
+    entries = [DeviceEntry(9, 5, [DeviceRange(40, 45, "a")], 10, 20),
+               DeviceEntry(2, 12, [DeviceRange(45, 50, "b"), DeviceRange(0, 7, "c")], 5, 6),
+               DeviceEntry(5, 0, [DeviceRange(7, 7, "d"), DeviceRange(7, 7, "e")]),
+               DeviceEntry(4, 0, [DeviceRange(7, 7, "f")])]
+    got = {name: values.tolist() for name, values in _device_table.columns(entries).items()}
+    unknown = -2**63
+    assert got == {"device_id": [2, 4, 5, 9], "n_windows": [12, 0, 0, 5],
+                   "first_time": [5, unknown, unknown, 10], "last_time": [6, unknown, unknown, 20],
+                   "range_device": [2, 4, 5, 5, 9, 2],
+                   "range_start": [0, 7, 7, 7, 40, 45], "range_stop": [7, 7, 7, 7, 45, 50]}
+    empty = _device_table.columns([])
+    assert all(len(values) == 0 and values.dtype == np.int64 for values in empty.values())
