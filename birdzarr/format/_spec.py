@@ -140,14 +140,17 @@ class DeviceEntry:
     scattered_digest: str | None = None
 
     def to_json(self) -> dict[str, Any]:
+        # (a format-2 commit spells this JSON out without the dict: format/_device_table.py details_json)
+        counts = self.label_counts
         return {
             "device_id": self.device_id,
             "n_windows": self.n_windows,
-            "ranges": [r.to_json() for r in self.ranges],
+            "ranges": [[r.start, r.stop, r.checksum] for r in self.ranges],
             "first_time": self.first_time,
             "last_time": self.last_time,
             "sources": list(self.sources),
-            "label_counts": {str(k): v for k, v in sorted(self.label_counts.items())},
+            "label_counts": ({str(k): v for k, v in counts.items()} if len(counts) < 2
+                             else {str(k): v for k, v in sorted(counts.items())}),
             "scattered_checksum": self.scattered_checksum,
             "scattered_digest": self.scattered_digest,
         }
