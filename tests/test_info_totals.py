@@ -12,7 +12,7 @@ import pytest
 import birdzarr
 from birdzarr.convert import append
 from birdzarr.demo import _synthetic
-from birdzarr.format._spec import report_totals
+from birdzarr.format._spec import DeviceReport, report_totals
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def test_info_reads_the_totals_from_the_root_and_equals_the_device_reports_sums(
         info = store.summary()
         assert "meta" not in store.__dict__ and "device_table" not in store.__dict__  # no table read
         devices = birdzarr.open_store(dest).meta["report"]["devices"]
-        expected = report_totals(devices)
+        expected = report_totals(DeviceReport.from_json(d) for d in devices.values())
         assert {k: info["report"][k] for k in expected} == expected
         assert expected["rows_read"] == sum(d["rows_read"] for d in devices.values()) > 0
         assert expected["bad_lines"] == 1
@@ -58,7 +58,8 @@ def test_a_store_without_recorded_totals_sums_its_device_reports(tmp_path: pathl
     assert "totals" not in store.root.get("report", {})
     info = store.summary()
     assert {k: info["report"][k] for k in ("rows_read", "bad_lines")} == {
-        k: report_totals(store.meta["report"]["devices"])[k] for k in ("rows_read", "bad_lines")}
+        k: report_totals(DeviceReport.from_json(d) for d in store.meta["report"]["devices"].values())[k]
+        for k in ("rows_read", "bad_lines")}
     assert info["devices"] == len(store.device_table)
 
 

@@ -249,7 +249,7 @@ class AppendWriter(Writer):
         meta = dict(self.meta)
         previous = meta["committed"]
         report = dict(meta.get("report", {}))
-        report["devices"] = {str(d): r.to_json() for d, r in sorted(self.reports.items())}
+        report.pop("devices", None)  # the device table: _write_device_table, from the objects
         report["appends"] = [*report.get("appends", []), {
             "started_at": self.started_at,
             "finished_at": _now(),
@@ -277,7 +277,7 @@ class AppendWriter(Writer):
             "generation": int(previous.get("generation", 1)) + 1,
             "committed_at": _now(),
         }
-        meta["devices"] = [self.devices[d].to_json() for d in sorted(self.devices)]
+        meta.pop("devices", None)
         meta["report"] = report
         return meta
 

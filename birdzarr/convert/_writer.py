@@ -232,20 +232,14 @@ class Writer:
         root = dict(attrs)
         report = dict(root.get("report") or {})
         entries = list(self.devices.values())
-        details: dict[str, Any] | bytes
-        if "devices" in root:  # the entries and reports as JSON already (an append's)
-            details = {"devices": root.pop("devices"), "report_devices": report.pop("devices", {}),
-                       "csv_tails": root.pop(CSV_TAILS, None)}
-            # the sums `info` shows, so that it reads the root alone at any device count
-            report["totals"] = report_totals(details["report_devices"])
-            n_devices, labels = len(details["devices"]), label_totals(details["devices"])
-        else:  # spelled out from the objects (_committed_attrs left them out): the same bytes
-            # (id, report) pairs made one at a time: 100K kept at once cost a garbage collection
-            reports = ((d, self.reports[d]) for d in sorted(self.reports))
-            details = device_table.details_json([self.devices[d] for d in sorted(self.devices)], reports,
-                                                root.pop(CSV_TAILS, None))
-            report["totals"] = _report_totals(self.reports.values())
-            n_devices, labels = len(entries), _label_totals(entries)
+        # the details' JSON spelled out from the objects (device_table.details_json), with the
+        # (id, report) pairs made one at a time: 100K kept at once cost a garbage collection
+        reports = ((d, self.reports[d]) for d in sorted(self.reports))
+        details = device_table.details_json([self.devices[d] for d in sorted(self.devices)], reports,
+                                            root.pop(CSV_TAILS, None))
+        # the sums `info` shows, so that it reads the root alone at any device count
+        report["totals"] = report_totals(self.reports.values())
+        n_devices, labels = len(entries), label_totals(entries)
         root["report"] = report
         committed = dict(root["committed"])
         where = device_table.path(int(committed["generation"]))
@@ -359,10 +353,6 @@ class StoreWriter(Writer):
         }
         committed = {"n_windows": self.n_windows, "generation": 1, "committed_at": _now()}
         attrs = self._attrs(committed=committed)
-        if self.coder is None:  # format 1 keeps them in the root; format 2's _write_device_table
-            # spells their JSON out from the objects, without building a dict a device
-            attrs["devices"] = [self.devices[d].to_json() for d in sorted(self.devices)]
-            report["devices"] = {str(d): r.to_json() for d, r in sorted(self.reports.items())}
         attrs["report"] = report
         layout = self.static_attrs.get("layout") or {}
         if self.static_attrs.get("source_kind") == "csv" and not layout.get("shuffled"):
@@ -380,30 +370,6 @@ class StoreWriter(Writer):
             "converter": {"name": "birdzarr", "version": __version__},
             "committed": committed,
         }
-
-
-def _label_totals(entries: Iterable[DeviceEntry]) -> dict[str, int]:
-    """``label_totals`` of the entries' JSON, from the entries themselves."""
-    totals: dict[int, int] = {}
-    for entry in entries:
-        for label, count in entry.label_counts.items():
-            totals[label] = totals.get(label, 0) + count
-    return {str(label): totals[label] for label in sorted(totals)}
-
-
-def _report_totals(reports: Iterable[DeviceReport]) -> dict[str, Any]:
-    """``report_totals`` of the reports' JSON, from the reports themselves."""
-    dropped: dict[str, int] = {}
-    rows_read = bad_lines = bad_files = mixed = 0
-    for r in reports:
-        rows_read += r.rows_read
-        bad_lines += r.bad_lines
-        bad_files += r.bad_files
-        mixed += r.mixed_label_windows
-        for reason, count in r.dropped.items():
-            dropped[reason] = dropped.get(reason, 0) + count
-    return {"rows_read": rows_read, "bad_lines": bad_lines, "bad_files": bad_files,
-            "mixed_label_windows": mixed, "dropped": dict(sorted(dropped.items()))}
 
 
 CSV_TAILS = "csv_tails"  # the root attribute: each device's unfinished last burst (docs/format.md)

@@ -6,6 +6,7 @@ its names. It has no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -170,31 +171,30 @@ class DeviceEntry:
         )
 
 
-def label_totals(devices: list[dict[str, Any]]) -> dict[str, int]:
-    """Windows per label over every device entry (JSON, ``label_counts`` of each), label as a
-    string in ascending order (-1: unlabelled), as a format-2 store records them in its root
-    ``committed.label_counts`` so that a store's summary reads no per-device JSON."""
+def label_totals(entries: Iterable[DeviceEntry]) -> dict[str, int]:
+    """Windows per label over every device entry, label as a string in ascending order (-1:
+    unlabelled), as a format-2 store records them in its root ``committed.label_counts`` so that
+    a store's summary reads no per-device JSON."""
     totals: dict[int, int] = {}
-    for entry in devices:
-        for label, count in (entry.get("label_counts") or {}).items():
-            totals[int(label)] = totals.get(int(label), 0) + int(count)
+    for entry in entries:
+        for label, count in entry.label_counts.items():
+            totals[label] = totals.get(label, 0) + count
     return {str(label): totals[label] for label in sorted(totals)}
 
 
-def report_totals(devices: dict[str, Any]) -> dict[str, Any]:
-    """The sums over every device's conversion report (``report.devices``: id -> the JSON of a
-    ``DeviceReport``), as a format-2 store records them in its root ``report.totals`` so that
-    ``birdzarr info`` reads no per-device JSON: rows read, bad lines and files, mixed-label
-    windows, and windows dropped by reason."""
+def report_totals(reports: Iterable[DeviceReport]) -> dict[str, Any]:
+    """The sums over every device's conversion report, as a format-2 store records them in its
+    root ``report.totals`` so that ``birdzarr info`` reads no per-device JSON: rows read, bad
+    lines and files, mixed-label windows, and windows dropped by reason."""
     dropped: dict[str, int] = {}
     rows_read = bad_lines = bad_files = mixed = 0
-    for entry in devices.values():
-        rows_read += int(entry["rows_read"])
-        bad_lines += int(entry["bad_lines"])
-        bad_files += int(entry.get("bad_files", 0))
-        mixed += int(entry["mixed_label_windows"])
-        for reason, count in entry["dropped"].items():
-            dropped[reason] = dropped.get(reason, 0) + int(count)
+    for r in reports:
+        rows_read += r.rows_read
+        bad_lines += r.bad_lines
+        bad_files += r.bad_files
+        mixed += r.mixed_label_windows
+        for reason, count in r.dropped.items():
+            dropped[reason] = dropped.get(reason, 0) + count
     return {"rows_read": rows_read, "bad_lines": bad_lines, "bad_files": bad_files,
             "mixed_label_windows": mixed, "dropped": dict(sorted(dropped.items()))}
 

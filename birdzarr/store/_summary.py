@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from birdzarr.format import _v2
-from birdzarr.format._spec import GIMU, report_totals
+from birdzarr.format._spec import GIMU, DeviceReport, report_totals
 from birdzarr.store._handle import Store
 
 _WINDOW_BYTES = 20 * 4 * 4  # a window as float32
@@ -37,7 +37,7 @@ def summary(store: Store) -> dict[str, Any]:
     if totals is None:
         meta = store.meta
         report = meta.get("report", {})
-        totals = report_totals(report.get("devices", {}))
+        totals = report_totals(DeviceReport.from_json(r) for r in report.get("devices", {}).values())
     raw = len(store) * _WINDOW_BYTES
     arrays = {name: stored_bytes(store, name) for name in window_arrays(store)}
     stored = sum(arrays.values())
