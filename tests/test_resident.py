@@ -305,8 +305,7 @@ def _with_plan_counts(batch: object) -> tuple[object, tuple[int, int, int, int]]
 
 @pytest.mark.slow
 def test_persistent_workers_start_each_epoch_on_a_plan_drawn_ahead(small_store: birdzarr.Store) -> None:
-    """Each persistent worker prepares the next epoch's plan while it serves this one (worker 0
-    draws it into shared memory, the other waits for it there); the next
+    """Each persistent worker draws the next epoch's plan while it serves this one; the next
     epoch takes it (exactly the batches of plans drawn directly, as with 0 workers); a set_epoch
     elsewhere drops it; a resume point inside a prepared epoch is exact."""
     options = {"batch_size": 700, "seed": 12, "progress": False}
@@ -334,77 +333,6 @@ def test_persistent_workers_start_each_epoch_on_a_plan_drawn_ahead(small_store: 
     state = ds.state_dict(batches_seen=0)
     ds.load_state_dict({**state, "epoch": 6, "next_batch": 3})  # inside the prepared epoch 6
     assert epoch(6, skip=3) == {w: (5, 3, 1) for w in (0, 1)}
-
-
-def _with_plans_drawn(batch: object) -> tuple[object, tuple[int, int]]:
-    """collate_fn (it runs in the worker): the batch, and the permutations this worker drew."""
-    from torch.utils.data import get_worker_info
-
-    info = get_worker_info()
-    assert info is not None
-    return batch, (info.id, info.dataset.resident.plans_drawn)  # type: ignore[attr-defined]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("persistent", [True, False])
-def test_workers_draw_each_epochs_permutation_once_and_share_it(small_store: birdzarr.Store,
-                                                                persistent: bool) -> None:
-    """With DataLoader workers each epoch's permutation is drawn once, by worker 0, into shared
-    memory, and the other workers read it there (they draw none); the batches are exactly those
-    of plans drawn directly, across set_epoch jumps and a resume point."""
-    options = {"batch_size": 700, "seed": 14, "progress": False}
-    ds, reference = _resident(small_store, **options), _resident(small_store, **options)
-    loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=persistent,
-                        multiprocessing_context="fork", collate_fn=_with_plans_drawn)
-    shared = ds._shared_plans
-    assert shared is not None and shared.rows.is_shared()
-    assert shared.nbytes == 2 * 4 * ds.windows_per_epoch  # two epochs' int32 rows: 8 B a window
-
-    def epoch(number: int, skip: int = 0) -> dict[int, int]:
-        """Each worker's permutations drawn, at its last batch of the epoch."""
-        got = [(x.clone(), drawn) for x, drawn in loader]  # type: ignore[union-attr]
-        expected = _expected(reference, small_store, number, skip)
-        assert len(got) == len(expected)
-        assert all(np.array_equal(x.numpy(), y) for (x, _), y in zip(got, expected, strict=True)), number
-        return {worker: drawn for _, (worker, drawn) in got}
-
-    for number in (0, 1, 5, 2):
-        ds.set_epoch(number)
-        drawn = epoch(number)
-        assert drawn[1] == 0, f"worker 1 drew its own permutation of epoch {number}"
-        assert drawn[0] >= 1
-    state = ds.state_dict(batches_seen=0)
-    ds.load_state_dict({**state, "epoch": 3, "next_batch": 3})  # inside epoch 3, drawn ahead by worker 0
-    assert epoch(3, skip=3)[1] == 0
-    assert ds.resident.plans_drawn == 0, "the training process drew nothing"
-
-
-def test_the_shared_plans_keep_the_served_epoch_and_refuse_a_stale_slot(
-        small_store: birdzarr.Store, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The writer puts an epoch drawn ahead in the other slot than the served one; a reader finds
-    an epoch only while a slot holds it ready (not while it is written), and gives up on one no
-    slot holds when its wait is abandoned or its patience is spent (then it draws it itself)."""
-    ds = _resident(small_store, batch_size=700, seed=3, progress=False)
-    shared = ds._shared_plans
-    assert shared is not None
-    draw = {e: ds._resident_draw(e) for e in range(4)}  # in this process: the private draws
-    plans = {e: shared.publish(e, draw[e], keep=e - 1) for e in range(4)}
-    held = [int(e) for e in shared.header[:, shared._EPOCH]]
-    assert sorted(held) == [2, 3]  # epoch 3 was drawn ahead while 2 was served: 2 kept
-    for e in (2, 3):
-        found = shared.wait(e)
-        assert found is not None and torch.equal(found.order.long(), draw[e]().order)
-        assert np.array_equal(found.offsets, plans[e].offsets)
-    assert shared.publish(3, lambda: pytest.fail("drawn again"), keep=2).order.data_ptr() == \
-        plans[3].order.data_ptr()
-    slot = held.index(3)
-    shared.header[slot, shared._STATE] = shared.WRITING  # as a writer that died mid-write leaves it
-    assert shared._ready(3) is None
-    shared.publish(3, draw[3], keep=2)  # drawn again, into that slot (not 2's)
-    assert shared._ready(2) is not None and shared._ready(3) is not None
-    assert shared.wait(9, abandoned=lambda: True) is None
-    monkeypatch.setattr(shared, "_PATIENCE", 0.0)
-    assert shared.wait(9) is None
 
 
 def test_a_version2_selection_is_held_in_one_row_a_window_on_the_host(small_store: birdzarr.Store) -> None:

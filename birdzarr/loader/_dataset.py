@@ -59,7 +59,7 @@ from birdzarr.store._handle import Store, open_store
 from birdzarr.store._selection import SPLIT_RULE, SelectionStats, make_selection
 
 if TYPE_CHECKING:
-    from birdzarr.loader._resident import ResidentPlan, ResidentSelection, SharedPlans
+    from birdzarr.loader._resident import ResidentPlan, ResidentSelection
 
 _T = TypeVar("_T")
 
@@ -353,7 +353,6 @@ class WindowDataset(IterableDataset[Batch]):
             self._cache = cache_for(opened, config.cache.directory, config.cache.max_bytes)
         self.resident: ResidentSelection | None = None
         self._balanced: tuple[LabelRows, int] | None = None  # label_weights: rows by label, epoch size
-        self._shared_plans: SharedPlans | None = None  # resident="cpu": epochs' plans of the workers
         if config.resident is not None:
             from birdzarr.loader._resident import ResidentSelection
 
@@ -364,11 +363,6 @@ class WindowDataset(IterableDataset[Batch]):
             )
             if config.balance is not None:
                 self._balanced = _balance(self.resident, config.balance)
-            if self.resident.device.type == "cpu":  # DataLoader workers draw each epoch once
-                self._shared_plans = self.resident.shared_plans(
-                    world_size=config.world_size, rank=config.rank, batch_size=config.batch_size,
-                    drop_last=config.drop_last,
-                    epoch_windows=None if self._balanced is None else self._balanced[1])
         elif config.shuffle and not opened.shuffled and not config.allow_device_order:
             refusal = _device_order_refusal(
                 opened.url, self.selection, opened.n_devices, self.counts, self.pool_chunks,
@@ -576,16 +570,11 @@ class WindowDataset(IterableDataset[Batch]):
         epoch = self.epoch if epoch is None else epoch
         return self._memoised("resident", epoch, self._resident_draw(epoch))
 
-    def _resident_draw(self, epoch: int, keep: int | None = None) -> Callable[[], ResidentPlan]:
-        """How to draw an epoch's resident plan: a pure function, safe on another thread.
-
-        In a DataLoader worker on the host the epoch is drawn once for all workers
-        (``SharedPlans``): worker 0 draws it into shared memory (never over the plan of epoch
-        ``keep``, the one it serves) and the others read it there."""
+    def _resident_draw(self, epoch: int) -> Callable[[], ResidentPlan]:
+        """How to draw an epoch's resident plan: a pure function, safe on another thread."""
         c, resident = self.config, self.resident
         assert resident is not None
         balanced, balance = self._balanced, c.balance
-        shared, info = self._shared_plans, get_worker_info()
 
         def compute() -> ResidentPlan:
             rows = None
@@ -596,13 +585,7 @@ class WindowDataset(IterableDataset[Batch]):
                                  batch_size=c.batch_size, drop_last=c.drop_last, shuffle=c.shuffle,
                                  epoch_rows=rows)
 
-        if shared is None or info is None:
-            return compute
-        if info.id == 0:
-            return lambda: shared.publish(epoch, compute, keep)
-        progress = self._progress  # drawn ahead: waited for while epoch ``keep`` or ``epoch`` is served
-        abandoned = None if keep is None else (lambda: progress.epoch not in (keep, epoch))
-        return lambda: shared.wait(epoch, abandoned) or compute()
+        return compute
 
     def label_shares(self) -> dict[int, tuple[float, int]] | None:
         """With ``label_weights``: each drawn label's share of an epoch and its windows in one
@@ -785,10 +768,10 @@ class WindowDataset(IterableDataset[Batch]):
                 rows = plan.rows(batch).numpy()
                 gathered = sink(len(rows), resident.filler(rows))
                 if i == 0:
-                    self._prepare("resident", epoch + 1, self._resident_draw(epoch + 1, keep=epoch))
+                    self._prepare("resident", epoch + 1, self._resident_draw(epoch + 1))
                 yield gathered
             if not batches:
-                self._prepare("resident", epoch + 1, self._resident_draw(epoch + 1, keep=epoch))
+                self._prepare("resident", epoch + 1, self._resident_draw(epoch + 1))
 
         return produce()
 

@@ -25,8 +25,7 @@ Each epoch, one permutation of all selected windows is drawn from ``(seed, epoch
 generator on the holding device; rank ``r`` takes a contiguous slice of it, split and cut into
 batches as streaming's plan does (``_sampling``: every window once over all ranks, the same
 number of batches of the same size); DataLoader workers (``resident="cpu"``) take every ``k``-th batch
-of their rank, so the order does not depend on ``num_workers``, and draw each epoch once between
-them (``SharedPlans``: worker 0 draws it into shared memory, the others read it there).
+of their rank, so the order does not depend on ``num_workers``.
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ from __future__ import annotations
 import math
 import os
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -65,9 +63,7 @@ _HEADROOM = 0.9  # use at most 90% of what is free: allocators and the batches n
 class ResidentPlan:
     """One rank's epoch in resident mode: its slice of the epoch's permutation."""
 
-    # resident row numbers of this rank's windows, on the holding device: int64, or int32 read
-    # in place from a DataLoader worker's ``SharedPlans``
-    order: torch.Tensor
+    order: torch.Tensor  # resident row numbers of this rank's windows, on the holding device
     offsets: np.ndarray  # batch boundaries in ``order``; len n_batches + 1
 
     @property
@@ -487,7 +483,7 @@ class ResidentSelection:
         rank (int64 rows; the whole permutation, 8 B a window of every rank, only while drawing)."""
         self.plans_drawn += 1
         n = len(self) if epoch_rows is None else len(epoch_rows)
-        per_rank, _ = rank_window_counts(n, world_size, batch_size, drop_last)
+        per_rank, n_batches = rank_window_counts(n, world_size, batch_size, drop_last)
         if epoch_rows is not None:
             order = torch.from_numpy(epoch_rows).to(self.device)
         elif shuffle:
@@ -500,14 +496,8 @@ class ResidentSelection:
         mine = order[start : start + int(per_rank[rank])]
         if len(mine) < len(order):  # a copy: the plan keeps this rank's rows, not every rank's
             mine = mine.clone()
-        return ResidentPlan(mine, plan_offsets(n, world_size, rank, batch_size, drop_last))
-
-    def shared_plans(self, *, world_size: int, rank: int, batch_size: int, drop_last: bool,
-                     epoch_windows: int | None = None) -> SharedPlans:
-        """Two epochs' plans of this rank in shared memory, for the DataLoader workers of this
-        process tree to draw each epoch once (``SharedPlans``)."""
-        n = len(self) if epoch_windows is None else epoch_windows
-        return SharedPlans(plan_offsets(n, world_size, rank, batch_size, drop_last))
+        sizes = batch_sizes(int(per_rank[rank]), n_batches, batch_size)
+        return ResidentPlan(mine, np.concatenate(([0], np.cumsum(sizes))).astype(np.int64))
 
     def epoch_size(self, *, world_size: int, rank: int, batch_size: int, drop_last: bool,
                    epoch_windows: int | None = None) -> tuple[int, int]:
@@ -631,119 +621,6 @@ class ResidentSelection:
         that pickling this object for a DataLoader worker never copies the codes out of shared
         memory."""
         return self.x.numpy().view(np.uint16)
-
-
-def plan_offsets(n: int, world_size: int, rank: int, batch_size: int, drop_last: bool) -> np.ndarray:
-    """Batch boundaries of rank ``rank``'s slice of an epoch of ``n`` windows (``ResidentPlan.offsets``):
-    the same every epoch, known without drawing."""
-    per_rank, n_batches = rank_window_counts(n, world_size, batch_size, drop_last)
-    sizes = batch_sizes(int(per_rank[rank]), n_batches, batch_size)
-    return np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
-
-
-class SharedPlans:
-    """One rank's epoch plans, drawn once per process tree and read by every DataLoader worker.
-
-    Two slots in shared memory (allocated by the training process, so that forked workers,
-    persistent or not, and spawned ones map the same pages), each one epoch's rows of this rank:
-    int32 (int64 from 2**31 windows), 8 B a window of the rank for both. Worker 0 is the one
-    writer (``publish``): it draws an epoch that no slot holds (``ResidentSelection.plan``, the
-    same pure function of (seed, epoch, world size, rank) as without workers) and copies it into
-    a slot, never the one of the epoch being served (``keep``); the other workers ``wait`` for it
-    and read the slot in place. A slot's header is ``(epoch, state, generation)``: the writer
-    marks it ``WRITING`` (with the epoch it draws) before it touches the rows and ``READY``
-    after, with a new generation, so a reader that sees the same ready generation before and
-    after reading the epoch has that epoch's rows (a sequence lock; readers never write).
-
-    Slots are reused only as DataLoader iterations allow: every worker of an iteration serves
-    the same epoch (the training process's ``set_epoch``), and a new iteration starts only once
-    every worker has finished the previous one, so the slot of the epoch served is never
-    overwritten while read. A writer that died mid-write (a non-persistent worker shut down
-    while drawing ahead) leaves its slot ``WRITING``: the next worker 0 draws that epoch again.
-    A reader that waits ``_PATIENCE`` seconds without seeing its epoch drawn or being drawn
-    draws it itself (the same rows): a missing writer costs a draw, never a hang."""
-
-    EMPTY, WRITING, READY = 0, 1, 2
-    _EPOCH, _STATE, _GENERATION = range(3)
-    _PATIENCE = 30.0  # seconds a reader waits for an epoch no slot holds or is drawing
-
-    def __init__(self, offsets: np.ndarray) -> None:
-        self.offsets = offsets
-        windows = int(offsets[-1])
-        dtype = torch.int32 if windows < 2**31 else torch.int64
-        self.rows = _host_empty((2, windows), dtype, shared=True)
-        self.header = torch.zeros((2, 3), dtype=torch.int64).share_memory_()
-        self.header[:, self._EPOCH] = -1
-        self._lock = threading.Lock()  # this process's writes, one at a time (its plan thread too)
-
-    @property
-    def nbytes(self) -> int:
-        return self.rows.numel() * self.rows.element_size()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        del state["_lock"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
-
-    def _ready(self, epoch: int) -> ResidentPlan | None:
-        """The plan of ``epoch`` if a slot holds it, read in place."""
-        header = self.header.numpy()
-        for slot in range(2):
-            state, generation = header[slot, self._STATE], header[slot, self._GENERATION]
-            if state != self.READY or header[slot, self._EPOCH] != epoch:
-                continue
-            if header[slot, self._GENERATION] == generation and header[slot, self._STATE] == self.READY:
-                return ResidentPlan(self.rows[slot], self.offsets)
-        return None
-
-    def _drawing(self, epoch: int) -> bool:
-        header = self.header.numpy()
-        return bool(((header[:, self._STATE] == self.WRITING) & (header[:, self._EPOCH] == epoch)).any())
-
-    def publish(self, epoch: int, draw: Any, keep: int | None = None) -> ResidentPlan:
-        """The writer (worker 0): the plan of ``epoch`` from its slot, drawn (``draw()``) into a
-        slot first if none holds it; never into the slot of epoch ``keep`` (the one served)."""
-        with self._lock:
-            found = self._ready(epoch)
-            if found is not None:
-                return found
-            plan: ResidentPlan = draw()
-            header = self.header.numpy()
-            slots = [s for s in range(2) if keep is None or header[s, self._EPOCH] != keep
-                     or header[s, self._STATE] != self.READY]
-            # a slot not ready (empty, or left mid-write), else the older of the two
-            slot = min(slots, key=lambda s: (header[s, self._STATE] == self.READY,
-                                             header[s, self._GENERATION]))
-            header[slot, self._STATE] = self.WRITING
-            header[slot, self._EPOCH] = epoch
-            self.rows[slot].copy_(plan.order)
-            header[slot, self._GENERATION] = header[:, self._GENERATION].max() + 1
-            header[slot, self._STATE] = self.READY
-            return ResidentPlan(self.rows[slot], self.offsets)
-
-    def wait(self, epoch: int, abandoned: Any = None) -> ResidentPlan | None:
-        """A reader (another worker): the plan of ``epoch`` once the writer has put it in a slot;
-        ``None`` after ``_PATIENCE`` seconds in which no slot held it or was drawing it, or as
-        soon as ``abandoned()`` says the epoch is no longer the one served or next (a wait on a
-        plan thread for an epoch drawn ahead, which ``set_epoch`` dropped: it then leaves the
-        thread to the next epoch's plan); the caller then draws it. Polled: 0.5 ms at first,
-        doubling to 20 ms (a draw of 2.5 M windows takes about 0.15 s)."""
-        delay, waited = 0.0005, 0.0
-        while True:
-            found = self._ready(epoch)
-            if found is not None:
-                return found
-            if abandoned is not None and abandoned():
-                return None
-            if waited >= self._PATIENCE and not self._drawing(epoch):
-                return None
-            time.sleep(delay)
-            waited += delay
-            delay = min(2 * delay, 0.02)
 
 
 def format2_window_bytes(gps_once: bool) -> int:
