@@ -373,6 +373,21 @@ def _partition_source(root: pathlib.Path, names: list[str], sizes: list[int], se
     return ids, windows
 
 
+def _count_read_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of devices each ``_parquet.read_runs`` call reads at once, from now on."""
+    from birdzarr.convert import _parquet
+
+    together: list[int] = []
+    read_runs = _parquet.read_runs
+
+    def counted(devices: list) -> object:
+        together.append(len(devices))
+        return read_runs(devices)
+
+    monkeypatch.setattr(_parquet, "read_runs", counted)
+    return together
+
+
 def _same_table(store: birdzarr.Store) -> None:
     """The table read as columns (not as DeviceEntry objects) holds what its entries hold, read
     from the store and from its JSON written either way a table group holds it: as the group's
@@ -456,21 +471,13 @@ def test_verify_source_compares_small_devices_together_and_says_what_each_alone_
     comparison, in device order, and every device counted once."""
     import pyarrow.parquet as pq
 
-    from birdzarr.convert import _parquet
 
     sizes = [4, 2, 5, 3, 6, 1, 4, 3, 2, 5, 4, 3]
     names = ["part-0.parquet", "part-1.parquet", "part-2.parquet"]
     ids, _ = _partition_source(tmp_path / "src", names, sizes)
     dest = tmp_path / "s.zarr"
     birdzarr.convert(tmp_path / "src", dest, chunk_windows=8, progress=False)
-    together: list[int] = []  # the devices each read_runs call read at once
-    read_runs = _parquet.read_runs
-
-    def counted(devices: list) -> object:
-        together.append(len(devices))
-        return read_runs(devices)
-
-    monkeypatch.setattr(_parquet, "read_runs", counted)
+    together = _count_read_runs(monkeypatch)
     clean = verify(dest, source=tmp_path / "src")
     assert clean.ok and clean.devices_compared == len(ids), clean.format()
     assert together == [len(ids)]  # one run: 47 windows
@@ -504,20 +511,12 @@ def test_verify_source_of_a_shuffled_store_compares_runs_of_devices_by_their_dig
     digests of the pass over the chunks; a device that differs is compared alone, as before."""
     import pyarrow.parquet as pq
 
-    from birdzarr.convert import _parquet
 
     sizes = [4, 2, 5, 3, 6, 1, 4, 3]
     ids, _ = _partition_source(tmp_path / "src", ["part-0.parquet", "part-1.parquet"], sizes)
     dest = tmp_path / "sh.zarr"
     birdzarr.convert(tmp_path / "src", dest, chunk_windows=8, shuffle=True, seed=1, progress=False)
-    together: list[int] = []
-    read_runs = _parquet.read_runs
-
-    def counted(devices: list) -> object:
-        together.append(len(devices))
-        return read_runs(devices)
-
-    monkeypatch.setattr(_parquet, "read_runs", counted)
+    together = _count_read_runs(monkeypatch)
     clean = verify(dest, source=tmp_path / "src")
     assert clean.ok and clean.devices_compared == len(ids), clean.format()
     assert together == [len(ids)]
