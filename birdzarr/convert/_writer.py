@@ -231,12 +231,11 @@ class Writer:
         attributes without it, which name the group."""
         root = dict(attrs)
         report = dict(root.get("report") or {})
-        entries = list(self.devices.values())
+        entries = [self.devices[d] for d in sorted(self.devices)]
         # the details' JSON spelled out from the objects (device_table.details_json), with the
         # (id, report) pairs made one at a time: 100K kept at once cost a garbage collection
         reports = ((d, self.reports[d]) for d in sorted(self.reports))
-        details = device_table.details_json([self.devices[d] for d in sorted(self.devices)], reports,
-                                            root.pop(CSV_TAILS, None))
+        details = device_table.details_json(entries, reports, root.pop(CSV_TAILS, None))
         # the sums `info` shows, so that it reads the root alone at any device count
         report["totals"] = report_totals(self.reports.values())
         n_devices, labels = len(entries), label_totals(entries)
