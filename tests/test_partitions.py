@@ -4,6 +4,8 @@ window attributed to the wrong device."""
 
 from __future__ import annotations
 
+import gc
+import json
 import pathlib
 import re
 import shutil
@@ -18,7 +20,12 @@ import birdzarr
 from birdzarr import BadInputError
 from birdzarr.cli import main
 from birdzarr.convert import _parquet, _segments
+from birdzarr.convert._summary import RunSummaries
+from birdzarr.convert._writer import StoreWriter
 from birdzarr.demo import _synthetic
+from birdzarr.format import _device_table as device_table
+from birdzarr.format._spec import TIMESTAMP_UNKNOWN as _TIME_UNKNOWN
+from birdzarr.format._spec import DeviceEntry, DeviceRange, DeviceReport
 
 SIZES = {3: 700, 8: 45, 15: 1300, 16: 1, 40: 380, 1000: 260}
 
@@ -327,3 +334,81 @@ def test_partition_files_verify_and_append(layouts: dict[str, pathlib.Path], tmp
     assert len(grown) == len(whole)
     for device in SIZES:
         assert np.array_equal(grown.device_windows(device), whole.device_windows(device)), device
+
+
+def _runs(**changes: object) -> RunSummaries:
+    """Four devices read together: two files for one, none for another's windows, labels mixed
+    for one, times known for some, report notes for two, names that JSON escapes."""
+    columns: dict[str, object] = dict(
+        device_ids=np.array([3, 5, 9, 12]), counts=np.array([2, 0, 3, 1]), starts=np.array([0, 2, 2, 5]),
+        checksums=np.array([1, 0, 0xFFFFFFFF, 16], np.uint32),
+        first_times=np.array([10, _TIME_UNKNOWN, 5, _TIME_UNKNOWN]),
+        last_times=np.array([20, _TIME_UNKNOWN, 7, _TIME_UNKNOWN]),
+        label_device=np.array([0, 0, 2, 2, 3]), label_value=np.array([-1, 4, 1, 2, 7]),
+        label_count=np.array([1, 1, 1, 2, 1]), names=['a"b.parquet', "\u00e9.parquet", "p"],
+        name_at=np.array([0, 1, 1, 0, 2, 2]), name_bounds=np.array([0, 2, 3, 5, 6]),
+        problems={1: ["note x", 'q"'], 3: ["z"]})
+    columns.update(changes)
+    return RunSummaries(**columns)  # type: ignore[arg-type]
+
+
+def test_devices_kept_as_columns_spell_the_table_their_entries_give() -> None:
+    """The device table of devices recorded as columns (``RunSummaries``), among devices recorded
+    as objects: the details' JSON and the index arrays are the ones their entries and reports
+    give, byte for byte, in ascending device id."""
+    runs = [_runs(), _runs(device_ids=np.array([30, 31, 32, 40]))]
+    objects = [DeviceEntry(device_id=4, n_windows=1, sources=["x"], label_counts={0: 1},
+                           ranges=[DeviceRange(9, 10, "0000abcd")]), DeviceEntry(device_id=35)]
+    reports = [(4, DeviceReport(rows_read=1, windows_written=1, dropped={"speed": 2})), (35, DeviceReport())]
+    summaries = [s for r in runs for s in r.summaries()]
+    entries = sorted(objects + [s.entry for s in summaries], key=lambda e: e.device_id)
+    every_report = sorted(reports + [(s.entry.device_id, s.report) for s in summaries])
+    assert [e.device_id for e in entries] == [3, 4, 5, 9, 12, 30, 31, 32, 35, 40]
+    assert summaries[1].report.problems == ["note x", 'q"'] and summaries[1].entry.ranges == []
+    assert summaries[2].entry.label_counts == {1: 1, 2: 2}
+    assert summaries[0].entry.sources == ['a"b.parquet', "\u00e9.parquet"]
+    expected = json.dumps({"devices": [e.to_json() for e in entries],
+                           "report_devices": {str(d): r.to_json() for d, r in every_report},
+                           "csv_tails": {"1": [2]}}, separators=(",", ":")).encode()
+    assert device_table.details_json(objects, reports, {"1": [2]}, runs) == expected
+    assert device_table.details_json(entries, every_report, {"1": [2]}) == expected
+    got, want = device_table.columns(objects, runs), device_table.columns(entries)
+    assert list(got) == list(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype and got[name].tolist() == want[name].tolist(), name
+
+
+def test_devices_read_together_reach_the_commit_as_columns(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """400 small devices of partition files: the writer records them as columns, so the commit
+    finds no entry, range or report object a device (the cyclic garbage collector walked ~6
+    such objects a device again and again: a second of a 100,000-device conversion), and the
+    store is the one reading each device alone gives."""
+    source = tmp_path / "parts"
+    source.mkdir()
+    owner = np.repeat(np.arange(1, 401), 3)
+    windows = _synthetic.curated_windows(len(owner), seed=4)
+    for number, rows in enumerate(np.split(np.arange(len(owner)), [601])):  # device 201 in both
+        table = pa.table({"device_id": pa.array(owner[rows], pa.int32()), "gimu": _gimu(windows[rows]),
+                          "label": pa.array(rows % 3 - 1, pa.int32())})
+        pq.write_table(table, source / f"part-{number}.parquet")
+    alive: list[int] = []
+
+    def counting(self: StoreWriter, *args: object, **kwargs: object) -> object:
+        alive.append(sum(isinstance(o, (DeviceEntry, DeviceRange, DeviceReport)) for o in gc.get_objects()))
+        return commit(self, *args, **kwargs)
+
+    commit = StoreWriter.commit
+    with monkeypatch.context() as patch:
+        patch.setattr(_segments, "RUN_WINDOWS", 0)  # the reference: every device read alone
+        birdzarr.convert(source, tmp_path / "alone.zarr", chunk_windows=256, workers=1, progress=False)
+    monkeypatch.setattr(StoreWriter, "commit", counting)
+    store = birdzarr.convert(source, tmp_path / "together.zarr", chunk_windows=256, workers=1, progress=False)
+    assert alive == [0]
+    assert store.device(201).sources == ["part-0.parquet", "part-1.parquet"]
+    assert store.device(7).label_counts == {-1: 1, 0: 1, 1: 1}
+    assert read_details(tmp_path / "alone.zarr") == read_details(tmp_path / "together.zarr")
+    alone, together = _files(tmp_path / "alone.zarr"), _files(tmp_path / "together.zarr")
+    assert sorted(alone) == sorted(together)
+    assert [n for n in alone if n != "zarr.json" and alone[n] != together[n]] == []

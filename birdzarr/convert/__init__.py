@@ -303,7 +303,7 @@ def _convert_here(
         require_windows(src.display, writer)
         if duplicates is not None and duplicates.counts:
             extra["duplicate_windows"] = duplicates.report()
-        ignored = _ignored_columns(r.problems for r in writer.reports.values())
+        ignored = _ignored_columns(writer.problems())
         if ignored:
             extra["ignored_columns"] = ignored
         writer.commit({"source": src.display, "seconds": round(seconds, 3), **extra})
@@ -340,7 +340,7 @@ def _on_engine(
 
 def require_windows(where: str, writer: StoreWriter) -> None:
     """Refuse to commit a store without a single window (all rows bad, filtered or too short)."""
-    if any(entry.n_windows for entry in writer.devices.values()):
+    if writer.has_windows():
         return
     rows = sum(r.rows_read for r in writer.reports.values())
     bad = sum(r.bad_lines for r in writer.reports.values())

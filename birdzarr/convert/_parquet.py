@@ -627,7 +627,31 @@ class PartitionRuns:
     timestamps: np.ndarray  # int64 (n,)
     labels: np.ndarray  # int32 (n,)
     counts: np.ndarray  # int64: each device's windows, in the order the devices were given
-    reports: list[DeviceReport]  # each device's, as its readers' blocks would report it
+    # the files read (one reading order of all of them), and device ``k``'s files in its reading
+    # order: ``files[file_at[file_bounds[k]:file_bounds[k + 1]]]``
+    files: list[Location]
+    file_at: np.ndarray
+    file_bounds: np.ndarray
+    notes: dict[int, str]  # file (its place in ``files``) -> the note its devices' reports carry
+
+    @property
+    def reports(self) -> list[DeviceReport]:
+        """Each device's report, as its readers' blocks would give it: its windows read and
+        written, and the notes of its files (built here: the conversion keeps them as columns,
+        ``_summary.summarize_run_columns``)."""
+        reports = [DeviceReport(rows_read=count, windows_written=count) for count in self.counts.tolist()]
+        for k in self.noted_devices():
+            for at in self.file_at[self.file_bounds[k]: self.file_bounds[k + 1]].tolist():
+                if at in self.notes:
+                    reports[k].note(self.notes[at])
+        return reports
+
+    def noted_devices(self) -> list[int]:
+        """The devices (their places) with a file that carries a note."""
+        if not self.notes:
+            return []
+        noted = np.isin(self.file_at, np.fromiter(self.notes, np.int64, len(self.notes)))
+        return np.unique(np.searchsorted(self.file_bounds, np.flatnonzero(noted), "right") - 1).tolist()
 
 
 _Piece = tuple[np.ndarray, int, int, np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]
@@ -674,39 +698,44 @@ def read_runs(devices: list[tuple[int, list[Location]]]) -> PartitionRuns | None
     ids = np.fromiter((d for d, _ in devices), np.int64, len(devices))
     if not len(ids) or (len(ids) > 1 and not (ids[1:] > ids[:-1]).all()):
         return None
-    place: dict[str, int] = {}  # file URL -> its place in one reading order of all the files
+    place: dict[int, int] = {}  # file (by identity; else URL) -> its place in one reading order
+    by_url: dict[str, int] = {}
     files: list[Location] = []
-    listing: list[list[int]] = []  # each file's devices (their places in ``devices``)
+    file_at: list[int] = []
+    file_bounds = np.zeros(len(devices) + 1, np.int64)
     for k, (_, paths) in enumerate(devices):
         last = -1
-        for path in paths:
-            at = place.get(path.url)
+        for path in paths:  # the devices of one partition file share its Location (find_inputs)
+            at = place.get(id(path))
             if at is None:
-                at = place[path.url] = len(files)
-                files.append(path)
-                listing.append([])
+                at = by_url.get(path.url)
+                if at is None:
+                    at = by_url[path.url] = len(files)
+                    files.append(path)
+                place[id(path)] = at
             if at <= last:  # two devices read these files in different orders
                 return None
             last = at
-            listing[at].append(k)
-    reports = [DeviceReport() for _ in devices]
+            file_at.append(at)
+        file_bounds[k + 1] = len(file_at)
+    at_of = np.array(file_at, np.int64)
+    device_of = np.repeat(np.arange(len(devices)), np.diff(file_bounds))
+    notes: dict[int, str] = {}
     pieces: list[_Piece] = []
     for at, path in enumerate(files):
         with _partition_index(path) as (index, file):
             if index is None:
                 return None
-            found = _pieces(path, file, index, ids[listing[at]], at)
+            found = _pieces(path, file, index, ids[device_of[at_of == at]], at)
         if found is None:
             return None
         pieces.extend(found)
         if index.extra:
-            note = ignored_note(path.display, index.extra)
-            for k in listing[at]:
-                reports[k].note(note)
+            notes[at] = ignored_note(path.display, index.extra)
     if not pieces:
         return PartitionRuns(np.empty(0, np.int64), np.empty((0, WINDOW_LENGTH, N_CHANNELS), np.float32),
                              np.empty(0, np.int64), np.empty(0, np.int32), np.zeros(len(ids), np.int64),
-                             reports)
+                             files, at_of, file_bounds, notes)
     who = np.concatenate([p[0] for p in pieces])
     # rows that lie in order (devices grouped in the file) are a slice, copied once below
     takes = [slice(int(p[3][0]), int(p[3][-1]) + 1) if bool((np.diff(p[3]) == 1).all()) else p[3]
@@ -720,9 +749,7 @@ def read_runs(devices: list[tuple[int, list[Location]]]) -> PartitionRuns | None
                             np.concatenate([np.full(len(p[0]), p[1]) for p in pieces]), who))
         who, windows, labels, times = who[order], windows[order], labels[order], times[order]
     counts = np.searchsorted(who, ids, "right") - np.searchsorted(who, ids, "left")
-    for report, count in zip(reports, counts.tolist(), strict=True):
-        report.rows_read = report.windows_written = count
-    return PartitionRuns(who, windows, times, labels, counts, reports)
+    return PartitionRuns(who, windows, times, labels, counts, files, at_of, file_bounds, notes)
 
 
 def no_device_message() -> str:

@@ -56,8 +56,8 @@ from birdzarr.convert._parquet import clear_group_cache, names_its_device, read_
 from birdzarr.convert._pipeline import bar_counter, count_on_bar
 from birdzarr.convert._readahead import read_ahead
 from birdzarr.convert._slabs import SlabWriter, writable_arrays
-from birdzarr.convert._sources import DeviceSource, source_names_of
-from birdzarr.convert._summary import DeviceSummary, Summarizer, summarize_runs
+from birdzarr.convert._sources import DeviceSource, file_name
+from birdzarr.convert._summary import DeviceSummary, RunSummaries, Summarizer, summarize_run_columns
 from birdzarr.convert._writer import SLABS_IN_FLIGHT, Writer
 from birdzarr.format import _v2
 from birdzarr.format._digest import window_hashes
@@ -272,6 +272,8 @@ class SegmentResult:
     rows: _v2.Dictionaries | None = None
     # an append's extended devices: their duplicate-check keys (``Continuation.extended``)
     keys: dict[int, DeviceKeys] = field(default_factory=dict)
+    # the summaries of devices read together (``place_runs``), as columns, in store order
+    runs: list[RunSummaries] = field(default_factory=list)
 
 
 # -- in a worker process -------------------------------------------------------------------------
@@ -381,9 +383,14 @@ def convert_segment(segment: Segment, dest_url: str, dest_options: dict[str, Any
             k = int(np.flatnonzero(found.counts != expected)[0])
             raise _miscounted(run[k][0].device_id, int(expected[k]), int(found.counts[k]))
         ids = [device.device_id for device, _, _ in run]
-        result.summaries.extend(summarize_runs(
-            ids, source_names_of(device for device, _, _ in run), [first for _, first, _ in run],
-            found.counts, found.windows, found.timestamps, found.labels, found.reports))
+        problems: dict[int, list[str]] = {}
+        if found.notes:
+            reports = found.reports
+            problems = {k: reports[k].problems for k in found.noted_devices()}
+        result.runs.append(summarize_run_columns(
+            np.asarray(ids, np.int64), np.fromiter((first for _, first, _ in run), np.int64, len(run)),
+            found.counts, found.windows, found.timestamps, found.labels, [file_name(f) for f in found.files],
+            found.file_at, found.file_bounds, problems))
         repeated = repeated_in_runs(window_hashes(found.windows, found.timestamps), found.counts)
         for k in np.flatnonzero(repeated).tolist():
             result.repeated[ids[k]] = int(repeated[k])
@@ -469,6 +476,7 @@ class SegmentCollector:
         self.total = segments[-1].stop if segments else first
         self.chunk_windows = writer.slabs.chunk_windows
         self.summaries: dict[int, DeviceSummary] = {}
+        self.runs: dict[int, RunSummaries] = {}  # by their first device
         self.waiting: dict[int, list[SharedChunkPart]] = {}
         # format 2: each segment's rows (by its first window), and the shared chunks' parts (with
         # the segment they came from), written once every segment's row numbers are known
@@ -483,6 +491,9 @@ class SegmentCollector:
     def add(self, segment: Segment, result: SegmentResult) -> None:
         for summary in result.summaries:
             self.summaries[summary.entry.device_id] = summary
+        for runs in result.runs:
+            if len(runs):
+                self.runs[int(runs.device_ids[0])] = runs
         # format 2 rows numbered in the segment are shifted at the end (a shuffle's are global already)
         if result.rows is not None:
             self.rows[segment.start] = result.rows
@@ -505,8 +516,16 @@ class SegmentCollector:
             self._number_rows()
         assert not self.waiting, "every shared chunk was written"
         for segment in self.segments:
-            for device, _, _ in segment.devices:
-                self.writer.record(self.summaries[device.device_id])
+            members, at = segment.devices, 0
+            while at < len(members):
+                device_id = members[at][0].device_id
+                runs = self.runs.get(device_id)
+                if runs is None:
+                    self.writer.record(self.summaries[device_id])
+                    at += 1
+                else:  # consecutive devices of the segment
+                    self.writer.record_runs(runs)
+                    at += len(runs)
 
     def _number_rows(self) -> None:
         """Format 2: every segment numbered its rows from 0; shift them after the rows of the

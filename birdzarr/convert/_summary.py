@@ -152,6 +152,128 @@ class Summarizer:
         return DeviceSummary(self.entry, self.report, self.tail)
 
 
+@dataclass
+class RunSummaries:
+    """The device-table entries and reports of devices stored as consecutive runs (read together
+    from partition files, ``_parquet.read_runs``), as columns: what ``summarize_runs`` gives as
+    one ``DeviceSummary`` a device, without an object a device (100,000 devices' entries,
+    ranges, reports and their lists are ~600,000 objects, which the cyclic garbage collector
+    walks again and again while a conversion runs). The writer keeps them so until its commit
+    spells out the table (``device_table.run_details_json``); ``summaries()`` gives the objects.
+
+    Device ``k`` (``device_ids`` ascending) has ``counts[k]`` windows (read and written) from
+    global window ``starts[k]``, the CRC-32C ``checksums[k]`` of them, the times
+    ``first_times[k]``..``last_times[k]``, the labels ``label_value[i]`` (``label_count[i]``
+    windows) for ``label_device[i] == k`` (by device, then label), the source files
+    ``names[name_at[name_bounds[k]:name_bounds[k + 1]]]`` and the report notes
+    ``problems.get(k, [])``."""
+
+    device_ids: np.ndarray
+    counts: np.ndarray
+    starts: np.ndarray
+    checksums: np.ndarray
+    first_times: np.ndarray
+    last_times: np.ndarray
+    label_device: np.ndarray
+    label_value: np.ndarray
+    label_count: np.ndarray
+    names: list[str]
+    name_at: np.ndarray
+    name_bounds: np.ndarray
+    problems: dict[int, list[str]]
+
+    def __len__(self) -> int:
+        return len(self.device_ids)
+
+    def label_counts(self) -> list[dict[int, int]]:
+        """Each device's label counts (an entry's ``label_counts``)."""
+        out: list[dict[int, int]] = [{} for _ in range(len(self))]
+        for k, label, count in zip(self.label_device.tolist(), self.label_value.tolist(),
+                                   self.label_count.tolist(), strict=True):
+            out[k][label] = count
+        return out
+
+    def sources(self) -> list[list[str]]:
+        """Each device's source file names (an entry's ``sources``)."""
+        names, at = self.names, self.name_at.tolist()
+        return [[names[i] for i in at[a:b]]
+                for a, b in zip(self.name_bounds[:-1].tolist(), self.name_bounds[1:].tolist(), strict=True)]
+
+    def summaries(self) -> list[DeviceSummary]:
+        """One ``DeviceSummary`` a device, as ``Summarizer`` gives them."""
+        out = []
+        for k, (device_id, count, start, crc, first, last, labels, files) in enumerate(zip(
+                self.device_ids.tolist(), self.counts.tolist(), self.starts.tolist(), self.checksums.tolist(),
+                self.first_times.tolist(), self.last_times.tolist(), self.label_counts(), self.sources(),
+                strict=True)):
+            if count:
+                entry = DeviceEntry(device_id=device_id, sources=files, n_windows=count, first_time=first,
+                                    last_time=last, label_counts=labels,
+                                    ranges=[DeviceRange(start, start + count, f"{crc:08x}")])
+            else:
+                entry = DeviceEntry(device_id=device_id, sources=files)
+            report = DeviceReport(rows_read=count, windows_written=count)
+            for note in self.problems.get(k, ()):
+                report.note(note)
+            out.append(DeviceSummary(entry, report))
+        return out
+
+
+def summarize_run_columns(device_ids: np.ndarray, starts: np.ndarray, counts: np.ndarray, windows: np.ndarray,
+                          timestamps: np.ndarray, labels: np.ndarray, names: list[str], name_at: np.ndarray,
+                          name_bounds: np.ndarray, problems: dict[int, list[str]]) -> RunSummaries:
+    """``summarize_runs`` of devices stored as consecutive runs whose reports are their windows
+    read and written and ``problems`` (read together from partition files), as columns
+    (``RunSummaries``): times by ``reduceat``, label counts by one sort, a checksum call a
+    device."""
+    bounds = np.concatenate(([0], np.cumsum(counts)))
+    first_times, last_times = _times(counts, bounds, timestamps)
+    label_device, label_value, label_count = _label_columns(counts, labels)
+    data = np.ascontiguousarray(windows, dtype="<f4").view(np.uint8)  # what extend_checksum reads
+    crc = google_crc32c.extend
+    checksums = np.fromiter((crc(0, data[a:b]) if b > a else 0
+                             for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True)),
+                            np.uint32, len(counts))
+    return RunSummaries(np.asarray(device_ids, np.int64), np.asarray(counts, np.int64),
+                        np.asarray(starts, np.int64), checksums, first_times, last_times, label_device,
+                        label_value, label_count, names, np.asarray(name_at, np.int64),
+                        np.asarray(name_bounds, np.int64), problems)
+
+
+def _times(counts: np.ndarray, bounds: np.ndarray, timestamps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each run's first and last known time (``TIMESTAMP_UNKNOWN`` where none is known)."""
+    held = np.flatnonzero(counts > 0)
+    first_times = np.full(len(counts), TIMESTAMP_UNKNOWN, np.int64)
+    last_times = np.full(len(counts), TIMESTAMP_UNKNOWN, np.int64)
+    if len(held):
+        at = bounds[held]
+        unknown = timestamps == TIMESTAMP_UNKNOWN
+        top = np.iinfo(np.int64).max
+        low = np.minimum.reduceat(np.where(unknown, top, timestamps), at)
+        first_times[held] = np.where(low == top, TIMESTAMP_UNKNOWN, low)
+        last_times[held] = np.maximum.reduceat(timestamps, at)  # unknown is int64's minimum
+    return first_times, last_times
+
+
+def _label_columns(counts: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(run, label, windows) of each label in each run, by run then label: one label for all
+    (Parquet without labels) at once, else by one sort."""
+    held = np.flatnonzero(counts > 0)
+    if not len(labels):
+        empty = np.empty(0, np.int64)
+        return empty, empty, empty
+    if labels.min() == labels.max():
+        label = np.full(len(held), int(labels[0]), np.int64)
+        return held.astype(np.int64), label, counts[held].astype(np.int64)
+    run = np.repeat(np.arange(len(counts)), counts)
+    order = np.lexsort((labels, run))
+    keyed_run, keyed_label = run[order], labels[order]
+    changes = (keyed_run[1:] != keyed_run[:-1]) | (keyed_label[1:] != keyed_label[:-1])
+    edge = np.flatnonzero(np.r_[True, changes])
+    sizes = np.diff(np.append(edge, len(order)))
+    return keyed_run[edge].astype(np.int64), keyed_label[edge].astype(np.int64), sizes.astype(np.int64)
+
+
 def summarize_runs(device_ids: list[int], sources: list[list[str]], starts: list[int] | None,
                    counts: np.ndarray, windows: np.ndarray, timestamps: np.ndarray, labels: np.ndarray,
                    reports: list[DeviceReport], hashes: np.ndarray | None = None) -> list[DeviceSummary]:
@@ -165,32 +287,10 @@ def summarize_runs(device_ids: list[int], sources: list[list[str]], starts: list
     the windows' ``window_hashes``, found here where not given)."""
     bounds = np.concatenate(([0], np.cumsum(counts)))
     held = np.flatnonzero(counts > 0)
-    first_times = np.full(len(counts), TIMESTAMP_UNKNOWN, np.int64)
-    last_times = np.full(len(counts), TIMESTAMP_UNKNOWN, np.int64)
-    if len(held):
-        at = bounds[held]
-        unknown = timestamps == TIMESTAMP_UNKNOWN
-        top = np.iinfo(np.int64).max
-        low = np.minimum.reduceat(np.where(unknown, top, timestamps), at)
-        first_times[held] = np.where(low == top, TIMESTAMP_UNKNOWN, low)
-        last_times[held] = np.maximum.reduceat(timestamps, at)  # unknown is int64's minimum
-    # label counts: one label for all (Parquet without labels) at once, else by one sort
-    run = np.repeat(np.arange(len(counts)), counts)
-    one_label = len(labels) and labels.min() == labels.max()
+    first_times, last_times = _times(counts, bounds, timestamps)
     per_device: list[dict[int, int]] = [{} for _ in counts]
-    if one_label:
-        label = int(labels[0])
-        for k in held.tolist():
-            per_device[k][label] = int(counts[k])
-    elif len(labels):
-        order = np.lexsort((labels, run))
-        keyed_run, keyed_label = run[order], labels[order]
-        changes = (keyed_run[1:] != keyed_run[:-1]) | (keyed_label[1:] != keyed_label[:-1])
-        edge = np.flatnonzero(np.r_[True, changes])
-        sizes = np.diff(np.append(edge, len(order)))
-        for k, label, size in zip(keyed_run[edge].tolist(), keyed_label[edge].tolist(), sizes.tolist(),
-                                  strict=True):
-            per_device[k][label] = size
+    for k, label, size in zip(*(column.tolist() for column in _label_columns(counts, labels)), strict=True):
+        per_device[k][label] = size
     if starts is None:
         return _scattered(device_ids, sources, counts, bounds, held, first_times, last_times, per_device,
                           window_hashes(windows, timestamps) if hashes is None else hashes, labels, reports)

@@ -26,7 +26,7 @@ from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._cpus import resolve_workers
 from birdzarr.convert._csv import tail_to_json
 from birdzarr.convert._slabs import EVERY_CHUNK, SlabWriter
-from birdzarr.convert._summary import DeviceSummary, Summarizer
+from birdzarr.convert._summary import DeviceSummary, RunSummaries, Summarizer
 from birdzarr.format import _device_table as device_table
 from birdzarr.format import _v2
 from birdzarr.format._codec import per_window_codecs
@@ -92,6 +92,8 @@ class Writer:
         self.reports: dict[int, DeviceReport] = {}
         # CSV: each device's unfinished last burst (rows, maybe none); None where it is unknown
         self.tails: dict[int, Any] = {}
+        # devices recorded as columns (``record_runs``), beside ``devices`` and ``reports``
+        self.runs: list[RunSummaries] = []
         self.started_at = _now()
         self.group: zarr.Group | None = None  # set by _open as soon as it is open
         self._slabs: SlabWriter | None = None
@@ -182,6 +184,23 @@ class Writer:
         """Enter a device that tasks wrote (``reserve``) in the table and report."""
         raise NotImplementedError
 
+    def record_runs(self, runs: RunSummaries) -> None:
+        """Enter devices that tasks wrote as consecutive runs (``reserve``), given as columns; a
+        writer that does not keep them so records each one's summary."""
+        for summary in runs.summaries():
+            self.record(summary)
+
+    def has_windows(self) -> bool:
+        """Whether any device recorded so far has a window."""
+        return (any(entry.n_windows for entry in self.devices.values())
+                or any(bool(runs.counts.any()) for runs in self.runs))
+
+    def problems(self) -> Iterable[list[str]]:
+        """Every recorded device's report notes (``DeviceReport.problems``)."""
+        yield from (report.problems for report in self.reports.values())
+        for runs in self.runs:
+            yield from runs.problems.values()
+
     def add_rows(self, rows: _v2.Dictionaries) -> None:
         """Format 2: dictionary rows coded elsewhere (a worker process, a Dask task), numbered
         after every row added before them; stored at the commit."""
@@ -232,17 +251,22 @@ class Writer:
         root = dict(attrs)
         report = dict(root.get("report") or {})
         entries = [self.devices[d] for d in sorted(self.devices)]
-        # the details' JSON spelled out from the objects (device_table.details_json), with the
-        # (id, report) pairs made one at a time: 100K kept at once cost a garbage collection
+        runs = self.runs
+        _refuse_repeated(entries, runs)
+        # the details' JSON spelled out from the objects and the runs' columns
+        # (device_table.details_json), with the (id, report) pairs made one at a time: 100K kept
+        # at once cost a garbage collection
         reports = ((d, self.reports[d]) for d in sorted(self.reports))
-        details = device_table.details_json(entries, reports, root.pop(CSV_TAILS, None))
+        details = device_table.details_json(entries, reports, root.pop(CSV_TAILS, None), runs)
         # the sums `info` shows, so that it reads the root alone at any device count
-        report["totals"] = report_totals(self.reports.values())
-        n_devices, labels = len(entries), label_totals(entries)
+        totals = report_totals(self.reports.values())
+        totals["rows_read"] += sum(int(r.counts.sum()) for r in runs)  # a run's other counts are 0
+        report["totals"] = totals
+        n_devices, labels = len(entries) + sum(len(r) for r in runs), _label_totals(entries, runs)
         root["report"] = report
         committed = dict(root["committed"])
         where = device_table.path(int(committed["generation"]))
-        write_device_table(self.location, where, details, entries)
+        write_device_table(self.location, where, details, entries, runs)
         committed["device_table"] = where
         committed["n_devices"] = n_devices
         committed["label_counts"] = labels
@@ -331,6 +355,11 @@ class StoreWriter(Writer):
         window's device id, and the caller records the devices' summaries (``record``)."""
         self.slabs.add(-1, block)
 
+    def record_runs(self, runs: RunSummaries) -> None:
+        """Enter devices written by ``reserve`` as consecutive runs, kept as columns until the
+        commit (a device given twice is refused there)."""
+        self.runs.append(runs)
+
     def record(self, summary: DeviceSummary) -> None:
         """Enter a device written by ``write_mixed`` or ``reserve`` in the table and report."""
         device_id = summary.entry.device_id
@@ -374,14 +403,38 @@ class StoreWriter(Writer):
 CSV_TAILS = "csv_tails"  # the root attribute: each device's unfinished last burst (docs/format.md)
 
 
+def _refuse_repeated(entries: list[DeviceEntry], runs: list[RunSummaries]) -> None:
+    """A device recorded twice, among the entries and the runs (``record`` refuses it among the
+    entries as they come)."""
+    if not runs:
+        return
+    ids = np.sort(np.concatenate([np.fromiter((e.device_id for e in entries), np.int64, len(entries)),
+                                  *(r.device_ids for r in runs)]))
+    twice = np.flatnonzero(ids[1:] == ids[:-1])
+    if len(twice):
+        raise NotAStoreError(f"device {int(ids[twice[0]])} was given twice in one conversion")
+
+
+def _label_totals(entries: list[DeviceEntry], runs: list[RunSummaries]) -> dict[str, int]:
+    """``label_totals`` of the entries and the runs' devices."""
+    totals = {int(label): count for label, count in label_totals(entries).items()}
+    for r in runs:
+        found, index = np.unique(r.label_value, return_inverse=True)
+        sums = np.bincount(index.reshape(-1), weights=r.label_count, minlength=len(found))
+        for label, count in zip(found.tolist(), sums.astype(np.int64).tolist(), strict=True):
+            totals[label] = totals.get(label, 0) + count
+    return {str(label): totals[label] for label in sorted(totals)}
+
+
 def write_device_table(location: Location, where: str, details: dict[str, Any] | bytes,
-                       entries: list[DeviceEntry]) -> None:
+                       entries: list[DeviceEntry], runs: list[RunSummaries] | None = None) -> None:
     """Write a format-2 device table group at ``where`` (its attributes and index arrays);
-    ``details``: the object of the ``details`` array, or its JSON (``device_table.details_json``)."""
+    ``details``: the object of the ``details`` array, or its JSON (``device_table.details_json``);
+    ``runs``: devices recorded as columns, beside ``entries``."""
     store = zarr_store(location, read_only=False)
     documents = {device_table.GROUP: {"zarr_format": 3, "node_type": "group", "attributes": {}},
                  where: device_table.group_metadata()}
-    arrays = device_table.columns(entries)
+    arrays = device_table.columns(entries, runs or ())
     for name, values in arrays.items():
         documents[f"{where}/{name}"] = device_table.array_metadata(len(values))
     if not isinstance(details, bytes):

@@ -25,13 +25,18 @@ the table lazily, after the root, and one that opened just before a commit still
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from json.encoder import encode_basestring_ascii as _string
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from birdzarr.format._spec import DeviceEntry, DeviceReport
+
+if TYPE_CHECKING:
+    from birdzarr.convert._summary import RunSummaries
 
 GROUP = "device_table"
 COLUMNS = ("device_id", "n_windows", "first_time", "last_time")
@@ -48,8 +53,9 @@ def path(generation: int) -> str:
     return f"{GROUP}/{generation}"
 
 
-def columns(entries: list[DeviceEntry]) -> dict[str, np.ndarray]:
-    """The index arrays of ``entries`` (ascending device id); the ranges by (start, stop, device)."""
+def columns(entries: list[DeviceEntry], runs: Sequence[RunSummaries] = ()) -> dict[str, np.ndarray]:
+    """The index arrays of ``entries`` and of the devices of ``runs`` (ascending device id); the
+    ranges by (start, stop, device)."""
     entries = sorted(entries, key=lambda e: e.device_id)
     n = len(entries)
     out = {
@@ -61,6 +67,16 @@ def columns(entries: list[DeviceEntry]) -> dict[str, np.ndarray]:
     device = np.array([e.device_id for e in entries for _ in e.ranges], np.int64)
     start = np.array([r.start for e in entries for r in e.ranges], np.int64)
     stop = np.array([r.stop for e in entries for r in e.ranges], np.int64)
+    if runs:
+        parts = [(out["device_id"], out["n_windows"], out["first_time"], out["last_time"])]
+        parts += [(r.device_ids, r.counts, r.first_times, r.last_times) for r in runs]
+        joined = [np.concatenate(column).astype(np.int64) for column in zip(*parts, strict=True)]
+        by_id = np.argsort(joined[0], kind="stable")
+        out = {name: column[by_id] for name, column in zip(COLUMNS, joined, strict=True)}
+        held = [r.counts > 0 for r in runs]
+        device = np.concatenate([device, *(r.device_ids[h] for r, h in zip(runs, held, strict=True))])
+        start = np.concatenate([start, *(r.starts[h] for r, h in zip(runs, held, strict=True))])
+        stop = np.concatenate([stop, *(r.starts[h] + r.counts[h] for r, h in zip(runs, held, strict=True))])
     order = np.lexsort((device, stop, start))  # the last key first: start, then stop, then device
     out["range_device"], out["range_start"], out["range_stop"] = device[order], start[order], stop[order]
     return out
@@ -106,15 +122,106 @@ def _report_json(device_id: int, r: DeviceReport) -> str:
                       r.bad_lines, r.bad_files, problems)
 
 
+# A device of ``RunSummaries`` (one range or none, no scattered checksum or digest; its report
+# its windows read and written and its notes): the text ``_ENTRY`` and ``_REPORT`` give for its
+# ``summaries()``, put together by Arrow's string kernels a column at a time (``%`` a device cost
+# ~5 us a device: half a second at 100,000 devices)
+_RUN_ENTRY = ('{"device_id":', ',"n_windows":', ',"ranges":[', '],"first_time":', ',"last_time":',
+              ',"sources":[', '],"label_counts":{', '},"scattered_checksum":null,"scattered_digest":null}')
+_RUN_REPORT = ('"', '":{"rows_read":', ',"windows_written":', ',"dropped":{},"mixed_label_windows":0,'
+               '"bad_lines":0,"bad_files":0,"problems":[', ']}')
+_HEX = np.frombuffer(b"0123456789abcdef", np.uint8)
+
+
+def _text(value: str) -> pa.Scalar:
+    return pa.scalar(value, pa.large_string())
+
+
+def _decimal(values: np.ndarray) -> pa.Array:
+    """Integers as JSON spells them."""
+    return pc.cast(pa.array(np.asarray(values, np.int64)), pa.large_string())
+
+
+def _hex8(values: np.ndarray) -> pa.Array:
+    """uint32 values as 8 lowercase hex digits (``f"{v:08x}"``)."""
+    digits = _HEX[(np.asarray(values, np.uint32)[:, None] >> np.arange(28, -1, -4, dtype=np.uint32)) & 0xF]
+    fixed = pa.FixedSizeBinaryArray.from_buffers(pa.binary(8), len(values),
+                                                 [None, pa.py_buffer(digits.tobytes())])
+    return fixed.cast(pa.large_binary()).cast(pa.large_string())
+
+
+def _joined(values: pa.Array, offsets: np.ndarray, separator: str = ",") -> pa.Array:
+    """``separator.join(values[offsets[k]:offsets[k + 1]])`` for each ``k``."""
+    lists = pa.LargeListArray.from_arrays(pa.array(np.asarray(offsets, np.int64)), values)
+    return pc.binary_join(lists, _text(separator))
+
+
+def _concat(*parts: pa.Array | pa.Scalar) -> pa.Array:
+    return pc.binary_join_element_wise(*parts, _text(""))
+
+
+def _run_json(runs: RunSummaries) -> tuple[pa.Array, pa.Array]:
+    """Each device's entry and report JSON, spelled from the columns of ``runs``."""
+    n = len(runs)
+    ids, counts = _decimal(runs.device_ids), _decimal(runs.counts)
+    held = runs.counts > 0
+    starts = runs.starts.astype(np.int64)
+    spans = _concat(_text("["), _decimal(starts), _text(","), _decimal(starts + runs.counts), _text(',"'),
+                    _hex8(runs.checksums), _text('"]'))
+    spans = pc.if_else(pa.array(held), spans, _text(""))
+    names = pa.array([_string(name) for name in runs.names], pa.large_string())
+    sources = _joined(names.take(pa.array(runs.name_at)), runs.name_bounds)
+    pairs = _concat(_text('"'), _decimal(runs.label_value), _text('":'), _decimal(runs.label_count))
+    per_device = np.bincount(np.asarray(runs.label_device, np.int64), minlength=n)
+    labels = _joined(pairs, np.concatenate(([0], np.cumsum(per_device))))
+    e = [_text(t) for t in _RUN_ENTRY]
+    entries = _concat(e[0], ids, e[1], counts, e[2], spans, e[3], _decimal(runs.first_times), e[4],
+                      _decimal(runs.last_times), e[5], sources, e[6], labels, e[7])
+    notes: pa.Array | pa.Scalar = _text("")
+    if runs.problems:
+        spelled = [""] * n
+        for k, problems in runs.problems.items():
+            spelled[k] = ",".join([_string(p) for p in problems])
+        notes = pa.array(spelled, pa.large_string())
+    r = [_text(t) for t in _RUN_REPORT]
+    reports = _concat(r[0], ids, r[1], counts, r[2], counts, r[3], notes, r[4])
+    return entries, reports
+
+
+def _in_order(ids: list[np.ndarray], texts: list[pa.Array]) -> bytes:
+    """The texts joined by commas in ascending order of their ids."""
+    every = pa.concat_arrays([text for text in texts if len(text)] or texts[:1])
+    joined = np.concatenate(ids)
+    if len(joined) > 1 and not bool((joined[1:] > joined[:-1]).all()):  # in order already: most often
+        every = every.take(pa.array(np.argsort(joined, kind="stable")))
+    if not len(every):
+        return b""
+    return _joined(every, np.array([0, len(every)]))[0].as_buffer().to_pybytes()
+
+
 def details_json(entries: Iterable[DeviceEntry], reports: Iterable[tuple[int, DeviceReport]],
-                 csv_tails: dict[str, Any] | None) -> bytes:
+                 csv_tails: dict[str, Any] | None, runs: Sequence[RunSummaries] = ()) -> bytes:
     """The UTF-8 JSON of the ``details`` array: ``{"devices": [entry.to_json(), ...],
     "report_devices": {str(id): report.to_json(), ...}, "csv_tails": csv_tails}``, compact, in
-    the order given (the writer gives ascending device ids)."""
-    devices = ",".join([_entry_json(e) for e in entries])
-    report_devices = ",".join([_report_json(d, r) for d, r in reports])
-    tails = json.dumps(csv_tails, separators=(",", ":"), allow_nan=False, check_circular=False)
-    return f'{{"devices":[{devices}],"report_devices":{{{report_devices}}},"csv_tails":{tails}}}'.encode()
+    the order given (the writer gives ascending device ids), the devices of ``runs`` among them
+    by ascending device id (spelled from their columns: ``_run_json``)."""
+    tails = json.dumps(csv_tails, separators=(",", ":"), allow_nan=False, check_circular=False).encode()
+    if runs:
+        entries, reports = list(entries), list(reports)
+        spelled = [_run_json(r) for r in runs]
+        entry_ids = [np.fromiter((e.device_id for e in entries), np.int64, len(entries))]
+        report_ids = [np.fromiter((d for d, _ in reports), np.int64, len(reports))]
+        entry_ids += [r.device_ids for r in runs]
+        report_ids += [r.device_ids for r in runs]
+        devices = _in_order(entry_ids, [pa.array([_entry_json(e) for e in entries], pa.large_string()),
+                                        *(s[0] for s in spelled)])
+        report_devices = _in_order(report_ids, [pa.array([_report_json(d, r) for d, r in reports],
+                                                         pa.large_string()), *(s[1] for s in spelled)])
+    else:
+        devices = ",".join([_entry_json(e) for e in entries]).encode()
+        report_devices = ",".join([_report_json(d, r) for d, r in reports]).encode()
+    return b"".join([b'{"devices":[', devices, b'],"report_devices":{', report_devices,
+                     b'},"csv_tails":', tails, b"}"])
 
 
 def array_metadata(length: int) -> dict[str, Any]:
