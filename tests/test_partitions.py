@@ -412,3 +412,28 @@ def test_devices_read_together_reach_the_commit_as_columns(
     alone, together = _files(tmp_path / "alone.zarr"), _files(tmp_path / "together.zarr")
     assert sorted(alone) == sorted(together)
     assert [n for n in alone if n != "zarr.json" and alone[n] != together[n]] == []
+
+
+def test_devices_of_one_partition_file_share_one_list_of_it(tmp_path: pathlib.Path) -> None:
+    """find_inputs groups the devices of partition files as arrays: a device found in one file
+    alone shares one list of that file with the others (no list a device), a device split over
+    files lists them in natural order (part-2 before part-10), each with its rows counted."""
+    from birdzarr.convert._sources import find_inputs
+    from birdzarr.storage._location import resolve
+
+    source = tmp_path / "parts"
+    source.mkdir()
+    holds = {"part-10.parquet": [5, 5, 7, 9, 9, 9], "part-2.parquet": [3, 4, 4, 7, 1]}
+    for name, owner in holds.items():
+        table = pa.table({"device_id": pa.array(owner, pa.int32()),
+                          "gimu": _gimu(_synthetic.curated_windows(len(owner), seed=1))})
+        pq.write_table(table, source / name, row_group_size=2)
+    devices = find_inputs(resolve(str(source))).devices
+    assert [(d.device_id, [f.display.rsplit("/", 1)[-1] for f in d.files], d.partition_rows)
+            for d in devices] == [
+        (1, ["part-2.parquet"], 1), (3, ["part-2.parquet"], 1), (4, ["part-2.parquet"], 2),
+        (5, ["part-10.parquet"], 2), (7, ["part-2.parquet", "part-10.parquet"], 2),
+        (9, ["part-10.parquet"], 3)]
+    by_id = {d.device_id: d for d in devices}
+    assert by_id[1].files is by_id[3].files is by_id[4].files
+    assert by_id[5].files is by_id[9].files and by_id[7].files is not by_id[1].files

@@ -530,3 +530,40 @@ def test_verify_source_of_a_shuffled_store_compares_runs_of_devices_by_their_dig
     assert result.problems == [f"device {ids[4]}: 1 window(s) (with their times and labels) differ from "
                                "the sources (compared as sets: the store is shuffled)"]
     assert result.devices_compared == len(ids)
+
+
+def test_verify_source_starts_the_next_run_with_the_device_that_did_not_fit(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A device that would take a run past its windows starts the next run (it is not read and
+    compared alone): every device of partition files is compared in a run, and the result is the
+    same. Each device's entry is found by one search over the sorted ids."""
+    from birdzarr.maintenance import _verify
+
+    sizes = [4, 2, 5, 3, 6, 1, 4, 3, 2, 5, 4, 3]
+    ids, _ = _partition_source(tmp_path / "src", ["part-0.parquet", "part-1.parquet"], sizes)
+    dest = tmp_path / "s.zarr"
+    birdzarr.convert(tmp_path / "src", dest, chunk_windows=8, progress=False)
+    monkeypatch.setattr(_verify, "_RUN_WINDOWS", 10)
+    alone: list[int] = []
+    derive = _verify.derive_device
+
+    def counted(store: object, device: object, *args: object) -> object:
+        alone.append(device.device_id)  # type: ignore[attr-defined]
+        return derive(store, device, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_verify, "derive_device", counted)
+    together = _count_read_runs(monkeypatch)
+    result = verify(dest, source=tmp_path / "src")
+    assert result.ok and result.devices_compared == len(ids), result.format()
+    assert together == [2, 2, 2, 3, 2, 1] and alone == []  # runs of at most 10 windows, greedily
+
+
+def test_rows_of_finds_each_ids_entry_or_none() -> None:
+    from birdzarr.format._spec import DeviceEntry
+    from birdzarr.maintenance import _verify
+
+    table = _verify._Table.of_entries([DeviceEntry(device_id=d) for d in (30, 4, 17, 4)])
+    rows = _verify._rows_of(table, np.array([4, 5, 17, 30, 31, 0]))
+    assert rows.tolist() == [3, -1, 2, 0, -1, -1]  # a repeated id: its last entry
+    assert _verify._rows_of(_verify._Table.of_entries([]), np.array([1])).tolist() == [-1]

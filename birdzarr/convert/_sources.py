@@ -292,26 +292,23 @@ def _pair(one: _Entry, other: _Entry) -> str:
 
 
 def _group_parquet(entries: list[_Entry]) -> list[DeviceSource]:
-    """Per-device files (named, or in a device's folder) and partition files, per device."""
+    """Per-device files (named, or in a device's folder) and partition files, per device. The
+    devices of partition files are grouped as arrays (one sort of every file's (device, rows)
+    pairs), and the devices found in one partition file alone share one list of it (a device's
+    ``files`` are never changed in place)."""
     whole: dict[int, list[_Entry]] = {}  # the per-device files (a folder may hold several)
-    parted: dict[int, list[tuple[_Entry, int]]] = {}  # (partition file, rows of the device in it)
+    partitions: list[_Entry] = []
     for entry in entries:
         named = names_its_device(entry.file)
         if named is not None:
             whole.setdefault(named, []).append(entry)
-            continue
-        for device, rows in _partition_devices(entry).items():
-            parted.setdefault(device, []).append((entry, rows))
-    devices = []
-    for device in sorted(whole.keys() | parted.keys()):
-        files = whole.get(device)
-        if files is None:  # partition files only (most devices of a large collection)
-            pieces = parted[device]
-            if len(pieces) > 1:  # most devices of partition files are in one
-                pieces = sorted(pieces, key=lambda p: (natural_key(p[0].name), p[0].order))
-            devices.append(DeviceSource(device, "parquet", [p[0].file for p in pieces],
-                                        partition_rows=sum(p[1] for p in pieces)))
-            continue
+        else:
+            partitions.append(entry)
+    parted = _PartitionDevices.of(partitions)
+    conflicts = set(np.intersect1d(np.fromiter(whole, np.int64, len(whole)), parted.ids).tolist())
+    named_devices = []
+    for device in sorted(whole):
+        files = whole[device]
         origins = {(e.order, e.name.split("/", 1)[0] if "/" in e.name else e.name) for e in files}
         if len(origins) > 1:  # "12.parquet" and "012.parquet", or a device's file in two sources
             one, other = sorted(files, key=lambda e: (e.order, e.name))[:2]
@@ -320,21 +317,73 @@ def _group_parquet(entries: list[_Entry]) -> list[DeviceSource]:
                 "folder) per device, or give files of many devices a device_id column and a name "
                 "that is not a device id (part-0.parquet)."
             )
-        if device in parted:
+        if device in conflicts:
             raise BadInputError(
                 f"device {device} is in {files[0].file.display!r} and also in the partition file "
-                f"{parted[device][0][0].file.display!r}: a device's windows come from its own file "
+                f"{parted.first_file(device).display!r}: a device's windows come from its own file "
                 "(or folder) or from partition files, not both; remove one."
             )
         ordered = sorted(files, key=lambda e: natural_key(e.name))
-        devices.append(DeviceSource(device, "parquet", [e.file for e in ordered]))
-    return devices
+        named_devices.append(DeviceSource(device, "parquet", [e.file for e in ordered]))
+    devices = parted.sources()
+    if not named_devices:
+        return devices
+    if not devices:
+        return named_devices
+    every = named_devices + devices
+    ids = np.fromiter((d.device_id for d in every), np.int64, len(every))
+    return [every[k] for k in np.argsort(ids, kind="stable").tolist()]
 
 
-def _partition_devices(entry: _Entry) -> dict[int, int]:
-    """{device: rows} of a partition file, from its ``device_id`` column (one row group at a
-    time: memory is one row group's ids). A file without that column, or with a null or a
-    negative id, is refused."""
+@dataclass
+class _PartitionDevices:
+    """The devices of partition files: device ``ids[k]`` (ascending) has ``rows[k]`` rows, in the
+    partition files ``files[file_at[bounds[k]:bounds[k + 1]]]`` (in reading order: names in
+    natural order, then the sources' order)."""
+
+    files: list[_Entry]
+    ids: np.ndarray
+    rows: np.ndarray
+    file_at: np.ndarray
+    bounds: np.ndarray
+
+    @classmethod
+    def of(cls, partitions: list[_Entry]) -> _PartitionDevices:
+        found = [_partition_devices(entry) for entry in partitions]
+        ranked = sorted(range(len(partitions)),
+                        key=lambda i: (natural_key(partitions[i].name), partitions[i].order))
+        rank = np.empty(len(partitions), np.int64)
+        rank[ranked] = np.arange(len(partitions))
+        ids = np.concatenate([np.empty(0, np.int64), *(f[0] for f in found)])
+        rows = np.concatenate([np.empty(0, np.int64), *(f[1] for f in found)])
+        file_at = np.repeat(np.arange(len(partitions)), [len(f[0]) for f in found]).astype(np.int64)
+        order = np.lexsort((rank[file_at], ids))
+        ids, rows, file_at = ids[order], rows[order], file_at[order]
+        first = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]]) if len(ids) else np.empty(0, np.int64)
+        bounds = np.append(first, len(ids))
+        totals = np.add.reduceat(rows, first) if len(first) else rows
+        return cls(partitions, ids[first], totals, file_at, bounds)
+
+    def first_file(self, device: int) -> Location:
+        """The first of the device's partition files as the source lists them."""
+        k = int(np.searchsorted(self.ids, device))
+        return self.files[int(self.file_at[self.bounds[k]: self.bounds[k + 1]].min())].file
+
+    def sources(self) -> list[DeviceSource]:
+        """A ``DeviceSource`` a device, in ascending id."""
+        alone = [[entry.file] for entry in self.files]  # shared by the devices of one file alone
+        files = [entry.file for entry in self.files]
+        at, bounds = self.file_at.tolist(), self.bounds.tolist()
+        return [DeviceSource(device, "parquet", alone[at[a]] if b - a == 1 else [files[i] for i in at[a:b]],
+                             partition_rows=count)
+                for device, count, a, b in zip(self.ids.tolist(), self.rows.tolist(), bounds[:-1], bounds[1:],
+                                               strict=True)]
+
+
+def _partition_devices(entry: _Entry) -> tuple[np.ndarray, np.ndarray]:
+    """The devices of a partition file (ascending) and their rows, from its ``device_id`` column
+    (one row group at a time: memory is one row group's ids). A file without that column, or
+    with a null or a negative id, is refused."""
     file = entry.file
     try:
         with file.fs.open(file.path, "rb") as handle:
@@ -346,7 +395,8 @@ def _partition_devices(entry: _Entry) -> dict[int, int]:
             if not pa.types.is_integer(kind):
                 raise BadInputError(f"{file.display}: column '{DEVICE_COLUMN}' has type {kind}; device "
                                     "ids are integers.")
-            counts: dict[int, int] = {}
+            found: list[np.ndarray] = []
+            counts: list[np.ndarray] = []
             for group in range(parquet.num_row_groups):
                 ids = parquet.read_row_group(group, columns=[DEVICE_COLUMN], use_threads=False).column(0)
                 if ids.null_count:
@@ -357,15 +407,21 @@ def _partition_devices(entry: _Entry) -> dict[int, int]:
                     bad = int(values[(values < 0) | (values > MAX_DEVICE_ID)][0])
                     raise BadInputError(f"{file.display}, row group {group}: {DEVICE_COLUMN} {bad} is not a "
                                         f"device id (0 to {MAX_DEVICE_ID:,}).")
-                found, rows = np.unique(values, return_counts=True)
-                for device, count in zip(found.tolist(), rows.tolist(), strict=True):
-                    counts[device] = counts.get(device, 0) + count
-            return counts
+                devices, rows = np.unique(values, return_counts=True)
+                found.append(devices.astype(np.int64))
+                counts.append(rows.astype(np.int64))
     except (pa.ArrowInvalid, OSError, ValueError) as exc:
         if isinstance(exc, BadInputError):
             raise
         raise BadInputError(f"{file.display}: {no_device_message()}; this file is not readable as Parquet "
                             f"({exc}).") from None
+    if len(found) == 1:
+        return found[0], counts[0]
+    every = np.concatenate([np.empty(0, np.int64), *found])
+    order = np.argsort(every, kind="stable")
+    every, rows = every[order], np.concatenate([np.empty(0, np.int64), *counts])[order]
+    first = np.flatnonzero(np.r_[True, every[1:] != every[:-1]]) if len(every) else np.empty(0, np.int64)
+    return every[first], (np.add.reduceat(rows, first) if len(first) else rows)
 
 
 def _first_device_id(file: Location) -> int:

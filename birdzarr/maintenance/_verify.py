@@ -466,7 +466,8 @@ def _count_wrong_devices(devices: np.ndarray, ranges: _Ranges, which: np.ndarray
 
 def _unknown_ids(devices: np.ndarray, known: np.ndarray) -> np.ndarray:
     """The distinct ids in ``devices`` that are not in ``known`` (sorted), ascending."""
-    ids = np.unique(devices).astype(np.int64)
+    ordered = np.sort(devices)  # np.unique's own way costs 3x as much on a shuffled chunk's ids
+    ids = ordered[np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])].astype(np.int64)
     at = np.minimum(np.searchsorted(known, ids), max(len(known) - 1, 0))
     present = known[at] == ids if len(known) else np.zeros(len(ids), dtype=bool)
     return ids[~present]
@@ -494,6 +495,9 @@ def _finish_scattered(table: _Table, hashers: dict[int, Any], digests: _Digests,
         result.problem(f"the checksums of all {len(table):,} devices cannot be checked: the dictionaries "
                        "are missing or damaged (above)")
         return
+    if not digests.broken and not scattered_digests_differ(table, counts, sums):
+        result.checksums_checked += len(table)  # every device has a digest, equal to its windows'
+        return
     for device, n_windows, recorded, old, count, total in zip(
             table.ids.tolist(), table.n_windows.tolist(), table.scattered_digest, table.scattered_checksum,
             counts, sums, strict=True):
@@ -518,6 +522,18 @@ def _finish_scattered(table: _Table, hashers: dict[int, Any], digests: _Digests,
                 result.problem(f"device {device}: scattered checksum {crc} differs from the "
                                f"{old} recorded at write time: its windows changed "
                                "after writing")
+
+
+def scattered_digests_differ(table: _Table, counts: list[int], sums: list[int]) -> bool:
+    """False where every entry records a scattered digest and its windows' count and digest
+    (``counts``, ``sums``: in the table's order) are the recorded ones, compared as arrays (the
+    device by device check then has nothing to say); True otherwise."""
+    recorded = table.scattered_digest
+    if not len(table) or None in recorded:
+        return bool(len(table))
+    found = np.array([f"{total:016x}" for total in sums], dtype=bytes)  # digest_hex's spelling
+    return not (np.array_equal(np.asarray(counts, np.int64), table.n_windows)
+                and np.array_equal(found, np.array(recorded, dtype=bytes)))
 
 
 # -- the device table as columns -------------------------------------------------------------------
@@ -658,6 +674,20 @@ class _Table:
             return names[which[first]] if int(offsets[k + 1]) - first == 1 else None
         found = self._sources[k]
         return found[0] if len(found) == 1 else None
+
+    def only_sources(self) -> tuple[list[str], np.ndarray]:
+        """The entries' distinct source file names, and each entry's only one's place among them
+        (-1 where it names none or several)."""
+        if isinstance(self._sources, tuple):
+            names, which, offsets = self._sources
+            one = np.diff(offsets) == 1
+            only = np.full(len(self), -1, np.int64)
+            only[one] = which[offsets[:-1][one]]
+            return names, only
+        distinct: dict[str, int] = {}
+        at = [distinct.setdefault(found[0], len(distinct)) if len(found) == 1 else -1
+              for found in self._sources]
+        return list(distinct), np.array(at, np.int64).reshape(-1)
 
     def sources(self, k: int) -> list[str]:
         """Entry ``k``'s source file names."""
@@ -902,13 +932,15 @@ def _compare_with_source(
     for gone in np.flatnonzero(~np.isin(table.ids, in_source)).tolist():
         result.problem(f"device {ids[gone]} ({int(table.n_windows[gone]):,} windows) has no source files in "
                        f"{src.display}")
-    row_of = dict(zip(ids, range(len(ids)), strict=True))
+    rows = _rows_of(table, in_source).tolist()  # each source device's entry, -1 where it has none
     stored = _ChunkMemo(store)  # devices share chunks: each is decoded once, not once a device
     parquet = store.root.get("source_kind") == "parquet"
     # device order: compared with the stored windows; shuffled: with the digests of this pass
     runs = (_Runs(store, table, stored, digests)
             if parquet and (digests is not None) == store.shuffled else None)
     names: dict[int, str] = {}  # id(file) -> its name (partition files are listed by many devices)
+    # the devices that may join a run: read from partition files alone, named by their entries
+    joins = [False] * len(devices) if runs is None else runs.candidates(devices, rows, names).tolist()
 
     def compare(device: DeviceSource, k: int) -> None:
         """One device of the source against its entry ``k``, as read by itself."""
@@ -928,23 +960,20 @@ def _compare_with_source(
             result.problem(f"device {device.device_id}: its source cannot be read again: {exc}")
         result.devices_compared += 1
 
-    for device in devices:
-        row = row_of.get(device.device_id)
-        if row is None:
+    for device, k, joining in zip(devices, rows, joins, strict=True):
+        if k < 0:
             if runs is not None:
                 runs.flush(result, compare)
             result.problem(f"device {device.device_id} is in {src.display} but not in the store "
                            "(add it with `birdzarr append`)")
             continue
-        k: int = row
-        given = [_file_name(f, names) for f in device.files]
         if runs is not None:
-            # its files the ones its entry names, in that order (as derive_device reads them)
-            named = (table.only_source(k) == given[0] if len(given) == 1 else
-                     len(set(given)) == len(given) and given == table.sources(k))
-            if named and runs.add(device, k):
+            if joining and runs.add(device, k):
                 continue  # compared with the devices around it (``_Runs``)
             runs.flush(result, compare)
+            if joining and runs.add(device, k):
+                continue  # the first of the next run (the run before was full)
+        given = [_file_name(f, names) for f in device.files]
         files = dict(zip(given, device.files, strict=True))
         sources = table.sources(k)
         missing = [name for name in sources if name not in files]
@@ -960,6 +989,16 @@ def _compare_with_source(
     if runs is not None:
         runs.flush(result, compare)
         clear_group_cache()  # the row groups read_runs kept decoded
+
+
+def _rows_of(table: _Table, ids: np.ndarray) -> np.ndarray:
+    """Each id's entry in ``table`` (the last of equal ids), -1 where it has none."""
+    found, order = table.sorted_ids()
+    if not len(found):
+        return np.full(len(ids), -1, np.int64)
+    at = np.searchsorted(found, ids, "right") - 1
+    hit = (at >= 0) & (found[np.maximum(at, 0)] == ids)
+    return np.where(hit, order[np.maximum(at, 0)], -1).astype(np.int64)
 
 
 def _file_name(file: Location, known: dict[int, str]) -> str:
@@ -999,6 +1038,7 @@ class _Runs:
         self.appended = {int(d) for a in appends for d in (a.get("files") or {})}
         self.memo = memo
         self.digests = digests
+        self.table = table
         self.count = table.n_windows.tolist()
         self.partition: dict[int, bool] = {}  # id(file) -> a partition file (no device in its name)
         # each entry's range where it has one, else -1 (lists: read one entry at a time)
@@ -1012,25 +1052,61 @@ class _Runs:
         self.windows = 0
         self.end = -1 if digests is None else 0  # where the run held ends (shuffled: its windows)
 
-    def add(self, device: DeviceSource, k: int) -> bool:
-        """Hold ``device`` (entry ``k``, which names its files in their order) for the run where
-        it qualifies (class doc); False: it does not, and the devices held must be compared
-        (``flush``) before it."""
+    def candidates(self, devices: list[DeviceSource], rows: list[int], names: dict[int, str]) -> np.ndarray:
+        """Whether each device (its entry ``rows[i]``, -1: none) may join a run: a Parquet device
+        of partition files alone, not appended to, whose entry names its files in their order
+        and, in device order, has one range. Devices of one file are checked as arrays (their
+        file's name against each entry's only source, by their positions among the names)."""
         from birdzarr.convert._parquet import names_its_device
 
+        table = self.table
+        distinct, only = table.only_sources()
+        place = {name: j for j, name in enumerate(distinct)}
+        single = np.full(len(devices), -2, np.int64)  # the one file's name among ``distinct`` (-1: none)
+        fits = np.zeros(len(devices), bool)  # Parquet, of partition files alone, not appended to
+        partition = self.partition
+        at_of: dict[int, int] = {}  # id(file) -> its name's place among ``distinct``
+        appended = self.appended
+        for i, device in enumerate(devices):
+            if rows[i] < 0 or device.kind != "parquet" or device.device_id in appended:
+                continue
+            files = device.files
+            for f in files:
+                known = partition.get(id(f))
+                if known is None:
+                    known = partition[id(f)] = names_its_device(f) is None
+                if not known:
+                    break
+            else:
+                fits[i] = True
+                if len(files) == 1:
+                    at = at_of.get(id(files[0]))
+                    if at is None:
+                        at = at_of[id(files[0])] = place.get(_file_name(files[0], names), -1)
+                    single[i] = at
+        k = np.asarray(rows, np.int64)
+        ok = fits & (k >= 0)
+        named = np.zeros(len(devices), bool)
+        one = ok & (single >= 0)
+        named[one] = only[k[one]] == single[one]
+        for i in np.flatnonzero(ok & (single == -2)).tolist():  # several files: as listed
+            given = [_file_name(f, names) for f in devices[i].files]
+            named[i] = len(set(given)) == len(given) and given == table.sources(rows[i])
+        if self.digests is None:  # device order: one range each
+            named &= np.asarray(self.start, np.int64)[np.maximum(k, 0)] >= 0
+        return named
+
+    def add(self, device: DeviceSource, k: int) -> bool:
+        """Hold ``device`` (entry ``k``, one of the ``candidates``) for the run where it fits
+        (class doc); False: it does not, and the devices held must be compared (``flush``)
+        before it."""
         start, stop = self.start[k], self.stop[k]
         if self.digests is not None:  # shuffled: no ranges, any devices in turn
             start, stop = self.end, self.end + max(self.count[k], 0)
-        if start < 0 or device.kind != "parquet" or device.device_id in self.appended:
+        if start < 0:
             return False
         if self.held and (self.windows + stop - start > _RUN_WINDOWS or start != self.end):
             return False
-        for f in device.files:
-            partition = self.partition.get(id(f))
-            if partition is None:
-                partition = self.partition[id(f)] = names_its_device(f) is None
-            if not partition:
-                return False
         self.held.append((device, k, device.files))
         self.windows += stop - start
         self.end = stop
