@@ -395,6 +395,56 @@ def test_rows_are_seeded_with_each_groups_sorted_union_also_where_a_channel_is_e
     assert entries == [[], [2, 5, 9], [3, 7]]
 
 
+def test_rows_are_seeded_from_parts_of_several_devices_a_whole_sorted_part_as_it_is() -> None:
+    """``seed_rows`` of pass 1's parts (``Spiller.runs``: a row's devices that a run holds, coded
+    into one sorted dictionary under the first one's id): a row that is one sorted part is
+    seeded with its entries as they are and keeps its codes (a channel where every row is:
+    ``row_codes`` None); a row of several parts, or of a device coded alone (entries in first-seen
+    order), is seeded with the sorted union and its codes mapped; a part across two rows is
+    refused."""
+    from birdzarr.convert._device_coder import DeviceValues
+    from birdzarr.format import _rows
+    from birdzarr.format._rows import RowCoder
+
+    u = lambda *v: np.array(v, np.uint32)  # noqa: E731
+    # devices 1-3: one row, one part; 4-5: one row, two parts (4, 5); 6: alone, first-seen order
+    parts = DeviceValues.of_devices([(1, [u(2, 4, 8), u(1), u(3), u(0)]),
+                                     (4, [u(5, 9), u(1, 2), u(3), u(0)]),
+                                     (5, [u(7, 9), u(2), u(3), u(0)]),
+                                     (6, [u(6, 3), u(4), u(5), u(0)])], 4)
+    devices = np.array([1, 2, 3, 4, 5, 6], np.int64)
+    with pytest.raises(RuntimeError, match="two dictionary rows"):  # 3 opens a row: part 1 is in two
+        _shuffle.seed_rows(RowCoder(), parts, [5, 5, _rows.SHARED_ROW_WINDOWS - 8, 5, 5, 5], devices)
+    counts = [5, 5, 5, 985, 5, _rows.SHARED_ROW_WINDOWS + 1]
+    assert _rows.shared_groups(devices.tolist(), counts) == [[1, 2, 3, 4, 5]]
+    coder = RowCoder()
+    seeded = _shuffle.seed_rows(coder, parts, counts, devices)
+    assert seeded.left_out == []
+    assert _entries(coder.new_rows()) == {1: [[2, 4, 5, 7, 8, 9], [1, 2], [3]], 6: [[3, 6], [4], [5]]}
+    codes = [None if c is None else c.tolist() for c in seeded.row_codes]
+    assert codes == [[0, 1, 4, 2, 5, 3, 5, 1, 0], [0, 0, 1, 1, 0], [0, 0, 0, 0]]
+    # one row, one sorted part: its entries and codes as they are
+    coder = RowCoder()
+    seeded = _shuffle.seed_rows(coder, DeviceValues.of_devices([(1, [u(2, 4, 8), u(1), u(), u(0)])], 4),
+                                [5, 5, 5], devices[:3])
+    assert seeded.row_codes == [None, None, None]
+    assert _entries(coder.new_rows()) == {1: [[2, 4, 8], [1], []]}
+
+
+def _entries(rows: object) -> dict[int, list[list[int]]]:
+    """Each distinct dictionary row's entries a coded channel, under the first device whose row
+    starts there (devices of a group share one)."""
+    values = rows.values.view(np.uint32)  # type: ignore[attr-defined]
+    start = rows.start  # type: ignore[attr-defined]
+    ends = start + rows.sizes()  # type: ignore[attr-defined]
+    out: dict[int, list[list[int]]] = {}
+    for device, a, b in zip(rows.device.tolist(), start.tolist(), ends.tolist(), strict=True):  # type: ignore[attr-defined]
+        found = [values[x:y].tolist() for x, y in zip(a, b, strict=True)]
+        if found not in out.values():
+            out[device] = found
+    return out
+
+
 def test_pass_ones_dictionaries_grow_in_place_as_runs_are_added() -> None:
     """``DeviceValuesBuilder`` (the spiller's dictionaries, run after run) gives what joining the
     runs' dictionaries gives, in arrays of its own sized to their entries, and starts empty again

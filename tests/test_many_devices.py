@@ -437,6 +437,78 @@ def test_shuffled_devices_read_together_store_what_reading_each_alone_stores(
     assert all(e.scattered_digest is not None and not e.ranges for e in entries.values())
 
 
+@pytest.mark.parametrize("engine", ["this thread", "threads", "processes"])
+def test_shuffled_devices_of_one_row_are_coded_into_one_dictionary_as_alone(
+    mixed: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, engine: str
+) -> None:
+    """Partition files (windows known before reading): pass 1 codes the devices of one dictionary
+    row (``shared_groups``) that a run holds into one dictionary, not one a device, so pass 1
+    holds far fewer dictionaries and rows that a run holds whole are seeded as they are; rows cut
+    between runs or tasks are merged. The store is byte-identical to spilling each device alone,
+    in this thread, on threads and in worker processes."""
+    from birdzarr._errors import DuplicateWindowsWarning
+    from birdzarr.convert import _segments, _shuffle, _shuffle_processes
+    from birdzarr.format import _rows
+
+    monkeypatch.setattr(_shuffle, "BUCKET_WINDOWS", 1500)  # several buckets
+    monkeypatch.setattr(_rows, "SHARED_ROW_WINDOWS", 100)  # rows of a few devices: ~60 of them
+    source = mixed
+    if engine == "processes":
+        source = _mixed_parts(tmp_path / "large", pad=_segments.PROCESS_MIN_BYTES)
+    options = {"chunk_windows": 256, "shuffle": True, "seed": 5, "progress": False}
+    workers = 1 if engine == "this thread" else 2
+    with pytest.warns(DuplicateWindowsWarning), monkeypatch.context() as patch:
+        patch.setattr(_segments, "RUN_WINDOWS", 0)
+        birdzarr.convert(str(source), str(tmp_path / "alone.zarr"), workers=workers, **options)
+    seen: list[tuple[int, int, list[bool]]] = []
+    seed_rows = _shuffle_processes.seed_rows
+
+    def watched(coder: object, dictionaries: object, counts: list[int], devices: np.ndarray) -> object:
+        seeded = seed_rows(coder, dictionaries, counts, devices)  # type: ignore[arg-type]
+        seen.append((len(dictionaries.ids), len(devices),  # type: ignore[attr-defined]
+                     [codes is None for codes in seeded.row_codes]))
+        return seeded
+
+    monkeypatch.setattr(_shuffle_processes, "seed_rows", watched)
+    # runs of 450 windows end between rows; runs of 60 cut rows of up to 100 windows
+    for run in [450, 60] if engine == "this thread" else [450]:
+        monkeypatch.setattr(_segments, "RUN_WINDOWS", run)
+        with pytest.warns(DuplicateWindowsWarning):
+            birdzarr.convert(str(source), str(tmp_path / f"together{run}.zarr"), workers=workers, **options)
+        assert_same_store(tmp_path / "alone.zarr", tmp_path / f"together{run}.zarr")
+    assert [devices for _, devices, _ in seen] == [300] * len(seen)
+    assert seen[0][0] < 100 and all(parts < 300 for parts, _, _ in seen)  # not one a device
+    if engine == "this thread":  # every row whole in one run: pass 1's codes are the rows' own
+        assert [as_they_are for _, _, as_they_are in seen] == [[True] * 3, [False] * 3]
+
+
+def test_rows_are_known_before_reading_only_from_partition_files_without_skipped_rows(
+    mixed: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    """``row_keys``: each device's row (its group's first id) from the partition files' rows,
+    the rows ``seed_rows`` opens after pass 1; None where a device's windows are not known before
+    reading (``on_bad_rows="skip"`` may drop rows; a per-device file's windows are not listed)."""
+    from birdzarr.convert._shuffle_processes import row_keys
+    from birdzarr.convert._sources import find_inputs
+    from birdzarr.format._rows import shared_groups
+
+    devices = find_inputs(resolve(str(mixed))).devices
+    keys = row_keys(devices, "error")
+    assert keys is not None
+    ids = [d.device_id for d in devices]
+    groups = shared_groups(ids, [d.partition_rows for d in devices])
+    assert len(groups) > 1
+    expected = {d: d for d in ids} | {d: g[0] for g in groups for d in g}
+    assert keys.tolist() == [expected[d] for d in ids]
+    assert row_keys(devices, "skip") is None
+    single = tmp_path / "alone"
+    single.mkdir()
+    shutil.copy(mixed / "part-0.parquet", single / "part-0.parquet")
+    pq.write_table(pq.read_table(mixed / "part-1.parquet").drop_columns(["device_id"]),
+                   single / "7777.parquet")
+    assert row_keys(find_inputs(resolve(str(single))).devices, "error") is None
+
+
 def _count_runs(monkeypatch: pytest.MonkeyPatch, reader: object) -> list[int]:
     """Runs of RUN windows, and the number of devices each ``read_runs`` call of ``reader`` read
     together (0: it fell back to reading them alone), appended as the conversion calls it."""

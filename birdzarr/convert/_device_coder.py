@@ -236,14 +236,16 @@ SORTED_CODES_WINDOWS = 256
 def run_codes(windows: np.ndarray, counts: np.ndarray,
               device_ids: np.ndarray) -> tuple[np.ndarray, DeviceValues]:
     """``DeviceCoder`` for many devices' windows at once: ``windows`` (float32 ``(n, samples,
-    channels)``) are device after device, ``counts[k]`` windows of the ``k``-th. Each device's
-    distinct values per channel come from (device, bit pattern) keys for all of them, sorted
-    (``_sorted_codes``) where the devices average at most ``SORTED_CODES_WINDOWS`` windows, else
-    hashed (``pd.factorize``, sorted): every device's dictionary holds the values ``DeviceCoder`` would
-    find (sorted by bit pattern instead of in the order first seen, which only ``seed_rows``
-    reads, after sorting). Returns the codes ``(channels, n, samples)`` of each window into its
-    own device's dictionaries (uint16 while every dictionary has at most 65,536 entries, uint32
-    beyond) and the devices' dictionaries (``device_ids``, ascending)."""
+    channels)``) are part after part, ``counts[k]`` windows of the ``k``-th, whose id is
+    ``device_ids[k]``; a part is a device, or consecutive devices of one dictionary row coded
+    together (``Spiller.runs``: one dictionary for them all, under the first one's id). Each
+    part's distinct values per channel come from (part, bit pattern) keys for all of them, sorted
+    (``_sorted_codes``) where the parts average at most ``SORTED_CODES_WINDOWS`` windows, else
+    hashed (``pd.factorize``, sorted): every part's dictionary holds the values ``DeviceCoder``
+    would find, sorted by bit pattern (so a part that is a whole row is that row's entries,
+    ``seed_rows``). Returns the codes ``(channels, n, samples)`` of each window into its own
+    part's dictionaries (uint16 while every dictionary has at most 65,536 entries, uint32
+    beyond) and the parts' dictionaries (``device_ids``, ascending)."""
     import pandas as pd
 
     n, n_samples, n_channels = windows.shape

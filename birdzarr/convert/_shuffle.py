@@ -14,11 +14,14 @@ tasks on any engine (``_shuffle_processes.write_shuffled_on``): pass 1 by groups
 
 Pass 1 spills each window as codes into its device's dictionaries (``DeviceCoder``: a device's
 distinct values per channel, found as its windows pass in order). Small devices of partition
-files are read, summarised, coded and spilled together (``Spiller.runs``: their dictionaries
-sorted, pieces of many devices). After it, every device's sorted dictionaries seed format 2's
-dictionary rows (``seed_rows``), and pass 2 turns the codes back into values for the writer
-and, where every device was seeded, into the codes of those rows (a value's place in its
-device's sorted dictionary), which the writer then stores as they are.
+files are read, summarised, coded and spilled together (``Spiller.runs``: pieces of many
+devices); where every device's windows are known before reading (partition files), the devices
+of one dictionary row that a run holds are coded into one sorted dictionary, the row's entries
+where the run holds the whole row. After it, the sorted dictionaries seed format 2's dictionary
+rows (``seed_rows``: a row that is one sorted dictionary as it is, the others' sorted unions),
+and pass 2 turns the codes back into values for the writer and, where every device was seeded,
+into the codes of those rows (a value's place in its row's sorted entries), which the writer
+then stores as they are.
 
 Where the bytes go: the bucket files live in a fresh ``birdzarr-shuffle-*`` directory under
 ``tmp_dir`` (default: the system temporary directory, ``$TMPDIR``), hold every window once as
@@ -195,78 +198,118 @@ def encode_piece(piece: _Piece) -> bytes:
 @dataclass(frozen=True)
 class SeededRows:
     """What ``seed_rows`` opened: the devices left out (their rows open as pass 2 codes them),
-    and per coded channel each pass-1 code's code in its device's row, indexed as the device's
-    dictionary (``DeviceValues``: ``starts[c][k] + code``), what pass 2 hands the writer."""
+    and per coded channel each pass-1 code's code in its row, indexed as the dictionaries
+    (``DeviceValues``: ``starts[c][k] + code``), what pass 2 hands the writer; None for a channel
+    where every pass-1 code already is its row code (each row one part, sorted)."""
 
     left_out: list[int]
-    row_codes: list[np.ndarray]  # per coded channel: uint16
+    row_codes: list[np.ndarray | None]  # per coded channel: uint16, or None (the codes as they are)
 
 
 _SEED_BATCH = 1 << 19  # dictionary entries sorted at once by seed_rows (bounded memory: ~40 MB)
 
 
-def seed_rows(coder: RowCoder, dictionaries: DeviceValues, counts: Sequence[int]) -> SeededRows:
+def seed_rows(coder: RowCoder, dictionaries: DeviceValues, counts: Sequence[int],
+              devices: np.ndarray | None = None) -> SeededRows:
     """Format 2: open every device's row with its values from pass 1, sorted by bit pattern
     (the row then holds every value its windows use and never grows), in ascending device id.
-    Consecutive small devices (``_rows.shared_groups`` of the ids and their window ``counts``)
-    share their entries: the sorted union of their values. Devices with more than 65,535
-    distinct values in a channel are left out: their rows open as pass 2 codes them (the
+    Consecutive small devices (``_rows.shared_groups`` of the ids ``devices`` and their window
+    ``counts``) share their entries: the sorted union of their values. Devices with more than
+    65,535 distinct values in a channel are left out: their rows open as pass 2 codes them (the
     overflow rule).
 
-    Each channel's entries become keys ``(first device of the row) << 32 | value``, sorted a
-    batch of whole rows at a time (stable: a device's sorted entries are runs that merge), so a
-    value's code in its row is its rank among the distinct keys of that row."""
-    ids = dictionaries.ids
+    ``dictionaries`` are pass 1's parts: each a device (``devices`` None: the parts' ids are the
+    devices), or consecutive devices of one group coded together (``Spiller.runs``: the part's
+    id its first device); every part must lie in one row. A row of one part whose entries are
+    sorted (``run_codes``) is seeded with them as they are, its codes unchanged; the others'
+    entries (parts of a row, or a device coded alone, in first-seen order) become keys
+    ``(row) << 32 | value``, sorted a batch of whole rows at a time (stable: a part's sorted
+    entries are runs that merge), so a value's code in its row is its rank among the distinct
+    keys of that row."""
+    parts = dictionaries.ids
+    ids = parts if devices is None else np.asarray(devices, np.int64)
+    n_parts = len(parts)
     sizes = np.stack([np.diff(dictionaries.starts[c]) for c in range(_v2.N_CODED)]).max(axis=0, initial=0)
-    over = sizes > _v2.MAX_ENTRIES
-    groups = shared_groups(ids.tolist(), counts, alone=set(ids[over].tolist()))
+    over = sizes > _v2.MAX_ENTRIES  # a part of a group holds at most 40,960 values a channel: one device
+    groups = shared_groups(ids.tolist(), counts, alone=set(parts[over].tolist()))
     coder.share(groups)
-    owner = np.arange(len(ids))  # the device (index) whose id keys each device's row
+    row_of = np.arange(len(ids))  # each device's row: the index of its first device
     for group in groups:
         k = int(np.searchsorted(ids, group[0]))
-        owner[k : k + len(group)] = k
-    rows = np.flatnonzero(owner == np.arange(len(ids)))  # first device of each row
-    ends = np.append(rows[1:], len(ids))
-    row_codes: list[np.ndarray] = []
-    unions: list[dict[int, np.ndarray]] = [{} for _ in range(_v2.N_CODED)]  # per channel: row -> entries
+        row_of[k : k + len(group)] = k
+    head = np.searchsorted(ids, parts)  # each part's first device
+    if len(ids) and not np.array_equal(row_of, row_of[head][np.searchsorted(parts, ids, "right") - 1]):
+        raise RuntimeError("pass 1 coded devices of two dictionary rows together (their window counts "
+                           "differ from the partition files' rows)")
+    part_row = row_of[head]
+    rows = np.flatnonzero(np.r_[True, part_row[1:] != part_row[:-1]]) if n_parts else np.empty(0, np.intp)
+    ends = np.append(rows[1:], n_parts).astype(np.intp)  # each row's parts: rows[r] to ends[r]
+    seeded = ~over[rows]
+    row_codes: list[np.ndarray | None] = []
+    unions: list[list[np.ndarray | None]] = [[None] * len(rows) for _ in range(_v2.N_CODED)]
     for c in range(_v2.N_CODED):
         values, starts = dictionaries.values[c], dictionaries.starts[c]
-        codes = np.zeros(len(values), np.uint16)  # a left-out device's wrap: pass 2 codes its windows
+        # rows to sort: several parts, or a part not in ascending order (a device coded alone)
+        mixed = np.zeros(n_parts, bool)
+        falls = np.flatnonzero(values[1:] <= values[:-1]) + 1
+        where = np.searchsorted(starts, falls, "right") - 1
+        mixed[where[falls > starts[where]]] = True
+        sort = seeded & ((ends - rows > 1) | mixed[rows])
+        codes = None
+        if sort.any():
+            codes = np.zeros(len(values), np.uint16)  # a left-out device's wrap: pass 2 codes its windows
         first = 0
         while first < len(rows):  # a batch of whole rows
             last = int(np.searchsorted(starts[ends], starts[rows[first]] + _SEED_BATCH, "right"))
             last = max(last, first + 1)
             lo, hi = int(starts[rows[first]]), int(starts[ends[last - 1]])
-            # each row's entries in the batch
-            row_lo = starts[rows[first:last]] - lo
+            row_lo = starts[rows[first:last]] - lo  # each row's entries in the batch
             row_hi = starts[ends[first:last]] - lo
-            held = row_hi > row_lo
-            order, ranked = _sorted_rows(values[lo:hi], row_lo, row_hi - row_lo)
-            distinct = np.empty(len(ranked), bool)
-            distinct[:1] = True
-            np.not_equal(ranked[1:], ranked[:-1], out=distinct[1:])
-            seen = np.cumsum(distinct)  # distinct keys up to each sorted key, itself included
-            # the distinct keys of the rows before each row
-            before = np.zeros(last - first, np.int64)
-            if len(seen):  # (rows before it all empty here: none)
-                before[1:] = np.where(row_lo[1:] > 0, seen[np.maximum(row_lo[1:] - 1, 0)], 0)
-            seen -= 1
-            seen -= np.repeat(before, row_hi - row_lo)  # a key's code: its distinct key in its row
-            codes[lo:hi][order] = seen
-            entries = (ranked[distinct] & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-            after = np.append(before[1:], len(entries))
-            for r, a, b in zip(rows[first:last][held].tolist(), before[held].tolist(), after[held].tolist(),
-                               strict=True):
-                unions[c][r] = entries[a:b]
+            if codes is not None:  # a sorted row's codes are its part's: their place in it
+                part_lo = starts[rows[first] : ends[last - 1] + 1]
+                codes[lo:hi] = np.arange(hi - lo) - np.repeat(part_lo[:-1] - lo, np.diff(part_lo))
+            picked = np.flatnonzero(sort[first:last])
+            for r in np.flatnonzero(~sort[first:last] & seeded[first:last]).tolist():
+                unions[c][first + r] = values[lo + row_lo[r] : lo + row_hi[r]]
+            if len(picked):
+                assert codes is not None
+                lengths = row_hi[picked] - row_lo[picked]
+                offsets = np.cumsum(lengths) - lengths
+                take = np.repeat(row_lo[picked] - offsets, lengths) + np.arange(int(lengths.sum()))
+                rank, entries, before = _row_ranks(values[lo:hi][take], offsets, lengths)
+                codes[lo:hi][take] = rank
+                after = np.append(before[1:], len(entries))
+                for r, a, b in zip(picked.tolist(), before.tolist(), after.tolist(), strict=True):
+                    unions[c][first + r] = entries[a:b]
             first = last
         row_codes.append(codes)
     members = {group[0]: group for group in groups}
     none = np.empty(0, np.uint32)
-    for k in rows.tolist():
-        if not over[k]:
-            coder.seed(int(ids[k]), [unions[c].get(k, none) for c in range(_v2.N_CODED)],
-                       members.get(int(ids[k]), ()))
-    return SeededRows(ids[over].tolist(), row_codes)
+    for r in np.flatnonzero(seeded).tolist():
+        device = int(parts[rows[r]])
+        found = [unions[c][r] for c in range(_v2.N_CODED)]
+        coder.seed(device, [none if e is None else e for e in found], members.get(device, ()))
+    return SeededRows(parts[over].tolist(), row_codes)
+
+
+def _row_ranks(values: np.ndarray, row_lo: np.ndarray,
+               row_len: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Consecutive rows' entries ``values`` (uint32; row ``r``: ``row_len[r]`` from ``row_lo[r]``):
+    each entry's rank among its row's distinct values (in place order), the rows' distinct
+    values one row after another (uint32), and where each row's start among them."""
+    order, ranked = _sorted_rows(values, row_lo, row_len)
+    distinct = np.empty(len(ranked), bool)
+    distinct[:1] = True
+    np.not_equal(ranked[1:], ranked[:-1], out=distinct[1:])
+    seen = np.cumsum(distinct)  # distinct keys up to each sorted key, itself included
+    before = np.zeros(len(row_len), np.int64)  # the distinct keys of the rows before each row
+    if len(seen):
+        before[1:] = np.where(row_lo[1:] > 0, seen[np.maximum(row_lo[1:] - 1, 0)], 0)
+    seen -= 1
+    seen -= np.repeat(before, row_len)  # a key's rank: its distinct key in its row
+    rank = np.empty(len(values), np.int64)
+    rank[order] = seen
+    return rank, (ranked[distinct] & np.uint64(0xFFFFFFFF)).astype(np.uint32), before
 
 
 def _sorted_rows(values: np.ndarray, row_lo: np.ndarray,
@@ -359,13 +402,18 @@ class Spiller:
         self._finding.append((state, None, None))
         self._advance(keep=self.finding_depth)
 
-    def runs(self, found: PartitionRuns, device_ids: list[int], sources: list[list[str]]) -> dict[int, int]:
+    def runs(self, found: PartitionRuns, device_ids: list[int], sources: list[list[str]],
+             rows: np.ndarray | None = None) -> dict[int, int]:
         """Consecutive small devices read together (``_parquet.read_runs``), spilled at once:
         summarised (``summarize_runs``), checked for repeats (``repeated_in_runs``) and coded
         (``run_codes``) in one vectorised pass each; each window's bucket drawn as ``device``
         draws it (``draw_buckets``, all devices at once), and each bucket's windows (device after device, each
         device's in order: what ``device`` gives a bucket, device by device) cut as one piece of
-        many devices. Returns the devices' repeated windows (those with any)."""
+        many devices. ``rows``: each device's dictionary row (the id of its group's first device,
+        ``shared_groups``), known before it is read: consecutive devices of one row are coded
+        into one dictionary (a part, under its first device's id; their row's sorted entries
+        where the run holds the whole row), else each device into its own. Returns the devices'
+        repeated windows (those with any)."""
         self._advance(keep=0)  # the devices before cut their pieces first: a bucket keeps device order
         counts = found.counts
         hashes = window_hashes(found.windows, found.timestamps)
@@ -373,7 +421,12 @@ class Spiller:
                                       found.labels, found.reports, hashes=hashes):
             self.summaries[summary.entry.device_id] = summary
         repeated = repeated_in_runs(hashes, counts)
-        codes, dictionaries = run_codes(found.windows, counts, np.asarray(device_ids, np.int64))
+        ids = np.asarray(device_ids, np.int64)
+        if rows is not None and len(ids):
+            cut = np.flatnonzero(np.r_[True, rows[1:] != rows[:-1]])
+            codes, dictionaries = run_codes(found.windows, np.add.reduceat(counts, cut), ids[cut])
+        else:
+            codes, dictionaries = run_codes(found.windows, counts, ids)
         self._flush_known()
         self._dictionaries.add(dictionaries)
         if len(found.windows):
@@ -451,6 +504,27 @@ class Spiller:
         self._wait(keep=0)
 
 
+def _grouped(chunk: np.ndarray, devices: np.ndarray) -> np.ndarray:
+    """``np.lexsort((devices, chunk))``: windows by chunk (ascending), then device, ties in
+    place order. Where the chunks' span, the ids (non-negative) and the places fit 63 bits,
+    one sort of ``chunk << a | device << b | place`` (numpy's vectorised sort: 5-8x faster than
+    lexsort on a bucket of 90,000 windows of 100,000 devices)."""
+    n = len(chunk)
+    if not n:
+        return np.empty(0, np.intp)
+    low = int(chunk[0])
+    place_bits = max(1, (n - 1).bit_length())
+    device_bits = max(1, int(devices.max()).bit_length())
+    if int(devices.min()) < 0 or (int(chunk[-1]) - low).bit_length() + device_bits + place_bits > 63:
+        return np.lexsort((devices, chunk))
+    packed = (chunk - low).astype(np.int64) << (device_bits + place_bits)
+    packed |= devices.astype(np.int64) << place_bits
+    packed |= np.arange(n, dtype=np.int64)
+    packed.sort()
+    packed &= (1 << place_bits) - 1
+    return packed
+
+
 class _Scratch:
     """One load's buffers, reused from bucket to bucket (new memory costs a page fault per
     4 KiB): a bucket's float32 values (as bit patterns), devices and metadata in the order they
@@ -472,7 +546,7 @@ class BucketLoader:
 
     def __init__(self, spill: SpillFiles, dictionaries: DeviceValues, *, seed: int,
                  chunk_windows: int, slots: int = 1, first_row: int | None = None,
-                 row_codes: list[np.ndarray] | None = None) -> None:
+                 row_codes: list[np.ndarray | None] | None = None, devices: np.ndarray | None = None) -> None:
         self.spill, self.seed = spill, seed
         self.chunk_windows = chunk_windows
         # the store position of each bucket's first window (a shuffled store is written from 0)
@@ -483,13 +557,17 @@ class BucketLoader:
         self._free: queue.SimpleQueue[_Scratch] = queue.SimpleQueue()
         for _ in range(max(1, min(slots, len(spill.windows)))):
             self._free.put(_Scratch(largest, first_row is not None))
-        # format 2, every device seeded: the ``k``-th device's row is ``first_row + k``, and a
-        # window's codes are its pass-1 codes through ``row_codes`` (``SeededRows``: their
-        # values' places in its row's sorted entries): the bucket is handed over coded
-        # (``WindowBlock.coded``), not searched for again by the writer's coder
-        if (first_row is None) != (row_codes is None):
-            raise ValueError("first_row and row_codes go together")
-        self.first_row, self.row_codes = first_row, row_codes
+        # format 2, every device seeded: the ``k``-th of ``devices`` (ascending ids; the
+        # dictionaries' parts where None) has row ``first_row + k``, and a window's codes are
+        # its pass-1 codes through ``row_codes`` (``SeededRows``: their values' places in its
+        # row's sorted entries; a channel's None: the pass-1 codes are those places): the bucket
+        # is handed over coded (``WindowBlock.coded``), not searched for again by the writer's coder
+        if first_row is None and row_codes is not None:
+            raise ValueError("row_codes need first_row")
+        self.first_row = first_row
+        self.row_codes: list[np.ndarray | None] = (
+            [None] * _v2.N_CODED if row_codes is None else list(row_codes))
+        self.devices = dictionaries.ids if devices is None else devices
 
     def load(self, bucket: int) -> WindowBlock:
         """The bucket's windows permuted with a generator seeded with ``(seed, bucket)``, as
@@ -501,7 +579,7 @@ class BucketLoader:
             windows = np.take(scratch.bits[:n], order, axis=0).view(np.float32)
             coded = None
             if self.first_row is not None:
-                rows = self.first_row + np.searchsorted(self.lookups.ids, devices)
+                rows = self.first_row + np.searchsorted(self.devices, devices)
                 coded = (np.take(scratch.codes[:n], order, axis=0), rows.astype(np.int64))
             return WindowBlock(windows, meta["timestamp"], meta["label"], DeviceReport(), devices,
                                coded=coded)
@@ -513,13 +591,17 @@ class BucketLoader:
         device's dictionaries laid end to end a channel, each code offset by its device's start,
         one take a channel."""
         ids, values, starts = self.lookups.ids, self.lookups.values, self.lookups.starts
-        which = np.searchsorted(ids, piece.meta["device"])
+        which = np.searchsorted(ids, piece.meta["device"], "right") - 1  # each window's part
         for c in range(N_CHANNELS):
             index = piece.codes[c].astype(np.int64)
             index += starts[c][which][:, None]
             np.take(values[c], index, out=out[:, :, c], mode="clip")
-            if codes is not None and self.row_codes is not None and c < _v2.N_CODED:
-                np.take(self.row_codes[c], index, out=codes[:, :, c], mode="clip")
+            if codes is not None and c < _v2.N_CODED:
+                row_codes = self.row_codes[c]
+                if row_codes is None:
+                    codes[:, :, c] = piece.codes[c]
+                else:
+                    np.take(row_codes, index, out=codes[:, :, c], mode="clip")
 
     def _decode(self, bucket: int, scratch: _Scratch) -> tuple[int, np.ndarray, np.ndarray]:
         """Decode the bucket into ``scratch``; its windows' store order (as spilled rows) and devices."""
@@ -527,15 +609,19 @@ class BucketLoader:
         at = 0
         for piece in self.spill.pieces(bucket):
             k = len(piece.meta)
-            codes = scratch.codes[at : at + k] if self.row_codes is not None else None
+            codes = scratch.codes[at : at + k] if self.first_row is not None else None
             if piece.device_id >= 0:
                 device = self.lookups.index(piece.device_id)
                 for c, lookup in enumerate(self.lookups.of(device)):
                     np.take(lookup, piece.codes[c], out=scratch.bits[at : at + k, :, c], mode="clip")
-                if codes is not None and self.row_codes is not None:
+                if codes is not None:
                     for c in range(_v2.N_CODED):
-                        mine = self.row_codes[c][self.lookups.starts[c][device]:]
-                        np.take(mine, piece.codes[c], out=codes[:, :, c], mode="clip")
+                        row_codes = self.row_codes[c]
+                        if row_codes is None:
+                            codes[:, :, c] = piece.codes[c]
+                        else:
+                            mine = row_codes[self.lookups.starts[c][device]:]
+                            np.take(mine, piece.codes[c], out=codes[:, :, c], mode="clip")
             else:
                 self._many(piece, scratch.bits[at : at + k], codes)
             scratch.devices[at : at + k] = piece.meta["device"]
@@ -547,5 +633,5 @@ class BucketLoader:
         # in its own dictionary while it is in the caches (faster reading, 2% smaller: docs/format.md)
         chunk = (self.starts[bucket] + np.arange(n)) // self.chunk_windows
         devices = scratch.devices[:n][order]
-        grouped = np.lexsort((devices, chunk))
+        grouped = _grouped(chunk, devices)
         return n, order[grouped], devices[grouped]

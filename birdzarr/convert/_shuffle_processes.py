@@ -93,7 +93,7 @@ from birdzarr.convert._sources import DeviceSource, source_names_of
 from birdzarr.convert._summary import DeviceSummary
 from birdzarr.convert._writer import StoreWriter
 from birdzarr.format import _v2
-from birdzarr.format._rows import RowCoder
+from birdzarr.format._rows import RowCoder, shared_groups
 from birdzarr.format._spec import DEVICE, N_CHANNELS, Curation
 from birdzarr.storage._location import Location, resolve
 
@@ -132,13 +132,39 @@ class SpillResult:
     repeated: dict[int, int]
 
 
+def row_keys(devices: list[DeviceSource], on_bad_rows: str) -> np.ndarray | None:
+    """Each device's dictionary row before any is read: the id of the first device of its group
+    (``shared_groups`` of the ids and their windows), its own id if it has a row alone; None
+    where the windows are not all known before reading (a device not of partition files alone,
+    or ``on_bad_rows="skip"``, which may drop rows). Known: a device's windows are its rows in
+    the partition files (``partition_rows``), every row a window or the conversion fails, so
+    these are the rows ``seed_rows`` opens after pass 1, and pass 1 codes each group's devices
+    of a run into one dictionary (``Spiller.runs``)."""
+    if on_bad_rows != "error":
+        return None
+    partition: dict[str, bool] = {}
+    counts: list[int] = []
+    for device in devices:
+        if device.partition_rows is None or not _partition_only(device, partition):
+            return None
+        counts.append(device.partition_rows)
+    ids = [d.device_id for d in devices]
+    keys = np.array(ids, np.int64)
+    at = {d: k for k, d in enumerate(ids)}
+    for group in shared_groups(ids, counts):
+        keys[at[group[0]] : at[group[0]] + len(group)] = group[0]
+    return keys
+
+
 def spill_group(devices: list[DeviceSource], directory: str, *, seed: int, buckets: int,
                 buffer_windows: int, curation: Curation, on_bad_rows: str, threads: int = 1,
-                progress: Callable[[int], None] | None = None) -> SpillResult:
+                progress: Callable[[int], None] | None = None, rows: np.ndarray | None = None) -> SpillResult:
     """Pass 1 for a group of devices (a task). ``threads`` > 1 (fewer groups than the engine's
     width): each device read ahead on a thread, its blocks' values found and its pieces
     compressed on ``threads`` threads (the spill is the same). ``progress`` (a task in this
-    process) is told the windows of each block as it is read."""
+    process) is told the windows of each block as it is read. ``rows``: each device's row
+    (``row_keys``), or None: a run of devices read together is cut between rows where it can,
+    and each row's devices in it coded together (``Spiller.runs``)."""
     os.makedirs(directory)
     spill = SpillBuckets(directory, buckets)
     pool = ThreadPoolExecutor(threads, thread_name_prefix="birdzarr-spill") if threads > 1 else None
@@ -150,18 +176,24 @@ def spill_group(devices: list[DeviceSource], directory: str, *, seed: int, bucke
         partition: dict[str, bool] = {}  # file URL -> a partition file
         at = 0
         while at < len(devices):
-            end, rows = at, 0  # consecutive small devices of partition files, read together
+            end, held = at, 0  # consecutive small devices of partition files, read together
             while end < len(devices):
                 known = devices[end].partition_rows
-                if (known is None or rows + known > _segments.RUN_WINDOWS
+                if (known is None or held + known > _segments.RUN_WINDOWS
                         or not _partition_only(devices[end], partition)):
                     break
-                rows += known
+                held += known
                 end += 1
+            if rows is not None and at < end < len(devices) and rows[end] == rows[end - 1]:
+                cut = end - 1  # the run ends inside a row: it ends before the row, if the row starts in it
+                while cut > at and rows[cut - 1] == rows[end]:
+                    cut -= 1
+                end = cut if cut > at else end
             found = read_runs([(d.device_id, d.files) for d in devices[at:end]]) if end > at else None
             if found is not None:
                 repeated.update(spiller.runs(found, [d.device_id for d in devices[at:end]],
-                                             source_names_of(devices[at:end])))
+                                             source_names_of(devices[at:end]),
+                                             None if rows is None else rows[at:end]))
                 if progress is not None and len(found.windows):
                     progress(len(found.windows))
                 at = end
@@ -206,7 +238,7 @@ class Pass2Plan:
     shared by tasks in this process (``_PLANS``)."""
 
     spill: SpillFiles
-    dictionaries: DeviceValues  # per device and channel, as pass 1 found them
+    dictionaries: DeviceValues  # per part (a device, or devices of one row) and channel, as pass 1 found them
     seed: int
     chunk_windows: int
     # every device's row, seeded; None where pass 2 hands the writer coded windows (``first_row``):
@@ -216,7 +248,8 @@ class Pass2Plan:
     # every device seeded: the row of the k-th device (ascending id), whose windows pass 2 then
     # hands the writer coded (``BucketLoader``) with ``row_codes``; None: the writer's coder codes them
     first_row: int | None = None
-    row_codes: list[np.ndarray] | None = None
+    row_codes: list[np.ndarray | None] | None = None
+    devices: np.ndarray | None = None  # every device id, ascending (the dictionaries' parts: fewer)
 
 
 @dataclass
@@ -251,7 +284,7 @@ def _pass2(plan_path: str, dest_url: str, dest_options: dict[str, Any]) -> _Pass
             with open(plan_path, "rb") as handle:
                 plan = pickle.load(handle)
         loader = BucketLoader(plan.spill, plan.dictionaries, seed=plan.seed, chunk_windows=plan.chunk_windows,
-                              first_row=plan.first_row, row_codes=plan.row_codes)
+                              first_row=plan.first_row, row_codes=plan.row_codes, devices=plan.devices)
         dest = resolve(dest_url, dest_options)
         group = zarr.open_group(zarr_store(dest, read_only=False), mode="r+", zarr_format=3)
         # a plan without a coder hands the writer coded windows: its slab writer's coder stays unused
@@ -393,10 +426,14 @@ def write_shuffled_on(
             progress = on_spilled if engine.in_process else None
             buffer_windows = max(256 * buckets, PASS1_BUFFER_WINDOWS // engine.width)
             threads = max(1, engine.width // len(groups)) if groups else 1
+            keys = row_keys(devices, on_bad_rows)
+            at = 0
             for i, group in enumerate(groups):
+                rows = None if keys is None else keys[at : at + len(group)]
+                at += len(group)
                 runner.submit(i, spill_group, group, os.path.join(directory, f"group-{i:04d}"), seed=seed,
                               buckets=buckets, buffer_windows=buffer_windows, curation=curation,
-                              on_bad_rows=on_bad_rows, threads=threads, progress=progress)
+                              on_bad_rows=on_bad_rows, threads=threads, progress=progress, rows=rows)
             for i, result in runner.results():
                 results[i] = result
                 if on_spilled is not None and progress is None:
@@ -422,17 +459,18 @@ def write_shuffled_on(
         # format 2: a device left unseeded opens rows in pass 2, which one task only can number
         assert writer.coder is not None
         before = writer.coder.first_row + writer.coder.n_rows
-        counts = [summaries[d].entry.n_windows for d in dictionaries.ids.tolist()]
-        seeding = seed_rows(writer.coder, dictionaries, counts)
+        ids = np.array(sorted(summaries), np.int64)
+        counts = [summaries[d].entry.n_windows for d in ids.tolist()]
+        seeding = seed_rows(writer.coder, dictionaries, counts, ids)
         left_out = seeding.left_out
         seeded = writer.coder.n_rows
         # rows are opened one after another from ``before``, in ascending device id
         opened = seeded + writer.coder.first_row - before
-        first_row = None if left_out or opened != len(dictionaries.ids) else before
+        first_row = None if left_out or opened != len(ids) else before
         plan_path = os.path.join(directory, "pass2.pickle")
         plan = Pass2Plan(files, dictionaries, seed, writer.slabs.chunk_windows,
                          writer.coder if first_row is None else None, seeded, first_row,
-                         None if first_row is None else seeding.row_codes)
+                         None if first_row is None else seeding.row_codes, ids)
         del dictionaries, seeding  # pass 2 reads them from the plan
         where = (plan_path, dest.url, dest.storage_options)
         with engines() as engine, Runner(engine) as runner:
