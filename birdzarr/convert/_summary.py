@@ -185,6 +185,32 @@ class RunSummaries:
     def __len__(self) -> int:
         return len(self.device_ids)
 
+    @classmethod
+    def joined(cls, runs: list[RunSummaries]) -> RunSummaries:
+        """The devices of ``runs``, one after another, as one (the names of several once)."""
+        if len(runs) == 1:
+            return runs[0]
+        names: dict[str, int] = {}
+        name_at, problems, shift = [], {}, 0
+        for r in runs:
+            place = np.array([names.setdefault(name, len(names)) for name in r.names], np.int64)
+            name_at.append(place[r.name_at] if len(r.name_at) else r.name_at)
+            problems.update({k + shift: notes for k, notes in r.problems.items()})
+            shift += len(r)
+        sizes = np.array([len(r) for r in runs], np.int64)
+        firsts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        name_counts = np.concatenate([np.diff(r.name_bounds) for r in runs])
+
+        def column(name: str) -> np.ndarray:
+            return np.concatenate([getattr(r, name) for r in runs])
+
+        label_device = [r.label_device + first for r, first in zip(runs, firsts.tolist(), strict=True)]
+        return cls(column("device_ids"), column("counts"), column("starts"), column("checksums"),
+                   column("first_times"), column("last_times"), np.concatenate(label_device),
+                   column("label_value"), column("label_count"), list(names),
+                   np.concatenate([np.empty(0, np.int64), *name_at]),
+                   np.concatenate(([0], np.cumsum(name_counts))).astype(np.int64), problems)
+
     def label_counts(self) -> list[dict[int, int]]:
         """Each device's label counts (an entry's ``label_counts``)."""
         out: list[dict[int, int]] = [{} for _ in range(len(self))]

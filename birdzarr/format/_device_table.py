@@ -208,11 +208,13 @@ def details_json(entries: Iterable[DeviceEntry], reports: Iterable[tuple[int, De
     tails = json.dumps(csv_tails, separators=(",", ":"), allow_nan=False, check_circular=False).encode()
     if runs:
         entries, reports = list(entries), list(reports)
-        spelled = [_run_json(r) for r in runs]
+        from birdzarr.convert._summary import RunSummaries
+
+        spelled = [_run_json(RunSummaries.joined(list(runs)))]  # one spelling: Arrow's calls a run add up
         entry_ids = [np.fromiter((e.device_id for e in entries), np.int64, len(entries))]
         report_ids = [np.fromiter((d for d, _ in reports), np.int64, len(reports))]
-        entry_ids += [r.device_ids for r in runs]
-        report_ids += [r.device_ids for r in runs]
+        entry_ids.append(np.concatenate([r.device_ids for r in runs]))
+        report_ids.append(entry_ids[-1])
         devices = _in_order(entry_ids, [pa.array([_entry_json(e) for e in entries], pa.large_string()),
                                         *(s[0] for s in spelled)])
         report_devices = _in_order(report_ids, [pa.array([_report_json(d, r) for d, r in reports],
