@@ -2,6 +2,7 @@
 
     python benchmarks/peer_annbatch.py                          # 2.5 M windows of 186 devices
     python benchmarks/peer_annbatch.py --windows 600000 --rounds 1
+    git worktree add /tmp/before HEAD~1 && python benchmarks/peer_annbatch.py --baseline /tmp/before
 
 The data is the loader benchmark's (``benchmarks/loader.py``: 186 devices as skewed as the real
 set, calibrated values, one ``all.npy`` and a ``--shuffle`` birdzarr store, under --workdir).
@@ -17,6 +18,8 @@ Cases, each in its own process, interleaved over --rounds (ratios come from one 
 * the in-RAM numpy gather of a random permutation (the limit: no decoding, no DataLoader);
 * birdzarr ``WindowDataset`` defaults on the ``--shuffle`` store, 2 persistent DataLoader workers;
 * birdzarr ``resident="cpu"`` (the store's codes held in shared memory), 2 persistent workers;
+* with ``--baseline PATH``: the default streaming case of the birdzarr checkout at PATH (run with
+  ``PYTHONPATH=PATH``), for a before/after of a change in the same run;
 * annbatch defaults (``chunk_size=512, preload_nchunks=32``) and its README's recommended
   ``chunk_size=32, preload_nchunks=256``, in-process (its README advises against DataLoader
   workers), zarrs decoding, numpy batches.
@@ -185,8 +188,8 @@ def _timed_epochs(epochs_of: Any, n_epochs: int) -> list[dict[str, float]]:
     return epochs
 
 
-def own_case(kind: str, workdir: str, store: str, n_epochs: int, shuffle_buffer: int | None = None
-             ) -> dict[str, Any]:
+def own_case(kind: str, workdir: str, store: str, n_epochs: int, shuffle_buffer: int | None = None,
+             tag: str | None = None) -> dict[str, Any]:
     """In this environment's child process: the gather limit, or birdzarr (streaming, resident;
     ``shuffle_buffer``: streaming with that instead of the default)."""
     if kind == "gather":
@@ -225,7 +228,7 @@ def own_case(kind: str, workdir: str, store: str, n_epochs: int, shuffle_buffer:
             plan = ds.plan(num_workers=WORKERS) if ds.resident is None else None
             members.append([ds.batch_indices(b, plan) for b in ds.delivery_order(WORKERS)])
         devices = birdzarr.open_store(store).window_devices[:]
-    tag = "" if shuffle_buffer is None else f"-{shuffle_buffer}"
+    tag = ("" if shuffle_buffer is None else f"-{shuffle_buffer}") + ("" if tag is None else f"-{tag}")
     path = os.path.join(workdir, f"members-{kind}{tag}.npz")
     extra = {} if devices is None else {"devices": devices}
     np.savez(path, **{f"e{e}": np.concatenate(m) for e, m in enumerate(members)},
@@ -233,10 +236,11 @@ def own_case(kind: str, workdir: str, store: str, n_epochs: int, shuffle_buffer:
     return {"epochs": epochs, "members": path}
 
 
-def measure(argv: list[str]) -> dict[str, Any]:
-    """Run one case in a child process; sample the private memory of its process tree from here."""
+def measure(argv: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run one case in a child process (``env``: its environment, else this one's); sample the
+    private memory of its process tree from here."""
     load_before = os.getloadavg()[0]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
     with PeakSampler(lambda: tree_private(proc.pid), 0.2) as sampler:
         out, _ = proc.communicate()
     if proc.returncode:
@@ -287,12 +291,17 @@ def main() -> int:
     parser.add_argument("--shuffle-buffers", default="",
                         help="comma-separated shuffle_buffer values: a birdzarr streaming case for each, "
                              "beside the default one (the memory a smaller pool saves, its co-occurrence)")
+    parser.add_argument("--baseline", default=None, metavar="PATH",
+                        help="a checkout of birdzarr (e.g. a `git worktree` of an older commit): adds "
+                             "its default streaming case, run with PYTHONPATH=PATH, interleaved with "
+                             "the others, for a before/after in one run")
     parser.add_argument("--shuffle-buffer", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--tag", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--own-case", nargs=4, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.own_case:
         kind, workdir, store, n_epochs = args.own_case
-        print(json.dumps(own_case(kind, workdir, store, int(n_epochs), args.shuffle_buffer)))
+        print(json.dumps(own_case(kind, workdir, store, int(n_epochs), args.shuffle_buffer, args.tag)))
         return 0
     chosen = [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = sorted(set(chosen) - set(CASES))
@@ -319,6 +328,16 @@ def main() -> int:
         cases: list[tuple[str, list[str]]] = [
             (own[c][0], [*me, own[c][1], workdir, store, str(args.epochs)]) for c in CASES
             if c in own and c in chosen]
+        envs: dict[str, dict[str, str]] = {}
+        if args.baseline:
+            baseline = os.path.abspath(args.baseline)
+            if not os.path.isdir(os.path.join(baseline, "birdzarr")):
+                parser.error(f"--baseline: {baseline} holds no birdzarr package")
+            label = f"birdzarr defaults streaming, baseline ({baseline})"
+            cases.append((label, [*me[:-1], "--tag", "baseline", "--own-case", "birdzarr", workdir,
+                                  store, str(args.epochs)]))
+            envs[label] = {**os.environ, "PYTHONPATH": os.pathsep.join(
+                [baseline, *filter(None, [os.environ.get("PYTHONPATH")])])}
         for value in [int(v) for v in args.shuffle_buffers.split(",") if v.strip()]:
             cases.append((f"birdzarr streaming, shuffle_buffer={value:,}",
                           [*me[:-1], "--shuffle-buffer", str(value), "--own-case", "birdzarr", workdir, store,
@@ -354,7 +373,7 @@ def main() -> int:
         runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in cases}
         for round_number in range(args.rounds):  # interleaved: a noisy minute does not hit one case only
             for label, argv in cases:
-                result = measure(argv)
+                result = measure(argv, envs.get(label))
                 if round_number == 0:
                     result.update(quality(result["members"], devices_by_window, proportions,
                                           args.quality_batches))

@@ -523,10 +523,11 @@ def _with_reader_counts(batch: object) -> tuple[object, tuple[int, int, int]]:
 
 @pytest.mark.slow
 def test_persistent_workers_start_each_epoch_on_a_prefetched_pool(small_store: birdzarr.Store) -> None:
-    """A worker decodes its next pool while it serves the current one, and while it serves its
-    last pool, its first pool of the next epoch; a persistent worker's next epoch takes it
-    (exactly the planned batches); a set_epoch or a resume point asking for something else
-    drops it (still exactly the planned batches)."""
+    """A worker decodes its next pool while it serves the current one, while it serves its
+    last pool its first pool of the next epoch, and once that last pool is gathered its second
+    one, into the buffer it served from; a persistent worker's next epoch takes them (exactly
+    the planned batches); a set_epoch or a resume point asking for something else drops them
+    (still exactly the planned batches)."""
     options = {"batch_size": 500, "seed": 6, "shuffle_buffer": 4096}  # 6 pools a worker
     reference = _dataset(small_store, **options)
     ds = _dataset(small_store, **options)
@@ -556,9 +557,9 @@ def test_persistent_workers_start_each_epoch_on_a_prefetched_pool(small_store: b
         now = epoch(number)
         assert all(now[w][0] == (before[w][-1][0] + 1, 0) for w in (0, 1)), (number, now)
         before = now
-    ds.set_epoch(2)  # epoch 2 again: the prefetch of epoch 3 is dropped
+    ds.set_epoch(2)  # epoch 2 again: the prefetches of epoch 3 (its first two pools) are dropped
     now = epoch(2)
-    assert all(now[w][0] == (before[w][-1][0], 1) for w in (0, 1))
+    assert all(now[w][0] == (before[w][-1][0], 2) for w in (0, 1))
     ds.set_epoch(3)
     epoch(3)
     # a resume point in epoch 4, set while the workers hold its prefetched pools: exact, whichever
@@ -568,6 +569,78 @@ def test_persistent_workers_start_each_epoch_on_a_prefetched_pool(small_store: b
     epoch(4, skip=5)
     ds.set_epoch(5)
     assert len(epoch(5)) == 2
+
+
+_EVENTS: list[tuple[str, int, int]] = []  # in each worker: ("gather", 0, 0) or ("order", epoch, pool)
+
+
+def _with_events(batch: object) -> tuple[object, tuple[int, list[tuple[str, int, int]]]]:
+    """collate_fn (it runs in the worker): the batch, and this worker's gathers and orders so far."""
+    from torch.utils.data import get_worker_info
+
+    info = get_worker_info()
+    assert info is not None
+    return batch, (info.id, list(_EVENTS))
+
+
+@pytest.mark.slow
+def test_a_persistent_worker_draws_each_pools_order_before_it_serves_it(
+    small_store: birdzarr.Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each pool's order is drawn once, and but for the iteration's first pool of epoch 0 (decoded
+    on the spot) before the worker has gathered the last batch of the pool before it: when its
+    prefetch is queued, not between two pools, where it would hold up the pool's first batch and
+    the decode of the pool after it. The batches stay exactly the planned ones."""
+    from birdzarr.loader import _dataset as dataset_module
+    from birdzarr.loader._sampling import EpochPlan
+
+    drawing, filling, early = EpochPlan.pool_order, dataset_module._pool_filler, dataset_module._early_filler
+
+    def recorded(self: EpochPlan, pool: int) -> np.ndarray:
+        _EVENTS.append(("order", self.epoch, pool))
+        return drawing(self, pool)
+
+    def counted(fill: object) -> object:
+        def wrapped(*args: object) -> object:
+            _EVENTS.append(("gather", 0, 0))
+            return fill(*args)  # type: ignore[operator]
+        return wrapped
+
+    options = {"batch_size": 500, "seed": 6, "shuffle_buffer": 4096}  # 6 pools a worker
+    reference = _dataset(small_store, **options)
+    ds = _dataset(small_store, **options)
+    monkeypatch.setattr(EpochPlan, "pool_order", recorded)
+    monkeypatch.setattr(dataset_module, "_pool_filler", counted(filling))
+    monkeypatch.setattr(dataset_module, "_early_filler", counted(early))
+    _EVENTS.clear()
+    loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True,
+                        multiprocessing_context="fork", collate_fn=_with_events)
+    events: dict[int, list[tuple[str, int, int]]] = {}
+    for number in range(3):
+        ds.set_epoch(number)
+        reference.set_epoch(number)
+        got = [(x.clone(), found) for x, found in loader]  # type: ignore[union-attr]
+        expected = _expected(reference, 2)
+        assert len(got) == len(expected)
+        assert all(torch.equal(x, y) for (x, _), y in zip(got, expected, strict=True)), number
+        for _, (worker, seen) in got:
+            events[worker] = seen
+    for worker, seen in events.items():
+        starts, gathered = {}, 0  # the gathers before each (epoch, pool) of this worker's is served
+        for number in range(3):
+            plan = reference.plan(number, num_workers=2)
+            for pool in plan.worker_pools(worker, 2):
+                starts[(number, pool)] = gathered
+                gathered += int(plan.first_batch[pool + 1] - plan.first_batch[pool])
+        drawn, gathers = [], 0
+        for kind, number, pool in seen:
+            if kind == "gather":
+                gathers += 1
+            elif number < 3:
+                drawn.append(((number, pool), gathers))
+        assert [key for key, _ in drawn] == list(starts)  # each pool's order once, in its order
+        first = min(starts)
+        assert all(at < starts[key] for key, at in drawn if key != first), (worker, drawn, starts)
 
 
 @pytest.fixture(scope="module")

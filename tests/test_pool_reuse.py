@@ -5,6 +5,8 @@ Every batch stays exactly the planned one, every window once an epoch, resume ex
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -193,3 +195,73 @@ def test_a_format_1_stores_held_pieces_are_reused_exactly(small_store_v1: birdza
         ds.set_epoch(epoch)
         _check_epoch([(x, ldt) for x, ldt in ds], _expected(ds, small_store_v1), ds.n_selected)
     assert (pool.decoded, pool.reused) == (4, 8)
+
+
+def test_a_prefetch_draws_its_pools_order_once_its_decodes_are_queued(shuffled: birdzarr.Store) -> None:
+    """prefetch(key, pool, order): the pool's order is drawn by the caller once the pool's decodes
+    are queued (they run meanwhile: the fetch threads, which a worker waits for, do not draw it),
+    and handed over with the pool when its key is asked for, so serving the pool draws nothing;
+    a pool started on the spot has none, and a prefetch nobody takes is dropped with it."""
+    ds = birdzarr.WindowDataset(shuffled.url, batch_size=1000, seed=1, shuffle_buffer=4096)
+    buffers = ds._local().pool
+    plan = ds.plan()
+    assert len(plan.pools) > 2
+    drawn: list[tuple[str, int]] = []
+
+    def order_of(pool: int) -> object:
+        def draw() -> np.ndarray:
+            drawn.append((threading.current_thread().name, len(buffers._pending)))
+            return plan.pool_order(pool)
+        return draw
+
+    buffers.prefetch("a", plan.pools[1], order_of(1))  # type: ignore[arg-type]
+    assert drawn == [("MainThread", 1)]  # at prefetch, its decodes queued (pending)
+    loading = buffers.start(plan.pools[1], "a")
+    assert np.array_equal(loading.order(), plan.pool_order(1))  # type: ignore[arg-type]
+    assert len(drawn) == 1 and buffers.prefetched == 1
+    loading.wait()
+    assert buffers.start(plan.pools[2], "b").order() is None  # on the spot: the caller draws it
+    buffers.prefetch("c", plan.pools[0], order_of(0))  # type: ignore[arg-type]
+    loading = buffers.start(plan.pools[0], "d")  # another key: the prefetch is dropped
+    assert loading.order() is None and buffers.discarded == 1
+    loaded = loading.wait()
+    pieces = zip(plan.pools[0].chunks.tolist(), plan.pools[0].lo.tolist(), plan.pools[0].hi.tolist(),
+                 strict=True)
+    idx = np.concatenate([np.arange(c * 1024 + lo, c * 1024 + hi) for c, lo, hi in pieces])
+    assert np.array_equal(loaded.gimu[loaded.rows], shuffled.windows[idx])
+
+
+def test_a_prefetch_into_the_served_bank_waits_beside_the_other_banks(shuffled: birdzarr.Store) -> None:
+    """prefetch(..., served=True) decodes into the bank of the pool served last (the caller has
+    gathered every batch of it) while a prefetch into the other bank is pending: both are taken,
+    in either order, with the stored values; a start asking for neither drops both."""
+    ds = birdzarr.WindowDataset(shuffled.url, batch_size=1000, seed=1, shuffle_buffer=4096,
+                                with_ldt=True)
+    buffers = ds._local().pool
+    plan = ds.plan()
+    assert len(plan.pools) > 4
+
+    def stored(p: Pool) -> np.ndarray:
+        pieces = zip(p.chunks.tolist(), p.lo.tolist(), p.hi.tolist(), strict=True)
+        return shuffled.windows[np.concatenate([np.arange(c * 1024 + lo, c * 1024 + hi)
+                                                for c, lo, hi in pieces])]
+
+    def served(number: int, key: object = None) -> None:
+        loaded = buffers.load(plan.pools[number], key)
+        assert np.array_equal(loaded.gimu[loaded.rows], stored(plan.pools[number]))
+
+    served(0)
+    for first, second in ((1, 2), (4, 3)):  # taken in the planned order, then the other way
+        buffers.prefetch(("p", first), plan.pools[first])
+        buffers.prefetch(("p", second), plan.pools[second], served=True)
+        buffers.prefetch(("p", second), plan.pools[second], served=True)  # started already: kept
+        assert buffers.prefetching(plan.pools[first], ("p", first))
+        assert buffers.prefetching(plan.pools[second], ("p", second))
+        banks = buffers.prefetched
+        for number in (first, second) if first < second else (second, first):
+            served(number, ("p", number))
+        assert buffers.prefetched == banks + 2 and buffers.discarded == 0
+    buffers.prefetch(("p", 0), plan.pools[0])
+    buffers.prefetch(("p", 1), plan.pools[1], served=True)
+    served(2, "another")  # neither: both dropped, the pool decoded on the spot
+    assert buffers.discarded == 2

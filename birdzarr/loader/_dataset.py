@@ -21,6 +21,7 @@ num_workers`` batches in flight. It never depends on the number of windows in th
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import numbers
@@ -702,13 +703,19 @@ class WindowDataset(IterableDataset[Batch]):
             grouped = itertools.groupby(batches.tolist(), key=lambda b: int(plan.batch_pool[b]))
             for number, (pool, in_pool) in enumerate(grouped):
                 mine = list(in_pool)
-                order = plan.pool_order(pool)
                 # the iteration's first batch: decoded on its own ahead of its pool (which reads
                 # the pool's chunks twice), unless the pool was prefetched, holds that batch
                 # alone, or is all this reader serves this iteration (twice the reads of its epoch)
-                alone = number == 0 and len(mine) > 1 and len(pools) > 1
-                first = plan.batch_positions(mine[0], order) if alone else None
-                loading = local.pool.start(plan.pools[pool], (plan.epoch, workers, pool), first)
+                key = (plan.epoch, workers, pool)
+                alone = (number == 0 and len(mine) > 1 and len(pools) > 1
+                         and not local.pool.prefetching(plan.pools[pool], key))
+                order = plan.pool_order(pool) if alone else None
+                first = None if order is None else plan.batch_positions(mine[0], order)
+                loading = local.pool.start(plan.pools[pool], key, first)
+                if order is None:  # a prefetch computed it; else drawn while the pool decodes
+                    order = loading.order()
+                    if order is None:
+                        order = plan.pool_order(pool)
                 early = loading.early()
                 if early is not None:
                     yield local.sink(len(early[0]), _early_filler(early))
@@ -721,25 +728,37 @@ class WindowDataset(IterableDataset[Batch]):
                         # gathered from the pool on: started before, the decode would delay it
                         if pool in following:
                             ahead = following[pool]
-                            local.pool.prefetch((plan.epoch, workers, ahead), plan.pools[ahead])
+                            local.pool.prefetch((plan.epoch, workers, ahead), plan.pools[ahead],
+                                                functools.partial(plan.pool_order, ahead))
                         else:
                             self._prefetch_next_epoch(local, plan.epoch, info.id, workers)
+                    if batch == mine[-1] and pool not in following and info is not None:
+                        # every batch of the epoch gathered: the bank it was served from is free
+                        # for the next epoch's second pool, decoded while this epoch ends
+                        self._prefetch_next_epoch(local, plan.epoch, info.id, workers, second=True)
                     yield gathered
 
         return produce()
 
-    def _prefetch_next_epoch(self, local: _PerProcess, epoch: int, worker: int, workers: int) -> None:
+    def _prefetch_next_epoch(self, local: _PerProcess, epoch: int, worker: int, workers: int,
+                             second: bool = False) -> None:
         """A DataLoader worker that starts serving its last pool of the epoch starts decoding its
         first pool of the next epoch into its other buffer, while it serves (plans are pure
         functions of the epoch): a persistent worker then starts the next epoch without decoding
-        a pool first. The next iteration takes it only if it asks for that pool of that
-        epoch (``set_epoch`` or a resume point may ask for another), else it is cancelled."""
+        a pool first. ``second``: once it has gathered its last batch of the epoch, its second
+        pool of the next epoch, into the buffer it served from (its decode then runs while the
+        epoch ends and the next one starts, instead of after the next epoch's first batch). The
+        next iteration takes them only if it asks for those pools of that epoch (``set_epoch`` or
+        a resume point may ask for others), else they are cancelled."""
         if epoch >= MAX_EPOCH:
             return
         following = self.plan(epoch + 1, workers)
         mine = following.worker_pools(worker, workers)
-        if len(mine):
-            local.pool.prefetch((epoch + 1, workers, mine[0]), following.pools[mine[0]])
+        which = 1 if second else 0
+        if len(mine) > which:
+            pool = mine[which]
+            local.pool.prefetch((epoch + 1, workers, pool), following.pools[pool],
+                                functools.partial(following.pool_order, pool), served=second)
 
     def _held(self) -> Iterator[Batch | SharedBatch]:
         """Resident mode: this reader's batches of the epoch's permutation (every k-th), gathered

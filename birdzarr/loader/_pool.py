@@ -11,10 +11,14 @@ nothing grows with the store: memory is ``capacity x chunk_windows x (320 B + 16
 
 A DataLoader worker's fetch threads are idle while it serves a pool: ``prefetch`` starts
 decoding its next pool (or, while it serves its last pool of an epoch, its first pool of the
-next epoch: plans are pure functions of the epoch) into the other of two banks of buffers, and
-``load`` takes it if the iteration asks for that pool, else cancels it. The fetch threads are
-daemon threads: a DataLoader worker that exits (a non-persistent one, at the end of its epoch)
-does not wait for a prefetch nobody will use.
+next epoch: plans are pure functions of the epoch) into the other of two banks of buffers, with
+the pool's order of windows drawn meanwhile by the worker (not on its serving path), and ``load`` takes
+it if the iteration asks for that pool, else cancels it. Once the worker has gathered its last
+batch of an epoch, the bank it served from is free: ``prefetch(..., served=True)`` decodes its
+second pool of the next epoch there, beside the first one (so a bank holds at most one pending
+prefetch, and memory stays two banks). The fetch threads are daemon threads: a DataLoader worker
+that exits (a non-persistent one, at the end of its epoch) does not wait for a prefetch nobody
+will use.
 
 A bank remembers which pieces of which chunks its latest pool holds, and where. A pool whose
 pieces a bank already holds (the same chunk, the same or fewer of its selected windows) is not
@@ -48,7 +52,7 @@ import queue
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -212,6 +216,18 @@ class _Arranged:
 EarlyBatch = tuple[np.ndarray, "dict[str, np.ndarray] | None"]  # windows (and ldt) of a first batch
 
 
+@dataclass(frozen=True, eq=False)  # compared by identity
+class _Pending:
+    """A prefetch: its key and pool, each piece's rows being loaded, where they go, and the
+    pool's order being computed (None: none asked for)."""
+
+    key: Hashable
+    pool: Pool
+    futures: list[Future[np.ndarray]]
+    arranged: _Arranged
+    order: Future[np.ndarray] | None
+
+
 def _done(value: Any) -> Future[Any]:
     future: Future[Any] = Future()
     future.set_result(value)
@@ -224,18 +240,27 @@ class Loading:
 
     def __init__(self, buffers: PoolBuffers, pool: Pool, futures: list[Future[np.ndarray]],
                  arranged: _Arranged, early: list[tuple[np.ndarray, Future[EarlyBatch]]] | None = None,
-                 first: int = 0) -> None:
+                 first: int = 0, order: Future[np.ndarray] | None = None) -> None:
         self._buffers = buffers
         self._pool = pool
         self._futures = futures  # each piece's rows in the bank
         self._arranged = arranged
         self._early = early  # (the batch's members in a chunk, their windows being decoded)
         self._first = first  # windows of the first batch
+        self._order = order  # the pool's order, computed with a prefetch
         self._loaded: LoadedPool | None = None
 
     @property
     def futures(self) -> list[Future[Any]]:
-        return [*self._futures, *(future for _, future in self._early or [])]
+        return [*self._futures, *(future for _, future in self._early or []),
+                *([] if self._order is None else [self._order])]
+
+    def order(self) -> np.ndarray | None:
+        """The pool's order of windows computed with its prefetch (``prefetch(..., order=)``),
+        or None (a pool started on the spot, or a prefetch given no order)."""
+        if self._order is None:
+            return None
+        return _results([self._order], also=self._futures)[0]
 
     def early(self) -> EarlyBatch | None:
         """The first batch's windows ``(x, ldt)`` in the batch's order, decoded on their own, or
@@ -281,7 +306,7 @@ class PoolBuffers:
         self._serving = 0  # the bank of the pool handed out last
         self.threads = max(1, threads)
         self._threads = _DaemonThreads(self.threads, "birdzarr-fetch")
-        self._pending: tuple[Hashable, Pool, list[Future[np.ndarray]], _Arranged] | None = None
+        self._pending: list[_Pending] = []  # prefetches not taken yet: at most one a bank
         self.decoded = 0  # chunks decoded by this reader for pools it served (tests count them)
         self.reused = 0  # pieces of pools it served taken from a bank instead (tests count them)
         self.prefetched = 0  # pools taken from a prefetch (tests count them)
@@ -364,22 +389,52 @@ class PoolBuffers:
                                                     lo, hi))
         return futures
 
-    def prefetch(self, key: Hashable, pool: Pool) -> None:
-        """Start decoding ``pool`` into the bank not being served; ``load(pool, key)`` takes it."""
-        self._drop_pending()
-        self._settle()
-        arranged = self._arrange(1 - self._serving, pool)
-        self._pending = (key, pool, self._submit(arranged, pool), arranged)
+    def prefetch(self, key: Hashable, pool: Pool, order: Callable[[], np.ndarray] | None = None, *,
+                 served: bool = False) -> None:
+        """Start decoding ``pool`` into the bank not being served; ``load(pool, key)`` takes it.
+        ``order`` (the pool's order of windows, a pure function) is drawn here, on the calling
+        thread, once the decodes are queued (they run meanwhile), and served by the taking
+        ``Loading.order()``: the reader's thread then starts serving the pool without drawing its
+        permutation (tens of ms for a default pool) while the fetch threads wait for it, and
+        the fetch threads do not draw it either (they are what a worker waits for).
 
-    def _drop_pending(self) -> None:
-        """Cancel a prefetch nobody asked for (its running decodes finish first)."""
-        if self._pending is not None:
-            futures = self._pending[2]
-            self._pending = None
+        ``served=True``: into the bank of the pool served last instead, which the caller is done
+        with (every batch of it gathered), beside a prefetch into the other bank: a worker that
+        has gathered its last batch of an epoch decodes its second pool of the next epoch there
+        while its first one waits in the other bank. A prefetch already started for this key
+        and pool is left as it is."""
+        if self.prefetching(pool, key):
+            return
+        bank = self._serving if served else 1 - self._serving
+        self._drop_pending(bank)
+        self._settle()
+        arranged = self._arrange(bank, pool)
+        pending = _Pending(key, pool, self._submit(arranged, pool), arranged, None)
+        self._pending.append(pending)
+        if order is not None:
+            self._pending[-1] = replace(pending, order=_done(order()))
+
+    def _drop_pending(self, bank: int | None = None) -> None:
+        """Cancel the prefetches nobody asked for (into ``bank``, or every one): their running
+        decodes finish first."""
+        dropped = [p for p in self._pending if bank is None or p.arranged.bank == bank]
+        self._pending = [p for p in self._pending if all(p is not d for d in dropped)]
+        for pending in dropped:
+            futures = [*pending.futures, *([] if pending.order is None else [pending.order])]
             for future in futures:
                 future.cancel()
             wait(futures)
             self.discarded += 1
+
+    def _find_pending(self, pool: Pool, key: Hashable) -> _Pending | None:
+        if key is None:
+            return None
+        return next((p for p in self._pending if p.key == key and _same(p.pool, pool)), None)
+
+    def prefetching(self, pool: Pool, key: Hashable) -> bool:
+        """Whether ``start(pool, key)`` will take a prefetch (then it decodes no first batch
+        on its own, and ``Loading.order()`` gives the order drawn with it, if one was asked for)."""
+        return self._find_pending(pool, key) is not None
 
     def load(self, pool: Pool, key: Hashable = None) -> LoadedPool:
         """Fetch and decode every chunk of ``pool`` into the buffers (all in flight at once), or
@@ -394,11 +449,11 @@ class PoolBuffers:
         (``Loading.early``), queued ahead of the pool's chunks; those a bank holds are gathered
         from it; with nothing to decode, nothing is done early."""
         self._settle()
-        pending = self._pending
-        if pending is not None and key is not None and pending[0] == key and _same(pending[1], pool):
-            self._pending = None
+        pending = self._find_pending(pool, key)
+        if pending is not None:  # the other bank's prefetch, if any, stays: the next pool's
+            self._pending.remove(pending)
             self.prefetched += 1
-            return Loading(self, pool, pending[2], pending[3])
+            return Loading(self, pool, pending.futures, pending.arranged, order=pending.order)
         self._drop_pending()
         arranged = self._arrange(0, pool)
         early = None
