@@ -495,9 +495,6 @@ def _finish_scattered(table: _Table, hashers: dict[int, Any], digests: _Digests,
         result.problem(f"the checksums of all {len(table):,} devices cannot be checked: the dictionaries "
                        "are missing or damaged (above)")
         return
-    if not digests.broken and not scattered_digests_differ(table, counts, sums):
-        result.checksums_checked += len(table)  # every device has a digest, equal to its windows'
-        return
     for device, n_windows, recorded, old, count, total in zip(
             table.ids.tolist(), table.n_windows.tolist(), table.scattered_digest, table.scattered_checksum,
             counts, sums, strict=True):
@@ -522,18 +519,6 @@ def _finish_scattered(table: _Table, hashers: dict[int, Any], digests: _Digests,
                 result.problem(f"device {device}: scattered checksum {crc} differs from the "
                                f"{old} recorded at write time: its windows changed "
                                "after writing")
-
-
-def scattered_digests_differ(table: _Table, counts: list[int], sums: list[int]) -> bool:
-    """False where every entry records a scattered digest and its windows' count and digest
-    (``counts``, ``sums``: in the table's order) are the recorded ones, compared as arrays (the
-    device by device check then has nothing to say); True otherwise."""
-    recorded = table.scattered_digest
-    if not len(table) or None in recorded:
-        return bool(len(table))
-    found = np.array([f"{total:016x}" for total in sums], dtype=bytes)  # digest_hex's spelling
-    return not (np.array_equal(np.asarray(counts, np.int64), table.n_windows)
-                and np.array_equal(found, np.array(recorded, dtype=bytes)))
 
 
 # -- the device table as columns -------------------------------------------------------------------
