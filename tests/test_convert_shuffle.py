@@ -473,19 +473,24 @@ def test_pass_ones_dictionaries_grow_in_place_as_runs_are_added() -> None:
 
 
 @pytest.mark.parametrize("rows", [[3, 0, 5, 1], [70_000, 2], [1] * 70_000])
-def test_seed_rows_sorts_each_rows_entries_by_value_ties_in_place(rows: list[int]) -> None:
-    """``_sorted_rows`` (seed_rows' sort of a batch of rows): entries by (row, value), equal
-    values in place order, whether one packed sort (rows of at most 65,536 entries, at most
-    65,536 rows) or a stable argsort (larger) does it."""
+def test_seed_rows_ranks_each_rows_entries_among_its_distinct_values(rows: list[int]) -> None:
+    """``_row_ranks`` (seed_rows' sorted factorisation of a batch of rows): each entry's rank among
+    its row's distinct values, and the rows' distinct values in order, whether the keys and their
+    places fit one packed sort (few rows) or not (70,000 rows: a stable argsort)."""
     rng = np.random.default_rng(7)
     row_len = np.array(rows, np.int64)
-    row_lo = np.concatenate([[0], np.cumsum(row_len)[:-1]])
     values = rng.integers(0, 50, int(row_len.sum())).astype(np.uint32)
-    order, ranked = _shuffle._sorted_rows(values, row_lo, row_len)
-    row = np.repeat(np.arange(len(rows)), row_len)
-    expected = np.lexsort((np.arange(len(values)), values, row))
-    assert order.tolist() == expected.tolist()
-    assert ranked.tolist() == ((row[expected].astype(np.uint64) << np.uint64(32)) | values[expected]).tolist()
+    rank, entries, before = _shuffle._row_ranks(values, row_len)
+    bounds = np.concatenate([[0], np.cumsum(row_len)])
+    expected_entries, expected_rank = [], []
+    for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+        distinct, inverse = np.unique(values[a:b], return_inverse=True)
+        expected_entries.append(distinct)
+        expected_rank.append(inverse.reshape(-1))
+    assert rank.tolist() == np.concatenate(expected_rank).tolist()
+    assert entries.tolist() == np.concatenate(expected_entries).tolist()
+    sizes = np.array([len(e) for e in expected_entries], np.int64)
+    assert before.tolist() == (np.cumsum(sizes) - sizes).tolist()
 
 
 @pytest.mark.parametrize("devices,windows,values", [(40, 30, 10), (9000, 5, 2**32 - 1), (1, 1, 1), (0, 0, 1)])

@@ -50,6 +50,7 @@ from birdzarr.convert._device_coder import (
     DeviceCoder,
     DeviceValues,
     DeviceValuesBuilder,
+    _sorted_codes,
     block_values,
     run_codes,
 )
@@ -223,9 +224,8 @@ def seed_rows(coder: RowCoder, dictionaries: DeviceValues, counts: Sequence[int]
     id its first device); every part must lie in one row. A row of one part whose entries are
     sorted (``run_codes``) is seeded with them as they are, its codes unchanged; the others'
     entries (parts of a row, or a device coded alone, in first-seen order) become keys
-    ``(row) << 32 | value``, sorted a batch of whole rows at a time (stable: a part's sorted
-    entries are runs that merge), so a value's code in its row is its rank among the distinct
-    keys of that row."""
+    ``row << 32 | value``, factorised sorted a batch of whole rows at a time (``_row_ranks``), so
+    a value's code in its row is its rank among the distinct keys of that row."""
     parts = dictionaries.ids
     ids = parts if devices is None else np.asarray(devices, np.int64)
     n_parts = len(parts)
@@ -276,7 +276,7 @@ def seed_rows(coder: RowCoder, dictionaries: DeviceValues, counts: Sequence[int]
                 lengths = row_hi[picked] - row_lo[picked]
                 offsets = np.cumsum(lengths) - lengths
                 take = np.repeat(row_lo[picked] - offsets, lengths) + np.arange(int(lengths.sum()))
-                rank, entries, before = _row_ranks(values[lo:hi][take], offsets, lengths)
+                rank, entries, before = _row_ranks(values[lo:hi][take], lengths)
                 codes[lo:hi][take] = rank
                 after = np.append(before[1:], len(entries))
                 for r, a, b in zip(picked.tolist(), before.tolist(), after.tolist(), strict=True):
@@ -292,46 +292,17 @@ def seed_rows(coder: RowCoder, dictionaries: DeviceValues, counts: Sequence[int]
     return SeededRows(parts[over].tolist(), row_codes)
 
 
-def _row_ranks(values: np.ndarray, row_lo: np.ndarray,
-               row_len: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Consecutive rows' entries ``values`` (uint32; row ``r``: ``row_len[r]`` from ``row_lo[r]``):
-    each entry's rank among its row's distinct values (in place order), the rows' distinct
-    values one row after another (uint32), and where each row's start among them."""
-    order, ranked = _sorted_rows(values, row_lo, row_len)
-    distinct = np.empty(len(ranked), bool)
-    distinct[:1] = True
-    np.not_equal(ranked[1:], ranked[:-1], out=distinct[1:])
-    seen = np.cumsum(distinct)  # distinct keys up to each sorted key, itself included
-    before = np.zeros(len(row_len), np.int64)  # the distinct keys of the rows before each row
-    if len(seen):
-        before[1:] = np.where(row_lo[1:] > 0, seen[np.maximum(row_lo[1:] - 1, 0)], 0)
-    seen -= 1
-    seen -= np.repeat(before, row_len)  # a key's rank: its distinct key in its row
-    rank = np.empty(len(values), np.int64)
-    rank[order] = seen
-    return rank, (ranked[distinct] & np.uint64(0xFFFFFFFF)).astype(np.uint32), before
-
-
-def _sorted_rows(values: np.ndarray, row_lo: np.ndarray,
-                 row_len: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The entries ``values`` (uint32) of consecutive rows (row ``r``: ``row_len[r]`` entries from
-    ``row_lo[r]``) sorted by (row, value), ties in place order: the place of each sorted entry
-    (``order``, int64) and its key ``row << 32 | value`` (uint64, row counted in the batch). Where
-    every row has at most 65,536 entries and there are at most 65,536 rows (shared rows: 40,960
-    entries at most), one sort of ``row << 48 | value << 16 | place in the row`` (numpy's
-    vectorised sort: 2.4x faster than a stable argsort), else a stable argsort of the keys."""
+def _row_ranks(values: np.ndarray, row_len: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Consecutive rows' entries ``values`` (uint32; row ``r``: ``row_len[r]`` of them, the rows
+    end to end): each entry's rank among its row's distinct values (int64), the rows'
+    distinct values one row after another (uint32, each row's ascending), and where each row's
+    start among them. One sorted factorisation of the keys ``row << 32 | value``
+    (``_device_coder._sorted_codes``, ``run_codes``' sort)."""
     rel = np.repeat(np.arange(len(row_len), dtype=np.uint64), row_len)
-    if len(row_len) <= 1 << 16 and int(row_len.max(initial=0)) <= 1 << 16:
-        first = np.repeat(row_lo, row_len)
-        packed = (rel << np.uint64(48)) | (values.astype(np.uint64) << np.uint64(16))
-        packed |= (np.arange(len(values), dtype=np.int64) - first).astype(np.uint64)
-        packed.sort()
-        order = row_lo[(packed >> np.uint64(48)).astype(np.intp)]
-        order += (packed & np.uint64(0xFFFF)).astype(np.int64)
-        return order, packed >> np.uint64(16)
-    keys = (rel << np.uint64(32)) | values
-    order = np.argsort(keys, kind="stable")
-    return order, keys[order]
+    rank, distinct = _sorted_codes((rel << np.uint64(32)) | values)
+    before = np.searchsorted(distinct >> np.uint64(32), np.arange(len(row_len), dtype=np.uint64))
+    rank -= np.repeat(before, row_len)
+    return rank, (distinct & np.uint64(0xFFFFFFFF)).astype(np.uint32), before.astype(np.int64)
 
 
 def _by_bucket(codes: np.ndarray, meta: np.ndarray, target: np.ndarray,
