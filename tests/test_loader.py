@@ -571,6 +571,53 @@ def test_persistent_workers_start_each_epoch_on_a_prefetched_pool(small_store: b
     assert len(epoch(5)) == 2
 
 
+def _with_early_counts(batch: object) -> tuple[object, tuple[int, int, int]]:
+    """collate_fn (it runs in the worker): the batch, the worker's first batches decoded on their
+    own and pools taken from a prefetch."""
+    from torch.utils.data import get_worker_info
+
+    info = get_worker_info()
+    assert info is not None
+    pool = info.dataset._local().pool  # type: ignore[attr-defined]
+    return batch, (info.id, pool.early_batches, pool.prefetched)
+
+
+@pytest.mark.slow
+def test_a_worker_of_one_pool_an_epoch_decodes_the_next_epochs_first_batch_on_its_own(
+    small_store: birdzarr.Store,
+) -> None:
+    """A worker whose epoch is one pool prefetches the next epoch's pool while it serves this one,
+    which takes less time than the decode: the next epoch's first batch is decoded on its own
+    ahead of that pool, so the epoch starts without waiting for the whole pool; every batch is
+    the planned one. A resume point inside that pool serves its own batches (the early one
+    unused); a set_epoch to another epoch drops the prefetch."""
+    options = {"batch_size": 500, "seed": 6}
+    reference = _dataset(small_store, **options)
+    ds = _dataset(small_store, **options)
+    assert len(ds.plan(num_workers=2).pools) == 2  # one pool a worker
+    loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True,
+                        multiprocessing_context="fork", collate_fn=_with_early_counts)
+
+    def epoch(number: int, skip: int = 0) -> dict[int, tuple[int, int]]:
+        """Each worker's (first batches decoded on their own, pools prefetched) at its last batch."""
+        reference.set_epoch(number)
+        got = [(x.clone(), counts) for x, counts in loader]  # type: ignore[union-attr]
+        expected = _expected(reference, 2)[skip:]
+        assert len(got) == len(expected)
+        assert all(torch.equal(x, y) for (x, _), y in zip(got, expected, strict=True)), number
+        return {worker: (early, prefetched) for _, (worker, early, prefetched) in got}
+
+    for number in range(4):
+        ds.set_epoch(number)
+        assert epoch(number) == {w: (number, number) for w in (0, 1)}  # epoch 0 on the spot
+    state = ds.state_dict(batches_seen=0)
+    ds.load_state_dict({**state, "epoch": 4, "next_batch": 3})  # inside the prefetched pools
+    # (a restarted worker may continue the other's list: its prefetch is then dropped)
+    assert {w: early for w, (early, _) in epoch(4, skip=3).items()} == {0: 3, 1: 3}
+    ds.set_epoch(7)  # not the epoch prefetched (5): decoded on the spot, nothing early
+    assert {w: early for w, (early, _) in epoch(7).items()} == {0: 3, 1: 3}
+
+
 _EVENTS: list[tuple[str, int, int]] = []  # in each worker: ("gather", 0, 0) or ("order", epoch, pool)
 
 

@@ -716,7 +716,8 @@ class WindowDataset(IterableDataset[Batch]):
                     order = loading.order()
                     if order is None:
                         order = plan.pool_order(pool)
-                early = loading.early()
+                # a prefetch's first batch decoded on its own serves only the batch it was for
+                early = loading.early() if loading.early_batch in (None, mine[0]) else None
                 if early is not None:
                     yield local.sink(len(early[0]), _early_filler(early))
                 for batch in mine[0 if early is None else 1 :]:
@@ -730,8 +731,9 @@ class WindowDataset(IterableDataset[Batch]):
                             ahead = following[pool]
                             local.pool.prefetch((plan.epoch, workers, ahead), plan.pools[ahead],
                                                 functools.partial(plan.pool_order, ahead))
-                        else:
-                            self._prefetch_next_epoch(local, plan.epoch, info.id, workers)
+                        else:  # this reader's only pool: the next one takes longer to decode
+                            self._prefetch_next_epoch(local, plan.epoch, info.id, workers,
+                                                      early=len(pools) == 1)
                     if batch == mine[-1] and pool not in following and info is not None:
                         # every batch of the epoch gathered: the bank it was served from is free
                         # for the next epoch's second pool, decoded while this epoch ends
@@ -741,7 +743,7 @@ class WindowDataset(IterableDataset[Batch]):
         return produce()
 
     def _prefetch_next_epoch(self, local: _PerProcess, epoch: int, worker: int, workers: int,
-                             second: bool = False) -> None:
+                             second: bool = False, early: bool = False) -> None:
         """A DataLoader worker that starts serving its last pool of the epoch starts decoding its
         first pool of the next epoch into its other buffer, while it serves (plans are pure
         functions of the epoch): a persistent worker then starts the next epoch without decoding
@@ -749,7 +751,9 @@ class WindowDataset(IterableDataset[Batch]):
         pool of the next epoch, into the buffer it served from (its decode then runs while the
         epoch ends and the next one starts, instead of after the next epoch's first batch). The
         next iteration takes them only if it asks for those pools of that epoch (``set_epoch`` or
-        a resume point may ask for others), else they are cancelled."""
+        a resume point may ask for others), else they are cancelled. ``early``: the worker serves
+        one pool an epoch, which takes less time than the next one's decode (a small store), so
+        the next epoch's first batch is decoded on its own first, as in epoch 0."""
         if epoch >= MAX_EPOCH:
             return
         following = self.plan(epoch + 1, workers)
@@ -757,8 +761,10 @@ class WindowDataset(IterableDataset[Batch]):
         which = 1 if second else 0
         if len(mine) > which:
             pool = mine[which]
+            batch = int(following.first_batch[pool])
+            first = (batch, functools.partial(following.batch_positions, batch)) if early else None
             local.pool.prefetch((epoch + 1, workers, pool), following.pools[pool],
-                                functools.partial(following.pool_order, pool), served=second)
+                                functools.partial(following.pool_order, pool), served=second, first=first)
 
     def _held(self) -> Iterator[Batch | SharedBatch]:
         """Resident mode: this reader's batches of the epoch's permutation (every k-th), gathered

@@ -226,6 +226,8 @@ class _Pending:
     futures: list[Future[np.ndarray]]
     arranged: _Arranged
     order: Future[np.ndarray] | None
+    early: list[tuple[np.ndarray, Future[EarlyBatch]]] | None = None  # its first batch, on its own
+    first: tuple[int, int] = (0, 0)  # (that batch's number, its windows)
 
 
 def _done(value: Any) -> Future[Any]:
@@ -240,7 +242,8 @@ class Loading:
 
     def __init__(self, buffers: PoolBuffers, pool: Pool, futures: list[Future[np.ndarray]],
                  arranged: _Arranged, early: list[tuple[np.ndarray, Future[EarlyBatch]]] | None = None,
-                 first: int = 0, order: Future[np.ndarray] | None = None) -> None:
+                 first: int = 0, order: Future[np.ndarray] | None = None,
+                 early_batch: int | None = None) -> None:
         self._buffers = buffers
         self._pool = pool
         self._futures = futures  # each piece's rows in the bank
@@ -248,6 +251,7 @@ class Loading:
         self._early = early  # (the batch's members in a chunk, their windows being decoded)
         self._first = first  # windows of the first batch
         self._order = order  # the pool's order, computed with a prefetch
+        self.early_batch = early_batch  # the batch a prefetch decoded on its own (None: the caller's)
         self._loaded: LoadedPool | None = None
 
     @property
@@ -390,7 +394,8 @@ class PoolBuffers:
         return futures
 
     def prefetch(self, key: Hashable, pool: Pool, order: Callable[[], np.ndarray] | None = None, *,
-                 served: bool = False) -> None:
+                 served: bool = False,
+                 first: tuple[int, Callable[[np.ndarray], np.ndarray]] | None = None) -> None:
         """Start decoding ``pool`` into the bank not being served; ``load(pool, key)`` takes it.
         ``order`` (the pool's order of windows, a pure function) is drawn here, on the calling
         thread, once the decodes are queued (they run meanwhile), and served by the taking
@@ -402,17 +407,38 @@ class PoolBuffers:
         with (every batch of it gathered), beside a prefetch into the other bank: a worker that
         has gathered its last batch of an epoch decodes its second pool of the next epoch there
         while its first one waits in the other bank. A prefetch already started for this key
-        and pool is left as it is."""
+        and pool is left as it is.
+
+        ``first``: (a batch number, the pool positions of that batch given the order), for a
+        prefetch that may not be done when it is asked for (a worker's only pool of an epoch
+        prefetches its next one, which takes longer to decode than that pool to serve): the
+        order is then drawn first and that batch's windows are decoded on their own ahead of the
+        pool, as ``start`` does for an iteration's first batch (``Loading.early``; the same
+        conditions: a version-2 store on this machine without a chunk cache)."""
         if self.prefetching(pool, key):
             return
         bank = self._serving if served else 1 - self._serving
         self._drop_pending(bank)
         self._settle()
         arranged = self._arrange(bank, pool)
+        if first is not None and order is not None and self._early_allowed(arranged):
+            drawn = order()
+            positions = np.asarray(first[1](drawn), dtype=np.int64)
+            early = self._submit_early(pool, positions, arranged)
+            self._pending.append(_Pending(key, pool, self._submit(arranged, pool), arranged, _done(drawn),
+                                          early, (first[0], len(positions))))
+            return
         pending = _Pending(key, pool, self._submit(arranged, pool), arranged, None)
         self._pending.append(pending)
         if order is not None:
             self._pending[-1] = replace(pending, order=_done(order()))
+
+    def _early_allowed(self, arranged: _Arranged) -> bool:
+        """Whether a first batch may be decoded on its own: something of the pool is decoded,
+        on a version-2 store on this machine without a chunk cache (a remote store's chunks are
+        not fetched twice)."""
+        return (any(s.decodes for s in arranged.sources) and self.reader.format_version == 2
+                and self.reader.location.is_local and self.reader.cache is None)
 
     def _drop_pending(self, bank: int | None = None) -> None:
         """Cancel the prefetches nobody asked for (into ``bank``, or every one): their running
@@ -420,7 +446,9 @@ class PoolBuffers:
         dropped = [p for p in self._pending if bank is None or p.arranged.bank == bank]
         self._pending = [p for p in self._pending if all(p is not d for d in dropped)]
         for pending in dropped:
-            futures = [*pending.futures, *([] if pending.order is None else [pending.order])]
+            futures: list[Future[Any]] = [*pending.futures, *(future for _, future in pending.early or [])]
+            if pending.order is not None:
+                futures.append(pending.order)
             for future in futures:
                 future.cancel()
             wait(futures)
@@ -453,13 +481,12 @@ class PoolBuffers:
         if pending is not None:  # the other bank's prefetch, if any, stays: the next pool's
             self._pending.remove(pending)
             self.prefetched += 1
-            return Loading(self, pool, pending.futures, pending.arranged, order=pending.order)
+            return Loading(self, pool, pending.futures, pending.arranged, pending.early, pending.first[1],
+                           order=pending.order, early_batch=pending.first[0] if pending.early else None)
         self._drop_pending()
         arranged = self._arrange(0, pool)
         early = None
-        if (first is not None and len(first) and any(s.decodes for s in arranged.sources)
-                and self.reader.format_version == 2 and self.reader.location.is_local
-                and self.reader.cache is None):
+        if first is not None and len(first) and self._early_allowed(arranged):
             early = self._submit_early(pool, np.asarray(first, dtype=np.int64), arranged)
         loading = Loading(self, pool, self._submit(arranged, pool), arranged, early,
                           0 if first is None else len(first))
