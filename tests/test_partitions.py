@@ -395,8 +395,12 @@ def test_devices_read_together_reach_the_commit_as_columns(
         pq.write_table(table, source / f"part-{number}.parquet")
     alive: list[int] = []
 
+    def held() -> int:
+        gc.collect()
+        return sum(isinstance(o, (DeviceEntry, DeviceRange, DeviceReport)) for o in gc.get_objects())
+
     def counting(self: StoreWriter, *args: object, **kwargs: object) -> object:
-        alive.append(sum(isinstance(o, (DeviceEntry, DeviceRange, DeviceReport)) for o in gc.get_objects()))
+        alive.append(held() - before)  # objects other tests left alive are counted in ``before``
         return commit(self, *args, **kwargs)
 
     commit = StoreWriter.commit
@@ -404,6 +408,7 @@ def test_devices_read_together_reach_the_commit_as_columns(
         patch.setattr(_segments, "RUN_WINDOWS", 0)  # the reference: every device read alone
         birdzarr.convert(source, tmp_path / "alone.zarr", chunk_windows=256, workers=1, progress=False)
     monkeypatch.setattr(StoreWriter, "commit", counting)
+    before = held()
     store = birdzarr.convert(source, tmp_path / "together.zarr", chunk_windows=256, workers=1, progress=False)
     assert alive == [0]
     assert store.device(201).sources == ["part-0.parquet", "part-1.parquet"]
