@@ -11,7 +11,11 @@ equal size, consecutive in the files), in ``--workdir``. Each step runs in its o
 (``--pythonpath`` is put first on its ``PYTHONPATH``): ``convert`` (``birdzarr convert --workers
 1``, device order; ``convert_shuffle`` with ``--shuffle --seed 1``), ``open`` (``open_store``
 alone, after the imports), ``info``, ``verify``, ``verify_source`` (``verify --source``),
-``verify_shuffled`` (``verify`` of the shuffled store), ``device_all`` (``Store.device(id)`` for
+``verify_shuffled`` (``verify`` of the shuffled store), ``split`` (making
+``WindowDataset(shuffled, split="train")``: the device split's selection), ``stream_epoch`` and
+``resident_epoch`` (epochs 1-3 of a ``WindowDataset`` read in the step's process, batch 8192, after
+an untimed epoch 0: streaming the shuffled store, and ``resident="cpu"`` on the device-ordered
+one; CPU seconds include the streaming reader's decoding threads), ``device_all`` (``Store.device(id)`` for
 every device, after opening) and ``summary`` (``repr`` and the HTML summary of an opened store);
 ``code_devices`` and ``code_slabs`` time format 2's row coder alone on the source's windows (read
 first, not timed): ``RowCoder.code`` a device at a time (the reference), and
@@ -89,6 +93,23 @@ elif step in ("code_devices", "code_slabs"):
     else:
         out["skipped"] = "no RowCoder.code_runs"
     out["rows"] = coder.new_rows().n_rows
+elif step == "split":
+    import torch  # noqa: F401 (imported by the dataset: not the selection's cost)
+    import birdzarr
+    started, cpu = time.perf_counter(), time.process_time()
+    ds = birdzarr.WindowDataset(shuffled, batch_size=8192, split="train", progress=False)
+    out["windows"] = ds.windows_per_epoch
+elif step in ("stream_epoch", "resident_epoch"):
+    import birdzarr
+    ds = birdzarr.WindowDataset(shuffled if step == "stream_epoch" else store, batch_size=8192, seed=1,
+                                progress=False, **({} if step == "stream_epoch" else {"resident": "cpu"}))
+    assert sum(len(x) for x in ds) == ds.windows_per_epoch  # epoch 0 (buffers, threads) untimed
+    started, cpu = time.perf_counter(), time.process_time()
+    out["windows"] = 0
+    for epoch in (1, 2, 3):
+        ds.set_epoch(epoch)
+        out["windows"] += sum(len(x) for x in ds)
+    out["m_windows_s"] = round(out["windows"] / (time.perf_counter() - started) / 1e6, 3)
 elif step == "summary":
     import birdzarr
     opened = birdzarr.open_store(store)
@@ -101,7 +122,7 @@ out.update(seconds=round(time.perf_counter() - started, 3), cpu=round(time.proce
 print("RESULT" + json.dumps(out))
 '''
 STEPS = ["convert", "convert_shuffle", "open", "info", "verify", "verify_source", "verify_shuffled",
-         "device_all", "summary", "code_devices", "code_slabs"]
+         "split", "stream_epoch", "resident_epoch", "device_all", "summary", "code_devices", "code_slabs"]
 
 
 def _gimu(windows: np.ndarray) -> pa.Array:
@@ -115,11 +136,11 @@ def make(root: pathlib.Path, devices: int, total: int, files: int, calibration: 
     each device's IMU values pass through its own affine map (float32 ``a * v + b``, ``a`` in
     [0.9, 1.1], ``b`` ~ N(0, 0.01)), so no two devices share values, as trackers calibrated one by
     one; ``"shared"``: the devices cut one calibrated sequence, so neighbours share values."""
-    from birdzarr.demo import _synthetic
-
     done = root.parent / (root.name + ".complete")
     if done.exists():
         return
+    from birdzarr.demo import _synthetic
+
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     windows = _synthetic.curated_windows(total, seed=1)
@@ -181,7 +202,7 @@ def main() -> None:
     for step in args.steps:
         cells = [results[d][step] for d in args.devices]
         row = " | ".join(f"{c['seconds']} / {c['cpu']} / {c['rss_mb']}" for c in cells)
-        ratio = f" {cells[1]['cpu'] / max(cells[0]['cpu'], 1e-3):.1f}x |" if len(cells) == 2 else ""
+        ratio = f" {cells[1]['cpu'] / max(cells[0]['cpu'], 1e-3):.2f}x |" if len(cells) == 2 else ""
         print(f"| {step} | {row} |{ratio}")
     sizes = []
     for devices in args.devices:
