@@ -20,10 +20,11 @@ import birdzarr
 from birdzarr import BadInputError
 from birdzarr.cli import main
 from birdzarr.convert import _parquet, _segments
-from birdzarr.convert._summary import RunSummaries
+from birdzarr.convert._summary import column_summaries
 from birdzarr.convert._writer import StoreWriter
 from birdzarr.demo import _synthetic
 from birdzarr.format import _device_table as device_table
+from birdzarr.format._device_columns import DeviceColumns
 from birdzarr.format._spec import TIMESTAMP_UNKNOWN as _TIME_UNKNOWN
 from birdzarr.format._spec import DeviceEntry, DeviceRange, DeviceReport
 
@@ -336,7 +337,7 @@ def test_partition_files_verify_and_append(layouts: dict[str, pathlib.Path], tmp
         assert np.array_equal(grown.device_windows(device), whole.device_windows(device)), device
 
 
-def _runs(**changes: object) -> RunSummaries:
+def _runs(**changes: object) -> DeviceColumns:
     """Four devices read together: two files for one, none for another's windows, labels mixed
     for one, times known for some, report notes for two, names that JSON escapes."""
     columns: dict[str, object] = dict(
@@ -349,18 +350,18 @@ def _runs(**changes: object) -> RunSummaries:
         name_at=np.array([0, 1, 1, 0, 2, 2]), name_bounds=np.array([0, 2, 3, 5, 6]),
         problems={1: ["note x", 'q"'], 3: ["z"]})
     columns.update(changes)
-    return RunSummaries(**columns)  # type: ignore[arg-type]
+    return DeviceColumns(**columns)  # type: ignore[arg-type]
 
 
 def test_devices_kept_as_columns_spell_the_table_their_entries_give() -> None:
-    """The device table of devices recorded as columns (``RunSummaries``), among devices recorded
+    """The device table of devices recorded as columns (``DeviceColumns``), among devices recorded
     as objects: the details' JSON and the index arrays are the ones their entries and reports
     give, byte for byte, in ascending device id."""
     runs = [_runs(), _runs(device_ids=np.array([30, 31, 32, 40]))]
     objects = [DeviceEntry(device_id=4, n_windows=1, sources=["x"], label_counts={0: 1},
                            ranges=[DeviceRange(9, 10, "0000abcd")]), DeviceEntry(device_id=35)]
     reports = [(4, DeviceReport(rows_read=1, windows_written=1, dropped={"speed": 2})), (35, DeviceReport())]
-    summaries = [s for r in runs for s in r.summaries()]
+    summaries = [s for r in runs for s in column_summaries(r)]
     entries = sorted(objects + [s.entry for s in summaries], key=lambda e: e.device_id)
     every_report = sorted(reports + [(s.entry.device_id, s.report) for s in summaries])
     assert [e.device_id for e in entries] == [3, 4, 5, 9, 12, 30, 31, 32, 35, 40]
@@ -378,13 +379,52 @@ def test_devices_kept_as_columns_spell_the_table_their_entries_give() -> None:
         assert got[name].dtype == want[name].dtype and got[name].tolist() == want[name].tolist(), name
 
 
+def test_scattered_devices_kept_as_columns_spell_the_table_their_entries_give() -> None:
+    """Devices of a shuffled store recorded as columns (``DeviceColumns`` with digests: no range,
+    each entry's ``scattered_digest``), among scattered devices recorded as objects: the details'
+    JSON and the index arrays (no ranges) are the ones their entries and reports give, byte for
+    byte, in ascending device id; columns of the two kinds in one table spell each its own."""
+    empty = np.empty(0, np.int64)
+    digests = np.array([2**64 - 1, 0, 0x0123456789ABCDEF, 1], np.uint64)
+    runs = [_runs(starts=empty, checksums=empty.astype(np.uint32), digests=digests),
+            _runs(device_ids=np.array([30, 31, 32, 40]), starts=empty, checksums=empty.astype(np.uint32),
+                  digests=digests[::-1].copy())]
+    objects = [DeviceEntry(device_id=4, n_windows=1, sources=["x"], label_counts={0: 1},
+                           scattered_digest="00000000deadbeef"), DeviceEntry(device_id=35)]
+    reports = [(4, DeviceReport(rows_read=1, windows_written=1)), (35, DeviceReport())]
+    summaries = [s for r in runs for s in column_summaries(r)]
+    assert [s.entry.scattered_digest for s in summaries[:4]] == [
+        "ffffffffffffffff", "0000000000000000", "0123456789abcdef", "0000000000000001"]
+    assert all(s.entry.ranges == [] and s.entry.scattered_checksum is None for s in summaries)
+    entries = sorted(objects + [s.entry for s in summaries], key=lambda e: e.device_id)
+    every_report = sorted(reports + [(s.entry.device_id, s.report) for s in summaries])
+    expected = json.dumps({"devices": [e.to_json() for e in entries],
+                           "report_devices": {str(d): r.to_json() for d, r in every_report},
+                           "csv_tails": None}, separators=(",", ":")).encode()
+    assert device_table.details_json(objects, reports, None, runs) == expected
+    got, want = device_table.columns(objects, runs), device_table.columns(entries)
+    assert list(got) == list(want) and len(got["range_device"]) == 0
+    for name in want:
+        assert got[name].dtype == want[name].dtype and got[name].tolist() == want[name].tolist(), name
+    ranged = _runs(device_ids=np.array([50, 51, 52, 53]))
+    mixed = [*(e for e in entries), *(e for e, _ in ranged.objects())]
+    mixed_reports = every_report + [(e.device_id, r) for e, r in ranged.objects()]
+    assert device_table.details_json(objects, reports, None, [*runs, ranged]) == json.dumps(
+        {"devices": [e.to_json() for e in mixed],
+         "report_devices": {str(d): r.to_json() for d, r in mixed_reports}, "csv_tails": None},
+        separators=(",", ":")).encode()
+    with pytest.raises(ValueError, match="not joined"):
+        DeviceColumns.joined([runs[0], ranged])
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
 def test_devices_read_together_reach_the_commit_as_columns(
-    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, shuffle: bool
 ) -> None:
-    """400 small devices of partition files: the writer records them as columns, so the commit
-    finds no entry, range or report object a device (the cyclic garbage collector walked ~6
-    such objects a device again and again: a second of a 100,000-device conversion), and the
-    store is the one reading each device alone gives."""
+    """400 small devices of partition files, in device order or shuffled: the writer records
+    them as columns, so the commit finds no entry, range or report object a device (the cyclic
+    garbage collector walked ~6 such objects a device again and again: a second of a
+    100,000-device conversion), and the store is the one reading each device alone gives."""
     source = tmp_path / "parts"
     source.mkdir()
     owner = np.repeat(np.arange(1, 401), 3)
@@ -394,6 +434,7 @@ def test_devices_read_together_reach_the_commit_as_columns(
                           "label": pa.array(rows % 3 - 1, pa.int32())})
         pq.write_table(table, source / f"part-{number}.parquet")
     alive: list[int] = []
+    options: dict[str, object] = {"shuffle": True, "seed": 3} if shuffle else {}
 
     def held() -> int:
         gc.collect()
@@ -406,10 +447,12 @@ def test_devices_read_together_reach_the_commit_as_columns(
     commit = StoreWriter.commit
     with monkeypatch.context() as patch:
         patch.setattr(_segments, "RUN_WINDOWS", 0)  # the reference: every device read alone
-        birdzarr.convert(source, tmp_path / "alone.zarr", chunk_windows=256, workers=1, progress=False)
+        birdzarr.convert(source, tmp_path / "alone.zarr", chunk_windows=256, workers=1, progress=False,
+                         **options)
     monkeypatch.setattr(StoreWriter, "commit", counting)
     before = held()
-    store = birdzarr.convert(source, tmp_path / "together.zarr", chunk_windows=256, workers=1, progress=False)
+    store = birdzarr.convert(source, tmp_path / "together.zarr", chunk_windows=256, workers=1, progress=False,
+                             **options)
     assert alive == [0]
     assert store.device(201).sources == ["part-0.parquet", "part-1.parquet"]
     assert store.device(7).label_counts == {-1: 1, 0: 1, 1: 1}
@@ -442,3 +485,18 @@ def test_devices_of_one_partition_file_share_one_list_of_it(tmp_path: pathlib.Pa
     by_id = {d.device_id: d for d in devices}
     assert by_id[1].files is by_id[3].files is by_id[4].files
     assert by_id[5].files is by_id[9].files and by_id[7].files is not by_id[1].files
+
+
+def test_the_format_package_imports_nothing_of_the_conversion() -> None:
+    """Imports point one way: ``birdzarr.format`` (what a store is) never imports
+    ``birdzarr.convert`` (what writes one), the device table's columns included."""
+    import ast
+
+    format_dir = pathlib.Path(device_table.__file__).parent
+    found = []
+    for module in sorted(format_dir.glob("*.py")):
+        for node in ast.walk(ast.parse(module.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{module.name}: {n}" for n in names if n.startswith("birdzarr.convert")]
+    assert found == []

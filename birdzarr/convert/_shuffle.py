@@ -56,8 +56,10 @@ from birdzarr.convert._device_coder import (
 )
 from birdzarr.convert._duplicates import repeated_in_runs
 from birdzarr.convert._parquet import PartitionRuns
-from birdzarr.convert._summary import DeviceSummary, Summarizer, summarize_runs
+from birdzarr.convert._sources import file_name
+from birdzarr.convert._summary import DeviceSummary, Summarizer, summarize_run_columns
 from birdzarr.format import _v2
+from birdzarr.format._device_columns import DeviceColumns
 from birdzarr.format._digest import fmix64, window_hashes
 from birdzarr.format._rows import RowCoder, shared_groups
 from birdzarr.format._spec import (
@@ -354,7 +356,8 @@ class Spiller:
         self.file_writer = file_writer
         # blocks being coded at once: none left waiting when everything runs in this thread
         self.finding_depth = 0 if pool is None else FINDING_PER_WORKER * workers
-        self.summaries: dict[int, DeviceSummary] = {}
+        self.summaries: dict[int, DeviceSummary] = {}  # devices read alone
+        self.columns: list[DeviceColumns] = []  # devices read together (``runs``), as columns
         # per device and channel, as first seen: devices read alone, then runs read together
         self._known: list[tuple[int, list[np.ndarray]]] = []
         self._dictionaries = DeviceValuesBuilder(N_CHANNELS)
@@ -373,24 +376,29 @@ class Spiller:
         self._finding.append((state, None, None))
         self._advance(keep=self.finding_depth)
 
-    def runs(self, found: PartitionRuns, device_ids: list[int], sources: list[list[str]],
+    def runs(self, found: PartitionRuns, device_ids: list[int],
              rows: np.ndarray | None = None) -> dict[int, int]:
         """Consecutive small devices read together (``_parquet.read_runs``), spilled at once:
-        summarised (``summarize_runs``), checked for repeats (``repeated_in_runs``) and coded
-        (``run_codes``) in one vectorised pass each; each window's bucket drawn as ``device``
-        draws it (``draw_buckets``, all devices at once), and each bucket's windows (device after device, each
-        device's in order: what ``device`` gives a bucket, device by device) cut as one piece of
-        many devices. ``rows``: each device's dictionary row (the id of its group's first device,
-        ``shared_groups``), known before it is read: consecutive devices of one row are coded
-        into one dictionary (a part, under its first device's id; their row's sorted entries
-        where the run holds the whole row), else each device into its own. Returns the devices'
-        repeated windows (those with any)."""
+        summarised as columns (``summarize_run_columns``, kept in ``columns``), checked for
+        repeats (``repeated_in_runs``) and coded (``run_codes``) in one vectorised pass each;
+        each window's bucket drawn as ``device`` draws it (``draw_buckets``, all devices at
+        once), and each bucket's windows (device after device, each device's in order: what
+        ``device`` gives a bucket, device by device) cut as one piece of many devices. ``rows``:
+        each device's dictionary row (the id of its group's first device, ``shared_groups``),
+        known before it is read: consecutive devices of one row are coded into one dictionary (a
+        part, under its first device's id; their row's sorted entries where the run holds the
+        whole row), else each device into its own. Returns the devices' repeated windows (those
+        with any)."""
         self._advance(keep=0)  # the devices before cut their pieces first: a bucket keeps device order
         counts = found.counts
         hashes = window_hashes(found.windows, found.timestamps)
-        for summary in summarize_runs(device_ids, sources, None, counts, found.windows, found.timestamps,
-                                      found.labels, found.reports, hashes=hashes):
-            self.summaries[summary.entry.device_id] = summary
+        problems: dict[int, list[str]] = {}
+        if found.notes:
+            reports = found.reports
+            problems = {k: reports[k].problems for k in found.noted_devices()}
+        self.columns.append(summarize_run_columns(
+            np.asarray(device_ids, np.int64), None, counts, found.windows, found.timestamps, found.labels,
+            [file_name(f) for f in found.files], found.file_at, found.file_bounds, problems, hashes=hashes))
         repeated = repeated_in_runs(hashes, counts)
         ids = np.asarray(device_ids, np.int64)
         if rows is not None and len(ids):

@@ -89,10 +89,11 @@ from birdzarr.convert._shuffle import (
     seed_rows,
 )
 from birdzarr.convert._slabs import SlabWriter, writable_arrays
-from birdzarr.convert._sources import DeviceSource, source_names_of
+from birdzarr.convert._sources import DeviceSource
 from birdzarr.convert._summary import DeviceSummary
 from birdzarr.convert._writer import StoreWriter
 from birdzarr.format import _v2
+from birdzarr.format._device_columns import DeviceColumns
 from birdzarr.format._rows import RowCoder, shared_groups
 from birdzarr.format._spec import DEVICE, N_CHANNELS, Curation
 from birdzarr.storage._location import Location, resolve
@@ -121,10 +122,12 @@ def spill_groups(devices: list[DeviceSource], *, width: int) -> list[list[Device
 
 @dataclass
 class SpillResult:
-    """What one group's pass 1 leaves: its devices' summaries and dictionaries (in device order),
-    its bucket files and their windows, and its devices' repeated windows."""
+    """What one group's pass 1 leaves: its devices' summaries (those read alone) and columns
+    (those read together) and dictionaries (in device order), its bucket files and their
+    windows, and its devices' repeated windows."""
 
     summaries: dict[int, DeviceSummary]
+    columns: list[DeviceColumns]
     dictionaries: DeviceValues
     paths: list[str]
     windows: np.ndarray
@@ -192,7 +195,6 @@ def spill_group(devices: list[DeviceSource], directory: str, *, seed: int, bucke
             found = read_runs([(d.device_id, d.files) for d in devices[at:end]]) if end > at else None
             if found is not None:
                 repeated.update(spiller.runs(found, [d.device_id for d in devices[at:end]],
-                                             source_names_of(devices[at:end]),
                                              None if rows is None else rows[at:end]))
                 if progress is not None and len(found.windows):
                     progress(len(found.windows))
@@ -213,7 +215,7 @@ def spill_group(devices: list[DeviceSource], directory: str, *, seed: int, bucke
             if executor is not None:
                 executor.shutdown(wait=True, cancel_futures=True)
         spill.close()
-    return SpillResult(spiller.summaries, spiller.dictionaries(), spill.paths, spill.windows,
+    return SpillResult(spiller.summaries, spiller.columns, spiller.dictionaries(), spill.paths, spill.windows,
                        spill.bytes_written, repeated)
 
 
@@ -444,6 +446,7 @@ def write_shuffled_on(
         ordered = [results[i] for i in range(len(groups))]
         require_shared(directory, [os.path.join(directory, f"group-{i:04d}") for i in range(len(groups))])
         summaries = {d: s for r in ordered for d, s in r.summaries.items()}
+        columns = [c for r in ordered for c in r.columns]
         parts = [r.dictionaries for r in ordered]
         for r in ordered:  # held once, here, until pass 2's plan holds them
             r.dictionaries = DeviceValues.of_devices([], N_CHANNELS)
@@ -459,8 +462,12 @@ def write_shuffled_on(
         # format 2: a device left unseeded opens rows in pass 2, which one task only can number
         assert writer.coder is not None
         before = writer.coder.first_row + writer.coder.n_rows
-        ids = np.array(sorted(summaries), np.int64)
-        counts = [summaries[d].entry.n_windows for d in ids.tolist()]
+        ids = np.concatenate([np.fromiter(summaries, np.int64, len(summaries)),
+                              *(c.device_ids for c in columns)])
+        by_id = np.argsort(ids, kind="stable")
+        ids = ids[by_id]
+        counts = np.concatenate([np.fromiter((s.entry.n_windows for s in summaries.values()), np.int64,
+                                             len(summaries)), *(c.counts for c in columns)])[by_id].tolist()
         seeding = seed_rows(writer.coder, dictionaries, counts, ids)
         left_out = seeding.left_out
         seeded = writer.coder.n_rows
@@ -504,6 +511,8 @@ def write_shuffled_on(
                 pass
         for summary in summaries.values():
             writer.record(summary)  # with its digest, found in pass 1 (``Summarizer``)
+        for together in columns:  # kept as columns until the commit spells them (``record_runs``)
+            writer.record_runs(together)
         return {"buckets": buckets, "spill_bytes": sum(r.bytes_written for r in ordered)}, facts
     finally:
         # pass 2 in this thread (one worker) leaves its state here: not kept past the conversion

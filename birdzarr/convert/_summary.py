@@ -15,7 +15,8 @@ import google_crc32c
 import numpy as np
 
 from birdzarr.convert._blocks import WindowBlock
-from birdzarr.format._digest import RowDigest, _with_labels, digest_hex, window_hashes
+from birdzarr.format._device_columns import DeviceColumns
+from birdzarr.format._digest import RowDigest, _with_labels, window_hashes
 from birdzarr.format._spec import TIMESTAMP_UNKNOWN, DeviceEntry, DeviceRange, DeviceReport
 
 
@@ -152,118 +153,48 @@ class Summarizer:
         return DeviceSummary(self.entry, self.report, self.tail)
 
 
-@dataclass
-class RunSummaries:
-    """The device-table entries and reports of devices stored as consecutive runs (read together
-    from partition files, ``_parquet.read_runs``), as columns: what ``summarize_runs`` gives as
-    one ``DeviceSummary`` a device, without an object a device (100,000 devices' entries,
-    ranges, reports and their lists are ~600,000 objects, which the cyclic garbage collector
-    walks again and again while a conversion runs). The writer keeps them so until its commit
-    spells out the table (``device_table.run_details_json``); ``summaries()`` gives the objects.
-
-    Device ``k`` (``device_ids`` ascending) has ``counts[k]`` windows (read and written) from
-    global window ``starts[k]``, the CRC-32C ``checksums[k]`` of them, the times
-    ``first_times[k]``..``last_times[k]``, the labels ``label_value[i]`` (``label_count[i]``
-    windows) for ``label_device[i] == k`` (by device, then label), the source files
-    ``names[name_at[name_bounds[k]:name_bounds[k + 1]]]`` and the report notes
-    ``problems.get(k, [])``."""
-
-    device_ids: np.ndarray
-    counts: np.ndarray
-    starts: np.ndarray
-    checksums: np.ndarray
-    first_times: np.ndarray
-    last_times: np.ndarray
-    label_device: np.ndarray
-    label_value: np.ndarray
-    label_count: np.ndarray
-    names: list[str]
-    name_at: np.ndarray
-    name_bounds: np.ndarray
-    problems: dict[int, list[str]]
-
-    def __len__(self) -> int:
-        return len(self.device_ids)
-
-    @classmethod
-    def joined(cls, runs: list[RunSummaries]) -> RunSummaries:
-        """The devices of ``runs``, one after another, as one (the names of several once)."""
-        if len(runs) == 1:
-            return runs[0]
-        names: dict[str, int] = {}
-        name_at, problems, shift = [], {}, 0
-        for r in runs:
-            place = np.array([names.setdefault(name, len(names)) for name in r.names], np.int64)
-            name_at.append(place[r.name_at] if len(r.name_at) else r.name_at)
-            problems.update({k + shift: notes for k, notes in r.problems.items()})
-            shift += len(r)
-        sizes = np.array([len(r) for r in runs], np.int64)
-        firsts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-        name_counts = np.concatenate([np.diff(r.name_bounds) for r in runs])
-
-        def column(name: str) -> np.ndarray:
-            return np.concatenate([getattr(r, name) for r in runs])
-
-        label_device = [r.label_device + first for r, first in zip(runs, firsts.tolist(), strict=True)]
-        return cls(column("device_ids"), column("counts"), column("starts"), column("checksums"),
-                   column("first_times"), column("last_times"), np.concatenate(label_device),
-                   column("label_value"), column("label_count"), list(names),
-                   np.concatenate([np.empty(0, np.int64), *name_at]),
-                   np.concatenate(([0], np.cumsum(name_counts))).astype(np.int64), problems)
-
-    def label_counts(self) -> list[dict[int, int]]:
-        """Each device's label counts (an entry's ``label_counts``)."""
-        out: list[dict[int, int]] = [{} for _ in range(len(self))]
-        for k, label, count in zip(self.label_device.tolist(), self.label_value.tolist(),
-                                   self.label_count.tolist(), strict=True):
-            out[k][label] = count
-        return out
-
-    def sources(self) -> list[list[str]]:
-        """Each device's source file names (an entry's ``sources``)."""
-        names, at = self.names, self.name_at.tolist()
-        return [[names[i] for i in at[a:b]]
-                for a, b in zip(self.name_bounds[:-1].tolist(), self.name_bounds[1:].tolist(), strict=True)]
-
-    def summaries(self) -> list[DeviceSummary]:
-        """One ``DeviceSummary`` a device, as ``Summarizer`` gives them."""
-        out = []
-        for k, (device_id, count, start, crc, first, last, labels, files) in enumerate(zip(
-                self.device_ids.tolist(), self.counts.tolist(), self.starts.tolist(), self.checksums.tolist(),
-                self.first_times.tolist(), self.last_times.tolist(), self.label_counts(), self.sources(),
-                strict=True)):
-            if count:
-                entry = DeviceEntry(device_id=device_id, sources=files, n_windows=count, first_time=first,
-                                    last_time=last, label_counts=labels,
-                                    ranges=[DeviceRange(start, start + count, f"{crc:08x}")])
-            else:
-                entry = DeviceEntry(device_id=device_id, sources=files)
-            report = DeviceReport(rows_read=count, windows_written=count)
-            for note in self.problems.get(k, ()):
-                report.note(note)
-            out.append(DeviceSummary(entry, report))
-        return out
+RunSummaries = DeviceColumns  # the name _segments.py imports (birdzarr/format/_device_columns.py)
 
 
-def summarize_run_columns(device_ids: np.ndarray, starts: np.ndarray, counts: np.ndarray, windows: np.ndarray,
-                          timestamps: np.ndarray, labels: np.ndarray, names: list[str], name_at: np.ndarray,
-                          name_bounds: np.ndarray, problems: dict[int, list[str]]) -> RunSummaries:
-    """``summarize_runs`` of devices stored as consecutive runs whose reports are their windows
-    read and written and ``problems`` (read together from partition files), as columns
-    (``RunSummaries``): times by ``reduceat``, label counts by one sort, a checksum call a
-    device."""
+def column_summaries(runs: DeviceColumns) -> list[DeviceSummary]:
+    """One ``DeviceSummary`` a device of ``runs``, as ``Summarizer`` gives them."""
+    return [DeviceSummary(entry, report) for entry, report in runs.objects()]
+
+
+def summarize_run_columns(device_ids: np.ndarray, starts: np.ndarray | None, counts: np.ndarray,
+                          windows: np.ndarray, timestamps: np.ndarray, labels: np.ndarray, names: list[str],
+                          name_at: np.ndarray, name_bounds: np.ndarray, problems: dict[int, list[str]],
+                          hashes: np.ndarray | None = None) -> DeviceColumns:
+    """The entries and reports ``Summarizer`` gives devices read together (from partition files),
+    as columns (``DeviceColumns``), in one vectorised pass: ``windows`` and the per-window columns
+    device after device, ``counts[k]`` windows of ``device_ids[k]``, each device's report its
+    windows read and written and ``problems``. Times by ``reduceat``, label counts by one sort;
+    stored as runs (the first global window of each ``starts[k]``): a checksum call a device;
+    ``starts`` None, scattered (a shuffled store, ``Summarizer(start=None)``): each device's
+    order-free digest by one wrapping ``reduceat`` of its rows' hashes (``hashes``: the windows'
+    ``window_hashes``, found here where not given)."""
     bounds = np.concatenate(([0], np.cumsum(counts)))
     first_times, last_times = _times(counts, bounds, timestamps)
     label_device, label_value, label_count = _label_columns(counts, labels)
+    ids, sizes = np.asarray(device_ids, np.int64), np.asarray(counts, np.int64)
+    files, places = np.asarray(name_at, np.int64), np.asarray(name_bounds, np.int64)
+    if starts is None:  # scattered: each device's rows' digest, no range
+        digests = np.zeros(len(counts), np.uint64)
+        held = np.flatnonzero(counts > 0)
+        if len(held):
+            found = window_hashes(windows, timestamps) if hashes is None else hashes
+            with np.errstate(over="ignore"):  # the wrapping sum of their row hashes, as RowDigest adds them
+                digests[held] = np.add.reduceat(_with_labels(found, labels), bounds[held], dtype=np.uint64)
+        empty = np.empty(0, np.int64)
+        return DeviceColumns(ids, sizes, empty, empty.astype(np.uint32), first_times, last_times,
+                             label_device, label_value, label_count, names, files, places, problems, digests)
     data = np.ascontiguousarray(windows, dtype="<f4").view(np.uint8)  # what extend_checksum reads
     crc = google_crc32c.extend
     checksums = np.fromiter((crc(0, data[a:b]) if b > a else 0
                              for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True)),
                             np.uint32, len(counts))
-    return RunSummaries(np.asarray(device_ids, np.int64), np.asarray(counts, np.int64),
-                        np.asarray(starts, np.int64), checksums, first_times, last_times, label_device,
-                        label_value, label_count, names, np.asarray(name_at, np.int64),
-                        np.asarray(name_bounds, np.int64), problems)
+    return DeviceColumns(ids, sizes, np.asarray(starts, np.int64), checksums, first_times, last_times,
+                         label_device, label_value, label_count, names, files, places, problems)
 
 
 def _times(counts: np.ndarray, bounds: np.ndarray, timestamps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -298,57 +229,3 @@ def _label_columns(counts: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, 
     edge = np.flatnonzero(np.r_[True, changes])
     sizes = np.diff(np.append(edge, len(order)))
     return keyed_run[edge].astype(np.int64), keyed_label[edge].astype(np.int64), sizes.astype(np.int64)
-
-
-def summarize_runs(device_ids: list[int], sources: list[list[str]], starts: list[int] | None,
-                   counts: np.ndarray, windows: np.ndarray, timestamps: np.ndarray, labels: np.ndarray,
-                   reports: list[DeviceReport], hashes: np.ndarray | None = None) -> list[DeviceSummary]:
-    """The summaries ``Summarizer`` gives devices stored as consecutive runs (``windows`` and the
-    per-window columns are device after device, ``counts[k]`` windows of ``device_ids[k]``, whose
-    first global window is ``starts[k]``), for all of them in one vectorised pass: label counts by
-    one sort, times by ``reduceat``, and a checksum call a device (the same entries and reports
-    as feeding each device's blocks to its own ``Summarizer``). ``starts`` None: the devices'
-    windows are scattered (a shuffled store, ``Summarizer(start=None)``): no ranges, and each
-    entry's order-free digest from one wrapping ``reduceat`` of the rows' hashes (``hashes``:
-    the windows' ``window_hashes``, found here where not given)."""
-    bounds = np.concatenate(([0], np.cumsum(counts)))
-    held = np.flatnonzero(counts > 0)
-    first_times, last_times = _times(counts, bounds, timestamps)
-    per_device: list[dict[int, int]] = [{} for _ in counts]
-    for k, label, size in zip(*(column.tolist() for column in _label_columns(counts, labels)), strict=True):
-        per_device[k][label] = size
-    if starts is None:
-        return _scattered(device_ids, sources, counts, bounds, held, first_times, last_times, per_device,
-                          window_hashes(windows, timestamps) if hashes is None else hashes, labels, reports)
-    data = np.ascontiguousarray(windows, dtype="<f4").view(np.uint8)  # what extend_checksum reads
-    out = []
-    for k, (device_id, count, a, b, first, last) in enumerate(zip(
-            device_ids, counts.tolist(), bounds[:-1].tolist(), bounds[1:].tolist(), first_times.tolist(),
-            last_times.tolist(), strict=True)):
-        if count:
-            crc = google_crc32c.extend(0, data[a:b])
-            entry = DeviceEntry(device_id=device_id, sources=sources[k], n_windows=count, first_time=first,
-                                last_time=last, label_counts=per_device[k],
-                                ranges=[DeviceRange(starts[k], starts[k] + count, f"{crc:08x}")])
-        else:
-            entry = DeviceEntry(device_id=device_id, sources=sources[k])
-        out.append(DeviceSummary(entry, reports[k]))
-    return out
-
-
-def _scattered(device_ids: list[int], sources: list[list[str]], counts: np.ndarray, bounds: np.ndarray,
-               held: np.ndarray, first_times: np.ndarray, last_times: np.ndarray,
-               per_device: list[dict[int, int]], hashes: np.ndarray, labels: np.ndarray,
-               reports: list[DeviceReport]) -> list[DeviceSummary]:
-    """``summarize_runs``' entries of scattered devices: each with its rows' digest (the wrapping
-    sum of their ``row_hashes``, as ``RowDigest`` adds them), no range."""
-    digests = np.zeros(len(counts), np.uint64)
-    if len(held):
-        with np.errstate(over="ignore"):
-            digests[held] = np.add.reduceat(_with_labels(hashes, labels), bounds[held], dtype=np.uint64)
-    return [DeviceSummary(DeviceEntry(device_id=device_id, sources=sources[k], n_windows=count,
-                                      first_time=first, last_time=last, label_counts=per_device[k],
-                                      scattered_digest=digest_hex(digest)), reports[k])
-            for k, (device_id, count, first, last, digest) in enumerate(zip(
-                device_ids, counts.tolist(), first_times.tolist(), last_times.tolist(), digests.tolist(),
-                strict=True))]

@@ -26,10 +26,11 @@ from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._cpus import resolve_workers
 from birdzarr.convert._csv import tail_to_json
 from birdzarr.convert._slabs import EVERY_CHUNK, SlabWriter
-from birdzarr.convert._summary import DeviceSummary, RunSummaries, Summarizer
+from birdzarr.convert._summary import DeviceSummary, Summarizer, column_summaries
 from birdzarr.format import _device_table as device_table
 from birdzarr.format import _v2
 from birdzarr.format._codec import per_window_codecs
+from birdzarr.format._device_columns import DeviceColumns
 from birdzarr.format._rows import RowCoder
 from birdzarr.format._spec import (
     ATTRS_KEY,
@@ -93,7 +94,7 @@ class Writer:
         # CSV: each device's unfinished last burst (rows, maybe none); None where it is unknown
         self.tails: dict[int, Any] = {}
         # devices recorded as columns (``record_runs``), beside ``devices`` and ``reports``
-        self.runs: list[RunSummaries] = []
+        self.runs: list[DeviceColumns] = []
         self.started_at = _now()
         self.group: zarr.Group | None = None  # set by _open as soon as it is open
         self._slabs: SlabWriter | None = None
@@ -184,10 +185,10 @@ class Writer:
         """Enter a device that tasks wrote (``reserve``) in the table and report."""
         raise NotImplementedError
 
-    def record_runs(self, runs: RunSummaries) -> None:
+    def record_runs(self, runs: DeviceColumns) -> None:
         """Enter devices that tasks wrote as consecutive runs (``reserve``), given as columns; a
         writer that does not keep them so records each one's summary."""
-        for summary in runs.summaries():
+        for summary in column_summaries(runs):
             self.record(summary)
 
     def has_windows(self) -> bool:
@@ -355,7 +356,7 @@ class StoreWriter(Writer):
         window's device id, and the caller records the devices' summaries (``record``)."""
         self.slabs.add(-1, block)
 
-    def record_runs(self, runs: RunSummaries) -> None:
+    def record_runs(self, runs: DeviceColumns) -> None:
         """Enter devices written by ``reserve`` as consecutive runs, kept as columns until the
         commit (a device given twice is refused there)."""
         self.runs.append(runs)
@@ -403,7 +404,7 @@ class StoreWriter(Writer):
 CSV_TAILS = "csv_tails"  # the root attribute: each device's unfinished last burst (docs/format.md)
 
 
-def _refuse_repeated(entries: list[DeviceEntry], runs: list[RunSummaries]) -> None:
+def _refuse_repeated(entries: list[DeviceEntry], runs: list[DeviceColumns]) -> None:
     """A device recorded twice, among the entries and the runs (``record`` refuses it among the
     entries as they come)."""
     if not runs:
@@ -415,7 +416,7 @@ def _refuse_repeated(entries: list[DeviceEntry], runs: list[RunSummaries]) -> No
         raise NotAStoreError(f"device {int(ids[twice[0]])} was given twice in one conversion")
 
 
-def _label_totals(entries: list[DeviceEntry], runs: list[RunSummaries]) -> dict[str, int]:
+def _label_totals(entries: list[DeviceEntry], runs: list[DeviceColumns]) -> dict[str, int]:
     """``label_totals`` of the entries and the runs' devices."""
     totals = {int(label): count for label, count in label_totals(entries).items()}
     for r in runs:
@@ -427,7 +428,7 @@ def _label_totals(entries: list[DeviceEntry], runs: list[RunSummaries]) -> dict[
 
 
 def write_device_table(location: Location, where: str, details: dict[str, Any] | bytes,
-                       entries: list[DeviceEntry], runs: list[RunSummaries] | None = None) -> None:
+                       entries: list[DeviceEntry], runs: list[DeviceColumns] | None = None) -> None:
     """Write a format-2 device table group at ``where`` (its attributes and index arrays);
     ``details``: the object of the ``details`` array, or its JSON (``device_table.details_json``);
     ``runs``: devices recorded as columns, beside ``entries``."""

@@ -27,16 +27,14 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from json.encoder import encode_basestring_ascii as _string
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from birdzarr.format._device_columns import DeviceColumns
 from birdzarr.format._spec import DeviceEntry, DeviceReport
-
-if TYPE_CHECKING:
-    from birdzarr.convert._summary import RunSummaries
 
 GROUP = "device_table"
 COLUMNS = ("device_id", "n_windows", "first_time", "last_time")
@@ -53,7 +51,7 @@ def path(generation: int) -> str:
     return f"{GROUP}/{generation}"
 
 
-def columns(entries: list[DeviceEntry], runs: Sequence[RunSummaries] = ()) -> dict[str, np.ndarray]:
+def columns(entries: list[DeviceEntry], runs: Sequence[DeviceColumns] = ()) -> dict[str, np.ndarray]:
     """The index arrays of ``entries`` and of the devices of ``runs`` (ascending device id); the
     ranges by (start, stop, device)."""
     entries = sorted(entries, key=lambda e: e.device_id)
@@ -73,10 +71,11 @@ def columns(entries: list[DeviceEntry], runs: Sequence[RunSummaries] = ()) -> di
         joined = [np.concatenate(column).astype(np.int64) for column in zip(*parts, strict=True)]
         by_id = np.argsort(joined[0], kind="stable")
         out = {name: column[by_id] for name, column in zip(COLUMNS, joined, strict=True)}
-        held = [r.counts > 0 for r in runs]
-        device = np.concatenate([device, *(r.device_ids[h] for r, h in zip(runs, held, strict=True))])
-        start = np.concatenate([start, *(r.starts[h] for r, h in zip(runs, held, strict=True))])
-        stop = np.concatenate([stop, *(r.starts[h] + r.counts[h] for r, h in zip(runs, held, strict=True))])
+        ranged = [r for r in runs if not r.scattered]  # scattered devices have no range
+        held = [r.counts > 0 for r in ranged]
+        device = np.concatenate([device, *(r.device_ids[h] for r, h in zip(ranged, held, strict=True))])
+        start = np.concatenate([start, *(r.starts[h] for r, h in zip(ranged, held, strict=True))])
+        stop = np.concatenate([stop, *(r.starts[h] + r.counts[h] for r, h in zip(ranged, held, strict=True))])
     order = np.lexsort((device, stop, start))  # the last key first: start, then stop, then device
     out["range_device"], out["range_start"], out["range_stop"] = device[order], start[order], stop[order]
     return out
@@ -122,12 +121,12 @@ def _report_json(device_id: int, r: DeviceReport) -> str:
                       r.bad_lines, r.bad_files, problems)
 
 
-# A device of ``RunSummaries`` (one range or none, no scattered checksum or digest; its report
-# its windows read and written and its notes): the text ``_ENTRY`` and ``_REPORT`` give for its
-# ``summaries()``, put together by Arrow's string kernels a column at a time (``%`` a device cost
-# ~5 us a device: half a second at 100,000 devices)
+# A device of ``DeviceColumns`` (one range or none, or scattered: no range and its digest; no
+# scattered checksum; its report its windows read and written and its notes): the text
+# ``_ENTRY`` and ``_REPORT`` give for its ``objects()``, put together by Arrow's string kernels a
+# column at a time (``%`` a device cost ~5 us a device: half a second at 100,000 devices)
 _RUN_ENTRY = ('{"device_id":', ',"n_windows":', ',"ranges":[', '],"first_time":', ',"last_time":',
-              ',"sources":[', '],"label_counts":{', '},"scattered_checksum":null,"scattered_digest":null}')
+              ',"sources":[', '],"label_counts":{', '},"scattered_checksum":null,"scattered_digest":', '}')
 _RUN_REPORT = ('"', '":{"rows_read":', ',"windows_written":', ',"dropped":{},"mixed_label_windows":0,'
                '"bad_lines":0,"bad_files":0,"problems":[', ']}')
 _HEX = np.frombuffer(b"0123456789abcdef", np.uint8)
@@ -150,6 +149,15 @@ def _hex8(values: np.ndarray) -> pa.Array:
     return fixed.cast(pa.large_binary()).cast(pa.large_string())
 
 
+def _hex16(values: np.ndarray) -> pa.Array:
+    """uint64 values as 16 lowercase hex digits (``digest_hex``)."""
+    digits = _HEX[(np.asarray(values, np.uint64)[:, None] >> np.arange(60, -1, -4, dtype=np.uint64))
+                  & np.uint64(0xF)]
+    fixed = pa.FixedSizeBinaryArray.from_buffers(pa.binary(16), len(values),
+                                                 [None, pa.py_buffer(digits.tobytes())])
+    return fixed.cast(pa.large_binary()).cast(pa.large_string())
+
+
 def _joined(values: pa.Array, offsets: np.ndarray, separator: str = ",") -> pa.Array:
     """``separator.join(values[offsets[k]:offsets[k + 1]])`` for each ``k``."""
     lists = pa.LargeListArray.from_arrays(pa.array(np.asarray(offsets, np.int64)), values)
@@ -160,15 +168,20 @@ def _concat(*parts: pa.Array | pa.Scalar) -> pa.Array:
     return pc.binary_join_element_wise(*parts, _text(""))
 
 
-def _run_json(runs: RunSummaries) -> tuple[pa.Array, pa.Array]:
+def _run_json(runs: DeviceColumns) -> tuple[pa.Array, pa.Array]:
     """Each device's entry and report JSON, spelled from the columns of ``runs``."""
     n = len(runs)
     ids, counts = _decimal(runs.device_ids), _decimal(runs.counts)
     held = runs.counts > 0
-    starts = runs.starts.astype(np.int64)
-    spans = _concat(_text("["), _decimal(starts), _text(","), _decimal(starts + runs.counts), _text(',"'),
-                    _hex8(runs.checksums), _text('"]'))
-    spans = pc.if_else(pa.array(held), spans, _text(""))
+    spans: pa.Array | pa.Scalar = _text("")
+    digests: pa.Array | pa.Scalar = _text("null")
+    if runs.digests is not None:  # scattered: no range, each device's digest
+        digests = _concat(_text('"'), _hex16(runs.digests), _text('"'))
+    else:
+        starts = runs.starts.astype(np.int64)
+        spans = _concat(_text("["), _decimal(starts), _text(","), _decimal(starts + runs.counts), _text(',"'),
+                        _hex8(runs.checksums), _text('"]'))
+        spans = pc.if_else(pa.array(held), spans, _text(""))
     names = pa.array([_string(name) for name in runs.names], pa.large_string())
     sources = _joined(names.take(pa.array(runs.name_at)), runs.name_bounds)
     pairs = _concat(_text('"'), _decimal(runs.label_value), _text('":'), _decimal(runs.label_count))
@@ -176,7 +189,7 @@ def _run_json(runs: RunSummaries) -> tuple[pa.Array, pa.Array]:
     labels = _joined(pairs, np.concatenate(([0], np.cumsum(per_device))))
     e = [_text(t) for t in _RUN_ENTRY]
     entries = _concat(e[0], ids, e[1], counts, e[2], spans, e[3], _decimal(runs.first_times), e[4],
-                      _decimal(runs.last_times), e[5], sources, e[6], labels, e[7])
+                      _decimal(runs.last_times), e[5], sources, e[6], labels, e[7], digests, e[8])
     notes: pa.Array | pa.Scalar = _text("")
     if runs.problems:
         spelled = [""] * n
@@ -200,7 +213,7 @@ def _in_order(ids: list[np.ndarray], texts: list[pa.Array]) -> bytes:
 
 
 def details_json(entries: Iterable[DeviceEntry], reports: Iterable[tuple[int, DeviceReport]],
-                 csv_tails: dict[str, Any] | None, runs: Sequence[RunSummaries] = ()) -> bytes:
+                 csv_tails: dict[str, Any] | None, runs: Sequence[DeviceColumns] = ()) -> bytes:
     """The UTF-8 JSON of the ``details`` array: ``{"devices": [entry.to_json(), ...],
     "report_devices": {str(id): report.to_json(), ...}, "csv_tails": csv_tails}``, compact, in
     the order given (the writer gives ascending device ids), the devices of ``runs`` among them
@@ -208,13 +221,15 @@ def details_json(entries: Iterable[DeviceEntry], reports: Iterable[tuple[int, De
     tails = json.dumps(csv_tails, separators=(",", ":"), allow_nan=False, check_circular=False).encode()
     if runs:
         entries, reports = list(entries), list(reports)
-        from birdzarr.convert._summary import RunSummaries
-
-        spelled = [_run_json(RunSummaries.joined(list(runs)))]  # one spelling: Arrow's calls a run add up
+        # one spelling of each kind (runs, scattered): Arrow's calls a run add up
+        kinds = [kind for kind in ([r for r in runs if not r.scattered], [r for r in runs if r.scattered])
+                 if kind]
+        spelled = [_run_json(DeviceColumns.joined(kind)) for kind in kinds]
         entry_ids = [np.fromiter((e.device_id for e in entries), np.int64, len(entries))]
         report_ids = [np.fromiter((d for d, _ in reports), np.int64, len(reports))]
-        entry_ids.append(np.concatenate([r.device_ids for r in runs]))
-        report_ids.append(entry_ids[-1])
+        for kind in kinds:
+            entry_ids.append(np.concatenate([r.device_ids for r in kind]))
+            report_ids.append(entry_ids[-1])
         devices = _in_order(entry_ids, [pa.array([_entry_json(e) for e in entries], pa.large_string()),
                                         *(s[0] for s in spelled)])
         report_devices = _in_order(report_ids, [pa.array([_report_json(d, r) for d, r in reports],
