@@ -57,9 +57,10 @@ from birdzarr.convert._pipeline import bar_counter, count_on_bar
 from birdzarr.convert._readahead import read_ahead
 from birdzarr.convert._slabs import SlabWriter, writable_arrays
 from birdzarr.convert._sources import DeviceSource, file_name
-from birdzarr.convert._summary import DeviceSummary, RunSummaries, Summarizer, summarize_run_columns
+from birdzarr.convert._summary import DeviceSummary, Summarizer, summarize_run_columns
 from birdzarr.convert._writer import SLABS_IN_FLIGHT, Writer
 from birdzarr.format import _v2
+from birdzarr.format._device_columns import DeviceColumns
 from birdzarr.format._digest import window_hashes
 from birdzarr.format._rows import RowCoder, shared_groups
 from birdzarr.format._spec import DEVICE, LABEL, TIMESTAMP, Curation, DeviceReport
@@ -273,7 +274,7 @@ class SegmentResult:
     # an append's extended devices: their duplicate-check keys (``Continuation.extended``)
     keys: dict[int, DeviceKeys] = field(default_factory=dict)
     # the summaries of devices read together (``place_runs``), as columns, in store order
-    runs: list[RunSummaries] = field(default_factory=list)
+    runs: list[DeviceColumns] = field(default_factory=list)
 
 
 # -- in a worker process -------------------------------------------------------------------------
@@ -476,7 +477,7 @@ class SegmentCollector:
         self.total = segments[-1].stop if segments else first
         self.chunk_windows = writer.slabs.chunk_windows
         self.summaries: dict[int, DeviceSummary] = {}
-        self.runs: dict[int, RunSummaries] = {}  # by their first device
+        self.runs: dict[int, DeviceColumns] = {}  # by their first device
         self.waiting: dict[int, list[SharedChunkPart]] = {}
         # format 2: each segment's rows (by its first window), and the shared chunks' parts (with
         # the segment they came from), written once every segment's row numbers are known

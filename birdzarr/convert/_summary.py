@@ -153,9 +153,6 @@ class Summarizer:
         return DeviceSummary(self.entry, self.report, self.tail)
 
 
-RunSummaries = DeviceColumns  # the name _segments.py imports (birdzarr/format/_device_columns.py)
-
-
 def column_summaries(runs: DeviceColumns) -> list[DeviceSummary]:
     """One ``DeviceSummary`` a device of ``runs``, as ``Summarizer`` gives them."""
     return [DeviceSummary(entry, report) for entry, report in runs.objects()]
