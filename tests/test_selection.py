@@ -133,6 +133,26 @@ def test_a_side_is_a_function_of_the_seed_and_the_identity_alone() -> None:
     assert np.array_equal(again, sides[order])
 
 
+def test_a_selection_holds_its_devices_as_sorted_ids_and_lists_them_as_a_set(
+    seasons: dict[str, pathlib.Path], tmp_path: pathlib.Path
+) -> None:
+    """The selection keeps its devices as one sorted int64 array (no Python set a device: a
+    store of 100,000 devices), the device split's side of each; ``selection.devices`` (the
+    documented set) is the same devices."""
+    store = birdzarr.convert(seasons["s1"], tmp_path / "a.zarr", chunk_windows=CHUNK, progress=False)
+    ids = sorted(e.device_id for e in store.device_table)
+    train, val = split_devices(ids, val_fraction=0.5, split_seed=3)
+    assert train and val
+    for side, expected in (("train", train), ("val", val)):
+        selection = _dataset(store, split=side, val_fraction=0.5, split_seed=3).selection
+        assert selection.device_ids is not None and selection.device_ids.dtype == np.int64
+        assert selection.device_ids.tolist() == sorted(expected)
+        assert selection.devices == frozenset(expected)
+    kept = _dataset(store, devices=[ids[2], np.int64(ids[0]), ids[2]], exclude_devices=[ids[2]]).selection
+    assert kept.device_ids is not None and kept.device_ids.tolist() == [ids[0]]
+    assert _dataset(store, exclude_devices=[]).selection.device_ids is None  # every device
+
+
 @pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
 def test_a_split_that_leaves_a_side_without_devices_says_so(seasons: dict[str, pathlib.Path],
                                                              tmp_path: pathlib.Path) -> None:

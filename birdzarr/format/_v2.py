@@ -115,7 +115,7 @@ class Dictionaries:
         the entries are cut at every distinct start (each (row, channel) dictionary is one such
         span), and a span several rows share (small devices') is kept once."""
         starts = self.start.reshape(-1)
-        distinct = np.unique(starts)
+        distinct = sorted_distinct(starts)
         lengths = np.diff(np.append(distinct, np.int64(len(self.values))))
         span = np.searchsorted(distinct, self.start[used])  # (kept rows, 3)
         held = np.zeros(len(distinct), dtype=bool)
@@ -134,6 +134,15 @@ class Dictionaries:
         )
 
 
+def sorted_distinct(values: np.ndarray) -> np.ndarray:
+    """``np.unique(values)`` by a sort: numpy 2.3+'s hashing unique took 13 ms against 3.7 ms
+    for the 300,000 starts of a 100,000-device store (1,473 distinct), read at every open."""
+    ordered = np.sort(values, axis=None)
+    if not len(ordered):
+        return ordered
+    return ordered[np.concatenate(([True], ordered[1:] != ordered[:-1]))]
+
+
 def entry_counts(start: np.ndarray, n_values: int) -> np.ndarray:
     """Entries of each (row, channel) dictionary: from its start up to the next larger start of
     any row and channel (``n_values`` after the largest). Rows of small devices may share their
@@ -146,7 +155,7 @@ def entry_counts(start: np.ndarray, n_values: int) -> np.ndarray:
     if bool((flat[1:] > flat[:-1]).all()):  # no shared entries: the next start
         ends = np.append(flat[1:], np.int64(n_values))
         return (ends - flat).reshape(-1, N_CODED)
-    distinct = np.unique(flat)
+    distinct = sorted_distinct(flat)
     ends = np.append(distinct[1:], np.int64(n_values))[np.searchsorted(distinct, flat)]
     counts = ends - flat
     counts[(flat < 0) | (flat > n_values)] = -1

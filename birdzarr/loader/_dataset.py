@@ -844,8 +844,8 @@ def _device_order_refusal(
     world_size: int,
 ) -> str | None:
     """Why a streamed shuffle of a device-ordered store is refused (None: it mixes well)."""
-    if selection.devices is not None:
-        n_devices = len(selection.devices)
+    if selection.device_ids is not None:
+        n_devices = len(selection.device_ids)
     chunks = int((counts > 0).sum())
     if n_devices < 2 or pool_chunks * world_size >= chunks:  # one device, or a pool holds it all
         return None

@@ -18,6 +18,7 @@ depends on global indices, chunk layout or the other devices, so appending data 
 from __future__ import annotations
 
 import datetime as dt
+import functools
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from birdzarr.format._spec import (
     TIMESTAMP_UNKNOWN,
     WINDOW_LENGTH,
 )
+from birdzarr.format._v2 import sorted_distinct
 from birdzarr.store._chunks import ChunkReader
 
 SPLITS = ("train", "val")
@@ -93,7 +95,7 @@ def split_devices(
     device_ids: Iterable[int], *, val_fraction: float, split_seed: int
 ) -> tuple[set[int], set[int]]:
     """The device split of some ids: (train devices, val devices)."""
-    ids = np.array(sorted({int(d) for d in device_ids}), dtype=np.int64)
+    ids = np.unique(np.fromiter((int(d) for d in device_ids), np.int64))
     in_val = device_in_val(ids, val_fraction=val_fraction, split_seed=split_seed)
     return set(ids[~in_val].tolist()), set(ids[in_val].tolist())
 
@@ -215,13 +217,18 @@ class Selection:
     """Selected windows: an optional device set, held as window ranges (device-ordered store,
     nothing per window) or as one bit per store window (everything else)."""
 
-    devices: frozenset[int] | None  # None: every device
+    device_ids: np.ndarray | None  # the selected device ids, sorted int64; None: every device
     n_windows: int
     chunk_windows: int
     ranges: np.ndarray | None = None  # (k, 2) disjoint, sorted [start, stop) runs; None: no range filter
     bits: np.ndarray | None = None  # packed bits of every chunk, one after the other
     offsets: np.ndarray | None = None  # bits[offsets[c]:offsets[c + 1]] are chunk c's
     chunk_counts: np.ndarray | None = None  # selected windows per chunk, when known
+
+    @functools.cached_property
+    def devices(self) -> frozenset[int] | None:
+        """The selected devices (None: every device), built when first asked for."""
+        return None if self.device_ids is None else frozenset(self.device_ids.tolist())
 
     @property
     def n_chunks(self) -> int:
@@ -360,10 +367,10 @@ def _selected_below(ranges: np.ndarray, positions: np.ndarray) -> np.ndarray:
     return np.where(j >= 0, before[np.maximum(j, 0)] + inside, 0)
 
 
-def _merged_ranges(columns: dict[str, np.ndarray], chosen: set[int]) -> np.ndarray:
+def _merged_ranges(columns: dict[str, np.ndarray], chosen: np.ndarray) -> np.ndarray:
     """The chosen devices' window ranges (from the device table's index columns), sorted, empty
     ones dropped and touching ones merged."""
-    keep = np.isin(columns["range_device"], np.fromiter(chosen, np.int64, len(chosen)))
+    keep = np.isin(columns["range_device"], chosen)
     keep &= columns["range_stop"] > columns["range_start"]
     runs = np.stack([columns["range_start"][keep], columns["range_stop"][keep]], axis=1).astype(np.int64)
     runs = runs[np.argsort(runs[:, 0], kind="stable")].reshape(-1, 2)
@@ -436,6 +443,12 @@ def _materialise(reader: ChunkReader, per_window: _PerWindow, ranges: np.ndarray
     return bits, offsets, counts
 
 
+def _ids(devices: Iterable[int]) -> np.ndarray:
+    """User-given device ids as a sorted unique int64 array (``int()`` of each: numpy integers,
+    Python ints, a range, an array)."""
+    return sorted_distinct(np.array([int(d) for d in devices], dtype=np.int64))
+
+
 def make_selection(
     columns: dict[str, np.ndarray],
     *,
@@ -454,17 +467,18 @@ def make_selection(
     per-window arrays once where a filter needs them). ``columns``: the device table's index
     columns (``Store.device_columns``: ids and ranges, no per-device objects)."""
     filters = filters or WindowFilter()
-    known = set(columns["device_id"].tolist())
-    chosen: set[int] | None = None
+    # device ids as sorted unique int64 arrays, not Python sets: a store of 100,000 devices
+    known = sorted_distinct(np.asarray(columns["device_id"], np.int64))
+    chosen: np.ndarray | None = None
     if devices is not None:
-        chosen = {int(d) for d in devices}
-        missing = sorted(chosen - known)
-        if missing:
-            listed = ", ".join(str(d) for d in missing[:10]) + (", ..." if len(missing) > 10 else "")
+        chosen = _ids(devices)
+        missing = np.setdiff1d(chosen, known, assume_unique=True)
+        if len(missing):
+            listed = ", ".join(str(d) for d in missing[:10].tolist()) + (", ..." if len(missing) > 10 else "")
             raise DeviceNotFoundError(f"devices={listed} are not in the store ({len(known)} devices; "
                                       "`birdzarr info --devices` lists them)")
     if exclude_devices is not None:
-        chosen = (known if chosen is None else chosen) - {int(d) for d in exclude_devices}
+        chosen = np.setdiff1d(known if chosen is None else chosen, _ids(exclude_devices), assume_unique=True)
     window_split = None
     if split is not None:
         if split not in SPLITS:
@@ -474,9 +488,9 @@ def make_selection(
         _threshold(val_fraction)
         if split_by == "device":
             candidates = known if chosen is None else chosen
-            train, val = split_devices(candidates, val_fraction=val_fraction, split_seed=split_seed)
-            chosen = val if split == "val" else train
-            if candidates and not chosen:
+            in_val = device_in_val(candidates, val_fraction=val_fraction, split_seed=split_seed)
+            chosen = candidates[in_val if split == "val" else ~in_val]
+            if len(candidates) and not len(chosen):
                 raise ArgumentError(
                     f"split={split!r} holds no device: split_seed={split_seed} with val_fraction="
                     f"{val_fraction} puts {'none' if split == 'val' else 'all'} of the {len(candidates)} "
@@ -486,18 +500,14 @@ def make_selection(
                 )
         else:
             window_split = (split, float(val_fraction), int(split_seed))
-    if chosen == known:
+    if chosen is not None and np.array_equal(chosen, known):
         chosen = None
     n_windows, width = reader.n_windows, reader.chunk_windows
     ranges = None
     if chosen is not None and not shuffled_store:
         ranges = _merged_ranges(columns, chosen)
-    shuffled_devices = None
-    if chosen is not None and shuffled_store:
-        shuffled_devices = np.array(sorted(chosen), dtype=np.int64)
-    per_window = _PerWindow(shuffled_devices, window_split, filters)
-    devices_set = None if chosen is None else frozenset(chosen)
+    per_window = _PerWindow(chosen if shuffled_store else None, window_split, filters)
     if not per_window.arrays:
-        return Selection(devices_set, n_windows, width, ranges=ranges)
+        return Selection(chosen, n_windows, width, ranges=ranges)
     bits, offsets, counts = _materialise(reader, per_window, ranges, threads)
-    return Selection(devices_set, n_windows, width, bits=bits, offsets=offsets, chunk_counts=counts)
+    return Selection(chosen, n_windows, width, bits=bits, offsets=offsets, chunk_counts=counts)
