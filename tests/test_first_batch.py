@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 
 import birdzarr
 from birdzarr.loader import _pool
+from tests.pool_support import with_pool_counts
 
 
 def _dataset(store: birdzarr.Store, **options: object) -> birdzarr.WindowDataset:
@@ -98,15 +99,6 @@ def test_a_format_1_store_loads_its_first_pool_whole(small_store_v1: birdzarr.St
     assert ds._local().pool.early_batches == 0
 
 
-def _with_counts(batch: object) -> tuple[object, tuple[int, int, int]]:
-    """collate_fn (runs in the worker): the batch, and the worker's early batches and prefetches."""
-    from torch.utils.data import get_worker_info
-
-    info = get_worker_info()
-    assert info is not None
-    pool = info.dataset._local().pool  # type: ignore[attr-defined]
-    return batch, (info.id, pool.early_batches, pool.prefetched)
-
 
 @pytest.mark.slow
 def test_persistent_workers_decode_only_epoch_0s_first_batch_ahead(small_store: birdzarr.Store) -> None:
@@ -114,7 +106,8 @@ def test_persistent_workers_decode_only_epoch_0s_first_batch_ahead(small_store: 
     the pool prefetched during the previous one (no batch decoded on its own). Every batch exact."""
     ds = _dataset(small_store, seed=6)
     loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True,
-                        multiprocessing_context="fork", collate_fn=_with_counts)
+                        multiprocessing_context="fork",
+                        collate_fn=with_pool_counts("early_batches", "prefetched"))
     for epoch in (0, 1, 2):
         ds.set_epoch(epoch)
         expected = [x for x, _ in _expected(ds, small_store, 2)]

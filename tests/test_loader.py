@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader
 
 import birdzarr
 from birdzarr import ArgumentError
+from tests.pool_support import with_pool_counts
 
 
 def _dataset(store: birdzarr.Store, **options: object) -> birdzarr.WindowDataset:
@@ -571,16 +572,6 @@ def test_persistent_workers_start_each_epoch_on_a_prefetched_pool(small_store: b
     assert len(epoch(5)) == 2
 
 
-def _with_early_counts(batch: object) -> tuple[object, tuple[int, int, int]]:
-    """collate_fn (it runs in the worker): the batch, the worker's first batches decoded on their
-    own and pools taken from a prefetch."""
-    from torch.utils.data import get_worker_info
-
-    info = get_worker_info()
-    assert info is not None
-    pool = info.dataset._local().pool  # type: ignore[attr-defined]
-    return batch, (info.id, pool.early_batches, pool.prefetched)
-
 
 @pytest.mark.slow
 def test_a_worker_of_one_pool_an_epoch_decodes_the_next_epochs_first_batch_on_its_own(
@@ -596,7 +587,8 @@ def test_a_worker_of_one_pool_an_epoch_decodes_the_next_epochs_first_batch_on_it
     ds = _dataset(small_store, **options)
     assert len(ds.plan(num_workers=2).pools) == 2  # one pool a worker
     loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True,
-                        multiprocessing_context="fork", collate_fn=_with_early_counts)
+                        multiprocessing_context="fork",
+                        collate_fn=with_pool_counts("early_batches", "prefetched"))
 
     def epoch(number: int, skip: int = 0) -> dict[int, tuple[int, int]]:
         """Each worker's (first batches decoded on their own, pools prefetched) at its last batch."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import pathlib
 import shutil
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -403,6 +404,26 @@ def test_devices_counted_by_reading_are_read_together_too(
     assert_same_store(tmp_path / "alone.zarr", tmp_path / "together.zarr")
 
 
+def _shuffled_alone(mixed: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                    engine: str) -> tuple[pathlib.Path, dict[str, Any], int, birdzarr.Store]:
+    """A ``--shuffle`` case on ``engine`` (several buckets; for worker processes, input past
+    ``PROCESS_MIN_BYTES``): its source, options and workers, and the reference store of spilling
+    each device alone (``alone.zarr``)."""
+    from birdzarr._errors import DuplicateWindowsWarning
+    from birdzarr.convert import _segments, _shuffle
+
+    monkeypatch.setattr(_shuffle, "BUCKET_WINDOWS", 1500)  # several buckets
+    source = mixed
+    if engine == "processes":
+        source = _mixed_parts(tmp_path / "large", pad=_segments.PROCESS_MIN_BYTES)
+    options: dict[str, Any] = {"chunk_windows": 256, "shuffle": True, "seed": 5, "progress": False}
+    workers = 1 if engine == "this thread" else 2
+    with pytest.warns(DuplicateWindowsWarning), monkeypatch.context() as patch:
+        patch.setattr(_segments, "RUN_WINDOWS", 0)
+        reference = birdzarr.convert(str(source), str(tmp_path / "alone.zarr"), workers=workers, **options)
+    return source, options, workers, reference
+
+
 @pytest.mark.parametrize("engine", ["this thread", "threads", "processes"])
 def test_shuffled_devices_read_together_store_what_reading_each_alone_stores(
     mixed: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, engine: str
@@ -413,17 +434,9 @@ def test_shuffled_devices_read_together_store_what_reading_each_alone_stores(
     to spilling each device alone, in this thread, on threads and in forked worker processes
     (input past ``PROCESS_MIN_BYTES``), with the same seed and buckets."""
     from birdzarr._errors import DuplicateWindowsWarning
-    from birdzarr.convert import _segments, _shuffle, _shuffle_processes
+    from birdzarr.convert import _shuffle_processes
 
-    monkeypatch.setattr(_shuffle, "BUCKET_WINDOWS", 1500)  # several buckets
-    source = mixed
-    if engine == "processes":
-        source = _mixed_parts(tmp_path / "large", pad=_segments.PROCESS_MIN_BYTES)
-    options = {"chunk_windows": 256, "shuffle": True, "seed": 5, "progress": False}
-    workers = 1 if engine == "this thread" else 2
-    with pytest.warns(DuplicateWindowsWarning), monkeypatch.context() as patch:
-        patch.setattr(_segments, "RUN_WINDOWS", 0)
-        reference = birdzarr.convert(str(source), str(tmp_path / "alone.zarr"), workers=workers, **options)
+    source, options, workers, reference = _shuffled_alone(mixed, tmp_path, monkeypatch, engine)
     assert reference.meta["report"]["duplicate_windows"] == {"5": 1}
     assert reference.meta["layout"]["shuffle_buckets"] > 2
     together = _count_runs(monkeypatch, _shuffle_processes)
@@ -447,19 +460,11 @@ def test_shuffled_devices_of_one_row_are_coded_into_one_dictionary_as_alone(
     between runs or tasks are merged. The store is byte-identical to spilling each device alone,
     in this thread, on threads and in worker processes."""
     from birdzarr._errors import DuplicateWindowsWarning
-    from birdzarr.convert import _segments, _shuffle, _shuffle_processes
+    from birdzarr.convert import _segments, _shuffle_processes
     from birdzarr.format import _rows
 
-    monkeypatch.setattr(_shuffle, "BUCKET_WINDOWS", 1500)  # several buckets
     monkeypatch.setattr(_rows, "SHARED_ROW_WINDOWS", 100)  # rows of a few devices: ~60 of them
-    source = mixed
-    if engine == "processes":
-        source = _mixed_parts(tmp_path / "large", pad=_segments.PROCESS_MIN_BYTES)
-    options = {"chunk_windows": 256, "shuffle": True, "seed": 5, "progress": False}
-    workers = 1 if engine == "this thread" else 2
-    with pytest.warns(DuplicateWindowsWarning), monkeypatch.context() as patch:
-        patch.setattr(_segments, "RUN_WINDOWS", 0)
-        birdzarr.convert(str(source), str(tmp_path / "alone.zarr"), workers=workers, **options)
+    source, options, workers, _ = _shuffled_alone(mixed, tmp_path, monkeypatch, engine)
     seen: list[tuple[int, int, list[bool]]] = []
     seed_rows = _shuffle_processes.seed_rows
 

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 
 import birdzarr
 from birdzarr.loader._sampling import Pool
+from tests.pool_support import with_pool_counts
 
 
 @pytest.fixture(scope="module")
@@ -109,15 +110,6 @@ def test_resuming_across_the_epoch_boundary_is_exact(shuffled: birdzarr.Store) -
     assert ds._local().pool.decoded == int((ds.counts > 0).sum())  # epoch 1 decoded nothing
 
 
-def _with_counts(batch: object) -> tuple[object, tuple[int, int, int]]:
-    """collate_fn (it runs in the worker): the batch, and the worker's decodes and reused pieces."""
-    from torch.utils.data import get_worker_info
-
-    info = get_worker_info()
-    assert info is not None
-    pool = info.dataset._local().pool  # type: ignore[attr-defined]
-    return batch, (info.id, pool.decoded, pool.reused)
-
 
 @pytest.mark.slow
 def test_persistent_workers_reuse_the_pools_they_hold_and_stay_exact_and_balanced(
@@ -129,7 +121,7 @@ def test_persistent_workers_reuse_the_pools_they_hold_and_stay_exact_and_balance
     ds = birdzarr.WindowDataset(shuffled.url, batch_size=1024, seed=4, shuffle_buffer=4 * 1024,
                                 with_ldt=True)
     loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True,
-                        multiprocessing_context="fork", collate_fn=_with_counts)
+                        multiprocessing_context="fork", collate_fn=with_pool_counts("decoded", "reused"))
     planned = 0
     last: dict[int, tuple[int, int]] = {}
     for epoch in range(4):

@@ -229,6 +229,11 @@ class _Pending:
     early: list[tuple[np.ndarray, Future[EarlyBatch]]] | None = None  # its first batch, on its own
     first: tuple[int, int] = (0, 0)  # (that batch's number, its windows)
 
+    def every_future(self) -> list[Future[Any]]:
+        """The pieces', the early batch's and the order's futures."""
+        return [*self.futures, *(future for _, future in self.early or []),
+                *([] if self.order is None else [self.order])]
+
 
 def _done(value: Any) -> Future[Any]:
     future: Future[Any] = Future()
@@ -422,12 +427,14 @@ class PoolBuffers:
         self._settle()
         arranged = self._arrange(bank, pool)
         if first is not None and order is not None and self._early_allowed(arranged):
-            drawn = order()
+            drawn = order()  # first: the early batch's windows depend on it
             positions = np.asarray(first[1](drawn), dtype=np.int64)
             early = self._submit_early(pool, positions, arranged)
             self._pending.append(_Pending(key, pool, self._submit(arranged, pool), arranged, _done(drawn),
                                           early, (first[0], len(positions))))
             return
+        # registered before the order is drawn, so that a draw that raises leaves the queued
+        # decodes where the next _drop_pending cancels them
         pending = _Pending(key, pool, self._submit(arranged, pool), arranged, None)
         self._pending.append(pending)
         if order is not None:
@@ -446,9 +453,7 @@ class PoolBuffers:
         dropped = [p for p in self._pending if bank is None or p.arranged.bank == bank]
         self._pending = [p for p in self._pending if all(p is not d for d in dropped)]
         for pending in dropped:
-            futures: list[Future[Any]] = [*pending.futures, *(future for _, future in pending.early or [])]
-            if pending.order is not None:
-                futures.append(pending.order)
+            futures = pending.every_future()
             for future in futures:
                 future.cancel()
             wait(futures)
