@@ -379,3 +379,42 @@ def test_arrays_another_writer_coded_otherwise_are_read_through_zarr(v2_pair: Pa
     (path / _v2.CODES / "c" / "4" / "0" / "0").unlink()
     with pytest.raises(MissingChunkError, match=r"committed chunk 'gimu_codes/c/4/0/0' is missing"):
         birdzarr.open_store(path).windows[4096]
+
+
+def _rechunk(path: Path, name: str, chunk: int) -> np.ndarray:
+    """Rewrite array ``name`` of the store at ``path`` with chunks of ``chunk`` items and the
+    same codecs (through zarr-python); returns its values."""
+    import zarr
+
+    values = zarr.open_array(str(path / name), mode="r", zarr_format=3)[:]
+    meta_path = path / name / "zarr.json"
+    meta = json.loads(meta_path.read_text())
+    meta["chunk_grid"]["configuration"]["chunk_shape"][0] = chunk
+    shutil.rmtree(path / name / "c")
+    meta_path.write_text(json.dumps(meta))
+    zarr.open_array(str(path / name), mode="r+", zarr_format=3)[:] = values
+    return values
+
+
+def test_the_dictionary_arrays_read_whole_chunks_in_place_and_the_last_one_trimmed(
+        v2_pair: Pair, tmp_path: Path) -> None:
+    """Whole chunks of a dictionary array decode straight into the result; the last, partial one
+    is trimmed: the arrays equal zarr-python's reading, and a frame of the wrong size in a whole
+    chunk is refused by name."""
+    path = writable_copy(v2_pair[1], tmp_path / "s.zarr")
+    values = _rechunk(path, _v2.VALUES, 64)
+    assert len(values) % 64  # whole chunks and a partial last one
+    start = _rechunk(path, _v2.START, 5)
+    read = birdzarr.open_store(path).reader.dictionaries()
+    assert np.array_equal(read.values.view(np.uint32), values.view(np.uint32))
+    assert np.array_equal(read.start, start) and read.start.dtype == np.int64
+    assert_exact(birdzarr.open_store(path).windows[:], v2_pair[0].windows[:])
+    import google_crc32c
+    from numcodecs import Blosc
+
+    # chunk 1 replaced by a valid frame (blosc, then its CRC-32C) of 32 values: half a chunk's bytes
+    frame = Blosc(cname="zstd", clevel=3, shuffle=Blosc.BITSHUFFLE).encode(values[64:96].tobytes())
+    (path / _v2.VALUES / "c" / "1").write_bytes(frame + google_crc32c.value(frame).to_bytes(4, "little"))
+    store = birdzarr.open_store(path)
+    assert_cannot_decode(store, lambda store: store.windows[0], "dict_values/c/1",
+                         "128 bytes where a chunk holds 256")

@@ -498,3 +498,15 @@ def test_a_label_aware_transform_that_returns_something_else_is_named(
         _dataset(store, transform=_label_aware, transform_ldt=True)
     with pytest.raises(TypeError, match="^transform_ldt must be"):
         _dataset(store, with_ldt=True, transform=_label_aware, transform_ldt=1)
+
+
+@pytest.mark.parametrize("ids", [
+    [0, 3, 4, 90], [7], [], [2, 1 << 22, 1 << 23],  # the last: ids past the table, np.isin's way
+])
+def test_device_membership_is_np_isin(ids: list[int]) -> None:
+    from birdzarr.store._selection import DeviceMembership
+
+    chosen = np.asarray(ids, dtype=np.int64)
+    device = np.array([-5, -1, 0, 1, 2, 3, 4, 7, 89, 90, 91, 1000, 1 << 22, 1 << 23, 2**31 - 1],
+                      dtype=np.int32)
+    assert np.array_equal(DeviceMembership(chosen)(device), np.isin(device, chosen))

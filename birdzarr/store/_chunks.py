@@ -144,6 +144,14 @@ _DECODE_BLOCK = 4096
 _BUFFERS = threading.local()  # per decoding thread: a reusable output buffer per array
 
 
+def _decode_exactly(raw: bytes | memoryview, out: np.ndarray) -> None:
+    """Blosc-decode ``raw`` into ``out`` (uint8), which its frame must fill exactly."""
+    nbytes = int.from_bytes(bytes(raw[4:8]), "little")  # blosc header: uncompressed size
+    if nbytes != len(out):
+        raise ValueError(f"{nbytes} bytes where a chunk holds {len(out)}")
+    _BLOSC.decode(raw, out=out)
+
+
 def _thread_buffer(name: str, nbytes: int) -> np.ndarray:
     """This thread's reusable byte buffer for array ``name`` (valid until its next call)."""
     buffers: dict[str, np.ndarray] | None = getattr(_BUFFERS, "by_name", None)
@@ -437,8 +445,8 @@ class ChunkReader:
         if found is None:
             with self._dictionaries_lock:
                 if self._dictionaries is None:
-                    dictionaries = self._read_dictionaries()
-                    self._limits = dictionaries.sizes().astype(np.uint16)  # each <= MAX_ENTRIES
+                    dictionaries, sizes = self._read_dictionaries()
+                    self._limits = sizes.astype(np.uint16)  # each <= MAX_ENTRIES (checked)
                     self._dictionaries = dictionaries
                 found = self._dictionaries
         return found
@@ -450,7 +458,8 @@ class ChunkReader:
         with self._dictionaries_lock:
             self._dictionaries, self._limits = other._dictionaries, other._limits
 
-    def _read_dictionaries(self) -> _v2.Dictionaries:
+    def _read_dictionaries(self) -> tuple[_v2.Dictionaries, np.ndarray]:
+        """The dictionary arrays, checked, and their (row, channel) entry counts."""
         if self.format_version != 2:
             raise ValueError(f"{self.location.display} is a format-{self.format_version} store: it has no "
                              "dictionary arrays")
@@ -478,7 +487,7 @@ class ChunkReader:
                 f"{self.location.display}: the dictionary arrays do not agree ({problem}). The store "
                 "is damaged; run `birdzarr verify`."
             )
-        return _v2.Dictionaries(values, start, device)
+        return _v2.Dictionaries(values, start, device), sizes
 
     def _whole(self, name: str) -> np.ndarray:
         """All of a (small, non-window) array, each chunk fetched through the cache and checked."""
@@ -490,17 +499,23 @@ class ChunkReader:
         per_item = int(np.prod(tail, dtype=np.int64))
         step = layout.chunk_windows
         out = np.empty((length, *tail), layout.dtype)
+        # whole chunks decode straight into ``out`` where its bytes are the stored little-endian ones
+        whole = out.reshape(-1).view(np.uint8) if out.dtype == out.dtype.newbyteorder("<") else None
         for index in range(-(-length // step)):
             fetched = self._fetch(layout, index)
+            first = index * step
             try:
                 raw = strip_crc32c(fetched) if layout.codec.crc32c else fetched
+                if whole is not None and first + step <= length:  # decoded in place: no copy
+                    size = step * per_item * out.dtype.itemsize
+                    _decode_exactly(raw, whole[first * per_item * out.dtype.itemsize :][:size])
+                    continue
                 flat = np.frombuffer(_BLOSC.decode(raw), dtype=layout.dtype.newbyteorder("<"))
                 if len(flat) != step * per_item:
                     raise ValueError(f"{len(flat)} values where a chunk holds {step * per_item}")
             except (ValueError, RuntimeError, IndexError) as exc:
                 raise self._corrupt(layout, index, exc) from None
-            first = index * step
-            out[first : min(first + step, length)] = flat.reshape(step, *tail)[: length - first]
+            out[first:length] = flat.reshape(step, *tail)[: length - first]
         return out
 
     def _read_with_zarr(self, name: str, start: int, stop: int) -> np.ndarray:
