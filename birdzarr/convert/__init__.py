@@ -24,7 +24,13 @@ from birdzarr.convert._memory import arrow_pool
 from birdzarr.convert._overwrite import check_destination, replacing, staged_location
 from birdzarr.convert._parquet import clear_group_cache, ignored_from_notes
 from birdzarr.convert._pipeline import bar_counter, write_csv_devices
-from birdzarr.convert._segments import convert_segments, count_devices, input_bytes, plan_segments
+from birdzarr.convert._segments import (
+    convert_segments,
+    count_devices,
+    input_bytes,
+    plan_segments,
+    split_large,
+)
 from birdzarr.convert._shuffle import bucket_count
 from birdzarr.convert._shuffle_processes import write_shuffled_on
 from birdzarr.convert._sources import DeviceSource, find_inputs, natural_key, refuse_repeated_devices
@@ -333,7 +339,9 @@ def _on_engine(
                               duplicates=duplicates, bar=bar)
             return dict(engine.facts)
         counts = count_devices(devices, curation=curation, on_bad_rows=on_bad_rows, engine=engine)
-        plan = plan_segments(devices, counts, workers=engine.width, chunk_windows=chunk_windows)
+        # devices larger than PART_WINDOWS as parts, cut at row groups: the tasks stay even
+        members, sizes = split_large(devices, counts, on_bad_rows=on_bad_rows)
+        plan = plan_segments(members, sizes, workers=engine.width, chunk_windows=chunk_windows)
         return {**convert_segments(engine, writer, plan, curation=curation, on_bad_rows=on_bad_rows,
                                    dest=dst, duplicates=duplicates, bar=bar), **engine.facts}
 

@@ -15,6 +15,7 @@ import collections
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -83,6 +84,34 @@ class DeviceKeys:
     def repeated(self) -> int:
         """Windows of the device that repeat another of its windows."""
         return repeated_windows(self.hashes, self.times, None) if self.hashes else 0
+
+
+@dataclass
+class PartKeys:
+    """What one part of a split device (``_segments.split_large``) sends back for the device's
+    duplicate check: its windows and their distinct hashes (sorted; 8 bytes a distinct window).
+    The client counts the device's repeated windows once every part is in
+    (``repeated_in_parts``): a window repeated in another part counts as one repeated inside a
+    part does."""
+
+    windows: int
+    hashes: np.ndarray
+
+    @classmethod
+    def of(cls, keys: DeviceKeys) -> PartKeys:
+        if not keys.hashes:
+            return cls(0, np.empty(0, np.uint64))
+        every = np.concatenate(keys.hashes)
+        return cls(len(every), distinct(every))
+
+
+def repeated_in_parts(parts: list[PartKeys]) -> int:
+    """``DeviceKeys.repeated`` of a device from its parts' keys: its windows less its distinct
+    hashes, the same count as one ``DeviceKeys`` fed the whole device."""
+    windows = sum(part.windows for part in parts)
+    if not windows:
+        return 0
+    return windows - len(distinct(np.concatenate([part.hashes for part in parts])))
 
 
 class DuplicateCounter:

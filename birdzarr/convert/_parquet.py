@@ -392,9 +392,13 @@ class ParquetDeviceReader:
     device_id: int
     path: Location
     on_bad_rows: str = "error"
+    # a per-device file's row groups to read (a part of a split device, ``_segments.split_large``);
+    # None: all of them
+    row_groups: tuple[int, ...] | None = None
+    noted: bool = True  # this reading names the file's ignored columns (one part of a split file does)
 
     def blocks(self) -> Iterator[WindowBlock]:
-        """The windows of the whole file, row group by row group."""
+        """The windows of the whole file (or of ``row_groups``), row group by row group."""
         source = self.path.display
         named = names_its_device(self.path)
         identity = _identity(self.path) if named is None else ()
@@ -435,8 +439,9 @@ class ParquetDeviceReader:
                 index = _FILES[identity] = _PartitionFile.of(self.path, file, columns, extra)
                 yield from self._partition_blocks(index, source, file)
                 return
-            note = ignored_note(source, extra) if extra else None
-            yield from _noted((block for group in range(file.num_row_groups)
+            note = ignored_note(source, extra) if extra and self.noted else None
+            groups = range(file.num_row_groups) if self.row_groups is None else self.row_groups
+            yield from _noted((block for group in groups
                                for block in self._row_group(file, group, columns, source)), note)
 
     def _bad_file(self, message: str, remedy: str) -> Iterator[WindowBlock]:
@@ -567,6 +572,14 @@ class ParquetDeviceReader:
             "named after one: rename it (part-0.parquet, say) to read it as a partition file by its "
             "device_id column."
         )
+
+
+def row_group_rows(path: Location) -> list[int]:
+    """The rows of each row group of a Parquet file, from its footer (which ``ParquetFile`` reads
+    alone: one small read)."""
+    with path.fs.open(path.path, "rb") as handle:
+        meta = pq.ParquetFile(handle).metadata
+        return [meta.row_group(group).num_rows for group in range(meta.num_row_groups)]
 
 
 def _decode_group(path: Location, group: int, columns: list[str]) -> pa.Table:

@@ -1,4 +1,4 @@
-"""A device-order conversion as tasks: the store cut into segments of whole devices.
+"""A device-order conversion as tasks: the store cut into segments of devices and device parts.
 
 Threads share one GIL. A Parquet conversion on threads holds it for about 44% of its CPU time
 (``py-spy record --gil``, 1 M windows on 2 workers: 0.89 of 2.0 CPU s), so no number of
@@ -27,6 +27,16 @@ committed windows read back and written again with the new ones (``AppendTo.shar
 2's segments number their new rows from the committed count, each extended device continuing its
 latest committed row (``Continuation``), and the collector shifts only the new row numbers.
 
+A device of more than ``PART_WINDOWS`` windows whose window offsets the footers give (per-device
+Parquet files read with ``on_bad_rows="error"``) is planned as *parts* (``split_large``): window
+ranges cut at row-group boundaries, the first at or after each multiple of ``PART_WINDOWS``. A
+part is planned as a device is, so a device's parts may land in different segments; its task
+reads only the part's row groups and sends back the part's summary and duplicate keys
+(``PartResult``), which this process merges once every part is in (``_summary.merge_parts``: the
+checksums joined by ``crc32c_combine``; ``_duplicates.repeated_in_parts``). Format 2 closes the
+device's row at each part's end, as at ``MAX_ENTRIES``. CSV, partition files and ``skip`` (whose
+offsets are known only once read) and appends are not split.
+
 Small devices of partition files are read, summarised, checked and coded together, runs of
 consecutive devices of at most ``RUN_WINDOWS`` windows (``_parquet.read_runs``): no reader, block,
 summariser or duplicate keys a device; any other device is read on its own, block by block.
@@ -36,11 +46,14 @@ Memory: each task holds one reader batch (16,384 windows) or one run of small de
 per-window arrays, at least one chunk), the duplicate check's 8 B a window of the device it reads,
 and at most two chunks of shared windows; this process
 holds the shared windows of segments whose neighbours have not finished yet (at most two chunks
-a segment).
+a segment) and, for each split device whose parts are not all in, its parts' distinct window
+hashes (8 bytes a window of the parts received).
 """
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import math
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
@@ -50,14 +63,21 @@ import numpy as np
 
 from birdzarr._errors import BadInputError
 from birdzarr.convert._blocks import WindowBlock
-from birdzarr.convert._duplicates import DeviceKeys, DuplicateCounter, repeated_in_runs, repeated_windows
+from birdzarr.convert._duplicates import (
+    DeviceKeys,
+    DuplicateCounter,
+    PartKeys,
+    repeated_in_parts,
+    repeated_in_runs,
+    repeated_windows,
+)
 from birdzarr.convert._engine import Engine, Runner, run_all
-from birdzarr.convert._parquet import clear_group_cache, names_its_device, read_runs
+from birdzarr.convert._parquet import clear_group_cache, names_its_device, read_runs, row_group_rows
 from birdzarr.convert._pipeline import bar_counter, count_on_bar
 from birdzarr.convert._readahead import read_ahead
 from birdzarr.convert._slabs import SlabWriter, writable_arrays
 from birdzarr.convert._sources import DeviceSource, file_name
-from birdzarr.convert._summary import DeviceSummary, Summarizer, summarize_run_columns
+from birdzarr.convert._summary import DeviceSummary, Summarizer, merge_parts, summarize_run_columns
 from birdzarr.convert._writer import SLABS_IN_FLIGHT, Writer
 from birdzarr.format import _v2
 from birdzarr.format._device_columns import DeviceColumns
@@ -77,6 +97,15 @@ PROCESS_MIN_BYTES = 64 << 20
 # Consecutive devices of partition files of at most this many windows in all are read, summarised,
 # checked for repeats and coded together (``read_runs``); a larger device is read on its own.
 RUN_WINDOWS = 16_384
+# A device of more windows than this (per-device Parquet files read with on_bad_rows="error") is
+# planned as parts of about this many windows, cut at its row groups' boundaries (``split_large``).
+# pyarrow's default row group (1,048,576 rows): a file written with default settings splits at
+# every row group. A part is seconds of a worker's CPU, so what a part costs beyond its windows
+# (opening the store, its first and last chunk sent back, a dictionary row, its duplicate keys
+# sent back) is small. A constant of the input alone, never of the workers or the executor: the
+# parts, and so the store's bytes (format 2's rows close at a part's end), are the same on every
+# engine and with any number of workers.
+PART_WINDOWS = 1 << 20
 
 
 def count_device(device: DeviceSource, curation: Curation, on_bad_rows: str) -> int:
@@ -182,6 +211,91 @@ def count_batch(devices: list[DeviceSource], curation: Curation, on_bad_rows: st
     return counts
 
 
+def part_cuts(group_rows: list[int], part_windows: int) -> list[int]:
+    """Where a device of row groups of ``group_rows`` rows (in reading order) is cut into parts:
+    for each multiple of ``part_windows`` inside the device, the first row-group boundary at or
+    after it (ascending, distinct, never 0 or the device's end). A pure function of the footers."""
+    ends = np.cumsum(np.asarray(group_rows, np.int64))
+    total = int(ends[-1]) if len(ends) else 0
+    cuts: list[int] = []
+    for target in range(part_windows, total, part_windows):
+        k = int(np.searchsorted(ends, target, side="left"))  # the first boundary at or after it
+        if k < len(ends) and int(ends[k]) < total and (not cuts or int(ends[k]) > cuts[-1]):
+            cuts.append(int(ends[k]))
+    return cuts
+
+
+def device_parts(device: DeviceSource, layout: list[list[int]],
+                 part_windows: int) -> list[tuple[DeviceSource, int]]:
+    """``device`` as parts (``DevicePart``) and their windows: ``layout[f]`` the rows of each row
+    group of its file ``f``; cut by ``part_cuts``. A file without row groups goes with the part
+    its place falls in; a file's ignored columns are named by the part of its first row group."""
+    from birdzarr.convert._sources import DevicePart
+
+    flat = [(f, g, rows) for f, groups in enumerate(layout) for g, rows in enumerate(groups)]
+    cuts = part_cuts([rows for _, _, rows in flat], part_windows)
+    if not cuts:
+        return [(device, sum(rows for _, _, rows in flat))]
+    pieces: list[list[tuple[int, list[int], bool]]] = [[] for _ in range(len(cuts) + 1)]
+    windows = [0] * (len(cuts) + 1)
+    position = 0
+    for f, groups in enumerate(layout):
+        if not groups:  # no rows: read (for its schema and notes) by the part it falls in
+            pieces[bisect.bisect_right(cuts, position)].append((f, [], True))
+        for g, rows in enumerate(groups):
+            k = bisect.bisect_right(cuts, position)
+            mine = pieces[k]
+            if mine and mine[-1][0] == f:
+                mine[-1][1].append(g)
+            else:
+                mine.append((f, [g], g == 0))
+            windows[k] += rows
+            position += rows
+    parts = len(pieces)
+    return [(dataclasses.replace(device, part=DevicePart(k, parts, tuple(
+                (f, tuple(groups), noted) for f, groups, noted in files))), windows[k])
+            for k, files in enumerate(pieces)]
+
+
+def split_large(devices: list[DeviceSource], counts: list[int], *, on_bad_rows: str,
+                part_windows: int | None = None) -> tuple[list[DeviceSource], list[int]]:
+    """The devices to plan (``plan_segments``) and their windows, each device of more than
+    ``part_windows`` (default ``PART_WINDOWS``) windows replaced by its parts (``device_parts``),
+    consecutive, in order. Only devices whose window offsets the footers give before any reading
+    are split: per-device Parquet files read with ``on_bad_rows="error"``. CSV, partition files
+    and ``skip`` (whose windows are known only once read) stay whole, as does a device whose
+    footers do not add up to its count (reading it raises the proper error)."""
+    limit = PART_WINDOWS if part_windows is None else part_windows
+    if on_bad_rows != "error":
+        return devices, counts
+    large = [k for k, (device, count) in enumerate(zip(devices, counts, strict=True))
+             if count > limit and device.kind == "parquet" and device.part is None and device.files
+             and device.partition_rows == 0 and all(names_its_device(f) is not None for f in device.files)]
+    if not large:
+        return devices, counts
+    out_devices: list[DeviceSource] = []
+    out_counts: list[int] = []
+    at = 0
+    for k in large:
+        out_devices += devices[at:k]
+        out_counts += counts[at:k]
+        at = k + 1
+        try:
+            layout = [row_group_rows(file) for file in devices[k].files]
+        except Exception:  # noqa: BLE001 - unreadable: reading it whole raises the proper error
+            layout = None
+        if layout is None or sum(map(sum, layout)) != counts[k]:
+            out_devices.append(devices[k])
+            out_counts.append(counts[k])
+            continue
+        for part, count in device_parts(devices[k], layout, limit):
+            out_devices.append(part)
+            out_counts.append(count)
+    out_devices += devices[at:]
+    out_counts += counts[at:]
+    return out_devices, out_counts
+
+
 def input_bytes(devices: list[DeviceSource]) -> int:
     """The input's size (a partition file, listed by each of its devices, once)."""
     files = {f.url: f for d in devices for f in d.files}
@@ -190,8 +304,9 @@ def input_bytes(devices: list[DeviceSource]) -> int:
 
 @dataclass(frozen=True)
 class Segment:
-    """Global windows ``[start, stop)``: whole devices, each with its first window and count, and
-    the groups of its devices whose dictionary rows share entries (``_rows.shared_groups``)."""
+    """Global windows ``[start, stop)``: whole devices or parts of split ones (``split_large``),
+    each with its first window and count, and the groups of its devices whose dictionary rows
+    share entries (``_rows.shared_groups``)."""
 
     start: int
     stop: int
@@ -206,9 +321,12 @@ def plan_segments(devices: list[DeviceSource], counts: list[int], *, workers: in
     append's: the committed count). One worker: one segment (nothing to even out). Small devices
     share dictionary entries in groups (``_rows.shared_groups``; ``alone``: devices that
     continue committed rows), and a segment ends only where a group does, so the groups, and
-    the store, do not depend on the number of workers."""
+    the store, do not depend on the number of workers. ``devices`` may hold the parts of split
+    devices (``split_large``): a split device shares no entries, and its parts may land in
+    different segments."""
     ids = [device.device_id for device in devices]
-    groups = shared_groups(ids, counts, alone=alone)
+    split = {device.device_id for device in devices if device.part is not None}
+    groups = shared_groups(ids, counts, alone=_Either(alone, split) if split else alone)
     group_of = {d: k for k, group in enumerate(groups) for d in group}
     total = sum(counts)
     if workers <= 1:
@@ -230,6 +348,17 @@ def plan_segments(devices: list[DeviceSource], counts: list[int], *, workers: in
     if members:
         segments.append(_segment(start, position, members, groups, group_of))
     return segments
+
+
+@dataclass(frozen=True)
+class _Either:
+    """In one container or the other."""
+
+    one: Container[int]
+    other: Container[int]
+
+    def __contains__(self, item: object) -> bool:
+        return item in self.one or item in self.other
 
 
 def _segment(start: int, stop: int, members: list[tuple[DeviceSource, int, int]],
@@ -275,6 +404,19 @@ class SegmentResult:
     keys: dict[int, DeviceKeys] = field(default_factory=dict)
     # the summaries of devices read together (``place_runs``), as columns, in store order
     runs: list[DeviceColumns] = field(default_factory=list)
+    # the parts of split devices (``split_large``) the segment read: merged in this process
+    parts: list[PartResult] = field(default_factory=list)
+
+
+@dataclass
+class PartResult:
+    """One part of a split device: its summary (a ``Summarizer`` of the part's windows alone) and
+    its duplicate-check keys; ``SegmentCollector`` merges them once every part is in."""
+
+    device_id: int
+    index: int
+    summary: DeviceSummary
+    keys: PartKeys
 
 
 # -- in a worker process -------------------------------------------------------------------------
@@ -427,9 +569,14 @@ def convert_segment(segment: Segment, dest_url: str, dest_options: dict[str, Any
         finished = summary.finish()
         if position != first + count or finished.entry.n_windows != count:
             raise _miscounted(device.device_id, count, finished.entry.n_windows)
-        result.summaries.append(finished)
         if coder is not None:
-            slabs.close_device(device.device_id)  # once its blocks waiting in the slab are coded
+            # once its blocks waiting in the slab are coded; a part's row closes at the part's
+            # end, so the next part opens a row of its own, in this segment or another
+            slabs.close_device(device.device_id)
+        if device.part is not None:  # merged, and its repeats counted, in this process
+            result.parts.append(PartResult(device.device_id, device.part.index, finished, PartKeys.of(keys)))
+            return
+        result.summaries.append(finished)
         if device.device_id in more.extended:
             result.keys[device.device_id] = keys
         elif repeated := keys.repeated():
@@ -478,6 +625,10 @@ class SegmentCollector:
         self.chunk_windows = writer.slabs.chunk_windows
         self.summaries: dict[int, DeviceSummary] = {}
         self.runs: dict[int, DeviceColumns] = {}  # by their first device
+        # split devices: their parts' results until every part is in (then merged into summaries)
+        self.parts: dict[int, dict[int, PartResult]] = {}
+        self.split = {device.device_id: device for segment in segments
+                      for device, _, _ in segment.devices if device.part is not None}
         self.waiting: dict[int, list[SharedChunkPart]] = {}
         # format 2: each segment's rows (by its first window), and the shared chunks' parts (with
         # the segment they came from), written once every segment's row numbers are known
@@ -495,6 +646,8 @@ class SegmentCollector:
         for runs in result.runs:
             if len(runs):
                 self.runs[int(runs.device_ids[0])] = runs
+        for piece in result.parts:
+            self._add_part(piece)
         # format 2 rows numbered in the segment are shifted at the end (a shuffle's are global already)
         if result.rows is not None:
             self.rows[segment.start] = result.rows
@@ -511,14 +664,34 @@ class SegmentCollector:
         if self.bar is not None and self.count_segments:
             count_on_bar(self.bar, segment.stop - segment.start)
 
+    def _add_part(self, part: PartResult) -> None:
+        """A part of a split device; once all are in, the device's summary (``merge_parts``) and
+        its repeated windows (``repeated_in_parts``)."""
+        device = self.split[part.device_id]
+        assert device.part is not None
+        held = self.parts.setdefault(part.device_id, {})
+        held[part.index] = part
+        if len(held) < device.part.parts:
+            return
+        del self.parts[part.device_id]
+        ordered = [held[k] for k in range(device.part.parts)]
+        self.summaries[part.device_id] = merge_parts([p.summary for p in ordered], device.source_names())
+        if self.duplicates is not None:
+            self.duplicates.add(part.device_id, repeated_in_parts([p.keys for p in ordered]))
+
     def finish(self) -> None:
         """Record every device (after every segment's result was added)."""
         if self.rows:
             self._number_rows()
         assert not self.waiting, "every shared chunk was written"
+        assert not self.parts, "every part of a split device was merged"
         for segment in self.segments:
             members, at = segment.devices, 0
             while at < len(members):
+                part = members[at][0].part
+                if part is not None and part.index:  # recorded at its first part
+                    at += 1
+                    continue
                 device_id = members[at][0].device_id
                 runs = self.runs.get(device_id)
                 if runs is None:

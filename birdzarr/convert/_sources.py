@@ -55,9 +55,21 @@ _LISTED = 10  # file names listed in an error; the rest are counted
 MAX_DEVICE_ID = 999_999_999  # nine digits, as file names give them (stored as int32)
 
 
+@dataclass(frozen=True)
+class DevicePart:
+    """Part ``index`` of ``parts`` of a device split into window ranges (``_segments.split_large``):
+    the row groups of its per-device Parquet files it reads, ``(file, groups, noted)`` a file
+    (``file`` an index into the device's ``files``; ``noted``: this part names the file's
+    ignored columns, the part that holds the file's first row group, or the file's only part)."""
+
+    index: int
+    parts: int
+    files: tuple[tuple[int, tuple[int, ...], bool], ...]
+
+
 @dataclass
 class DeviceSource:
-    """All input files of one device, in reading order."""
+    """All input files of one device, in reading order (or, with ``part``, one part of them)."""
 
     device_id: int
     kind: Kind
@@ -65,14 +77,20 @@ class DeviceSource:
     # rows of this device in its partition files (their device_id columns, counted by find_inputs);
     # None: not known (an append that skips some of them), the device is read to count them
     partition_rows: int | None = 0
+    part: DevicePart | None = None  # a part of a split device: only these row groups are read
 
     def source_names(self) -> list[str]:
-        """The names of its files, as the device table lists them (``sources``)."""
+        """The names of its files, as the device table lists them (``sources``; a part's are the
+        whole device's)."""
         return [file_name(f) for f in self.files]
 
     def blocks(self, *, curation: Curation, on_bad_rows: str) -> Iterator[WindowBlock]:
         if self.kind == "csv":
             yield from CsvDeviceReader(self.device_id, self.files, curation, on_bad_rows).blocks()
+        elif self.part is not None:
+            for at, groups, noted in self.part.files:
+                yield from ParquetDeviceReader(self.device_id, self.files[at], on_bad_rows,
+                                               row_groups=groups, noted=noted).blocks()
         else:
             for file in self.files:
                 yield from ParquetDeviceReader(self.device_id, file, on_bad_rows).blocks()

@@ -17,7 +17,9 @@ import numpy as np
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.format._device_columns import DeviceColumns
 from birdzarr.format._digest import RowDigest, _with_labels, window_hashes
-from birdzarr.format._spec import TIMESTAMP_UNKNOWN, DeviceEntry, DeviceRange, DeviceReport
+from birdzarr.format._spec import TIMESTAMP_UNKNOWN, WINDOW_VALUES, DeviceEntry, DeviceRange, DeviceReport
+
+WINDOW_BYTES = WINDOW_VALUES * 4  # a window's float32 bytes, as the checksum reads them
 
 
 class WindowChecksum:
@@ -41,6 +43,51 @@ class WindowChecksum:
 
     def hexdigest(self) -> str:
         return f"{self._crc:08x}"
+
+
+CASTAGNOLI = 0x82F63B78  # CRC-32C's polynomial, bit-reversed (as zlib writes CRC-32's 0xedb88320)
+
+
+def _gf2_times(matrix: list[int], vector: int) -> int:
+    """The 32x32 GF(2) matrix ``matrix`` (one column a bit, lowest first) times ``vector``."""
+    total, at = 0, 0
+    while vector:
+        if vector & 1:
+            total ^= matrix[at]
+        vector >>= 1
+        at += 1
+    return total
+
+
+def _gf2_square(matrix: list[int]) -> list[int]:
+    return [_gf2_times(matrix, column) for column in matrix]
+
+
+def crc32c_combine(crc1: int, crc2: int, length2: int) -> int:
+    """The CRC-32C of ``A + B`` from ``crc1`` (of ``A``), ``crc2`` (of ``B``) and ``length2``
+    (``B``'s bytes), without ``A`` or ``B``: zlib's ``crc32_combine`` (the GF(2) matrix method:
+    ``crc1`` run through ``length2`` zero bytes by squaring the one-zero-bit operator, then
+    ``crc2`` added) for the Castagnoli polynomial. What joins the checksums of a device's parts
+    (``merge_parts``); 32 x 32 x log2(length2) bit steps, microseconds a call."""
+    if length2 <= 0:
+        return crc1
+    odd = [CASTAGNOLI] + [1 << n for n in range(31)]  # the operator for one zero bit
+    even = _gf2_square(odd)  # two zero bits
+    odd = _gf2_square(even)  # four zero bits
+    while True:
+        even = _gf2_square(odd)  # one zero byte the first time, then 4, 16, ...
+        if length2 & 1:
+            crc1 = _gf2_times(even, crc1)
+        length2 >>= 1
+        if not length2:
+            break
+        odd = _gf2_square(even)
+        if length2 & 1:
+            crc1 = _gf2_times(odd, crc1)
+        length2 >>= 1
+        if not length2:
+            break
+    return crc1 ^ crc2
 
 
 def extend_checksum(crc: int, windows: np.ndarray) -> int:
@@ -151,6 +198,39 @@ class Summarizer:
         if self._digest is not None:
             self.entry.scattered_digest = self._digest.hexdigest()
         return DeviceSummary(self.entry, self.report, self.tail)
+
+
+def merge_parts(parts: list[DeviceSummary], sources: list[str]) -> DeviceSummary:
+    """One device's summary from the summaries of its parts (``Summarizer`` s of consecutive
+    window ranges of it, in store order; ``_segments.split_large``): what one ``Summarizer``
+    fed every part's blocks in turn gives. One range, its checksum the parts' joined
+    (``crc32c_combine``); windows and label counts added; the time span the parts' widest; the
+    reports merged in part order. ``sources``: the device's files."""
+    entry = DeviceEntry(device_id=parts[0].entry.device_id, sources=list(sources))
+    report = DeviceReport()
+    crc, start, stop = 0, None, None
+    for part in parts:
+        one = part.entry
+        report.merge(part.report)
+        for label, count in one.label_counts.items():
+            entry.label_counts[label] = entry.label_counts.get(label, 0) + count
+        if one.first_time != TIMESTAMP_UNKNOWN:
+            entry.first_time = (one.first_time if entry.first_time == TIMESTAMP_UNKNOWN
+                                else min(entry.first_time, one.first_time))
+        if one.last_time != TIMESTAMP_UNKNOWN:
+            entry.last_time = (one.last_time if entry.last_time == TIMESTAMP_UNKNOWN
+                               else max(entry.last_time, one.last_time))
+        entry.n_windows += one.n_windows
+        for piece in one.ranges:  # none where the part has no windows
+            if stop is not None and piece.start != stop:
+                raise ValueError(f"device {entry.device_id}: parts do not follow each other "
+                                 f"({stop:,} then {piece.start:,})")
+            start = piece.start if start is None else start
+            stop = piece.stop
+            crc = crc32c_combine(crc, int(piece.checksum, 16), (piece.stop - piece.start) * WINDOW_BYTES)
+    if start is not None and stop is not None:
+        entry.ranges.append(DeviceRange(start, stop, f"{crc:08x}"))
+    return DeviceSummary(entry, report)
 
 
 def column_summaries(runs: DeviceColumns) -> list[DeviceSummary]:

@@ -1,0 +1,285 @@
+"""A device much larger than the others is converted as parts (``_segments.split_large``): window
+ranges cut at its row groups, which different tasks read; its summary is merged here (the parts'
+CRC-32C joined by ``crc32c_combine``) and its repeated windows counted over all its parts. The
+store is the same bytes on every engine (this thread, threads, worker processes, Dask) and equals
+what a reading of the source gives; ``verify`` passes with and without ``--source``.
+
+The part size is ``_segments.PART_WINDOWS`` (2**20 windows); the conversions here set it to a few
+thousand through the module constant (the plan is made in the converting process, before any task
+runs, so every engine sees it), the plan functions through their ``part_windows`` keyword."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import random
+
+import google_crc32c
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zarr
+
+import birdzarr
+from birdzarr.cli import main as cli_main
+from birdzarr.convert import _segments
+from birdzarr.convert._duplicates import DeviceKeys, PartKeys, repeated_in_parts
+from birdzarr.convert._sources import DeviceSource, find_inputs
+from birdzarr.convert._summary import crc32c_combine
+from birdzarr.demo import _synthetic
+from birdzarr.format._spec import TIMESTAMP_UNKNOWN, Curation
+from birdzarr.storage._location import resolve
+from tests.store_files import assert_same_store
+
+LARGE = 7  # the large device's id
+SMALL = {2: 900, 3: 40, 9: 1200, 12: 3000}  # the others: windows each
+LARGE_WINDOWS, LARGE_GROUP = 20_000, 1_500  # 14 row groups (the last of 500)
+PART = 4_000  # the part size the conversions here plan with
+CHUNK = 1024
+REPEATS = slice(15_000, 15_010)  # windows of the large device's part 4 that repeat ...
+REPEATED = slice(100, 110)  # ... these of its part 0 (time and values)
+
+
+def _write(path: pathlib.Path, windows: np.ndarray, *, row_group: int, labels: np.ndarray | None = None,
+           times: np.ndarray | None = None, padding: int = 0) -> None:
+    flat = pa.array(windows.reshape(-1), type=pa.float32())
+    offsets = pa.array(np.arange(0, len(windows) * 80 + 1, 80, dtype=np.int32))
+    columns = {"gimu": pa.ListArray.from_arrays(offsets, flat)}
+    if labels is not None:
+        columns["label"] = pa.array(labels, pa.int32())
+    if times is not None:
+        columns["timestamp"] = pa.array(times, pa.int64())
+    table = pa.table(columns)
+    if padding:  # a footer entry birdzarr does not read: the file holds at least ``padding`` bytes
+        table = table.replace_schema_metadata({"padding": "0" * (padding // 2 + 1)})
+    pq.write_table(table, path, row_group_size=row_group)
+
+
+def _large_device() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    windows = _synthetic.curated_windows(LARGE_WINDOWS, seed=LARGE)
+    labels = np.repeat(np.array([-1, 0, 3, 1], np.int32), LARGE_WINDOWS // 4)
+    times = 1_700_000_000 + 30 * np.arange(LARGE_WINDOWS, dtype=np.int64)
+    times[[5, 19_000]] = [1_600_000_000, 1_800_000_000]  # the earliest in part 0, the latest in part 4
+    windows[REPEATS], times[REPEATS] = windows[REPEATED], times[REPEATED]
+    return windows, labels, times
+
+
+def _source(directory: pathlib.Path, *, padded: bool) -> pathlib.Path:
+    """The small devices (row groups of 1,000) and the large one (of ``LARGE_GROUP``), with labels
+    and times; ``padded``: one small file padded to PROCESS_MIN_BYTES (worker processes convert)."""
+    directory.mkdir()
+    windows, labels, times = _large_device()
+    _write(directory / f"{LARGE}.parquet", windows, row_group=LARGE_GROUP, labels=labels, times=times)
+    for device, size in SMALL.items():
+        _write(directory / f"{device}.parquet", _synthetic.curated_windows(size, seed=device), row_group=1000,
+               padding=_segments.PROCESS_MIN_BYTES if padded and device == 3 else 0)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
+    root = tmp_path_factory.mktemp("large-devices")
+    return {"plain": _source(root / "plain", padded=False), "padded": _source(root / "padded", padded=True)}
+
+
+@pytest.fixture
+def small_parts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_segments, "PART_WINDOWS", PART)
+
+
+def _plan(source: pathlib.Path, *, workers: int, part_windows: int = PART) -> list[_segments.Segment]:
+    devices = find_inputs(resolve(str(source))).devices
+    counts = _segments.count_devices(devices, curation=Curation(), on_bad_rows="error")
+    members, sizes = _segments.split_large(devices, counts, on_bad_rows="error", part_windows=part_windows)
+    return _segments.plan_segments(members, sizes, workers=workers, chunk_windows=CHUNK)
+
+
+# -- the checksum of parts -----------------------------------------------------------------------
+def test_crc32c_combine_gives_google_crc32c_of_the_joined_bytes() -> None:
+    rng = random.Random(33)
+    sizes = [(0, 0), (0, 1), (1, 0), (0, 320), (320, 0), (1, 1), (3, 320 * 7)]
+    sizes += [(rng.randrange(4000), rng.randrange(4000)) for _ in range(40)]
+    for first, second in sizes:
+        a, b = os.urandom(first), os.urandom(second)
+        joined = crc32c_combine(google_crc32c.value(a), google_crc32c.value(b), len(b))
+        assert joined == google_crc32c.value(a + b), (first, second)
+    # many parts, some empty, folded left to right
+    pieces = [os.urandom(rng.choice([0, 1, 80, 320, 5000])) for _ in range(12)]
+    crc = 0
+    for piece in pieces:
+        crc = crc32c_combine(crc, google_crc32c.value(piece), len(piece))
+    assert crc == google_crc32c.value(b"".join(pieces))
+
+
+def test_repeats_across_parts_count_as_repeats_inside_one_device() -> None:
+    hashes = np.array([5, 1, 5, 2, 9, 1, 7], np.uint64)
+
+    def keys(part: np.ndarray) -> PartKeys:
+        found = DeviceKeys()
+        found.hashes.append(part)
+        return PartKeys.of(found)
+
+    whole = len(hashes) - len(np.unique(hashes))
+    assert repeated_in_parts([keys(hashes[:3]), keys(hashes[3:5]), keys(hashes[5:])]) == whole == 2
+    assert repeated_in_parts([keys(hashes), PartKeys.of(DeviceKeys())]) == 2
+    assert repeated_in_parts([PartKeys.of(DeviceKeys())]) == 0
+
+
+# -- the plan ------------------------------------------------------------------------------------
+def test_parts_are_cut_at_the_first_row_group_boundary_at_or_after_each_multiple() -> None:
+    assert _segments.part_cuts([1500] * 13 + [500], 4000) == [4500, 9000, 12000, 16500]
+    assert _segments.part_cuts([1000] * 4, 1000) == [1000, 2000, 3000]
+    assert _segments.part_cuts([1000] * 4, 4000) == []  # not more than a part: whole
+    assert _segments.part_cuts([10_000], 1000) == []  # one row group: never cut inside it
+    assert _segments.part_cuts([100, 0, 3000, 100], 1000) == [3100]  # one cut for 1000, 2000 and 3000
+    assert _segments.part_cuts([], 1000) == []
+
+
+def test_the_plan_puts_a_large_devices_parts_in_different_tasks(sources: dict[str, pathlib.Path]) -> None:
+    plan = _plan(sources["plain"], workers=2)
+    placed = [(segment, device, first, count) for segment in plan for device, first, count in segment.devices]
+    parts = [(segment, device, first, count) for segment, device, first, count in placed
+             if device.device_id == LARGE]
+    assert [device.part.index for _, device, _, _ in parts if device.part] == [0, 1, 2, 3, 4]
+    assert [count for _, _, _, count in parts] == [4500, 4500, 3000, 4500, 3500]
+    # segments of at least 8 chunks: the large device's parts in two tasks
+    assert [(segment.start, segment.stop) for segment in plan] == [(0, 9940), (9940, 20940), (20940, 25140)]
+    assert [plan.index(segment) for segment, _, _, _ in parts] == [0, 0, 1, 1, 1]
+    # each part reads only its row groups, every group once, in order; part 0 names the file's notes
+    groups = [g for _, device, _, _ in parts if device.part for f, gs, _ in device.part.files for g in gs]
+    assert groups == list(range(14))
+    assert [noted for _, device, _, _ in parts if device.part for _, _, noted in device.part.files] == [
+        True, False, False, False, False]
+    # consecutive window ranges, the small devices whole
+    assert [first for _, _, first, _ in parts] == [940, 5440, 9940, 12940, 17440]
+    assert all(device.part is None for _, device, _, _ in placed if device.device_id != LARGE)
+    # the parts do not depend on the workers: one worker plans them too, in one segment
+    (alone,) = _plan(sources["plain"], workers=1)
+    assert [count for device, _, count in alone.devices if device.device_id == LARGE] == [
+        4500, 4500, 3000, 4500, 3500]
+
+
+def test_only_devices_whose_offsets_the_footers_give_are_split(sources: dict[str, pathlib.Path]) -> None:
+    devices = find_inputs(resolve(str(sources["plain"]))).devices
+    counts = _segments.count_devices(devices, curation=Curation(), on_bad_rows="error")
+    # on_bad_rows="skip": a bad row would move every later window
+    assert _segments.split_large(devices, counts, on_bad_rows="skip", part_windows=PART) == (devices, counts)
+    # CSV and partition-file devices stay whole whatever their size
+    file = resolve(str(sources["plain"] / "part-0.parquet"))
+    csv = DeviceSource(5, "csv", [resolve(str(sources["plain"] / "5_0.csv"))])
+    partitioned = DeviceSource(6, "parquet", [file], partition_rows=50_000)
+    assert _segments.split_large([csv, partitioned], [50_000, 50_000], on_bad_rows="error",
+                                 part_windows=PART) == ([csv, partitioned], [50_000, 50_000])
+    # the default part size (2**20 windows) leaves this source whole
+    members, _ = _segments.split_large(devices, counts, on_bad_rows="error")
+    assert members == devices
+
+
+# -- the store -----------------------------------------------------------------------------------
+def _reference(source: pathlib.Path) -> dict[int, np.ndarray]:
+    """Each device's windows, read with pyarrow alone."""
+    out = {}
+    for path in sorted(source.glob("*.parquet"), key=lambda p: int(p.stem)):
+        column = pq.read_table(path, columns=["gimu"]).column(0).combine_chunks()
+        out[int(path.stem)] = np.asarray(column.flatten(), np.float32).reshape(-1, 20, 4)
+    return out
+
+
+def _array(store_path: pathlib.Path, name: str) -> np.ndarray:
+    array = zarr.open_array(str(store_path / name), mode="r")
+    return np.asarray(array[...])
+
+
+def _check_against_source(store_path: pathlib.Path, source: pathlib.Path) -> None:
+    store = birdzarr.open_store(store_path)
+    truth = _reference(source)
+    np.testing.assert_array_equal(store.windows[:], np.concatenate(list(truth.values())))
+    windows, labels, times = _large_device()
+    entry = store.device(LARGE)
+    start = sum(n for d, n in SMALL.items() if d < LARGE)
+    assert entry.n_windows == LARGE_WINDOWS
+    assert [(r.start, r.stop) for r in entry.ranges] == [(start, start + LARGE_WINDOWS)]
+    assert entry.ranges[0].checksum == f"{google_crc32c.value(windows.astype('<f4').tobytes()):08x}"
+    assert entry.label_counts == {-1: 5000, 0: 5000, 1: 5000, 3: 5000}
+    assert (entry.first_time, entry.last_time) == (1_600_000_000, 1_800_000_000)
+    assert entry.sources == [f"{LARGE}.parquet"]
+    assert store.device(9).first_time == TIMESTAMP_UNKNOWN
+    for device, count in SMALL.items():
+        small = store.device(device)
+        assert small.n_windows == count
+        assert small.ranges[0].checksum == f"{google_crc32c.value(truth[device].tobytes()):08x}"
+    keys = np.concatenate([windows.reshape(LARGE_WINDOWS, -1).view(np.uint32),
+                           times.view(np.uint32).reshape(-1, 2)], axis=1)
+    assert len(keys) - len(np.unique(keys, axis=0)) == 10
+    assert store.meta["report"]["duplicate_windows"] == {str(LARGE): 10}
+    report = store.meta["report"]["devices"][str(LARGE)]
+    assert (report["rows_read"], report["windows_written"]) == (LARGE_WINDOWS, LARGE_WINDOWS)
+    # format 2: a row of the large device for each part (a row closes where a part ends)
+    owners = _array(store_path, "dict_device")
+    assert int((owners == LARGE).sum()) == 5
+    rows = _array(store_path, "gimu_row")[start:start + LARGE_WINDOWS]
+    assert np.flatnonzero(np.diff(rows.astype(np.int64))).tolist() == [4499, 8999, 11999, 16499]
+    assert cli_main(["verify", str(store_path), "--quiet"]) == 0
+    assert cli_main(["verify", str(store_path), "--source", str(source), "--quiet"]) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::birdzarr.DuplicateWindowsWarning")
+def test_a_split_device_gives_the_same_store_on_this_thread_threads_and_worker_processes(
+    sources: dict[str, pathlib.Path], tmp_path: pathlib.Path, small_parts: None,
+) -> None:
+    one = birdzarr.convert(sources["plain"], tmp_path / "one.zarr", workers=1, chunk_windows=CHUNK,
+                           progress=False)
+    assert "segments" not in one.meta["report"] and "worker_processes" not in one.meta["report"]
+    birdzarr.convert(sources["plain"], tmp_path / "threads.zarr", workers=2, chunk_windows=CHUNK,
+                     progress=False)
+    processes = birdzarr.convert(sources["padded"], tmp_path / "processes.zarr", workers=2,
+                                 chunk_windows=CHUNK, progress=False)
+    report = processes.meta["report"]
+    assert report["worker_processes"] == 2 and report["segments"] == len(_plan(sources["padded"], workers=2))
+    _check_against_source(tmp_path / "one.zarr", sources["plain"])
+    assert_same_store(tmp_path / "one.zarr", tmp_path / "threads.zarr")
+    assert_same_store(tmp_path / "one.zarr", tmp_path / "processes.zarr")
+    _check_against_source(tmp_path / "processes.zarr", sources["padded"])
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::birdzarr.DuplicateWindowsWarning")
+def test_a_split_device_on_a_dask_cluster_gives_the_local_store(
+    sources: dict[str, pathlib.Path], tmp_path: pathlib.Path, small_parts: None,
+) -> None:
+    distributed = pytest.importorskip("distributed")
+    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                       dashboard_address=None, silence_logs=40)
+    client = distributed.Client(cluster)
+    try:
+        remote = birdzarr.convert(sources["plain"], tmp_path / "dask.zarr", client=client,
+                                  chunk_windows=CHUNK, progress=False)
+    finally:
+        client.close()
+        cluster.close()
+    assert remote.meta["report"]["segments"] == len(_plan(sources["plain"], workers=2))
+    birdzarr.convert(sources["plain"], tmp_path / "one.zarr", workers=1, chunk_windows=CHUNK, progress=False)
+    assert_same_store(tmp_path / "one.zarr", tmp_path / "dask.zarr")
+    _check_against_source(tmp_path / "dask.zarr", sources["plain"])
+
+
+@pytest.mark.filterwarnings("ignore::birdzarr.DuplicateWindowsWarning")
+def test_a_split_device_stores_what_one_task_reading_it_whole_stores_but_its_rows(
+    sources: dict[str, pathlib.Path], tmp_path: pathlib.Path, small_parts: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Windows, device table and report as the device read whole; only format 2's rows differ (a
+    row a part)."""
+    split = birdzarr.convert(sources["plain"], tmp_path / "split.zarr", workers=2, chunk_windows=CHUNK,
+                             progress=False)
+    monkeypatch.setattr(_segments, "PART_WINDOWS", LARGE_WINDOWS)
+    whole = birdzarr.convert(sources["plain"], tmp_path / "whole.zarr", workers=2, chunk_windows=CHUNK,
+                             progress=False)
+    np.testing.assert_array_equal(split.windows[:], whole.windows[:])
+    for device in [LARGE, *SMALL]:
+        assert split.device(device) == whole.device(device)
+    for name in ("duplicate_windows", "devices"):
+        assert split.meta["report"][name] == whole.meta["report"][name]
+    assert int((_array(tmp_path / "whole.zarr", "dict_device") == LARGE).sum()) == 1
