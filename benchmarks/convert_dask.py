@@ -2,6 +2,7 @@
 
     python benchmarks/convert_dask.py                   # 186 devices, 600,000 windows, 2 workers
     python benchmarks/convert_dask.py --windows 200000 --repeat 1
+    python benchmarks/convert_dask.py --pythonpath /tmp/other-checkout   # another commit's birdzarr
 
 The same Parquet input (generated into --workdir, default a temporary directory) is converted
 with ``workers=N`` here (forked worker processes) and with ``client=`` a ``LocalCluster`` of N
@@ -35,6 +36,12 @@ def _files(root: pathlib.Path) -> dict[str, bytes]:
             if p.is_file() and p.relative_to(root) != pathlib.Path("zarr.json")}
 
 
+def _birdzarr_file() -> str:
+    import birdzarr
+
+    return str(birdzarr.__file__)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--devices", type=int, default=186)
@@ -42,12 +49,21 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--workdir", default=None)
+    parser.add_argument("--pythonpath", default=None,
+                        help="import birdzarr from this checkout (here and on the cluster's workers), "
+                             "to compare commits")
     args = parser.parse_args()
+    if args.pythonpath:
+        where = os.path.abspath(args.pythonpath)
+        sys.path.insert(0, where)  # the workers are spawned with this sys.path and this environment
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [where, os.environ.get("PYTHONPATH")]))
 
     import distributed
 
     import birdzarr
     from birdzarr.demo import _synthetic
+
+    print(f"birdzarr from {os.path.dirname(os.path.dirname(os.path.abspath(birdzarr.__file__)))}", flush=True)
 
     work = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="birdzarr-dask-bench-"))
     src = work / "src"
@@ -61,6 +77,8 @@ def main() -> None:
                                        dashboard_address=None, silence_logs=40)
     client = distributed.Client(cluster)
     print(f"LocalCluster started in {time.perf_counter() - started:.1f} s (not counted below)", flush=True)
+    on_workers = set(client.run(_birdzarr_file).values())
+    assert on_workers == {birdzarr.__file__}, f"the workers import another birdzarr: {on_workers}"
     spill = work / "spill"
     spill.mkdir(exist_ok=True)
     # a new cluster's workers import birdzarr, pyarrow, zarr and pandas on their first tasks (the
@@ -70,8 +88,9 @@ def main() -> None:
         _synthetic.make_parquet_dir(warm, n_devices=4, total_windows=20_000, seed=2)
     began = time.perf_counter()
     for shuffle in (False, True):
+        extra: dict[str, Any] = {"seed": 1, "shuffle_tmp": str(spill)} if shuffle else {}
         birdzarr.convert(warm, work / "warm.zarr", client=client, progress=False, overwrite=True,
-                         shuffle=shuffle, **({"seed": 1, "shuffle_tmp": str(spill)} if shuffle else {}))
+                         shuffle=shuffle, **extra)
     print(f"warm-up on the new cluster (20,000 windows, both orders): {time.perf_counter() - began:.1f} s "
           "(not counted below)", flush=True)
     times: dict[tuple[str, str], list[float]] = {}
