@@ -283,3 +283,45 @@ def test_a_split_device_stores_what_one_task_reading_it_whole_stores_but_its_row
     for name in ("duplicate_windows", "devices"):
         assert split.meta["report"][name] == whole.meta["report"][name]
     assert int((_array(tmp_path / "whole.zarr", "dict_device") == LARGE).sum()) == 1
+
+
+@pytest.mark.filterwarnings("ignore::birdzarr.IgnoredColumnsWarning")
+def test_a_device_of_several_files_is_split_across_them_and_reports_each_file_once(
+    tmp_path: pathlib.Path, small_parts: None, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A ``device_id=K/`` folder of three files (one empty), with a column birdzarr does not read:
+    parts cross file boundaries; the device's entry and report, the ignored columns included
+    (each file named once), are those of the device read whole."""
+    folder = tmp_path / "src" / "device_id=5"
+    folder.mkdir(parents=True)
+    windows = _synthetic.curated_windows(9000, seed=5)
+    files = (("a", windows[:3000], 700), ("b", windows[:0], 700), ("c", windows[3000:], 1000))
+    for name, piece, group in files:
+        flat = pa.array(piece.reshape(-1), type=pa.float32())
+        offsets = pa.array(np.arange(0, len(piece) * 80 + 1, 80, dtype=np.int32))
+        table = pa.table({"gimu": pa.ListArray.from_arrays(offsets, flat),
+                          "other": np.zeros(len(piece), np.int8)})
+        if len(piece):
+            pq.write_table(table, folder / f"{name}.parquet", row_group_size=group)
+        else:  # no row group at all (write_table would write one of no rows)
+            pq.ParquetWriter(folder / f"{name}.parquet", table.schema).close()
+    assert pq.ParquetFile(folder / "b.parquet").num_row_groups == 0
+    _write(tmp_path / "src" / "2.parquet", _synthetic.curated_windows(500, seed=2), row_group=1000)
+    (plan,) = _plan(tmp_path / "src", workers=1)
+    assert [count for _, _, count in plan.devices] == [500, 4000, 4000, 1000]
+    # part 0: a's five row groups, b (no rows), c's first; then c's next four, and its last
+    assert [device.part.files for device, _, _ in plan.devices if device.part] == [
+        ((0, (0, 1, 2, 3, 4), True), (1, (), True), (2, (0,), True)),
+        ((2, (1, 2, 3, 4), False),), ((2, (5,), False),)]
+    split = birdzarr.convert(tmp_path / "src", tmp_path / "split.zarr", workers=2, chunk_windows=512,
+                             progress=False)
+    monkeypatch.setattr(_segments, "PART_WINDOWS", 9000)
+    whole = birdzarr.convert(tmp_path / "src", tmp_path / "whole.zarr", workers=2, chunk_windows=512,
+                             progress=False)
+    assert split.device(5) == whole.device(5)
+    assert split.meta["report"]["devices"]["5"] == whole.meta["report"]["devices"]["5"]
+    assert len(split.meta["report"]["devices"]["5"]["problems"]) == 3
+    assert split.meta["report"]["ignored_columns"] == {"other": ["a.parquet", "b.parquet", "c.parquet"]}
+    np.testing.assert_array_equal(split.windows[:], whole.windows[:])
+    source = str(tmp_path / "src")
+    assert cli_main(["verify", str(tmp_path / "split.zarr"), "--source", source, "--quiet"]) == 0

@@ -51,8 +51,9 @@ The rules
   dictionary would hold every speed (measured: +27 bytes a window, 30% more store); as
   float32 with zstd and no shuffle, a burst's equal values cost 2.6 (device order) to 4.2
   (shuffled) bytes a window, and speeds that vary inside a window need no rule at all.
-- **Overflow, append, entry order**: how a writer builds the rows (a row that would pass
-  ``MAX_ENTRIES`` entries closes at the first window that would overflow it; an append grows a
+- **Overflow, parts, append, entry order**: how a writer builds the rows (a row that would pass
+  ``MAX_ENTRIES`` entries closes at the first window that would overflow it, and a device
+  converted as parts, cut at its row groups, closes its row at each part's end; an append grows a
   new row from the device's latest one and never rewrites a stored one; entries in first-seen or,
   for ``--shuffle``, bit-pattern order) is ``birdzarr.format._rows``: ``RowCoder`` is the one
   encoder, ``encode`` its whole-array use. A decoder assumes none of it.
