@@ -130,6 +130,9 @@ def main() -> None:
             print(f"  {order:12s} wall: local {local:6.2f} s, dask {dask:6.2f} s, "
                   f"dask/local {dask / local:.2f}x; CPU: local {local_cpu:5.1f} s, dask {dask_cpu:5.1f} s, "
                   f"dask/local {dask_cpu / local_cpu:.2f}x")
+            rounds = [d / loc for d, loc in zip(times[(order, "dask")], times[(order, "local")], strict=True)]
+            print(f"  {'':12s} dask/local wall by round: " + ", ".join(f"{r:.2f}x" for r in rounds)
+                  + f" (min {min(rounds):.2f}x, median {statistics.median(rounds):.2f}x)")
     finally:
         client.close()
         cluster.close()
