@@ -77,10 +77,22 @@ def _source(directory: pathlib.Path, *, padded: bool) -> pathlib.Path:
     return directory
 
 
+class _Sources(dict[str, pathlib.Path]):
+    """The plain source, and the padded one made when first asked for (64 MB: slow tests only)."""
+
+    def __init__(self, root: pathlib.Path) -> None:
+        super().__init__(plain=_source(root / "plain", padded=False))
+        self.root = root
+
+    def __missing__(self, key: str) -> pathlib.Path:
+        assert key == "padded"
+        self[key] = _source(self.root / key, padded=True)
+        return self[key]
+
+
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
-    root = tmp_path_factory.mktemp("large-devices")
-    return {"plain": _source(root / "plain", padded=False), "padded": _source(root / "padded", padded=True)}
+    return _Sources(tmp_path_factory.mktemp("large-devices"))
 
 
 @pytest.fixture
