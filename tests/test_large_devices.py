@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import pathlib
 import random
+from typing import Any
 
 import google_crc32c
 import numpy as np
@@ -23,7 +24,8 @@ import zarr
 
 import birdzarr
 from birdzarr.cli import main as cli_main
-from birdzarr.convert import _segments
+from birdzarr.convert import _segments, _shuffle, _shuffle_processes
+from birdzarr.convert._device_coder import DeviceCoder
 from birdzarr.convert._duplicates import DeviceKeys, PartKeys, repeated_in_parts
 from birdzarr.convert._sources import DeviceSource, find_inputs
 from birdzarr.convert._summary import crc32c_combine
@@ -337,3 +339,140 @@ def test_a_device_of_several_files_is_split_across_them_and_reports_each_file_on
     np.testing.assert_array_equal(split.windows[:], whole.windows[:])
     source = str(tmp_path / "src")
     assert cli_main(["verify", str(tmp_path / "split.zarr"), "--source", source, "--quiet"]) == 0
+
+
+# -- --shuffle: pass 1 reads a large device's parts in different tasks ----------------------------
+SEED = 11
+
+
+@pytest.fixture
+def many_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """19 buckets for the plain source (~25,000 windows; the default: one)."""
+    monkeypatch.setattr(_shuffle, "BUCKET_WINDOWS", 2000)
+
+
+class _SpillSpy:
+    """Each pass-1 task run in this process: its members as (device, part index or -1)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.tasks: list[list[tuple[int, int]]] = []
+        original = self.original = _shuffle_processes.spill_group
+
+        def spill_group(members: list[_shuffle_processes.SpillMember], *args: Any, **kwargs: Any) -> Any:
+            self.tasks.append([(m.device.device_id, -1 if m.device.part is None else m.device.part.index)
+                               for m in members])
+            return original(members, *args, **kwargs)
+
+        monkeypatch.setattr(_shuffle_processes, "spill_group", spill_group)
+
+    def parts_by_task(self) -> list[list[int]]:
+        """The large device's parts each task read (tasks without any left out)."""
+        found = [[part for device, part in task if device == LARGE] for task in self.tasks]
+        return [parts for parts in found if parts]
+
+
+def _shuffled(source: pathlib.Path, dest: pathlib.Path, monkeypatch: pytest.MonkeyPatch, *, part_windows: int,
+              **kwargs: Any) -> birdzarr.Store:
+    monkeypatch.setattr(_segments, "PART_WINDOWS", part_windows)
+    return birdzarr.convert(source, dest, shuffle=True, seed=SEED, chunk_windows=CHUNK, progress=False,
+                            **kwargs)
+
+
+def test_the_shuffle_plan_puts_a_large_devices_parts_in_different_pass_1_tasks(
+    sources: dict[str, pathlib.Path], small_parts: None,
+) -> None:
+    devices = find_inputs(resolve(str(sources["plain"]))).devices
+    members = _shuffle_processes.spill_plan(devices, on_bad_rows="error")
+    parts = [m for m in members if m.device.device_id == LARGE]
+    # the parts of the device order's plan, each numbering its windows from its place in the device
+    assert [m.device.part.index for m in parts if m.device.part] == [0, 1, 2, 3, 4]
+    assert [(m.first, m.windows) for m in parts] == [(0, 4500), (4500, 4500), (9000, 3000), (12000, 4500),
+                                                    (16500, 3500)]
+    large_bytes = (sources["plain"] / f"{LARGE}.parquet").stat().st_size
+    assert [m.size for m in parts] == [large_bytes * m.windows // LARGE_WINDOWS for m in parts]
+    assert all(m.device.part is None and m.first == 0 for m in members if m.device.device_id != LARGE)
+    # two workers: 8 groups of about equal bytes (a part's share of its file's), the parts in
+    # four of them (the device is 80% of the input)
+    groups = _shuffle_processes.spill_groups(members, width=2)
+    holding = [[m.device.part.index for m in group if m.device.part] for group in groups]
+    assert [parts for parts in holding if parts] == [[0], [1], [2, 3], [4]]
+    assert [m for group in groups for m in group] == members
+    # not split: on_bad_rows="skip", a device whose files hold less than SPLIT_MIN_WINDOW_BYTES a
+    # window of the part size (its footers are not read), and the default part size here
+    assert [m.device for m in _shuffle_processes.spill_plan(devices, on_bad_rows="skip")] == devices
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_segments, "PART_WINDOWS", large_bytes // _shuffle_processes.SPLIT_MIN_WINDOW_BYTES + 1)
+        assert [m.device for m in _shuffle_processes.spill_plan(devices, on_bad_rows="error")] == devices
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_segments, "PART_WINDOWS", 1 << 20)
+        assert [m.device for m in _shuffle_processes.spill_plan(devices, on_bad_rows="error")] == devices
+
+
+def test_a_split_devices_dictionaries_merge_into_those_of_the_device_coded_whole() -> None:
+    rng = np.random.default_rng(3)
+    windows = rng.integers(0, 50, size=(300, 20, 2)).astype(np.float32)  # values repeat across parts
+    whole = DeviceCoder(2)
+    whole_codes = whole.codes(windows)
+    cuts = [0, 70, 71, 200, 300]
+    coders = [DeviceCoder(2) for _ in cuts[1:]]
+    part_codes = [coder.codes(windows[a:b]) for coder, a, b in zip(coders, cuts, cuts[1:], strict=False)]
+    merged, moved = _shuffle.merge_part_dictionaries([coder.known for coder in coders])
+    for c in range(2):
+        np.testing.assert_array_equal(merged[c], whole.known[c])  # the same values, in the same order
+        for k, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False)):
+            np.testing.assert_array_equal(moved[k][c][part_codes[k][c]], whole_codes[c][a:b])
+    assert _shuffle.merge_part_dictionaries([]) == ([], [])
+
+
+@pytest.mark.filterwarnings("ignore::birdzarr.DuplicateWindowsWarning")
+def test_a_split_device_gives_the_shuffled_store_of_the_device_read_whole_on_one_two_threads_and_processes(
+    sources: dict[str, pathlib.Path], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+    many_buckets: None,
+) -> None:
+    """Every chunk file and the device table are the bytes of the conversion that reads the large
+    device whole: each part's windows draw their buckets from their numbers in the device, and
+    its dictionaries, summary and repeat keys are merged into the device's."""
+    whole = _shuffled(sources["plain"], tmp_path / "whole.zarr", monkeypatch, part_windows=LARGE_WINDOWS,
+                      workers=1)
+    assert whole.meta["report"]["shuffle"]["buckets"] == 19
+    spy = _SpillSpy(monkeypatch)
+    one = _shuffled(sources["plain"], tmp_path / "one.zarr", monkeypatch, part_windows=PART, workers=1)
+    assert spy.parts_by_task() == [[0, 1, 2, 3, 4]]  # one task: the parts one after another
+    spy.tasks.clear()
+    _shuffled(sources["plain"], tmp_path / "threads.zarr", monkeypatch, part_windows=PART, workers=2)
+    assert spy.parts_by_task() == [[0], [1], [2, 3], [4]]  # the plan's groups (above)
+    # worker processes at any input size (they run the same plan's tasks; the spy is not sent there)
+    monkeypatch.setattr(_shuffle_processes, "spill_group", spy.original)
+    monkeypatch.setattr(_segments, "PROCESS_MIN_BYTES", 0)
+    processes = _shuffled(sources["plain"], tmp_path / "processes.zarr", monkeypatch, part_windows=PART,
+                          workers=2)
+    assert processes.meta["report"]["worker_processes"] == 2
+    for name in ("one", "threads", "processes"):
+        assert_same_store(tmp_path / "whole.zarr", tmp_path / f"{name}.zarr")
+    entry = one.device(LARGE)
+    assert (entry.n_windows, entry.ranges) == (LARGE_WINDOWS, [])
+    assert entry.label_counts == {-1: 5000, 0: 5000, 1: 5000, 3: 5000}
+    assert (entry.first_time, entry.last_time) == (1_600_000_000, 1_800_000_000)
+    assert one.meta["report"]["duplicate_windows"] == {str(LARGE): 10}
+    assert int((_array(tmp_path / "one.zarr", "dict_device") == LARGE).sum()) == 1  # one row: seeded whole
+    assert cli_main(["verify", str(tmp_path / "one.zarr"), "--quiet"]) == 0
+    assert cli_main(["verify", str(tmp_path / "one.zarr"), "--source", str(sources["plain"]), "--quiet"]) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::birdzarr.DuplicateWindowsWarning")
+def test_a_split_device_gives_the_shuffled_store_of_the_device_read_whole_on_a_dask_cluster(
+    sources: dict[str, pathlib.Path], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+    many_buckets: None,
+) -> None:
+    distributed = pytest.importorskip("distributed")
+    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                       dashboard_address=None, silence_logs=40)
+    client = distributed.Client(cluster)
+    try:
+        _shuffled(sources["plain"], tmp_path / "dask.zarr", monkeypatch, part_windows=PART, client=client)
+    finally:
+        client.close()
+        cluster.close()
+    _shuffled(sources["plain"], tmp_path / "whole.zarr", monkeypatch, part_windows=LARGE_WINDOWS, workers=1)
+    assert_same_store(tmp_path / "whole.zarr", tmp_path / "dask.zarr")

@@ -54,7 +54,7 @@ from birdzarr.convert._device_coder import (
     block_values,
     run_codes,
 )
-from birdzarr.convert._duplicates import repeated_in_runs
+from birdzarr.convert._duplicates import PartKeys, repeated_in_runs
 from birdzarr.convert._parquet import PartitionRuns
 from birdzarr.convert._sources import file_name
 from birdzarr.convert._summary import DeviceSummary, Summarizer, summarize_run_columns
@@ -77,8 +77,9 @@ FINDING_PER_WORKER = 2
 # encoding overhead the conversion's main cost. All buckets together hold at most this many
 # windows (~44 MB of uint16 codes); the spill files, and so the store, are the same.
 PASS1_BUFFER_WINDOWS = 2**18
-# A piece: windows, device id, bytes per code, bytes of the codes blob, bytes of the metadata blob
-_FRAME = struct.Struct("<QqQQQ")
+# A piece: windows, device id, bytes per code, bytes of the codes blob, bytes of the metadata blob,
+# the part of a split device it belongs to (-1: a whole device, or many)
+_FRAME = struct.Struct("<QqQQQq")
 # Bit shuffle before lz4: on the codes of the benchmark's devices (first-seen order) it stores
 # 1.27x less than byte shuffle (95 against 119 MB of spill for 1 M windows) at the same
 # conversion time (4 alternating runs)
@@ -115,11 +116,14 @@ def draw_buckets(seed: int, devices: np.ndarray, counts: np.ndarray, first: np.n
 class _Piece:
     """Windows spilled together: codes ``(channels, n, samples)`` into each window's device's
     dictionaries (``DeviceCoder``), labels, times and devices (``_META``). ``device_id`` is the
-    one device of them all, or -1 for a piece of many small devices (``Spiller.runs``)."""
+    one device of them all, or -1 for a piece of many small devices (``Spiller.runs``); ``part``
+    the part of a split device whose own dictionaries the codes point into (``SpilledPart``),
+    or -1."""
 
     device_id: int
     codes: np.ndarray
     meta: np.ndarray
+    part: int = -1
 
 
 def _submit(pool: ThreadPoolExecutor | None, fn: Callable[..., T], *args: Any) -> Future[T]:
@@ -181,13 +185,13 @@ def _read_pieces(path: str) -> Iterator[_Piece]:
     os.remove(path)
     at = 0
     while at < len(data):
-        n, device_id, code_bytes, codes_size, meta_size = _FRAME.unpack_from(data, at)
+        n, device_id, code_bytes, codes_size, meta_size, part = _FRAME.unpack_from(data, at)
         at += _FRAME.size
         codes = np.frombuffer(_CODES_CODEC.decode(data[at : at + codes_size]), f"<u{code_bytes}")
         at += codes_size
         meta = np.frombuffer(_META_CODEC.decode(data[at : at + meta_size]), dtype=_META)
         at += meta_size
-        yield _Piece(device_id, codes.reshape(N_CHANNELS, n, WINDOW_LENGTH), meta)  # views
+        yield _Piece(device_id, codes.reshape(N_CHANNELS, n, WINDOW_LENGTH), meta, part)  # views
 
 
 def encode_piece(piece: _Piece) -> bytes:
@@ -195,7 +199,8 @@ def encode_piece(piece: _Piece) -> bytes:
     codes = _CODES_CODEC.encode(np.ascontiguousarray(piece.codes))
     packed = _META_CODEC.encode(piece.meta)
     code_bytes = piece.codes.dtype.itemsize
-    return _FRAME.pack(len(piece.meta), piece.device_id, code_bytes, len(codes), len(packed)) + codes + packed
+    return (_FRAME.pack(len(piece.meta), piece.device_id, code_bytes, len(codes), len(packed), piece.part)
+            + codes + packed)
 
 
 @dataclass(frozen=True)
@@ -319,14 +324,56 @@ def _by_bucket(codes: np.ndarray, meta: np.ndarray, target: np.ndarray,
     return np.take(codes, order, axis=1), meta[order], cuts
 
 
+@dataclass
+class SpilledPart:
+    """What pass 1 leaves of one part of a split device (``_segments.split_large``): its summary
+    (a ``Summarizer`` of the part's windows alone: no range, its own digest), its dictionaries
+    (``DeviceCoder.known``: the part's distinct values per channel, in the order first seen in
+    it), into which its pieces' codes point (``_Piece.part``), and its duplicate-check keys
+    (``PartKeys``, set by the task that read it). The converting process merges a device's parts
+    (``merge_part_dictionaries``; ``_summary.merge_parts``; ``repeated_in_parts``)."""
+
+    device_id: int
+    index: int
+    summary: DeviceSummary
+    known: list[np.ndarray]
+    keys: PartKeys | None = None
+
+
+def merge_part_dictionaries(parts: list[list[np.ndarray]]) -> tuple[list[np.ndarray], list[list[np.ndarray]]]:
+    """A split device's dictionaries from its parts' (``parts[k][c]``: part ``k``'s distinct
+    values of channel ``c`` in the order first seen in it, parts in device order): per channel
+    the values in the order first seen in the whole device, which is what one ``DeviceCoder``
+    fed every part in turn finds (a value's first sight is in the first part holding it, at its
+    place there); and per part and channel each of its codes' code in them (uint32), what pass 2
+    turns its pieces' codes into (``BucketLoader``)."""
+    merged: list[np.ndarray] = []
+    codes: list[list[np.ndarray]] = [[] for _ in parts]
+    for c in range(len(parts[0]) if parts else 0):
+        every = np.concatenate([part[c] for part in parts]).astype(np.uint32)
+        _, first, inverse = np.unique(every, return_index=True, return_inverse=True)
+        kept = np.sort(first)  # each distinct value's first place, in order of first sight
+        merged.append(every[kept])
+        code = np.searchsorted(kept, first).astype(np.uint32)[inverse.reshape(-1)]
+        at = 0
+        for k, part in enumerate(parts):
+            codes[k].append(code[at : at + len(part[c])])
+            at += len(part[c])
+    return merged, codes
+
+
 class _DeviceSpill:
     """One device's state in pass 1: its summary so far, its dictionaries and the windows it
     holds per bucket until a piece is large enough (or the device ends)."""
 
-    def __init__(self, device_id: int, sources: list[str], buckets: int, seed: int) -> None:
+    def __init__(self, device_id: int, sources: list[str], buckets: int, seed: int, *, first: int = 0,
+                 part: int = -1) -> None:
         self.device_id = device_id
         self.seed = seed
-        self.placed = 0  # the device's windows placed so far: the next one's number (draw_buckets)
+        self.part = part  # the part of a split device (``SpilledPart``), or -1: the whole device
+        # the device's windows placed so far (from the part's first window number, ``first``):
+        # the next one's number (draw_buckets)
+        self.placed = first
         self.summarizer = Summarizer(device_id, sources, start=None)  # scattered: no range
         self.coder = DeviceCoder(N_CHANNELS)
         self.held: dict[int, list[tuple[np.ndarray, np.ndarray]]] = collections.defaultdict(list)
@@ -358,6 +405,7 @@ class Spiller:
         self.finding_depth = 0 if pool is None else FINDING_PER_WORKER * workers
         self.summaries: dict[int, DeviceSummary] = {}  # devices read alone
         self.columns: list[DeviceColumns] = []  # devices read together (``runs``), as columns
+        self.parts: list[SpilledPart] = []  # parts of split devices, with their own dictionaries
         # per device and channel, as first seen: devices read alone, then runs read together
         self._known: list[tuple[int, list[np.ndarray]]] = []
         self._dictionaries = DeviceValuesBuilder(N_CHANNELS)
@@ -365,8 +413,13 @@ class Spiller:
         self._finding: collections.deque[_Finding] = collections.deque()
         self._pending: collections.deque[Future[None]] = collections.deque()  # pieces being written
 
-    def device(self, device_id: int, sources: list[str], blocks: Iterable[WindowBlock]) -> None:
-        state = _DeviceSpill(device_id, sources, self.buckets, self.seed)
+    def device(self, device_id: int, sources: list[str], blocks: Iterable[WindowBlock], *, first: int = 0,
+               part: int = -1) -> None:
+        """A device read alone, or part ``part`` of a split device (``_segments.split_large``)
+        whose first window is the device's window number ``first``: its windows draw the
+        buckets the device's would (``draw_buckets``), and its codes point into dictionaries of
+        its own, kept with its summary apart (``parts``) for the converting process to merge."""
+        state = _DeviceSpill(device_id, sources, self.buckets, self.seed, first=first, part=part)
         for block in blocks:
             state.summarizer.add(block)
             if len(block):
@@ -440,13 +493,17 @@ class Spiller:
             state.held[bucket].append((codes[:, start:stop, :].copy(), meta[start:stop].copy()))
             state.held_windows[bucket] += stop - start
             if state.held_windows[bucket] >= self.piece_windows:
-                self._release(state.device_id, bucket, state.held.pop(bucket))
+                self._release(state.device_id, bucket, state.held.pop(bucket), state.part)
                 state.held_windows[bucket] = 0
 
     def _end(self, state: _DeviceSpill) -> None:
         for bucket in sorted(state.held):  # a piece never mixes devices
-            self._release(state.device_id, bucket, state.held[bucket])
+            self._release(state.device_id, bucket, state.held[bucket], state.part)
         state.held.clear()
+        if state.part >= 0:
+            self.parts.append(SpilledPart(state.device_id, state.part, state.summarizer.finish(),
+                                          state.coder.known))
+            return
         self.summaries[state.device_id] = state.summarizer.finish()
         self._known.append((state.device_id, state.coder.known))
 
@@ -460,13 +517,14 @@ class Spiller:
         self._flush_known()
         return self._dictionaries.finish()
 
-    def _release(self, device_id: int, bucket: int, parts: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    def _release(self, device_id: int, bucket: int, parts: list[tuple[np.ndarray, np.ndarray]],
+                 part: int = -1) -> None:
         codes, meta = parts[0] if len(parts) == 1 else (
             np.concatenate([p[0] for p in parts], axis=1), np.concatenate([p[1] for p in parts])
         )
         # compressed on the pool; appended by the one file-writing thread, which takes pieces in
         # the order they were cut, so each bucket file is the same whatever the number of workers
-        encoded = _submit(self.pool, encode_piece, _Piece(device_id, codes, meta))
+        encoded = _submit(self.pool, encode_piece, _Piece(device_id, codes, meta, part))
         self._pending.append(_submit(self.file_writer, self._append, bucket, len(meta), encoded))
         self._wait(keep=4 * self.workers)
 
@@ -525,8 +583,12 @@ class BucketLoader:
 
     def __init__(self, spill: SpillFiles, dictionaries: DeviceValues, *, seed: int,
                  chunk_windows: int, slots: int = 1, first_row: int | None = None,
-                 row_codes: list[np.ndarray | None] | None = None, devices: np.ndarray | None = None) -> None:
+                 row_codes: list[np.ndarray | None] | None = None, devices: np.ndarray | None = None,
+                 part_codes: dict[tuple[int, int], list[np.ndarray]] | None = None) -> None:
         self.spill, self.seed = spill, seed
+        # the parts of split devices: (device, part) -> per channel, each of the part's codes'
+        # code in its device's dictionaries (``merge_part_dictionaries``)
+        self.part_codes = {} if part_codes is None else part_codes
         self.chunk_windows = chunk_windows
         # the store position of each bucket's first window (a shuffled store is written from 0)
         self.starts = np.concatenate(([0], np.cumsum(spill.windows)[:-1])).astype(np.int64)
@@ -587,6 +649,10 @@ class BucketLoader:
         n = int(self.spill.windows[bucket])
         at = 0
         for piece in self.spill.pieces(bucket):
+            if piece.part >= 0:  # a split device's part: its codes into the device's dictionaries
+                moved = self.part_codes[(piece.device_id, piece.part)]
+                piece = _Piece(piece.device_id, np.stack([moved[c][piece.codes[c]]
+                                                          for c in range(N_CHANNELS)]), piece.meta)
             k = len(piece.meta)
             codes = scratch.codes[at : at + k] if self.first_row is not None else None
             if piece.device_id >= 0:

@@ -57,7 +57,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -67,7 +67,7 @@ from birdzarr.convert import _segments
 from birdzarr.convert._blocks import WindowBlock
 from birdzarr.convert._chunkwrite import ChunkSink
 from birdzarr.convert._device_coder import DeviceValues
-from birdzarr.convert._duplicates import DeviceKeys, DuplicateCounter
+from birdzarr.convert._duplicates import DeviceKeys, DuplicateCounter, PartKeys, repeated_in_parts
 from birdzarr.convert._engine import Engine, Runner
 from birdzarr.convert._parquet import clear_group_cache, read_runs
 from birdzarr.convert._readahead import read_ahead
@@ -84,39 +84,95 @@ from birdzarr.convert._shuffle import (
     PASS1_BUFFER_WINDOWS,
     BucketLoader,
     SpillBuckets,
+    SpilledPart,
     Spiller,
     SpillFiles,
+    merge_part_dictionaries,
     seed_rows,
 )
 from birdzarr.convert._slabs import SlabWriter, writable_arrays
 from birdzarr.convert._sources import DeviceSource
-from birdzarr.convert._summary import DeviceSummary
+from birdzarr.convert._summary import DeviceSummary, merge_parts
 from birdzarr.convert._writer import StoreWriter
 from birdzarr.format import _v2
 from birdzarr.format._device_columns import DeviceColumns
+from birdzarr.format._digest import digest_hex
 from birdzarr.format._rows import RowCoder, shared_groups
 from birdzarr.format._spec import DEVICE, N_CHANNELS, Curation
 from birdzarr.storage._location import Location, resolve
 
+# A device is split for pass 1 (``spill_plan``) only where its files hold at least this many bytes
+# a window of ``PART_WINDOWS`` (its footers are read to count its windows; the files of 100,000
+# small devices are not): Parquet of float32 windows of sensor data holds far more (the test and
+# benchmark sources: ~330). A device below it is spilled whole, which changes no byte of the store.
+SPLIT_MIN_WINDOW_BYTES = 16
 
-def spill_groups(devices: list[DeviceSource], *, width: int) -> list[list[DeviceSource]]:
-    """Consecutive devices in about ``SEGMENTS_PER_WORKER x width`` groups of about equal input
-    bytes (the last may be smaller); every device in one group, in order. One worker: one group."""
-    if width <= 1:
-        return [list(devices)]
+
+@dataclass(frozen=True)
+class SpillMember:
+    """One member of pass 1's plan: a device, or a part of a split device (``device.part``) whose
+    first window is the device's window number ``first`` and which holds ``windows`` windows
+    (from the footers), and its input bytes (a part's share of its device's)."""
+
+    device: DeviceSource
+    size: int
+    first: int = 0
+    windows: int = 0
+
+
+def spill_plan(devices: list[DeviceSource], *, on_bad_rows: str) -> list[SpillMember]:
+    """Pass 1's members: every device, each device of more than ``PART_WINDOWS`` windows that
+    ``_segments.split_large`` splits (per-device Parquet files read with ``on_bad_rows="error"``)
+    as its parts, so that its windows are read by several tasks. Only devices whose files hold at
+    least ``SPLIT_MIN_WINDOW_BYTES`` a window of ``PART_WINDOWS`` have their footers read. A
+    window's bucket depends on its device and window number alone (``draw_buckets``), and the
+    converting process merges the parts' dictionaries and summaries into the device's
+    (``merge_spilled_parts``), so the store is the same bytes as with every device whole."""
     sizes = [sum(int(f.fs.size(f.path) or 0) for f in d.files) for d in devices]
+    limit = _segments.PART_WINDOWS
+    large = [k for k, (device, size) in enumerate(zip(devices, sizes, strict=True))
+             if size >= limit * SPLIT_MIN_WINDOW_BYTES and device.kind == "parquet"
+             and on_bad_rows == "error"]
+    counts = [0] * len(devices)  # 0: not counted, never split
+    for k in large:
+        counts[k] = _segments.footer_count(devices[k], on_bad_rows) or 0
+    members, windows = _segments.split_large(devices, counts, on_bad_rows=on_bad_rows)
+    if len(members) == len(devices):
+        return [SpillMember(device, size) for device, size in zip(devices, sizes, strict=True)]
+    plan: list[SpillMember] = []
+    whole = {device.device_id: (size, count)
+             for device, size, count in zip(devices, sizes, counts, strict=True)}
+    first = 0
+    for member, count in zip(members, windows, strict=True):
+        size, total = whole[member.device_id]
+        if member.part is None:
+            plan.append(SpillMember(member, size))
+            continue
+        first = 0 if member.part.index == 0 else first
+        plan.append(SpillMember(member, size * count // max(1, total), first, count))
+        first += count
+    return plan
+
+
+def spill_groups(members: list[SpillMember], *, width: int) -> list[list[SpillMember]]:
+    """Consecutive members (``spill_plan``) in about ``SEGMENTS_PER_WORKER x width`` groups of
+    about equal input bytes (the last may be smaller); every member in one group, in order. One
+    worker: one group."""
+    if width <= 1:
+        return [list(members)]
+    sizes = [member.size for member in members]
     target = sum(sizes) / (SEGMENTS_PER_WORKER * width)
-    groups: list[list[DeviceSource]] = []
-    members: list[DeviceSource] = []
+    groups: list[list[SpillMember]] = []
+    group: list[SpillMember] = []
     held = 0
-    for device, size in zip(devices, sizes, strict=True):
-        members.append(device)
+    for member, size in zip(members, sizes, strict=True):
+        group.append(member)
         held += size
         if held >= target:
-            groups.append(members)
-            members, held = [], 0
-    if members:
-        groups.append(members)
+            groups.append(group)
+            group, held = [], 0
+    if group:
+        groups.append(group)
     return groups
 
 
@@ -124,7 +180,8 @@ def spill_groups(devices: list[DeviceSource], *, width: int) -> list[list[Device
 class SpillResult:
     """What one group's pass 1 leaves: its devices' summaries (those read alone) and columns
     (those read together) and dictionaries (in device order), its bucket files and their
-    windows, and its devices' repeated windows."""
+    windows, its devices' repeated windows, and the parts of split devices it read (their
+    summaries, dictionaries and duplicate keys, merged by the converting process)."""
 
     summaries: dict[int, DeviceSummary]
     columns: list[DeviceColumns]
@@ -133,6 +190,7 @@ class SpillResult:
     windows: np.ndarray
     bytes_written: int
     repeated: dict[int, int]
+    parts: list[SpilledPart] = field(default_factory=list)
 
 
 def row_keys(devices: list[DeviceSource], on_bad_rows: str) -> np.ndarray | None:
@@ -159,7 +217,46 @@ def row_keys(devices: list[DeviceSource], on_bad_rows: str) -> np.ndarray | None
     return keys
 
 
-def spill_group(devices: list[DeviceSource], directory: str, *, seed: int, buckets: int,
+def merge_spilled_parts(members: list[SpillMember], spilled: list[SpilledPart]) -> tuple[
+        dict[int, DeviceSummary], DeviceValues, dict[tuple[int, int], list[np.ndarray]], dict[int, int]]:
+    """The split devices of pass 1 from their parts (``spilled``, any order): each device's
+    summary (``merge_parts``, its digest the parts' digests summed as ``RowDigest`` sums them),
+    its dictionaries (``merge_part_dictionaries``: those of the device spilled whole), each part's
+    codes into them (for pass 2), and its repeated windows (``repeated_in_parts``, those with
+    any). A part that read another count of windows than its footers gave fails the conversion
+    (its later parts' window numbers, and so their buckets, would be wrong)."""
+    planned = {(m.device.device_id, m.device.part.index): m for m in members if m.device.part is not None}
+    by_device: dict[int, dict[int, SpilledPart]] = {}
+    for piece in spilled:
+        member = planned[(piece.device_id, piece.index)]
+        if piece.summary.entry.n_windows != member.windows:
+            raise _segments._miscounted(piece.device_id, member.windows, piece.summary.entry.n_windows)
+        by_device.setdefault(piece.device_id, {})[piece.index] = piece
+    summaries: dict[int, DeviceSummary] = {}
+    known: list[tuple[int, list[np.ndarray]]] = []
+    part_codes: dict[tuple[int, int], list[np.ndarray]] = {}
+    repeated: dict[int, int] = {}
+    for device_id in sorted(by_device):
+        held = by_device[device_id]
+        first = planned[(device_id, 0)].device
+        assert first.part is not None and sorted(held) == list(range(first.part.parts)), "every part spilled"
+        ordered = [held[k] for k in range(first.part.parts)]
+        summary = merge_parts([p.summary for p in ordered], first.source_names())
+        summary.entry.scattered_digest = digest_hex(
+            sum(int(str(p.summary.entry.scattered_digest), 16) for p in ordered) % 2**64)
+        summaries[device_id] = summary
+        values, codes = merge_part_dictionaries([p.known for p in ordered])
+        known.append((device_id, values))
+        for piece, moved in zip(ordered, codes, strict=True):
+            part_codes[(device_id, piece.index)] = moved
+        keys = [p.keys for p in ordered]
+        assert all(k is not None for k in keys)
+        if count := repeated_in_parts([k for k in keys if k is not None]):
+            repeated[device_id] = count
+    return summaries, DeviceValues.of_devices(known, N_CHANNELS), part_codes, repeated
+
+
+def spill_group(members: list[SpillMember], directory: str, *, seed: int, buckets: int,
                 buffer_windows: int, curation: Curation, on_bad_rows: str, threads: int = 1,
                 progress: Callable[[int], None] | None = None, rows: np.ndarray | None = None) -> SpillResult:
     """Pass 1 for a group of devices (a task). ``threads`` > 1 (fewer groups than the engine's
@@ -167,12 +264,16 @@ def spill_group(devices: list[DeviceSource], directory: str, *, seed: int, bucke
     compressed on ``threads`` threads (the spill is the same). ``progress`` (a task in this
     process) is told the windows of each block as it is read. ``rows``: each device's row
     (``row_keys``), or None: a run of devices read together is cut between rows where it can,
-    and each row's devices in it coded together (``Spiller.runs``)."""
+    and each row's devices in it coded together (``Spiller.runs``). A part of a split device
+    (``spill_plan``) is read, coded and spilled as a device is, from its first window number; it
+    comes back as a ``SpilledPart``."""
+    devices = [member.device for member in members]
     os.makedirs(directory)
     spill = SpillBuckets(directory, buckets)
     pool = ThreadPoolExecutor(threads, thread_name_prefix="birdzarr-spill") if threads > 1 else None
     file_writer = ThreadPoolExecutor(1, thread_name_prefix="birdzarr-spill-write") if threads > 1 else None
     repeated: dict[int, int] = {}
+    part_keys: dict[tuple[int, int], PartKeys] = {}
     try:
         spiller = Spiller(spill, seed=seed, buckets=buckets, pool=pool, file_writer=file_writer,
                           workers=threads, buffer_windows=buffer_windows)
@@ -200,12 +301,16 @@ def spill_group(devices: list[DeviceSource], directory: str, *, seed: int, bucke
                     progress(len(found.windows))
                 at = end
                 continue
-            for device in devices[at: max(end, at + 1)]:  # read one by one (which reports any problem)
-                keys = DeviceKeys()
+            for member in members[at: max(end, at + 1)]:  # read one by one (which reports any problem)
+                device, keys = member.device, DeviceKeys()
                 blocks = (read_ahead(device, curation, on_bad_rows) if threads > 1 else
                           device.blocks(curation=curation, on_bad_rows=on_bad_rows))
-                spiller.device(device.device_id, device.source_names(), _keyed(blocks, keys, progress))
-                if count := keys.repeated():
+                part = -1 if device.part is None else device.part.index
+                spiller.device(device.device_id, device.source_names(), _keyed(blocks, keys, progress),
+                               first=member.first, part=part)
+                if part >= 0:  # counted once every part is in (``repeated_in_parts``)
+                    part_keys[(device.device_id, part)] = PartKeys.of(keys)
+                elif count := keys.repeated():
                     repeated[device.device_id] = count
             at = max(end, at + 1)
         spiller.finish()
@@ -215,8 +320,10 @@ def spill_group(devices: list[DeviceSource], directory: str, *, seed: int, bucke
             if executor is not None:
                 executor.shutdown(wait=True, cancel_futures=True)
         spill.close()
+    for piece in spiller.parts:
+        piece.keys = part_keys[(piece.device_id, piece.index)]
     return SpillResult(spiller.summaries, spiller.columns, spiller.dictionaries(), spill.paths, spill.windows,
-                       spill.bytes_written, repeated)
+                       spill.bytes_written, repeated, spiller.parts)
 
 
 def _keyed(blocks: Iterator[WindowBlock], keys: DeviceKeys,
@@ -252,6 +359,8 @@ class Pass2Plan:
     first_row: int | None = None
     row_codes: list[np.ndarray | None] | None = None
     devices: np.ndarray | None = None  # every device id, ascending (the dictionaries' parts: fewer)
+    # split devices' parts: (device, part) -> per channel its codes' codes in the device's dictionaries
+    part_codes: dict[tuple[int, int], list[np.ndarray]] = field(default_factory=dict)
 
 
 @dataclass
@@ -286,7 +395,8 @@ def _pass2(plan_path: str, dest_url: str, dest_options: dict[str, Any]) -> _Pass
             with open(plan_path, "rb") as handle:
                 plan = pickle.load(handle)
         loader = BucketLoader(plan.spill, plan.dictionaries, seed=plan.seed, chunk_windows=plan.chunk_windows,
-                              first_row=plan.first_row, row_codes=plan.row_codes, devices=plan.devices)
+                              first_row=plan.first_row, row_codes=plan.row_codes, devices=plan.devices,
+                              part_codes=plan.part_codes)
         dest = resolve(dest_url, dest_options)
         group = zarr.open_group(zarr_store(dest, read_only=False), mode="r+", zarr_format=3)
         # a plan without a coder hands the writer coded windows: its slab writer's coder stays unused
@@ -421,14 +531,16 @@ def write_shuffled_on(
     directory = tempfile.mkdtemp(prefix="birdzarr-shuffle-", dir=tmp_dir)
     try:
         results: dict[int, SpillResult] = {}
+        # devices of more than PART_WINDOWS windows as parts: pass 1's tasks stay even
+        members = spill_plan(devices, on_bad_rows=on_bad_rows)
         with engines() as engine, Runner(engine) as runner:
-            groups = spill_groups(devices, width=engine.width)
+            groups = spill_groups(members, width=engine.width)
             facts = engine.facts
             # tasks in this process count their windows as they go; others when they end
             progress = on_spilled if engine.in_process else None
             buffer_windows = max(256 * buckets, PASS1_BUFFER_WINDOWS // engine.width)
             threads = max(1, engine.width // len(groups)) if groups else 1
-            keys = row_keys(devices, on_bad_rows)
+            keys = row_keys([member.device for member in members], on_bad_rows)
             at = 0
             for i, group in enumerate(groups):
                 rows = None if keys is None else keys[at : at + len(group)]
@@ -450,6 +562,15 @@ def write_shuffled_on(
         parts = [r.dictionaries for r in ordered]
         for r in ordered:  # held once, here, until pass 2's plan holds them
             r.dictionaries = DeviceValues.of_devices([], N_CHANNELS)
+        part_codes: dict[tuple[int, int], list[np.ndarray]] = {}
+        if spilled := [piece for r in ordered for piece in r.parts]:
+            merged, known, part_codes, repeated = merge_spilled_parts(members, spilled)
+            summaries = {d.device_id: (summaries.get(d.device_id) or merged[d.device_id]) for d in devices
+                         if d.device_id in summaries or d.device_id in merged}  # in input order
+            parts.append(known)
+            if duplicates is not None:
+                for device_id, count in repeated.items():
+                    duplicates.add(device_id, count)
         dictionaries = DeviceValues.joined(parts, N_CHANNELS, consume=True)
         if duplicates is not None:
             for r in ordered:
@@ -477,7 +598,7 @@ def write_shuffled_on(
         plan_path = os.path.join(directory, "pass2.pickle")
         plan = Pass2Plan(files, dictionaries, seed, writer.slabs.chunk_windows,
                          writer.coder if first_row is None else None, seeded, first_row,
-                         None if first_row is None else seeding.row_codes, ids)
+                         None if first_row is None else seeding.row_codes, ids, part_codes)
         del dictionaries, seeding  # pass 2 reads them from the plan
         where = (plan_path, dest.url, dest.storage_options)
         with engines() as engine, Runner(engine) as runner:
