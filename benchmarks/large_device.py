@@ -1,8 +1,10 @@
-"""One device of most of the windows: device-order conversion wall time, this checkout against
-another (``--pythonpath``, a worktree of an earlier commit), on the same input.
+"""One device of most of the windows: conversion wall time (device order, or ``--shuffle``),
+this checkout against another (``--pythonpath``, a worktree of an earlier commit), on the same
+input.
 
     python benchmarks/large_device.py --windows 3300000 --workdir /tmp/bz-large \\
         --pythonpath /tmp/wt_split --repeat 3
+    python benchmarks/large_device.py --shuffle ...   # --shuffle --seed 1: pass 1's tasks
 
 The source: ``--small`` devices of ``--small-windows`` windows each and one device holding the
 rest, every file written with pyarrow's default settings (row groups of 1,048,576 rows), as the
@@ -10,12 +12,14 @@ real per-device files are. Each conversion is the CLI in its own process (``--wo
 2, ``--quiet``); its wall time, CPU seconds (the process tree's rusage) and peak RSS are printed,
 the two code versions interleaved round by round, with the machine's load average. On a shared
 machine the wall time measures the load as much as the code; so each task's CPU seconds are
-recorded too (``convert_segment`` wrapped in the converting process, inherited by its forked
-workers), and scheduled largest first on ``--workers`` idle workers (``makespan``): the wall time
-the tasks would take on an idle machine, the converting process's own work (counting, the chunks
-shared between tasks, the commit) left out. A task that encodes on threads of its own (fewer
-tasks than workers) counts all its threads' CPU, so its figure overstates its wall time. The
-medians of each come last. Generated data stays in --workdir
+recorded too (``convert_segment``, or with ``--shuffle`` pass 1's ``spill_group``, wrapped in
+the converting process, inherited by its forked workers), and scheduled largest first on
+``--workers`` idle workers (``makespan``): the wall time the tasks would take on an idle machine,
+the converting process's own work (counting, the chunks shared between tasks, the commit; with
+``--shuffle``, merging pass 1's results and all of pass 2, whose wall time the report's
+``pass_seconds`` gives) left out. A task that encodes on threads of its own (fewer tasks than
+workers) counts all its threads' CPU, so its figure overstates its wall time. The medians of
+each come last. Generated data stays in --workdir
 (reused by the next run); the stores are replaced by each run.
 """
 
@@ -34,19 +38,30 @@ from convert import make_parquet  # noqa: E402
 
 _CLI = "import sys; from birdzarr.cli import main; sys.exit(main(sys.argv[1:]))"
 # Each task's CPU seconds (the worker process's, during the task: one task at a time a worker),
-# appended to $BZ_TASK_LOG; the wrapper keeps convert_segment's name, so the tasks pickle by it
+# appended to $BZ_TASK_LOG: device order's segments and --shuffle's pass-1 groups; the wrapper
+# keeps the task's name, so the tasks pickle by it
 _TASK_CPU = """
 import os, sys, time
-from birdzarr.convert import _segments
-_real = _segments.convert_segment
-def convert_segment(segment, *args, **kwargs):
-    before = time.process_time()
-    out = _real(segment, *args, **kwargs)
-    with open(os.environ["BZ_TASK_LOG"], "a") as log:
-        log.write(f"{segment.stop - segment.start} {time.process_time() - before:.3f}\\n")
-    return out
-convert_segment.__module__, convert_segment.__qualname__ = _real.__module__, _real.__qualname__
-_segments.convert_segment = convert_segment
+# ``python -c`` puts the working directory first on sys.path: run from a checkout's root, that
+# checkout's birdzarr would shadow --pythonpath's. The birdzarr imported is logged and checked.
+if sys.path and sys.path[0] == "":
+    del sys.path[0]
+import birdzarr
+from birdzarr.convert import _segments, _shuffle_processes
+with open(os.environ["BZ_TASK_LOG"], "a") as log:
+    log.write(f"from {os.path.dirname(os.path.dirname(birdzarr.__file__))}\\n")
+def _timed(module, name):
+    real = getattr(module, name)
+    def task(*args, **kwargs):
+        before = time.process_time()
+        out = real(*args, **kwargs)
+        with open(os.environ["BZ_TASK_LOG"], "a") as log:
+            log.write(f"{name} {time.process_time() - before:.3f}\\n")
+        return out
+    task.__module__, task.__qualname__ = real.__module__, real.__qualname__
+    setattr(module, name, task)
+_timed(_segments, "convert_segment")
+_timed(_shuffle_processes, "spill_group")
 """
 
 
@@ -59,7 +74,8 @@ def makespan(tasks: list[float], workers: int) -> float:
     return max(free)
 
 
-def convert_once(source: str, dest: str, *, workers: int, pythonpath: str | None) -> dict[str, float]:
+def convert_once(source: str, dest: str, *, workers: int, pythonpath: str | None,
+                 shuffle: bool = False) -> dict[str, float]:
     env = dict(os.environ)
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
@@ -68,18 +84,24 @@ def convert_once(source: str, dest: str, *, workers: int, pythonpath: str | None
     if os.path.exists(log):
         os.remove(log)
     argv = [sys.executable, "-c", _TASK_CPU + _CLI, "convert", source, dest, "--overwrite", "--quiet",
-            "--workers", str(workers)]
+            "--workers", str(workers), *(["--shuffle", "--seed", "1"] if shuffle else [])]
     before, load = children_cpu(), os.getloadavg()[0]
     wall, peak, _ = run_measured(argv, env=env)
     cpu = children_cpu() - before
+    kind = "spill_group" if shuffle else "convert_segment"
     with open(log) as lines:
-        tasks = [float(line.split()[1]) for line in lines]
-    probe = ("import json, sys, birdzarr; s = birdzarr.open_store(sys.argv[1]); "
-             "print(json.dumps([len(s), s.meta['report'].get('segments', 1)]))")
-    windows, segments = json.loads(subprocess.run([sys.executable, "-c", probe, dest], env=env, check=True,
-                                                  capture_output=True, text=True).stdout)
+        found = [line.split(maxsplit=1) for line in lines]
+    tasks = [float(value) for name, value in found if name == kind]
+    (imported,) = {value.strip() for name, value in found if name == "from"}
+    if pythonpath and os.path.realpath(imported) != os.path.realpath(pythonpath):
+        raise RuntimeError(f"--pythonpath {pythonpath}: the conversion imported birdzarr from {imported}")
+    probe = ("import json, sys, birdzarr; s = birdzarr.open_store(sys.argv[1]); r = s.meta['report']; "
+             "print(json.dumps([len(s), r.get('segments', 1), r.get('shuffle', {}).get('pass_seconds')]))")
+    windows, segments, passes = json.loads(subprocess.run([sys.executable, "-c", probe, dest], env=env,
+                                                          check=True, capture_output=True, text=True).stdout)
     return {"wall": wall, "cpu": cpu, "peak_mb": peak / 1e6, "load": load, "windows": windows,
-            "segments": segments, "tasks": sorted(tasks, reverse=True), "idle_wall": makespan(tasks, workers)}
+            "segments": segments, "tasks": sorted(tasks, reverse=True), "idle_wall": makespan(tasks, workers),
+            "pass1": passes[0] if passes else None}
 
 
 def main() -> None:
@@ -91,6 +113,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--pythonpath", default=None, help="the other checkout (a git worktree)")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--shuffle", action="store_true", help="convert with --shuffle --seed 1")
     parser.add_argument("--workdir", required=True)
     args = parser.parse_args()
     workdir = outside_repository(parser, args.workdir)
@@ -100,7 +123,7 @@ def main() -> None:
     sizes[1000] = large
     make_parquet(source, sizes, seed=33)
     print(f"{args.windows:,} windows: {args.small} devices of {args.small_windows:,}, one of {large:,}; "
-          f"{args.workers} workers", flush=True)
+          f"{args.workers} workers{', --shuffle' if args.shuffle else ''}", flush=True)
     versions = {"this checkout": None}
     if args.pythonpath:
         versions[f"PYTHONPATH={args.pythonpath}"] = args.pythonpath
@@ -108,14 +131,18 @@ def main() -> None:
     for round_ in range(args.repeat):
         for k, (name, path) in enumerate(versions.items()):
             found = convert_once(source, os.path.join(workdir, f"store{k}.zarr"), workers=args.workers,
-                                 pythonpath=path)
+                                 pythonpath=path, shuffle=args.shuffle)
             runs[name].append(found)
             tasks = ", ".join(f"{t:.1f}" for t in found["tasks"])
-            print(f"round {round_ + 1} {name}: {found['wall']:.2f} s wall, {found['cpu']:.1f} CPU s, "
-                  f"{found['peak_mb']:.0f} MB peak, load {found['load']:.1f}; tasks' CPU s {tasks}: "
+            pass1 = "" if found["pass1"] is None else f"pass 1 {found['pass1']:.2f} s wall, "
+            print(f"round {round_ + 1} {name}: {found['wall']:.2f} s wall, {pass1}{found['cpu']:.1f} CPU s, "
+                  f"{found['peak_mb']:.0f} MB peak, load {found['load']:.1f}; "
+                  f"{'pass-1 ' if args.shuffle else ''}tasks' CPU s {tasks}: "
                   f"{found['idle_wall']:.2f} s on {args.workers} idle workers", flush=True)
     for name, found in runs.items():
-        print(f"median {name}: {statistics.median(r['wall'] for r in found):.2f} s wall, "
+        pass1 = ("" if not args.shuffle else
+                 f"pass 1 {statistics.median(r['pass1'] for r in found):.2f} s wall, ")
+        print(f"median {name}: {statistics.median(r['wall'] for r in found):.2f} s wall, {pass1}"
               f"{statistics.median(r['cpu'] for r in found):.1f} CPU s, "
               f"{statistics.median(r['peak_mb'] for r in found):.0f} MB peak, "
               f"{statistics.median(r['idle_wall'] for r in found):.2f} s of tasks on idle workers")

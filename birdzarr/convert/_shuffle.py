@@ -10,7 +10,8 @@ windows, and the same input and seed give the same store. Each chunk of the stor
 uniform sample of all windows; inside it, the windows are then grouped by device, which decodes
 faster (docs/format.md, shuffled stores) and changes no chunk's membership. The passes run as
 tasks on any engine (``_shuffle_processes.write_shuffled_on``): pass 1 by groups of devices
-(``Spiller``), pass 2 by runs of buckets (``BucketLoader``).
+(``Spiller``; a large device's parts in different groups, each part's windows numbered from its
+place in the device: ``Spiller.device``'s ``first``), pass 2 by runs of buckets (``BucketLoader``).
 
 Pass 1 spills each window as codes into its device's dictionaries (``DeviceCoder``: a device's
 distinct values per channel, found as its windows pass in order). Small devices of partition

@@ -1,5 +1,5 @@
-"""The shuffle on an engine's workers (``_engine.py``): pass 1 by groups of whole devices, pass 2
-by runs of buckets.
+"""The shuffle on an engine's workers (``_engine.py``): pass 1 by groups of devices (and parts of
+large ones), pass 2 by runs of buckets.
 
 The two passes of ``_shuffle.py`` as tasks that the ``Runner`` submits to any engine: forked
 worker processes (``local_engine``), a Dask cluster (``cluster_engine``), threads of this
@@ -9,10 +9,16 @@ process (``thread_engine``) or this thread (``in_process_engine``), the same tas
   ``input bytes / (4 x width)``, and each group is read, coded and spilled by one task into bucket
   files of its own, in a folder of the spill directory. A window's bucket is drawn from
   ``(seed, device, window number)`` (``draw_buckets``), so a bucket holds the same windows, in
-  the same order, as on threads: each group's file of that bucket, in group order.
-- Between the passes (here): the groups' dictionaries make every device's table, format 2's rows
-  are seeded, and what pass 2 needs (the bucket files of every group, the dictionaries, the
-  seed, the coder) is written once to ``pass2.pickle`` in the spill directory, which every
+  the same order, as on threads: each group's file of that bucket, in group order. A device of
+  more than ``PART_WINDOWS`` windows of per-device Parquet files joins the groups as its parts
+  (``spill_plan``, the parts of ``_segments.split_large``), each part's windows numbered from
+  its place in the device; a part's codes point into dictionaries of its own, and it comes back
+  apart (``SpilledPart``).
+- Between the passes (here): the groups' dictionaries make every device's table (a split
+  device's parts merged into the device's dictionaries, summary and repeats:
+  ``merge_spilled_parts``; pass 2 maps a part's codes into them), format 2's rows are seeded,
+  and what pass 2 needs (the bucket files of every group, the dictionaries, the seed, the
+  coder) is written once to ``pass2.pickle`` in the spill directory, which every
   task reads (once per worker thread) instead of receiving it with each task; tasks in this
   process (this thread, its threads) share the plan itself (``_PLANS``) where every device was
   seeded (the plan is then read only).
@@ -41,7 +47,8 @@ bytes a window: the float32 values, device, label and time; 464 with the format 
 every device was seeded), one
 permuted bucket (the one before is freed as the next loads: the windows of it that the slab
 writer still holds are copies, ``_pieces``) and one slab (``SLAB_WINDOWS``); this process the
-dictionaries. A
+dictionaries and, until pass 1 ends, the distinct window hashes of split devices' parts (8 bytes
+a window). A
 worker process keeps the last conversion's pass-2 state (the dictionaries and one bucket's
 buffers per thread) until it runs the next conversion's; threads of this process end with
 their engine, and this thread (one worker) drops it when the conversion ends.
