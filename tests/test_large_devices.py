@@ -382,7 +382,7 @@ def test_the_shuffle_plan_puts_a_large_devices_parts_in_different_pass_1_tasks(
     sources: dict[str, pathlib.Path], small_parts: None,
 ) -> None:
     devices = find_inputs(resolve(str(sources["plain"]))).devices
-    members = _shuffle_processes.spill_plan(devices, on_bad_rows="error")
+    members = _shuffle_processes.spill_plan(devices, on_bad_rows="error", width=2)
     parts = [m for m in members if m.device.device_id == LARGE]
     # the parts of the device order's plan, each numbering its windows from its place in the device
     assert [m.device.part.index for m in parts if m.device.part] == [0, 1, 2, 3, 4]
@@ -390,22 +390,30 @@ def test_the_shuffle_plan_puts_a_large_devices_parts_in_different_pass_1_tasks(
                                                     (16500, 3500)]
     large_bytes = (sources["plain"] / f"{LARGE}.parquet").stat().st_size
     assert [m.size for m in parts] == [large_bytes * m.windows // LARGE_WINDOWS for m in parts]
-    assert all(m.device.part is None and m.first == 0 for m in members if m.device.device_id != LARGE)
+    # the others whole; their bytes found when the groups are cut
+    assert all(m == _shuffle_processes.SpillMember(m.device, m.size) for m in members
+               if m.device.device_id != LARGE)
     # two workers: 8 groups of about equal bytes (a part's share of its file's), the parts in
     # four of them (the device is 80% of the input)
     groups = _shuffle_processes.spill_groups(members, width=2)
     holding = [[m.device.part.index for m in group if m.device.part] for group in groups]
     assert [parts for parts in holding if parts] == [[0], [1], [2, 3], [4]]
     assert [m for group in groups for m in group] == members
-    # not split: on_bad_rows="skip", a device whose files hold less than SPLIT_MIN_WINDOW_BYTES a
-    # window of the part size (its footers are not read), and the default part size here
-    assert [m.device for m in _shuffle_processes.spill_plan(devices, on_bad_rows="skip")] == devices
+    # not split: one worker (one task), on_bad_rows="skip", a device whose files hold less than
+    # SPLIT_MIN_WINDOW_BYTES a window of the part size (its footers are not read), and the default
+    # part size here
+    def planned(on_bad_rows: str = "error", width: int = 2) -> list[DeviceSource]:
+        plan = _shuffle_processes.spill_plan(devices, on_bad_rows=on_bad_rows, width=width)
+        return [m.device for m in plan]
+
+    assert planned(width=1) == devices
+    assert planned("skip") == devices
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(_segments, "PART_WINDOWS", large_bytes // _shuffle_processes.SPLIT_MIN_WINDOW_BYTES + 1)
-        assert [m.device for m in _shuffle_processes.spill_plan(devices, on_bad_rows="error")] == devices
+        assert planned() == devices
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(_segments, "PART_WINDOWS", 1 << 20)
-        assert [m.device for m in _shuffle_processes.spill_plan(devices, on_bad_rows="error")] == devices
+        assert planned() == devices
 
 
 def test_a_split_devices_dictionaries_merge_into_those_of_the_device_coded_whole() -> None:
@@ -437,9 +445,10 @@ def test_a_split_device_gives_the_shuffled_store_of_the_device_read_whole_on_one
     assert whole.meta["report"]["shuffle"]["buckets"] == 19
     spy = _SpillSpy(monkeypatch)
     one = _shuffled(sources["plain"], tmp_path / "one.zarr", monkeypatch, part_windows=PART, workers=1)
-    assert spy.parts_by_task() == [[0, 1, 2, 3, 4]]  # one task: the parts one after another
+    assert spy.parts_by_task() == [[-1]]  # one worker: one task, the device whole (nothing to even out)
     spy.tasks.clear()
-    _shuffled(sources["plain"], tmp_path / "threads.zarr", monkeypatch, part_windows=PART, workers=2)
+    threads = _shuffled(sources["plain"], tmp_path / "threads.zarr", monkeypatch, part_windows=PART,
+                        workers=2)
     assert spy.parts_by_task() == [[0], [1], [2, 3], [4]]  # the plan's groups (above)
     # worker processes at any input size (they run the same plan's tasks; the spy is not sent there)
     monkeypatch.setattr(_shuffle_processes, "spill_group", spy.original)
@@ -449,14 +458,16 @@ def test_a_split_device_gives_the_shuffled_store_of_the_device_read_whole_on_one
     assert processes.meta["report"]["worker_processes"] == 2
     for name in ("one", "threads", "processes"):
         assert_same_store(tmp_path / "whole.zarr", tmp_path / f"{name}.zarr")
-    entry = one.device(LARGE)
+    entry = threads.device(LARGE)
     assert (entry.n_windows, entry.ranges) == (LARGE_WINDOWS, [])
     assert entry.label_counts == {-1: 5000, 0: 5000, 1: 5000, 3: 5000}
     assert (entry.first_time, entry.last_time) == (1_600_000_000, 1_800_000_000)
-    assert one.meta["report"]["duplicate_windows"] == {str(LARGE): 10}
-    assert int((_array(tmp_path / "one.zarr", "dict_device") == LARGE).sum()) == 1  # one row: seeded whole
-    assert cli_main(["verify", str(tmp_path / "one.zarr"), "--quiet"]) == 0
-    assert cli_main(["verify", str(tmp_path / "one.zarr"), "--source", str(sources["plain"]), "--quiet"]) == 0
+    assert entry == one.device(LARGE)
+    assert threads.meta["report"]["duplicate_windows"] == {str(LARGE): 10}
+    assert int((_array(tmp_path / "threads.zarr", "dict_device") == LARGE).sum()) == 1  # one row: seeded
+    store = str(tmp_path / "threads.zarr")
+    assert cli_main(["verify", store, "--quiet"]) == 0
+    assert cli_main(["verify", store, "--source", str(sources["plain"]), "--quiet"]) == 0
 
 
 @pytest.mark.slow

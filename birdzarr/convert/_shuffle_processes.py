@@ -76,7 +76,7 @@ from birdzarr.convert._chunkwrite import ChunkSink
 from birdzarr.convert._device_coder import DeviceValues
 from birdzarr.convert._duplicates import DeviceKeys, DuplicateCounter, PartKeys, repeated_in_parts
 from birdzarr.convert._engine import Engine, Runner
-from birdzarr.convert._parquet import clear_group_cache, read_runs
+from birdzarr.convert._parquet import clear_group_cache, names_its_device, read_runs
 from birdzarr.convert._readahead import read_ahead
 from birdzarr.convert._segments import (
     SEGMENTS_PER_WORKER,
@@ -111,7 +111,7 @@ from birdzarr.storage._location import Location, resolve
 # A device is split for pass 1 (``spill_plan``) only where its files hold at least this many bytes
 # a window of ``PART_WINDOWS`` (its footers are read to count its windows; the files of 100,000
 # small devices are not): Parquet of float32 windows of sensor data holds far more (the test and
-# benchmark sources: ~330). A device below it is spilled whole, which changes no byte of the store.
+# benchmark sources: ~150). A device below it is spilled whole, which changes no byte of the store.
 SPLIT_MIN_WINDOW_BYTES = 16
 
 
@@ -119,44 +119,53 @@ SPLIT_MIN_WINDOW_BYTES = 16
 class SpillMember:
     """One member of pass 1's plan: a device, or a part of a split device (``device.part``) whose
     first window is the device's window number ``first`` and which holds ``windows`` windows
-    (from the footers), and its input bytes (a part's share of its device's)."""
+    (from the footers); its input bytes (a part's share of its device's), or None where not
+    found yet (``spill_groups`` finds them)."""
 
     device: DeviceSource
-    size: int
+    size: int | None = None
     first: int = 0
     windows: int = 0
 
 
-def spill_plan(devices: list[DeviceSource], *, on_bad_rows: str) -> list[SpillMember]:
+def _bytes(device: DeviceSource) -> int:
+    return sum(int(f.fs.size(f.path) or 0) for f in device.files)
+
+
+def spill_plan(devices: list[DeviceSource], *, on_bad_rows: str, width: int) -> list[SpillMember]:
     """Pass 1's members: every device, each device of more than ``PART_WINDOWS`` windows that
     ``_segments.split_large`` splits (per-device Parquet files read with ``on_bad_rows="error"``)
     as its parts, so that its windows are read by several tasks. Only devices whose files hold at
-    least ``SPLIT_MIN_WINDOW_BYTES`` a window of ``PART_WINDOWS`` have their footers read. A
-    window's bucket depends on its device and window number alone (``draw_buckets``), and the
-    converting process merges the parts' dictionaries and summaries into the device's
-    (``merge_spilled_parts``), so the store is the same bytes as with every device whole."""
-    sizes = [sum(int(f.fs.size(f.path) or 0) for f in d.files) for d in devices]
+    least ``SPLIT_MIN_WINDOW_BYTES`` a window of ``PART_WINDOWS`` have their footers read; with
+    one worker (one task) nothing is split. A window's bucket depends on its device and window
+    number alone (``draw_buckets``), and the converting process merges the parts' dictionaries
+    and summaries into the device's (``merge_spilled_parts``), so the store is the same bytes as
+    with every device whole."""
+    whole = [SpillMember(device) for device in devices]
+    if width <= 1 or on_bad_rows != "error":
+        return whole
     limit = _segments.PART_WINDOWS
-    large = [k for k, (device, size) in enumerate(zip(devices, sizes, strict=True))
-             if size >= limit * SPLIT_MIN_WINDOW_BYTES and device.kind == "parquet"
-             and on_bad_rows == "error"]
     counts = [0] * len(devices)  # 0: not counted, never split
-    for k in large:
-        counts[k] = _segments.footer_count(devices[k], on_bad_rows) or 0
+    for k, device in enumerate(devices):
+        if (device.kind == "parquet" and device.partition_rows == 0 and device.files and device.part is None
+                and all(names_its_device(f) is not None for f in device.files)):  # per-device files
+            whole[k] = SpillMember(device, _bytes(device))
+            if (whole[k].size or 0) >= limit * SPLIT_MIN_WINDOW_BYTES:
+                counts[k] = _segments.footer_count(device, on_bad_rows) or 0
     members, windows = _segments.split_large(devices, counts, on_bad_rows=on_bad_rows)
     if len(members) == len(devices):
-        return [SpillMember(device, size) for device, size in zip(devices, sizes, strict=True)]
+        return whole
     plan: list[SpillMember] = []
-    whole = {device.device_id: (size, count)
-             for device, size, count in zip(devices, sizes, counts, strict=True)}
+    by_id = {device.device_id: (member, count)
+             for device, member, count in zip(devices, whole, counts, strict=True)}
     first = 0
-    for member, count in zip(members, windows, strict=True):
-        size, total = whole[member.device_id]
-        if member.part is None:
-            plan.append(SpillMember(member, size))
+    for device, count in zip(members, windows, strict=True):
+        kept, total = by_id[device.device_id]
+        if device.part is None:
+            plan.append(kept)
             continue
-        first = 0 if member.part.index == 0 else first
-        plan.append(SpillMember(member, size * count // max(1, total), first, count))
+        first = 0 if device.part.index == 0 else first
+        plan.append(SpillMember(device, (kept.size or 0) * count // max(1, total), first, count))
         first += count
     return plan
 
@@ -167,7 +176,7 @@ def spill_groups(members: list[SpillMember], *, width: int) -> list[list[SpillMe
     worker: one group."""
     if width <= 1:
         return [list(members)]
-    sizes = [member.size for member in members]
+    sizes = [_bytes(member.device) if member.size is None else member.size for member in members]
     target = sum(sizes) / (SEGMENTS_PER_WORKER * width)
     groups: list[list[SpillMember]] = []
     group: list[SpillMember] = []
@@ -538,9 +547,9 @@ def write_shuffled_on(
     directory = tempfile.mkdtemp(prefix="birdzarr-shuffle-", dir=tmp_dir)
     try:
         results: dict[int, SpillResult] = {}
-        # devices of more than PART_WINDOWS windows as parts: pass 1's tasks stay even
-        members = spill_plan(devices, on_bad_rows=on_bad_rows)
         with engines() as engine, Runner(engine) as runner:
+            # devices of more than PART_WINDOWS windows as parts: pass 1's tasks stay even
+            members = spill_plan(devices, on_bad_rows=on_bad_rows, width=engine.width)
             groups = spill_groups(members, width=engine.width)
             facts = engine.facts
             # tasks in this process count their windows as they go; others when they end
