@@ -590,6 +590,7 @@ class BucketLoader:
         # the parts of split devices: (device, part) -> per channel, each of the part's codes'
         # code in its device's dictionaries (``merge_part_dictionaries``)
         self.part_codes = {} if part_codes is None else part_codes
+        self._parts: dict[tuple[int, int], tuple[list[np.ndarray], list[np.ndarray | None]]] = {}
         self.chunk_windows = chunk_windows
         # the store position of each bucket's first window (a shuffled store is written from 0)
         self.starts = np.concatenate(([0], np.cumsum(spill.windows)[:-1])).astype(np.int64)
@@ -645,29 +646,49 @@ class BucketLoader:
                 else:
                     np.take(row_codes, index, out=codes[:, :, c], mode="clip")
 
+    def _device_tables(self, device_id: int) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
+        """A device's lookups from its pass-1 codes: per channel their values (bit patterns), and
+        per coded channel their row codes (None: the codes are those), views of the plan's."""
+        device = self.lookups.index(device_id)
+        tables: list[np.ndarray | None] = [
+            None if row_codes is None else row_codes[self.lookups.starts[c][device]:]
+            for c, row_codes in enumerate(self.row_codes)]
+        return self.lookups.of(device), tables
+
+    def _part_tables(self, device_id: int, part: int) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
+        """``_device_tables`` for the codes of a split device's part (into its own dictionaries),
+        each table composed once with the part's codes in the device's dictionaries (``part_codes``),
+        so a part's window costs the lookups a whole device's does."""
+        found = self._parts.get((device_id, part))
+        if found is None:
+            moved = self.part_codes[(device_id, part)]
+            lookups, device_tables = self._device_tables(device_id)
+            values = [lookup[moved[c]] for c, lookup in enumerate(lookups)]
+            tables: list[np.ndarray | None] = []
+            if self.first_row is not None:  # the row codes are used: each below 65,536
+                tables = [(moved[c] if table is None else table[moved[c]]).astype(np.uint16)
+                          for c, table in enumerate(device_tables)]
+            found = self._parts[(device_id, part)] = (values, tables)
+        return found
+
     def _decode(self, bucket: int, scratch: _Scratch) -> tuple[int, np.ndarray, np.ndarray]:
         """Decode the bucket into ``scratch``; its windows' store order (as spilled rows) and devices."""
         n = int(self.spill.windows[bucket])
         at = 0
         for piece in self.spill.pieces(bucket):
-            if piece.part >= 0:  # a split device's part: its codes into the device's dictionaries
-                moved = self.part_codes[(piece.device_id, piece.part)]
-                piece = _Piece(piece.device_id, np.stack([moved[c][piece.codes[c]]
-                                                          for c in range(N_CHANNELS)]), piece.meta)
             k = len(piece.meta)
             codes = scratch.codes[at : at + k] if self.first_row is not None else None
             if piece.device_id >= 0:
-                device = self.lookups.index(piece.device_id)
-                for c, lookup in enumerate(self.lookups.of(device)):
+                lookups, tables = (self._device_tables(piece.device_id) if piece.part < 0 else
+                                   self._part_tables(piece.device_id, piece.part))
+                for c, lookup in enumerate(lookups):
                     np.take(lookup, piece.codes[c], out=scratch.bits[at : at + k, :, c], mode="clip")
                 if codes is not None:
-                    for c in range(_v2.N_CODED):
-                        row_codes = self.row_codes[c]
-                        if row_codes is None:
+                    for c, table in enumerate(tables):
+                        if table is None:
                             codes[:, :, c] = piece.codes[c]
                         else:
-                            mine = row_codes[self.lookups.starts[c][device]:]
-                            np.take(mine, piece.codes[c], out=codes[:, :, c], mode="clip")
+                            np.take(table, piece.codes[c], out=codes[:, :, c], mode="clip")
             else:
                 self._many(piece, scratch.bits[at : at + k], codes)
             scratch.devices[at : at + k] = piece.meta["device"]
