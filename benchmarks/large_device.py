@@ -1,16 +1,17 @@
-"""One device of most of the windows: conversion wall time (device order, or ``--shuffle``),
-this checkout against another (``--pythonpath``, a worktree of an earlier commit), on the same
-input.
+"""One device of most of the windows: conversion wall time (device order, or ``--shuffle``) with
+the large device split into parts (``PART_WINDOWS``) and read whole (one task, as a device that is
+not split), on the same input; or, with ``--pythonpath``, this checkout against another (a
+worktree of an earlier commit).
 
-    python benchmarks/large_device.py --windows 3300000 --workdir /tmp/bz-large \\
-        --pythonpath /tmp/wt_split --repeat 3
+    python benchmarks/large_device.py --windows 3300000 --small 10 --small-windows 60000 \\
+        --workdir /tmp/bz-large --repeat 3
     python benchmarks/large_device.py --shuffle ...   # --shuffle --seed 1: pass 1's tasks
 
 The source: ``--small`` devices of ``--small-windows`` windows each and one device holding the
 rest, every file written with pyarrow's default settings (row groups of 1,048,576 rows), as the
 real per-device files are. Each conversion is the CLI in its own process (``--workers``, default
 2, ``--quiet``); its wall time, CPU seconds (the process tree's rusage) and peak RSS are printed,
-the two code versions interleaved round by round, with the machine's load average. On a shared
+the two cases interleaved round by round, with the machine's load average. On a shared
 machine the wall time measures the load as much as the code; so each task's CPU seconds are
 recorded too (``convert_segment``, or with ``--shuffle`` pass 1's ``spill_group``, wrapped in
 the converting process, inherited by its forked workers), and scheduled largest first on
@@ -31,6 +32,7 @@ import os
 import statistics
 import subprocess
 import sys
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _util import children_cpu, outside_repository, run_measured  # noqa: E402
@@ -60,6 +62,8 @@ def _timed(module, name):
         return out
     task.__module__, task.__qualname__ = real.__module__, real.__qualname__
     setattr(module, name, task)
+if os.environ.get("BZ_PART_WINDOWS"):  # "whole": no device split (the plan reads it at call time)
+    _segments.PART_WINDOWS = int(os.environ["BZ_PART_WINDOWS"])
 _timed(_segments, "convert_segment")
 _timed(_shuffle_processes, "spill_group")
 """
@@ -75,10 +79,13 @@ def makespan(tasks: list[float], workers: int) -> float:
 
 
 def convert_once(source: str, dest: str, *, workers: int, pythonpath: str | None,
-                 shuffle: bool = False) -> dict[str, float]:
+                 shuffle: bool = False, whole: bool = False) -> dict[str, Any]:
     env = dict(os.environ)
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
+    env.pop("BZ_PART_WINDOWS", None)
+    if whole:
+        env["BZ_PART_WINDOWS"] = str(1 << 62)
     log = dest + ".tasks"
     env["BZ_TASK_LOG"] = log
     if os.path.exists(log):
@@ -124,14 +131,18 @@ def main() -> None:
     make_parquet(source, sizes, seed=33)
     print(f"{args.windows:,} windows: {args.small} devices of {args.small_windows:,}, one of {large:,}; "
           f"{args.workers} workers{', --shuffle' if args.shuffle else ''}", flush=True)
-    versions = {"this checkout": None}
+    # (pythonpath, whole): this checkout splitting the large device, and reading it whole (one
+    # task, as a CSV device is); or, with --pythonpath, this checkout against the other
+    versions: dict[str, tuple[str | None, bool]] = {"devices as parts": (None, False)}
     if args.pythonpath:
-        versions[f"PYTHONPATH={args.pythonpath}"] = args.pythonpath
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in versions}
+        versions[f"PYTHONPATH={args.pythonpath}"] = (args.pythonpath, False)
+    else:
+        versions["the large device whole"] = (None, True)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in versions}
     for round_ in range(args.repeat):
-        for k, (name, path) in enumerate(versions.items()):
+        for k, (name, (path, whole)) in enumerate(versions.items()):
             found = convert_once(source, os.path.join(workdir, f"store{k}.zarr"), workers=args.workers,
-                                 pythonpath=path, shuffle=args.shuffle)
+                                 pythonpath=path, shuffle=args.shuffle, whole=whole)
             runs[name].append(found)
             tasks = ", ".join(f"{t:.1f}" for t in found["tasks"])
             pass1 = "" if found["pass1"] is None else f"pass 1 {found['pass1']:.2f} s wall, "
@@ -139,13 +150,13 @@ def main() -> None:
                   f"{found['peak_mb']:.0f} MB peak, load {found['load']:.1f}; "
                   f"{'pass-1 ' if args.shuffle else ''}tasks' CPU s {tasks}: "
                   f"{found['idle_wall']:.2f} s on {args.workers} idle workers", flush=True)
-    for name, found in runs.items():
+    for name, results in runs.items():
         pass1 = ("" if not args.shuffle else
-                 f"pass 1 {statistics.median(r['pass1'] for r in found):.2f} s wall, ")
-        print(f"median {name}: {statistics.median(r['wall'] for r in found):.2f} s wall, {pass1}"
-              f"{statistics.median(r['cpu'] for r in found):.1f} CPU s, "
-              f"{statistics.median(r['peak_mb'] for r in found):.0f} MB peak, "
-              f"{statistics.median(r['idle_wall'] for r in found):.2f} s of tasks on idle workers")
+                 f"pass 1 {statistics.median(r['pass1'] for r in results):.2f} s wall, ")
+        print(f"median {name}: {statistics.median(r['wall'] for r in results):.2f} s wall, {pass1}"
+              f"{statistics.median(r['cpu'] for r in results):.1f} CPU s, "
+              f"{statistics.median(r['peak_mb'] for r in results):.0f} MB peak, "
+              f"{statistics.median(r['idle_wall'] for r in results):.2f} s of tasks on idle workers")
 
 
 if __name__ == "__main__":
