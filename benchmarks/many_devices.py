@@ -15,8 +15,11 @@ alone, after the imports), ``info``, ``verify``, ``verify_source`` (``verify --s
 ``WindowDataset(shuffled, split="train")``: the device split's selection), ``stream_epoch`` and
 ``resident_epoch`` (epochs 1-3 of a ``WindowDataset`` read in the step's process, batch 8192, after
 an untimed epoch 0: streaming the shuffled store, and ``resident="cpu"`` on the device-ordered
-one; CPU seconds include the streaming reader's decoding threads), ``device_all`` (``Store.device(id)`` for
-every device, after opening) and ``summary`` (``repr`` and the HTML summary of an opened store);
+one; CPU seconds include the streaming reader's decoding threads), ``decode_batch`` (format 2's
+decode alone of 60 batches of 8,192 random windows of the device-ordered store, gathered first:
+what a resident batch costs, and the dictionary entries it looks up in), ``device_all``
+(``Store.device(id)`` for every device, after opening) and ``summary`` (``repr`` and the HTML
+summary of an opened store);
 ``code_devices`` and ``code_slabs`` time format 2's row coder alone on the source's windows (read
 first, not timed): ``RowCoder.code`` a device at a time (the reference), and
 ``RowCoder.code_runs`` on slabs of 65,536 windows of many devices, as the writers batch it
@@ -110,6 +113,21 @@ elif step in ("stream_epoch", "resident_epoch"):
         ds.set_epoch(epoch)
         out["windows"] += sum(len(x) for x in ds)
     out["m_windows_s"] = round(out["windows"] / (time.perf_counter() - started) / 1e6, 3)
+elif step == "decode_batch":
+    import numpy as np
+    import birdzarr
+    from birdzarr.format import _v2
+    reader = birdzarr.open_store(store).reader
+    parts = [reader.read_coded(chunk) for chunk in range(reader.n_chunks)]
+    codes, rows, gps = (np.concatenate([p[k] for p in parts]) for k in range(3))
+    dictionaries = reader.dictionaries()
+    rng, into = np.random.default_rng(0), np.empty((8192, 20, 4), np.float32)
+    picks = [np.sort(rng.integers(0, len(rows), 8192)) for _ in range(60)]
+    batches = [(codes[pick], rows[pick], gps[pick]) for pick in picks]  # gathered before the timing
+    started, cpu = time.perf_counter(), time.process_time()
+    for batch in batches:
+        _v2.decode(*batch, dictionaries.values, dictionaries.start, out=into)
+    out["entries"] = len(dictionaries.values)
 elif step == "summary":
     import birdzarr
     opened = birdzarr.open_store(store)
@@ -122,7 +140,8 @@ out.update(seconds=round(time.perf_counter() - started, 3), cpu=round(time.proce
 print("RESULT" + json.dumps(out))
 '''
 STEPS = ["convert", "convert_shuffle", "open", "info", "verify", "verify_source", "verify_shuffled",
-         "split", "stream_epoch", "resident_epoch", "device_all", "summary", "code_devices", "code_slabs"]
+         "split", "stream_epoch", "resident_epoch", "decode_batch", "device_all", "summary", "code_devices",
+         "code_slabs"]
 
 
 def _gimu(windows: np.ndarray) -> pa.Array:
