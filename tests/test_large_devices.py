@@ -140,6 +140,35 @@ def test_repeats_across_parts_count_as_repeats_inside_one_device() -> None:
     assert repeated_in_parts([PartKeys.of(DeviceKeys())]) == 0
 
 
+def test_repeats_across_parts_are_counted_range_by_range_without_joining_the_parts() -> None:
+    # three parts of 2.6 M windows (2^20, 2^20, 500,000), repeats inside and across parts,
+    # one part's hashes all in the low range: counted exactly, at most a few MB more held than
+    # the parts' hashes (joining and sorting them all held 3 copies more: 63 MB)
+    import tracemalloc
+
+    rng = np.random.default_rng(33)
+    hashes = rng.integers(0, 2**63, 2 * 2**20 + 500_000, dtype=np.uint64)
+    hashes[100:200] = hashes[300]  # inside part 1
+    hashes[2**20 + 10:2**20 + 5_010] = hashes[:5_000]  # part 2 repeats part 1
+    hashes[-3_000:] = hashes[2**20:2**20 + 3_000]  # part 3 repeats part 2 (and so part 1)
+    hashes[2 * 2**20:2 * 2**20 + 400_000] %= np.uint64(2**40)  # part 3 mostly below part 1
+    whole = len(hashes) - len(np.unique(hashes))
+    parts = []
+    for start, stop in [(0, 2**20), (2**20, 2 * 2**20), (2 * 2**20, len(hashes))]:
+        found = DeviceKeys()
+        found.hashes.append(hashes[start:stop])
+        parts.append(PartKeys.of(found))
+    del hashes
+    tracemalloc.start()
+    try:
+        counted = repeated_in_parts(parts)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert counted == whole == 100 + 5_000 + 3_000
+    assert peak < 8_000_000
+
+
 # -- the plan ------------------------------------------------------------------------------------
 def test_parts_are_cut_at_the_first_row_group_boundary_at_or_after_each_multiple() -> None:
     assert _segments.part_cuts([1500] * 13 + [500], 4000) == [4500, 9000, 12000, 16500]
@@ -468,6 +497,35 @@ def test_a_split_device_gives_the_shuffled_store_of_the_device_read_whole_on_one
     store = str(tmp_path / "threads.zarr")
     assert cli_main(["verify", store, "--quiet"]) == 0
     assert cli_main(["verify", store, "--source", str(sources["plain"]), "--quiet"]) == 0
+
+
+@pytest.mark.filterwarnings("ignore::birdzarr.DuplicateWindowsWarning")
+def test_the_parts_window_hashes_are_let_go_before_pass_2(
+    sources: dict[str, pathlib.Path], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+    many_buckets: None,
+) -> None:
+    """Once merged, a split device's part keys (8 bytes a window) are not held through pass 2,
+    whose forked workers would map them too."""
+    import weakref
+
+    merge = _shuffle_processes.merge_spilled_parts
+    held: list[weakref.ref[np.ndarray]] = []
+    alive_at_pass_2: list[int] = []
+
+    def merging(members: Any, spilled: Any) -> Any:
+        held.extend(weakref.ref(piece.keys.hashes) for piece in spilled)
+        return merge(members, spilled)
+
+    def seeding(*args: Any, **kwargs: Any) -> Any:  # pass 1 is over: pass 2's rows are seeded
+        alive_at_pass_2.append(sum(ref() is not None for ref in held))
+        return seed(*args, **kwargs)
+
+    seed = _shuffle_processes.seed_rows
+    monkeypatch.setattr(_shuffle_processes, "merge_spilled_parts", merging)
+    monkeypatch.setattr(_shuffle_processes, "seed_rows", seeding)
+    store = _shuffled(sources["plain"], tmp_path / "threads.zarr", monkeypatch, part_windows=PART, workers=2)
+    assert store.meta["report"]["duplicate_windows"] == {str(LARGE): 10}
+    assert len(held) == 5 and alive_at_pass_2 == [0]
 
 
 @pytest.mark.slow

@@ -105,13 +105,31 @@ class PartKeys:
         return cls(len(every), distinct(every))
 
 
+_MERGE_SLICE = 1 << 16  # a part's hashes in one slice of ``repeated_in_parts`` at most
+
+
 def repeated_in_parts(parts: list[PartKeys]) -> int:
     """``DeviceKeys.repeated`` of a device from its parts' keys: its windows less its distinct
-    hashes, the same count as one ``DeviceKeys`` fed the whole device."""
+    hashes, the same count as one ``DeviceKeys`` fed the whole device.
+
+    The parts' hashes (each sorted and distinct) are counted by value range, never joined into
+    one array: the ranges start at every ``_MERGE_SLICE``-th hash of each part, so a range holds
+    at most ``_MERGE_SLICE`` hashes of each part, and a hash lies in the same range in every
+    part. Joining and sorting them all held three more copies of the device's hashes (8 bytes a
+    window each: 67 MB more for 2.7 M windows, at the moment the last part came in)."""
     windows = sum(part.windows for part in parts)
     if not windows:
         return 0
-    return windows - len(distinct(np.concatenate([part.hashes for part in parts])))
+    hashes = [part.hashes for part in parts if len(part.hashes)]
+    if len(hashes) < 2:
+        return windows - sum(len(one) for one in hashes)
+    starts = np.sort(np.concatenate([one[_MERGE_SLICE::_MERGE_SLICE] for one in hashes]))
+    cuts = [np.concatenate(([0], np.searchsorted(one, starts), [len(one)])) for one in hashes]
+    found = 0
+    for k in range(len(starts) + 1):
+        piece = np.sort(np.concatenate([one[c[k]:c[k + 1]] for one, c in zip(hashes, cuts, strict=True)]))
+        found += len(piece) - int(np.count_nonzero(piece[1:] == piece[:-1]))
+    return windows - found
 
 
 class DuplicateCounter:

@@ -47,7 +47,11 @@ per-window arrays, at least one chunk), the duplicate check's 8 B a window of th
 and at most two chunks of shared windows; this process
 holds the shared windows of segments whose neighbours have not finished yet (at most two chunks
 a segment) and, for each split device whose parts are not all in, its parts' distinct window
-hashes (8 bytes a window of the parts received).
+hashes (8 bytes a window of the parts received), whose repeats it counts range by range
+(``repeated_in_parts``: at most 65,536 hashes of each part at once, not one joined and sorted
+copy of them all). Splitting a device changes no worker's bound (a part is read as a device is,
+one reader batch of one row group at a time); what it adds is in this process: the parts'
+hashes until the last part is in, and each part's result while it is unpickled.
 """
 
 from __future__ import annotations

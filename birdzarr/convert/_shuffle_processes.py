@@ -47,8 +47,11 @@ bytes a window: the float32 values, device, label and time; 464 with the format 
 every device was seeded), one
 permuted bucket (the one before is freed as the next loads: the windows of it that the slab
 writer still holds are copies, ``_pieces``) and one slab (``SLAB_WINDOWS``); this process the
-dictionaries and, until pass 1 ends, the distinct window hashes of split devices' parts (8 bytes
-a window). A
+dictionaries and, until pass 1's results are merged, the distinct window hashes of split
+devices' parts (8 bytes a window; counted range by range, ``repeated_in_parts``), let go before
+pass 2 starts: its worker processes are forked then, and each would map what this process still
+holds (a split device of 2.7 M windows held through pass 2 made each pass-2 worker's peak RSS
+about 40 MB higher). A
 worker process keeps the last conversion's pass-2 state (the dictionaries and one bucket's
 buffers per thread) until it runs the next conversion's; threads of this process end with
 their engine, and this thread (one worker) drops it when the conversion ends.
@@ -581,6 +584,11 @@ def write_shuffled_on(
         part_codes: dict[tuple[int, int], list[np.ndarray]] = {}
         if spilled := [piece for r in ordered for piece in r.parts]:
             merged, known, part_codes, repeated = merge_spilled_parts(members, spilled)
+            # the parts' window hashes and dictionaries are merged: not held through pass 2 (a
+            # forked pass-2 worker would map them too: 8 bytes a window of the split devices)
+            del spilled
+            for r in ordered:
+                r.parts = []
             summaries = {d.device_id: (summaries.get(d.device_id) or merged[d.device_id]) for d in devices
                          if d.device_id in summaries or d.device_id in merged}  # in input order
             parts.append(known)
