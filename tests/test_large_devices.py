@@ -545,3 +545,33 @@ def test_a_split_device_gives_the_shuffled_store_of_the_device_read_whole_on_a_d
         cluster.close()
     _shuffled(sources["plain"], tmp_path / "whole.zarr", monkeypatch, part_windows=LARGE_WINDOWS, workers=1)
     assert_same_store(tmp_path / "whole.zarr", tmp_path / "dask.zarr")
+
+
+@pytest.mark.slow  # over 0.2 s of CPU: not in the fast loop
+@pytest.mark.filterwarnings("ignore::birdzarr.DuplicateWindowsWarning")
+def test_a_split_device_past_a_rows_entries_keeps_every_value_in_both_orders(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, many_buckets: None,
+) -> None:
+    """A large device whose channels hold far more than 65,535 distinct values (unrounded floats:
+    each part's row overflows, and the shuffle does not seed it): split, it stores every value
+    exactly in device order, and the shuffled store is the bytes of the device read whole."""
+    source = tmp_path / "src"
+    source.mkdir()
+    wild = np.random.default_rng(3).standard_normal((12_000, 20, 4)).astype(np.float32)
+    _write(source / "5.parquet", wild, row_group=2_000)  # 3 parts of 80,000 values a channel
+    _write(source / "1.parquet", _synthetic.curated_windows(500, seed=1), row_group=1_000)
+    expected = np.concatenate([_synthetic.curated_windows(500, seed=1), wild])
+    monkeypatch.setattr(_segments, "PART_WINDOWS", 4_000)
+    ordered = birdzarr.convert(source, tmp_path / "ordered.zarr", chunk_windows=CHUNK, progress=False,
+                               workers=2)
+    np.testing.assert_array_equal(ordered.windows[:].view(np.uint32), expected.view(np.uint32))
+    # a row a part, each closed once more where it overflows
+    assert int((_array(tmp_path / "ordered.zarr", "dict_device") == 5).sum()) == 6
+    assert cli_main(["verify", str(tmp_path / "ordered.zarr"), "--source", str(source), "--quiet"]) == 0
+    _shuffled(source, tmp_path / "whole.zarr", monkeypatch, part_windows=10**9, workers=1)
+    spy = _SpillSpy(monkeypatch)
+    split = _shuffled(source, tmp_path / "split.zarr", monkeypatch, part_windows=4_000, workers=2)
+    assert sorted(index for task in spy.tasks for device, index in task if device == 5) == [0, 1, 2]
+    assert_same_store(tmp_path / "whole.zarr", tmp_path / "split.zarr")
+    assert split.device(5).n_windows == 12_000
+    assert cli_main(["verify", str(tmp_path / "split.zarr"), "--source", str(source), "--quiet"]) == 0
