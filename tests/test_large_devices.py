@@ -141,20 +141,22 @@ def test_repeats_across_parts_count_as_repeats_inside_one_device() -> None:
 
 
 def test_repeats_across_parts_are_counted_range_by_range_without_joining_the_parts() -> None:
-    # three parts of 2.6 M windows (2^20, 2^20, 500,000), repeats inside and across parts,
-    # one part's hashes all in the low range: counted exactly, at most a few MB more held than
-    # the parts' hashes (joining and sorting them all held 3 copies more: 63 MB)
+    # three parts of 650,000 windows (2^18, 2^18, 125,000), repeats inside and across parts,
+    # one part's hashes mostly in the low range: counted exactly, with at most a few MB more held
+    # than the parts' hashes, whatever their number (joining and sorting them all held 3 copies
+    # more, 8 bytes a window each: 16 MB here)
     import tracemalloc
 
+    part = 2**18
     rng = np.random.default_rng(33)
-    hashes = rng.integers(0, 2**63, 2 * 2**20 + 500_000, dtype=np.uint64)
+    hashes = rng.integers(0, 2**63, 2 * part + 125_000, dtype=np.uint64)
     hashes[100:200] = hashes[300]  # inside part 1
-    hashes[2**20 + 10:2**20 + 5_010] = hashes[:5_000]  # part 2 repeats part 1
-    hashes[-3_000:] = hashes[2**20:2**20 + 3_000]  # part 3 repeats part 2 (and so part 1)
-    hashes[2 * 2**20:2 * 2**20 + 400_000] %= np.uint64(2**40)  # part 3 mostly below part 1
+    hashes[part + 10:part + 5_010] = hashes[:5_000]  # part 2 repeats part 1
+    hashes[-3_000:] = hashes[part:part + 3_000]  # part 3 repeats part 2 (and so part 1)
+    hashes[2 * part:2 * part + 100_000] %= np.uint64(2**40)  # part 3 mostly below part 1
     whole = len(hashes) - len(np.unique(hashes))
     parts = []
-    for start, stop in [(0, 2**20), (2**20, 2 * 2**20), (2 * 2**20, len(hashes))]:
+    for start, stop in [(0, part), (part, 2 * part), (2 * part, len(hashes))]:
         found = DeviceKeys()
         found.hashes.append(hashes[start:stop])
         parts.append(PartKeys.of(found))
@@ -166,7 +168,7 @@ def test_repeats_across_parts_are_counted_range_by_range_without_joining_the_par
     finally:
         tracemalloc.stop()
     assert counted == whole == 100 + 5_000 + 3_000
-    assert peak < 8_000_000
+    assert peak < 6_000_000
 
 
 # -- the plan ------------------------------------------------------------------------------------
