@@ -19,19 +19,7 @@ from birdzarr.demo import _synthetic
 pytestmark = pytest.mark.slow
 
 distributed = pytest.importorskip("distributed")
-
-
-@pytest.fixture(scope="module")
-def cluster_client():  # type: ignore[no-untyped-def]
-    cluster = distributed.LocalCluster(
-        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None, silence_logs=40,
-    )
-    client = distributed.Client(cluster)
-    try:
-        yield client
-    finally:
-        client.close()
-        cluster.close()
+pytest_plugins = ["dask_support"]  # its fixture: cluster_client
 
 
 def _files(root: pathlib.Path) -> dict[str, bytes]:

@@ -34,6 +34,8 @@ from birdzarr.format._spec import TIMESTAMP_UNKNOWN, Curation
 from birdzarr.storage._location import resolve
 from tests.store_files import assert_same_store
 
+pytest_plugins = ["dask_support"]  # its fixture: cluster_client (the Dask tests)
+
 LARGE = 7  # the large device's id
 SMALL = {2: 900, 3: 40, 9: 1200, 12: 3000}  # the others: windows each
 LARGE_WINDOWS, LARGE_GROUP = 20_000, 1_500  # 14 row groups (the last of 500)
@@ -292,18 +294,10 @@ def test_a_split_device_gives_the_same_store_on_this_thread_threads_and_worker_p
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::birdzarr.DuplicateWindowsWarning")
 def test_a_split_device_on_a_dask_cluster_gives_the_local_store(
-    sources: dict[str, pathlib.Path], tmp_path: pathlib.Path, small_parts: None,
+    sources: dict[str, pathlib.Path], tmp_path: pathlib.Path, small_parts: None, cluster_client: Any,
 ) -> None:
-    distributed = pytest.importorskip("distributed")
-    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                                       dashboard_address=None, silence_logs=40)
-    client = distributed.Client(cluster)
-    try:
-        remote = birdzarr.convert(sources["plain"], tmp_path / "dask.zarr", client=client,
-                                  chunk_windows=CHUNK, progress=False)
-    finally:
-        client.close()
-        cluster.close()
+    remote = birdzarr.convert(sources["plain"], tmp_path / "dask.zarr", client=cluster_client,
+                              chunk_windows=CHUNK, progress=False)
     assert remote.meta["report"]["segments"] == len(_plan(sources["plain"], workers=2))
     birdzarr.convert(sources["plain"], tmp_path / "one.zarr", workers=1, chunk_windows=CHUNK, progress=False)
     assert_same_store(tmp_path / "one.zarr", tmp_path / "dask.zarr")
@@ -534,17 +528,9 @@ def test_the_parts_window_hashes_are_let_go_before_pass_2(
 @pytest.mark.filterwarnings("ignore::birdzarr.DuplicateWindowsWarning")
 def test_a_split_device_gives_the_shuffled_store_of_the_device_read_whole_on_a_dask_cluster(
     sources: dict[str, pathlib.Path], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
-    many_buckets: None,
+    many_buckets: None, cluster_client: Any,
 ) -> None:
-    distributed = pytest.importorskip("distributed")
-    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                                       dashboard_address=None, silence_logs=40)
-    client = distributed.Client(cluster)
-    try:
-        _shuffled(sources["plain"], tmp_path / "dask.zarr", monkeypatch, part_windows=PART, client=client)
-    finally:
-        client.close()
-        cluster.close()
+    _shuffled(sources["plain"], tmp_path / "dask.zarr", monkeypatch, part_windows=PART, client=cluster_client)
     _shuffled(sources["plain"], tmp_path / "whole.zarr", monkeypatch, part_windows=LARGE_WINDOWS, workers=1)
     assert_same_store(tmp_path / "whole.zarr", tmp_path / "dask.zarr")
 
