@@ -93,6 +93,10 @@ def main() -> None:
                          shuffle=shuffle, **extra)
     print(f"warm-up on the new cluster (20,000 windows, both orders): {time.perf_counter() - began:.1f} s "
           "(not counted below)", flush=True)
+    began, cpu = time.perf_counter(), tree_cpu()
+    time.sleep(10)  # what the cluster costs doing nothing: part of every Dask figure below
+    print(f"the idle cluster and this process: {(tree_cpu() - cpu) / (time.perf_counter() - began):.2f} "
+          "CPU s a second (10 s)", flush=True)
     times: dict[tuple[str, str], list[float]] = {}
     cpus: dict[tuple[str, str], list[float]] = {}
     try:
