@@ -58,7 +58,7 @@ from birdzarr.convert._segments import (
 )
 from birdzarr.convert._slabs import writable_arrays
 from birdzarr.convert._sources import DeviceSource, file_name, find_inputs
-from birdzarr.convert._summary import DeviceSummary
+from birdzarr.convert._summary import DeviceSummary, merge_entries
 from birdzarr.convert._writer import CSV_TAILS, Writer, _now, csv_tails_record
 from birdzarr.format import _v2
 from birdzarr.format._digest import window_hashes
@@ -67,7 +67,6 @@ from birdzarr.format._spec import (
     FORMAT_VERSION,
     GIMU,
     TIMESTAMP,
-    TIMESTAMP_UNKNOWN,
     Curation,
     DeviceEntry,
     DeviceReport,
@@ -214,7 +213,7 @@ class AppendWriter(Writer):
             self.continued[device_id] = continued
         previous = self.devices.get(device_id)
         entry = summary.entry
-        self.devices[device_id] = entry if previous is None else _merge_entries(previous, entry)
+        self.devices[device_id] = entry if previous is None else merge_entries(previous, entry)
         previous_report = self.reports.get(device_id)
         if previous_report is None:
             self.reports[device_id] = summary.report
@@ -313,23 +312,6 @@ def _part_numbers(names: list[str]) -> list[int] | None:
             return None
         numbers.append(int(part))
     return numbers
-
-
-def _merge_entries(old: DeviceEntry, new: DeviceEntry) -> DeviceEntry:
-    bounds = (old.first_time, old.last_time, new.first_time, new.last_time)
-    times = [t for t in bounds if t != TIMESTAMP_UNKNOWN]
-    labels = dict(old.label_counts)
-    for label, count in new.label_counts.items():
-        labels[label] = labels.get(label, 0) + count
-    return DeviceEntry(
-        device_id=old.device_id,
-        n_windows=old.n_windows + new.n_windows,
-        ranges=[*old.ranges, *new.ranges],
-        first_time=min(times) if times else TIMESTAMP_UNKNOWN,
-        last_time=max(times) if times else TIMESTAMP_UNKNOWN,
-        sources=[*old.sources, *new.sources],
-        label_counts=labels,
-    )
 
 
 @dataclass

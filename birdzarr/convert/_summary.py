@@ -7,8 +7,9 @@ to a ``Summarizer`` and record the ``DeviceSummary`` it finishes with.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import google_crc32c
@@ -200,37 +201,46 @@ class Summarizer:
         return DeviceSummary(self.entry, self.report, self.tail)
 
 
+def merge_entries(old: DeviceEntry, new: DeviceEntry) -> DeviceEntry:
+    """One device's entry from two of its entries, ``new``'s windows after ``old``'s (an append's
+    windows of a committed device, a split device's parts): windows and label counts added, the
+    widest time span, ranges and sources one after the other."""
+    bounds = (old.first_time, old.last_time, new.first_time, new.last_time)
+    times = [t for t in bounds if t != TIMESTAMP_UNKNOWN]
+    labels = dict(old.label_counts)
+    for label, count in new.label_counts.items():
+        labels[label] = labels.get(label, 0) + count
+    return DeviceEntry(
+        device_id=old.device_id,
+        n_windows=old.n_windows + new.n_windows,
+        ranges=[*old.ranges, *new.ranges],
+        first_time=min(times) if times else TIMESTAMP_UNKNOWN,
+        last_time=max(times) if times else TIMESTAMP_UNKNOWN,
+        sources=[*old.sources, *new.sources],
+        label_counts=labels,
+    )
+
+
 def merge_parts(parts: list[DeviceSummary], sources: list[str]) -> DeviceSummary:
     """One device's summary from the summaries of its parts (``Summarizer`` s of consecutive
     window ranges of it, in store order; ``_segments.split_large``): what one ``Summarizer``
-    fed every part's blocks in turn gives. One range, its checksum the parts' joined
-    (``crc32c_combine``); windows and label counts added; the time span the parts' widest; the
-    reports merged in part order. ``sources``: the device's files."""
-    entry = DeviceEntry(device_id=parts[0].entry.device_id, sources=list(sources))
+    fed every part's blocks in turn gives. The entries merged (``merge_entries``), their ranges
+    joined into one whose checksum is the parts' joined (``crc32c_combine``); the reports merged
+    in part order. ``sources``: the device's files."""
+    entry = functools.reduce(merge_entries, [part.entry for part in parts])
     report = DeviceReport()
-    crc, start, stop = 0, None, None
     for part in parts:
-        one = part.entry
         report.merge(part.report)
-        for label, count in one.label_counts.items():
-            entry.label_counts[label] = entry.label_counts.get(label, 0) + count
-        if one.first_time != TIMESTAMP_UNKNOWN:
-            entry.first_time = (one.first_time if entry.first_time == TIMESTAMP_UNKNOWN
-                                else min(entry.first_time, one.first_time))
-        if one.last_time != TIMESTAMP_UNKNOWN:
-            entry.last_time = (one.last_time if entry.last_time == TIMESTAMP_UNKNOWN
-                               else max(entry.last_time, one.last_time))
-        entry.n_windows += one.n_windows
-        for piece in one.ranges:  # none where the part has no windows
-            if stop is not None and piece.start != stop:
-                raise ValueError(f"device {entry.device_id}: parts do not follow each other "
-                                 f"({stop:,} then {piece.start:,})")
-            start = piece.start if start is None else start
-            stop = piece.stop
-            crc = crc32c_combine(crc, int(piece.checksum, 16), (piece.stop - piece.start) * WINDOW_BYTES)
-    if start is not None and stop is not None:
-        entry.ranges.append(DeviceRange(start, stop, f"{crc:08x}"))
-    return DeviceSummary(entry, report)
+    crc, start, stop = 0, None, None
+    for piece in entry.ranges:  # none where a part has no windows
+        if stop is not None and piece.start != stop:
+            raise ValueError(f"device {entry.device_id}: parts do not follow each other "
+                             f"({stop:,} then {piece.start:,})")
+        start = piece.start if start is None else start
+        stop = piece.stop
+        crc = crc32c_combine(crc, int(piece.checksum, 16), (piece.stop - piece.start) * WINDOW_BYTES)
+    joined = [] if start is None or stop is None else [DeviceRange(start, stop, f"{crc:08x}")]
+    return DeviceSummary(replace(entry, ranges=joined, sources=list(sources)), report)
 
 
 def column_summaries(runs: DeviceColumns) -> list[DeviceSummary]:
