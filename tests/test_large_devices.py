@@ -10,9 +10,11 @@ runs, so every engine sees it), the plan functions through their ``part_windows`
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import random
+import sys
 from typing import Any
 
 import google_crc32c
@@ -563,3 +565,36 @@ def test_a_split_device_past_a_rows_entries_keeps_every_value_in_both_orders(
     assert_same_store(tmp_path / "whole.zarr", tmp_path / "split.zarr")
     assert split.device(5).n_windows == 12_000
     assert cli_main(["verify", str(tmp_path / "split.zarr"), "--source", str(source), "--quiet"]) == 0
+
+
+def test_a_part_that_reads_another_count_than_its_footers_fails_the_conversion_in_both_orders(
+    sources: dict[str, pathlib.Path], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+    small_parts: None,
+) -> None:
+    """A part's windows are numbered from its footers' count before any part is read (its store
+    positions in device order, its bucket draws in ``--shuffle``): a part that reads another count
+    (the file changed under the conversion) fails it in one line, and no store is left."""
+    planned, bumped = _segments.split_large, _shuffle_processes.spill_plan
+
+    def one_more_in_part_1(*args: Any, **kwargs: Any) -> tuple[list[DeviceSource], list[int]]:
+        devices, sizes = planned(*args, **kwargs)
+        k = next(k for k, d in enumerate(devices) if d.part is not None and d.part.index == 1)
+        return devices, [size + (i == k) for i, size in enumerate(sizes)]
+
+    def one_more_in_pass_1s_part_1(*args: Any, **kwargs: Any) -> list[_shuffle_processes.SpillMember]:
+        members = bumped(*args, **kwargs)
+        return [dataclasses.replace(m, windows=m.windows + 1)
+                if m.device.part is not None and m.device.part.index == 1 else m for m in members]
+
+    # the converter's own name for it (``birdzarr.convert`` is the function there)
+    monkeypatch.setattr(sys.modules["birdzarr.convert"], "split_large", one_more_in_part_1)
+    monkeypatch.setattr(_shuffle_processes, "spill_plan", one_more_in_pass_1s_part_1)
+    # part 1: windows 4,500-9,000 (cut at the first row-group boundary at or after 4,000 and 8,000)
+    message = (rf"device {LARGE}: counted 4,501 windows before the conversion \(from its Parquet "
+               r"footers, or by reading it\), but reading gave 4,500; did the input change")
+    for shuffle in (False, True):
+        dest = tmp_path / f"{shuffle}.zarr"
+        with pytest.raises(birdzarr.BadInputError, match=message):
+            birdzarr.convert(sources["plain"], dest, workers=2, chunk_windows=CHUNK, progress=False,
+                             **({"shuffle": True, "seed": SEED} if shuffle else {}))
+        assert not dest.exists()

@@ -59,7 +59,8 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
-from collections.abc import Callable, Container
+from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -319,7 +320,7 @@ class Segment:
 
 
 def plan_segments(devices: list[DeviceSource], counts: list[int], *, workers: int,
-                  chunk_windows: int, first: int = 0, alone: Container[int] = ()) -> list[Segment]:
+                  chunk_windows: int, first: int = 0, alone: AbstractSet[int] = frozenset()) -> list[Segment]:
     """Consecutive devices grouped into segments of at least the target size (the last may be
     smaller); every device in exactly one segment, in order, the first from window ``first`` (an
     append's: the committed count). One worker: one segment (nothing to even out). Small devices
@@ -330,7 +331,7 @@ def plan_segments(devices: list[DeviceSource], counts: list[int], *, workers: in
     different segments."""
     ids = [device.device_id for device in devices]
     split = {device.device_id for device in devices if device.part is not None}
-    groups = shared_groups(ids, counts, alone=_Either(alone, split) if split else alone)
+    groups = shared_groups(ids, counts, alone=alone | split)
     group_of = {d: k for k, group in enumerate(groups) for d in group}
     total = sum(counts)
     if workers <= 1:
@@ -352,17 +353,6 @@ def plan_segments(devices: list[DeviceSource], counts: list[int], *, workers: in
     if members:
         segments.append(_segment(start, position, members, groups, group_of))
     return segments
-
-
-@dataclass(frozen=True)
-class _Either:
-    """In one container or the other."""
-
-    one: Container[int]
-    other: Container[int]
-
-    def __contains__(self, item: object) -> bool:
-        return item in self.one or item in self.other
 
 
 def _segment(start: int, stop: int, members: list[tuple[DeviceSource, int, int]],
@@ -476,7 +466,7 @@ class ChunkRouter:
         return out
 
 
-def _miscounted(device_id: int, count: int, found: int) -> BadInputError:
+def miscounted(device_id: int, count: int, found: int) -> BadInputError:
     return BadInputError(
         f"device {device_id}: counted {count:,} windows before the conversion "
         f"(from its Parquet footers, or by reading it), but reading gave "
@@ -528,7 +518,7 @@ def convert_segment(segment: Segment, dest_url: str, dest_options: dict[str, Any
         expected = np.fromiter((count for _, _, count in run), np.int64, len(run))
         if not np.array_equal(found.counts, expected):
             k = int(np.flatnonzero(found.counts != expected)[0])
-            raise _miscounted(run[k][0].device_id, int(expected[k]), int(found.counts[k]))
+            raise miscounted(run[k][0].device_id, int(expected[k]), int(found.counts[k]))
         ids = [device.device_id for device, _, _ in run]
         problems: dict[int, list[str]] = {}
         if found.notes:
@@ -572,7 +562,7 @@ def convert_segment(segment: Segment, dest_url: str, dest_options: dict[str, Any
                 progress(len(block))
         finished = summary.finish()
         if position != first + count or finished.entry.n_windows != count:
-            raise _miscounted(device.device_id, count, finished.entry.n_windows)
+            raise miscounted(device.device_id, count, finished.entry.n_windows)
         if coder is not None:
             # once its blocks waiting in the slab are coded; a part's row closes at the part's
             # end, so the next part opens a row of its own, in this segment or another

@@ -249,7 +249,7 @@ def merge_spilled_parts(members: list[SpillMember], spilled: list[SpilledPart]) 
     for piece in spilled:
         member = planned[(piece.device_id, piece.index)]
         if piece.summary.entry.n_windows != member.windows:
-            raise _segments._miscounted(piece.device_id, member.windows, piece.summary.entry.n_windows)
+            raise _segments.miscounted(piece.device_id, member.windows, piece.summary.entry.n_windows)
         by_device.setdefault(piece.device_id, {})[piece.index] = piece
     summaries: dict[int, DeviceSummary] = {}
     known: list[tuple[int, list[np.ndarray]]] = []
