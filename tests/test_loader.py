@@ -799,9 +799,10 @@ def _plan_members(
     for rank in range(world):
         plan = plan_epoch(counts, seed=1, epoch=epoch, world_size=world, rank=rank, batch_size=8192,
                           drop_last=False, shuffle=True, pool_chunks=16, num_workers=workers)
+        orders = [plan.pool_order(pool) for pool in range(len(plan.pools))]  # once a pool, as a reader
         for batch in range(plan.n_batches):
             pool = int(plan.batch_pool[batch])
-            piece, within = plan.locate(pool, plan.batch_positions(batch))
+            piece, within = plan.locate(pool, plan.batch_positions(batch, orders[pool]))
             batches.append(plan.pools[pool].chunks[piece] * 32_768 + within)
         work += [sum(plan.pools[p].n_windows for p in plan.worker_pools(w, workers)) for w in range(workers)]
     return batches, work
