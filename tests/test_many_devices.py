@@ -248,9 +248,9 @@ def _mixed_parts(root: pathlib.Path, *, pad: int = 0, bad_row: bool = False) -> 
     rows: files 0 and 1 hold their devices' rows grouped, device after device; every 7th device is
     split over two files; file 2's rows are in random order (no device's rows grouped); a window
     of one device is repeated; labels and timestamps with nulls, and a column birdzarr does not
-    read. ``pad``: bytes of footer metadata in all (worker processes past ``PROCESS_MIN_BYTES``);
+    read. ``pad``: bytes of that column in all (worker processes past ``PROCESS_MIN_BYTES``);
     ``bad_row``: one row of file 3 holds a NaN."""
-    rng = np.random.default_rng(19)
+    rng, filler = np.random.default_rng(19), np.random.default_rng(20)
     ids = np.arange(300) * 3 + 5
     sizes = rng.integers(1, 41, size=len(ids))
     sizes[150] = 300  # more than RUN: read on its own, between devices read together
@@ -276,11 +276,12 @@ def _mixed_parts(root: pathlib.Path, *, pad: int = 0, bad_row: bool = False) -> 
         gimu = windows[rows].copy()
         if bad_row and number == 3:
             gimu[5, 3, 1] = np.nan
+        # the padding is the unread column's: random bytes (incompressible), never read, where
+        # footer metadata of that size would be parsed at every open of the file
+        note = (pa.array(["x"] * len(rows)) if not pad else
+                pa.array(list(filler.bytes(pad // 4 // len(rows) + 1) for _ in rows), pa.binary()))
         table = pa.table({"device_id": pa.array(owner[rows], pa.int32()), "label": labels.take(rows),
-                          "timestamp": times.take(rows), "gimu": _gimu(gimu),
-                          "note": pa.array(["x"] * len(rows))})
-        if pad:
-            table = table.replace_schema_metadata({"padding": "0" * (pad // 8 + 1)})
+                          "timestamp": times.take(rows), "gimu": _gimu(gimu), "note": note})
         pq.write_table(table, source / f"part-{number}.parquet", row_group_size=100)
     assert sum(f.stat().st_size for f in source.iterdir()) >= pad
     return source
