@@ -12,8 +12,13 @@ uint16 codes (120 B a window), the dictionary row of each window (4 B), gps_spee
 (4 B; 80 B where some window's gps_speed varies, found while loading as for dict16): 128 B a
 window, 0.40x float32 (204 B, 0.64x, with varying gps_speed), one row a window on the host
 (``HeldCodes.packed``: a batch's gather reads two cache lines a window); plus the dictionary
-rows the selection uses (4 B an entry, 240 B a row: 5.8 MiB for the loader benchmark's 186
-devices).
+rows the selection uses (4 B an entry, 240 B a row), merged while loading into groups of
+consecutive rows that share values (``held_dictionaries``, ``share_rows``: a union a channel of
+at most 65,535 entries, the codes recoded into it, consecutive rows on the same entries one held
+row). On 1 M windows cut from one calibrated sequence the table held 1.51 M entries (186
+devices) and 3.57 M (100,000 devices) before, 10,993 and one row after: an epoch took 0.41x and
+0.32x the CPU seconds, and 100,000 devices 1.06x the CPU of 186 (1.36x before); loading took
++0.4 and +0.8 CPU s. Rows calibrated one by one do not merge (held as stored).
 They are decoded inside the gather as ``values[start[row, c] + code]``: by torch ops on a GPU
 (``HeldCodes.decode``), by numpy on the host (``HeldCodes.decode_host``, the windows grouped by
 dictionary row for the lookup). Any other store, or ``codes=False``, is held as
@@ -47,7 +52,7 @@ from birdzarr.format._codec import constant_rows
 from birdzarr.format._spec import DEVICE, GIMU, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH
 from birdzarr.loader._code_layout import ONCE_A_WINDOW, CodeLayout
 from birdzarr.loader._sampling import batch_sizes, rank_starts, rank_window_counts
-from birdzarr.loader._shared_dictionaries import share_dictionaries
+from birdzarr.loader._shared_dictionaries import share_dictionaries, share_rows
 from birdzarr.store._chunks import ChunkReader
 from birdzarr.store._selection import Selection
 
@@ -362,7 +367,8 @@ class ResidentSelection:
         if dictionaries.n_rows >= 2**31:
             raise ValueError(f"{url}: {dictionaries.n_rows:,} dictionary rows; resident mode holds "
                              "fewer than 2**31")
-        # at most every row, with int64 offsets: the rows the selection uses are known only once loaded
+        # at most every row, with int64 offsets: the rows the selection uses are known only once
+        # loaded (merging them stays within 4 B an entry and 480 B a row: held_dictionaries)
         table = len(dictionaries.values) * 4 + dictionaries.n_rows * WINDOW_LENGTH * _v2.N_CODED * 8
         once = True
         while True:
@@ -409,7 +415,8 @@ class ResidentSelection:
             return len(rows)
 
         _load_chunks(load_one, len(keep), n, prefetch=prefetch, progress=progress, url=url)
-        values, offsets = held_dictionaries(dictionaries, row_np)
+        values, offsets = held_dictionaries(dictionaries, row_np, codes_np,
+                                            threads=min(prefetch, os.cpu_count() or 1))
         held = HeldCodes(codes, gps, row, torch.from_numpy(values), torch.from_numpy(offsets), packed)
         global_index = np.concatenate([rows for _, rows in keep]) if keep else np.empty(0, np.int64)
         if device.type != "cpu":
@@ -629,20 +636,94 @@ def format2_window_bytes(gps_once: bool) -> int:
     return WINDOW_LENGTH * _v2.N_CODED * 2 + 4 + (4 if gps_once else 4 * WINDOW_LENGTH)
 
 
-def held_dictionaries(dictionaries: _v2.Dictionaries, row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The entries of the dictionary rows that ``row`` (the store's row of each held window,
-    int32) uses, renumbered ``0..R-1`` in store order, and their offsets (``HeldCodes.offsets``);
-    ``row`` is renumbered in place. Entries that several rows share (small devices') are held
-    once. Offsets are int32 unless the held entries pass 2**31."""
+def held_dictionaries(dictionaries: _v2.Dictionaries, row: np.ndarray, codes: np.ndarray, *, threads: int = 1
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """The dictionaries of the rows that ``row`` (the store's row of each held window, int32)
+    uses, merged into groups (``share_rows``), and each held row's offsets into them
+    (``HeldCodes.offsets``); ``row`` is renumbered ``0..R-1`` in store order, consecutive rows
+    that start at the same entries (a group's, or small devices' that share a row) made one,
+    and ``codes`` (the held int16 codes, (n, 20, 3) with rows of any stride: code - CODE_BIAS)
+    recoded into the groups' unions, both in place. Entries that several rows share are held
+    once. Offsets are int32 unless the held entries pass 2**31.
+
+    Why the groups: a batch's lookups spread over the whole table, which holds each shared row
+    of small devices whole (every value of up to 2,048 windows): for the same 1 M windows, 3.57 M
+    entries (14 MB) at 100,000 devices against 1.51 M at 186 devices, past what the CPU caches
+    hold. Merged, devices that share calibrated values share one union a channel.
+    Memory: the held entries (4 B each, at most those of the rows used) and ``share_rows``' remap
+    (2 B an entry of a group's rows after its first, which bring at most half as many new
+    entries: the two within 4 B an entry of the rows used); the row offsets, into the table and
+    into the remap (240 B a row each: the 480 B a row the budget counts); per recoding thread,
+    one slice's index and new codes (``_RECODE_SLICE`` windows: 3.9 and 2 MB)."""
     used = np.zeros(dictionaries.n_rows, dtype=bool)
     used[row] = True
     renumber = (np.cumsum(used) - 1).astype(np.int32)
     np.take(renumber, row, out=row)
-    kept = dictionaries.kept(used)
-    values, start = kept.values, kept.start
-    dtype = np.int32 if len(values) + CODE_BIAS < 2**31 else np.int64
-    offsets = np.tile((start + CODE_BIAS).astype(dtype), (1, WINDOW_LENGTH))  # sample-major
-    return np.ascontiguousarray(values, dtype=np.float32), offsets
+    shared = share_rows(dictionaries.values, dictionaries.start[used], dictionaries.sizes()[used],
+                        _v2.MAX_ENTRIES)
+    if shared is None:  # no two rows merge: their entries as stored
+        kept = dictionaries.kept(used)
+        values, start = np.ascontiguousarray(kept.values, dtype=np.float32), kept.start
+    else:
+        _recode(codes, row, _row_offsets(shared.remap_start, len(shared.remap)), shared.remap, shared.recoded,
+                threads)
+        values, start = shared.values, shared.start
+    # consecutive rows that start at the same entries (a group's, small devices' sharing a row)
+    # become one held row: a batch then gathers each window's offsets (240 B) from one row a
+    # group, not from one a device (24 MB of offsets at 100,000 devices)
+    opens = np.ones(len(start), dtype=bool)
+    opens[1:] = (start[1:] != start[:-1]).any(axis=1)
+    if not opens.all():
+        np.take((np.cumsum(opens) - 1).astype(np.int32), row, out=row)
+        start = start[opens]
+    return values, _row_offsets(start, len(values))
+
+
+# Windows a recode step takes: an int32 index (3.9 MB) and the new codes (2 MB) a thread; 61
+# steps for 1 M windows keep the threads busy
+_RECODE_SLICE = 16_384
+
+
+def _row_offsets(start: np.ndarray, n_values: int) -> np.ndarray:
+    """``HeldCodes.offsets`` of rows that start at ``start`` (R, 3): start + CODE_BIAS, int32 (int64
+    past 2**31 entries), repeated for the 20 samples (sample-major, the layout of a window's codes)."""
+    dtype = np.int32 if n_values + CODE_BIAS < 2**31 else np.int64
+    return np.tile((start + CODE_BIAS).astype(dtype), (1, WINDOW_LENGTH))
+
+
+def _recode(codes: np.ndarray, row: np.ndarray, offsets: np.ndarray, remap: np.ndarray, recoded: np.ndarray,
+            threads: int) -> None:
+    """Recode in place the held ``codes`` (int16 (n, 20, 3): code - CODE_BIAS) of the windows whose
+    ``row`` is ``recoded``: ``new = remap[remap_start[row, c] + code]`` (``offsets``: the rows'
+    ``remap_start`` laid out as ``HeldCodes.offsets``; a row whose codes stay points at an
+    identity), ``_RECODE_SLICE`` windows at a time on ``threads`` threads (numpy and torch release
+    the GIL); a slice without such a window is left as it is. ``remap`` is biased in place
+    (``^ CODE_BIAS``) so that the lookup gives held codes. The index is built
+    as ``decode_host`` builds it (one row gather, one add) and looked up by torch's
+    index_select, below its parallel grain: 0.22 CPU s for 1 M windows against 0.60 for a
+    broadcast add and numpy's take (synthetic, one thread)."""
+    np.bitwise_xor(remap, np.uint16(CODE_BIAS), out=remap)
+    table = torch.from_numpy(remap.view(np.int16))
+    flat = codes.view()
+    flat.shape = (len(codes), _PACKED_ROW)  # raises rather than copy: the codes are recoded in place
+
+    def one(first: int) -> None:
+        rows = row[first : first + _RECODE_SLICE]
+        if not np.take(recoded, rows).any():  # a device's windows lie together in store order
+            return
+        at = slice(first, first + len(rows))
+        index = _scratch("recode_index", (len(rows), _PACKED_ROW), offsets.dtype)
+        np.take(offsets, rows, axis=0, out=index, mode="clip")
+        np.add(index, flat[at], out=index)
+        new = _scratch("recode_codes", (len(rows), _PACKED_ROW), np.int16)
+        flat_index, flat_new = torch.from_numpy(index.reshape(-1)), torch.from_numpy(new.reshape(-1))
+        for step in range(0, index.size, _LOOKUP_SLICE):
+            done = step + _LOOKUP_SLICE
+            torch.index_select(table, 0, flat_index[step:done], out=flat_new[step:done])
+        flat[at] = new
+
+    with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="birdzarr-recode") as pool:
+        list(pool.map(one, range(0, len(row), _RECODE_SLICE)))
 
 
 def _fill_ldt(reader: ChunkReader, chunk: int, local: np.ndarray, ldt: np.ndarray | None,

@@ -1,4 +1,5 @@
-"""One dictionary per channel shared by consecutive chunks of a resident dict16 selection.
+"""One dictionary per channel shared by consecutive chunks of a resident dict16 selection, or by
+consecutive dictionary rows of a resident version-2 selection (``share_rows``).
 
 A dict16 chunk stores each channel's distinct values and a 16-bit code per value. Consecutive
 chunks of a device-ordered store hold the same device's values, so their dictionaries overlap
@@ -13,6 +14,13 @@ hundred KB, held by the CPU's L2 cache) for many windows at a time: the host dec
 took 3.84 against 4.39 ms with every chunk's dictionary apart, measured when birdzarr still
 wrote dict16 stores (the two versions alternated). The recode costs one pass over the codes
 while loading.
+
+A version-2 store holds one dictionary row per device, and small devices' shared rows each hold
+the union of up to 2,048 windows' values: the held table grows with the devices (3.57 M entries
+at 100,000 devices against 1.51 M at 186, for the same 1 M windows). ``share_rows`` merges the
+rows with the same greedy grouping (``_groups``), with one more rule: a row joins only if at
+least half its entries are in the group already (estimated first on a hashed sample of its
+entries, so that rows with nothing in common, devices calibrated one by one, are never sorted).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from birdzarr.format._spec import N_CHANNELS
+from birdzarr.format._v2 import sorted_distinct
 
 MAX_ENTRIES = 2**16  # values of one channel a 16-bit code can address
 
@@ -54,7 +63,8 @@ def share_dictionaries(dictionaries: Sequence[Sequence[np.ndarray]], codes: np.n
     (numpy's take releases the GIL)."""
     # Nothing per chunk is kept beyond its dictionaries, which the caller holds already: sorted
     # copies are made again where needed, so the merge needs no memory but the unions.
-    groups = _groups(dictionaries)
+    groups = [(first, stop, _sorted(dictionaries[first]) if unions is None else unions)
+              for first, stop, unions in _groups(dictionaries)]
     values: list[np.ndarray] = []
     offsets = np.zeros((len(dictionaries), N_CHANNELS), dtype=np.int64)
     at = 0
@@ -82,26 +92,180 @@ def share_dictionaries(dictionaries: Sequence[Sequence[np.ndarray]], codes: np.n
     return SharedTable(table, offsets, len(groups))
 
 
-def _groups(dictionaries: Sequence[Sequence[np.ndarray]]) -> list[tuple[int, int, list[np.ndarray]]]:
-    """Greedy runs of consecutive chunks ``[first, stop)`` whose unions (sorted bit patterns,
-    per channel) stay within ``MAX_ENTRIES``."""
-    groups: list[tuple[int, int, list[np.ndarray]]] = []
-    first, unions = 0, None
+# A row joins a group only if at least this fraction of its entries are in the group already
+MIN_SHARED = 0.5
+
+
+@dataclass(frozen=True)
+class SharedRows:
+    """Dictionary rows merged into groups (``share_rows``): the held table, where each row's
+    dictionaries start in it, and how the codes of the rows whose dictionaries moved change."""
+
+    values: np.ndarray  # float32 (entries held): group after group, channel after channel
+    start: np.ndarray  # int64 (R, channels): where each row's (group's) dictionaries start in ``values``
+    # uint16: the new code of each old code, row after row (``remap_start``), then the identity
+    # (``max_entries`` codes) that every row whose codes stay as they are points at
+    remap: np.ndarray
+    remap_start: np.ndarray  # int64 (R, channels): new code = remap[remap_start[row, c] + old code]
+    recoded: np.ndarray  # bool (R,): rows whose codes change
+    groups: int
+
+
+def share_rows(values: np.ndarray, start: np.ndarray, sizes: np.ndarray, max_entries: int
+               ) -> SharedRows | None:
+    """Merge consecutive dictionary rows the way ``share_dictionaries`` merges chunks:
+    consecutive rows form a group while, in every channel, the union of their entries (float32
+    bit patterns: NaN payloads and -0.0 survive) holds at most ``max_entries``, and while each row
+    after the first has at least ``MIN_SHARED`` of its entries in the group already (rows with
+    little in common, such as devices calibrated one by one, stay apart: merging them would
+    shrink nothing and cost a recode). Row ``r``'s channel ``c`` holds
+    ``values[start[r, c] : start[r, c] + sizes[r, c]]`` (a version-2 store's arrays: ``values``
+    may hold rows not given). Consecutive rows that start at the same entries (small devices
+    sharing a row's entries) count as one. A group's union of a channel is its first row's
+    entries in their order, then the others' new values (sorted by bit pattern): the first row's
+    codes, and those of a row alone, stay as they are. None where no row joins another, or where
+    rows share entries other than as consecutive rows in every channel (no birdzarr writer does
+    that): the caller holds the rows as they are.
+
+    Memory: the held entries (``values``: at most those of the rows given, 4 B each), ``remap``
+    (2 B an entry of the rows after a group's first: at most half as many new entries as they
+    hold, so the two together stay within the rows' 4 B an entry), while building, the sorted
+    unions of the groups of several (one group's, at most ``max_entries`` a channel, once
+    ``values`` is being written: its pages are taken as they are written)."""
+    n_rows = len(start)
+    opens = np.ones(n_rows, dtype=bool)
+    opens[1:] = (start[1:] != start[:-1]).any(axis=1)
+    unit_start, unit_sizes = start[opens], sizes[opens]  # rows sharing entries counted once
+    flat = unit_start.reshape(-1)
+    if len(sorted_distinct(flat)) < len(flat):  # entries shared otherwise: not merged
+        return None
+    rows = [[values[a : a + n] for a, n in zip(first, count, strict=True)]
+            for first, count in zip(unit_start.tolist(), unit_sizes.tolist(), strict=True)]
+    groups = _groups(rows, max_entries, MIN_SHARED)
+    if len(groups) == len(rows):
+        return None
+    channels = unit_start.shape[1]
+    union_sizes = [[len(u) for u in unions] if unions is not None else [len(d) for d in rows[first]]
+                   for first, _, unions in groups]
+    table = np.empty(sum(map(sum, union_sizes)), dtype=np.float32)
+    later = sum(int(unit_sizes[first + 1 : stop].sum()) for first, stop, _ in groups)
+    remap = np.empty(later + max_entries, dtype=np.uint16)
+    remap[later:] = np.arange(max_entries, dtype=np.uint16)
+    new_start = np.empty(unit_start.shape, dtype=np.int64)
+    remap_start = np.full(unit_start.shape, later, dtype=np.int64)
+    recoded = np.zeros(len(rows), dtype=bool)
+    at = remap_at = 0
+    for g, (first, stop, unions) in enumerate(groups):
+        for c in range(channels):
+            new_start[first:stop, c] = at
+            own = _bits(rows[first][c])
+            table[at : at + len(own)] = own.view(np.float32)
+            if unions is not None:  # a group of several: the others' new values after the first's
+                union = unions[c]
+                in_first = np.zeros(len(union), dtype=bool)
+                at_sorted = np.searchsorted(union, own)
+                in_first[at_sorted] = True
+                table[at + len(own) : at + len(union)] = union[~in_first].view(np.float32)
+                place = np.empty(len(union), dtype=np.uint16)  # sorted position -> position held
+                place[at_sorted] = np.arange(len(own), dtype=np.uint16)
+                place[~in_first] = np.arange(len(own), len(union), dtype=np.uint16)
+                for u in range(first + 1, stop):
+                    bits = _bits(rows[u][c])
+                    # keys in their own order: sorting them first (as share_dictionaries does)
+                    # cost more than it saved (a union of a few thousand entries stays in cache)
+                    remap[remap_at : remap_at + len(bits)] = place[np.searchsorted(union, bits)]
+                    remap_start[u, c] = remap_at
+                    remap_at += len(bits)
+            at += union_sizes[g][c]
+        if unions is not None:
+            recoded[first + 1 : stop] = True
+            groups[g] = (first, stop, None)  # its sorted unions: no longer needed
+    unit_of_row = np.cumsum(opens) - 1
+    return SharedRows(table, new_start[unit_of_row], remap, remap_start[unit_of_row], recoded[unit_of_row],
+                      len(groups))
+
+
+def _groups(dictionaries: Sequence[Sequence[np.ndarray]], max_entries: int = MAX_ENTRIES,
+            min_shared: float = 0.0) -> list[tuple[int, int, list[np.ndarray] | None]]:
+    """Greedy runs of consecutive chunks (or rows) ``[first, stop)`` whose unions (sorted bit
+    patterns, per channel) stay within ``max_entries`` and, where ``min_shared`` is set, each of
+    whose members after the first has at least that fraction of its entries (all channels
+    together) in the union already: a member that would bring mostly new entries opens a group,
+    so that dictionaries with little in common are not merged (that shrinks nothing and costs a
+    recode). With ``min_shared`` the fraction is first estimated on samples (``_sample``), and a
+    member that clearly shares too little is never sorted. A group of one member comes back with
+    ``None`` for its unions."""
+    groups: list[tuple[int, int, list[np.ndarray] | None]] = []
+    first, unions, samples = 0, None, []
     for i, chunk in enumerate(dictionaries):
-        own = [np.sort(_bits(d)) for d in chunk]  # a dictionary's values are distinct already
-        if unions is None:
-            unions = own
+        own_samples = [_sample(_bits(d)) for d in chunk] if min_shared else []
+        if i == 0:
+            unions, samples = (None if min_shared else _sorted(chunk)), own_samples
             continue
-        missing = [_missing(union, d) for union, d in zip(unions, own, strict=True)]
-        if any(len(u) + len(values) > MAX_ENTRIES for u, (_, values) in zip(unions, missing, strict=True)):
-            groups.append((first, i, unions))
-            first, unions = i, own
-        else:  # inserted where they sort: one copy of the union, no sort of it
-            unions = [np.insert(u, at, values) if len(values) else u
-                      for u, (at, values) in zip(unions, missing, strict=True)]
-    if unions is not None:
-        groups.append((first, len(dictionaries), unions))
+        own = joined = None
+        if not (min_shared and _shares_too_little(samples, own_samples, min_shared)):
+            unions = _sorted(dictionaries[first]) if unions is None else unions
+            own = _sorted(chunk)
+            joined = _joined(unions, own, max_entries, min_shared)
+        if joined is None:  # a group of one keeps no unions: what a caller holds stays bounded
+            groups.append((first, i, unions if i - first > 1 else None))
+            first, unions, samples = i, own, own_samples
+        else:
+            unions = joined
+            samples = _merged(samples, own_samples)
+    if len(dictionaries):
+        groups.append((first, len(dictionaries), unions if len(dictionaries) - first > 1 else None))
     return groups
+
+
+def _merged(unions: list[np.ndarray], own: list[np.ndarray]) -> list[np.ndarray]:
+    """The sorted ``unions`` with the sorted ``own`` in them."""
+    return _inserted(unions, [_missing(union, d) for union, d in zip(unions, own, strict=True)])
+
+
+def _inserted(unions: list[np.ndarray], missing: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
+    """The missing values inserted where they sort: one copy of each union, no sort of it."""
+    return [np.insert(u, at, values) if len(values) else u
+            for u, (at, values) in zip(unions, missing, strict=True)]
+
+
+def _sorted(chunk: Sequence[np.ndarray]) -> list[np.ndarray]:
+    return [np.sort(_bits(d)) for d in chunk]  # a dictionary's values are distinct already
+
+
+def _joined(unions: list[np.ndarray], own: list[np.ndarray], max_entries: int, min_shared: float
+            ) -> list[np.ndarray] | None:
+    """The unions with ``own`` (sorted) merged in, or None where some channel would pass
+    ``max_entries`` or fewer than ``min_shared`` of own's entries are in the unions already."""
+    missing = [_missing(union, d) for union, d in zip(unions, own, strict=True)]
+    if any(len(u) + len(values) > max_entries for u, (_, values) in zip(unions, missing, strict=True)):
+        return None
+    if min_shared and sum(len(v) for _, v in missing) > (1 - min_shared) * sum(len(d) for d in own):
+        return None
+    return _inserted(unions, missing)
+
+
+# A sample keeps the entries whose multiplicative hash has its top 5 bits 0 (about 1 in 32): the
+# same values in every dictionary, so an entry of a member's sample is in the group's union
+# exactly where it is in the union of its members' samples
+_SAMPLE_SHIFT = np.uint32(27)
+_SAMPLE_HASH = np.uint32(0x9E3779B1)
+_SAMPLE_MIN = 64  # fewer sampled entries than this: decided exactly (cheap at that size)
+
+
+def _sample(bits: np.ndarray) -> np.ndarray:
+    """The sorted entries of ``bits`` (uint32) in the sample."""
+    return np.sort(bits[(bits * _SAMPLE_HASH) >> _SAMPLE_SHIFT == 0])
+
+
+def _shares_too_little(samples: list[np.ndarray], own: list[np.ndarray], min_shared: float) -> bool:
+    """Whether the samples say that fewer than ``min_shared`` of a member's entries are in the
+    group (``samples``: the union of its members' samples): only with enough sampled entries."""
+    total = sum(len(d) for d in own)
+    if total < _SAMPLE_MIN:
+        return False
+    new = sum(len(_missing(union, d)[1]) for union, d in zip(samples, own, strict=True))
+    return total - new < min_shared * total
 
 
 def _missing(union: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
