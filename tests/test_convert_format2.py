@@ -101,7 +101,8 @@ def test_every_device_order_path_writes_the_same_bytes_and_the_source_windows(
     names = sorted(p.parent.name for p in root.glob("*/zarr.json"))
     assert names == sorted([*_v2.ARRAYS, "device", "timestamp", "label", "device_table"])
     arrays = [p for p in root.rglob("zarr.json") if json.loads(p.read_text())["node_type"] == "array"]
-    assert len(arrays) == 9 + 7 + 1  # the window and dictionary arrays; the device table's index and details
+    # the window and dictionary arrays; the device table's index, its range_checksum and details
+    assert len(arrays) == 9 + 7 + 1 + 1
     for meta_path in arrays:
         assert {c["name"] for c in json.loads(meta_path.read_text())["codecs"]} <= CORE, meta_path
     # the root holds no per-device data: the device table is its own group, read when used

@@ -438,6 +438,7 @@ def test_the_device_table_read_as_columns_holds_its_entries(tmp_path: pathlib.Pa
 def test_a_table_the_columns_cannot_read_is_read_as_before(store_copy: pathlib.Path) -> None:
     """A checksum that is not 8 hex digits, or a number past int64, is not read by the patterns:
     the table is read through its entries, and verify says what it always said."""
+    from birdzarr.format import _device_table
     from birdzarr.maintenance import _verify
 
     def odd(devices: list[dict]) -> str:
@@ -445,8 +446,11 @@ def test_a_table_the_columns_cannot_read_is_read_as_before(store_copy: pathlib.P
         return str(devices[3]["device_id"])
 
     device = rewrite_device_table(store_copy, odd)
+    # its writers write no range_checksum array for it: the array cannot hold "not-hex!"
+    assert "range_checksum" not in _device_table.columns(birdzarr.open_store(store_copy).device_table)
+    shutil.rmtree(store_copy / "device_table" / "1" / "range_checksum")
     store = birdzarr.open_store(store_copy)
-    assert _verify.device_table_columns(store).range_checksum[3] == b"not-hex!"
+    assert _verify.device_table_columns(store, details=False).range_checksum[3] == b"not-hex!"
     assert "device_table" in store.__dict__  # read through the entries
     problems = [p for p in verify(store_copy).problems if "checksum" in p]
     assert len(problems) == 1 and problems[0].startswith(f"device {device}, windows [")

@@ -13,7 +13,13 @@ worker). A version-2 store keeps them in the group ``device_table/<generation>``
 - core-codec int64 arrays, an index of the entries for readers that need only these columns:
   ``device_id``, ``n_windows``, ``first_time``, ``last_time`` (one a device, ascending id) and
   ``range_device``, ``range_start``, ``range_stop`` (one a run of windows ``[start, stop)`` of
-  device ``range_device``, by start; none in a shuffled store).
+  device ``range_device``, by start; none in a shuffled store);
+- the check columns (``CHECKS``), int64 beside the index, so that ``verify`` reads the
+  recorded checksums without the details' JSON: ``range_checksum`` (each range's CRC-32C,
+  0..2**32-1, aligned with ``range_start``) where every range's checksum is 8 hex digits, and
+  ``scattered_digest`` (each device's order-free digest, its uint64 bits as two's complement,
+  aligned with ``device_id``) where the table has devices and every one has a digest (a shuffled
+  store). A table written before them, or whose entries these cannot hold, has them not.
 
 The root attribute ``committed.device_table`` names the committed generation's group, so a commit
 writes the new group first and the root last: a run killed in between leaves the previous
@@ -39,6 +45,7 @@ from birdzarr.format._spec import DeviceEntry, DeviceReport
 GROUP = "device_table"
 COLUMNS = ("device_id", "n_windows", "first_time", "last_time")
 RANGES = ("range_device", "range_start", "range_stop")
+CHECKS = ("range_checksum", "scattered_digest")  # the recorded checks (module doc), where written
 _CODECS = [{"name": "bytes", "configuration": {"endian": "little"}},
            {"name": "blosc", "configuration": {"cname": "zstd", "clevel": 3, "shuffle": "shuffle",
                                                "typesize": 8, "blocksize": 0}},
@@ -53,7 +60,8 @@ def path(generation: int) -> str:
 
 def columns(entries: list[DeviceEntry], runs: Sequence[DeviceColumns] = ()) -> dict[str, np.ndarray]:
     """The index arrays of ``entries`` and of the devices of ``runs`` (ascending device id); the
-    ranges by (start, stop, device)."""
+    ranges by (start, stop, device); and the check columns (``CHECKS``), each where the entries
+    can hold it (module doc)."""
     entries = sorted(entries, key=lambda e: e.device_id)
     n = len(entries)
     out = {
@@ -65,6 +73,8 @@ def columns(entries: list[DeviceEntry], runs: Sequence[DeviceColumns] = ()) -> d
     device = np.array([e.device_id for e in entries for _ in e.ranges], np.int64)
     start = np.array([r.start for e in entries for r in e.ranges], np.int64)
     stop = np.array([r.stop for e in entries for r in e.ranges], np.int64)
+    checksum = hex_values([r.checksum for e in entries for r in e.ranges], 8)
+    digest = hex_values([e.scattered_digest for e in entries], 16)
     if runs:
         parts = [(out["device_id"], out["n_windows"], out["first_time"], out["last_time"])]
         parts += [(r.device_ids, r.counts, r.first_times, r.last_times) for r in runs]
@@ -76,9 +86,45 @@ def columns(entries: list[DeviceEntry], runs: Sequence[DeviceColumns] = ()) -> d
         device = np.concatenate([device, *(r.device_ids[h] for r, h in zip(ranged, held, strict=True))])
         start = np.concatenate([start, *(r.starts[h] for r, h in zip(ranged, held, strict=True))])
         stop = np.concatenate([stop, *(r.starts[h] + r.counts[h] for r, h in zip(ranged, held, strict=True))])
+        if checksum is not None:
+            checksum = np.concatenate([checksum, *(r.checksums[h]
+                                                   for r, h in zip(ranged, held, strict=True))])
+        if digest is not None and not ranged:  # every device scattered
+            digest = np.concatenate([digest, *(r.digests.view(np.int64) for r in runs
+                                               if r.digests is not None)])[by_id]
+        else:
+            digest = None
     order = np.lexsort((device, stop, start))  # the last key first: start, then stop, then device
     out["range_device"], out["range_start"], out["range_stop"] = device[order], start[order], stop[order]
+    if checksum is not None:
+        out["range_checksum"] = checksum.astype(np.int64)[order]
+    if digest is not None and len(out["device_id"]):
+        out["scattered_digest"] = digest.astype(np.int64)
     return out
+
+
+_HEX_VALUE = np.full(256, 255, np.uint8)
+_HEX_VALUE[np.frombuffer(b"0123456789abcdef", np.uint8)] = np.arange(16, dtype=np.uint8)
+
+
+def hex_values(texts: Sequence[str | None] | np.ndarray, width: int) -> np.ndarray | None:
+    """The check columns' values (``CHECKS``) of the entries' text: texts of ``width`` lowercase
+    hex digits (str, or a numpy bytes array) as integers (int64: a 16-digit value's uint64 bits as
+    two's complement); None where one is None, of another length or holds another character."""
+    if isinstance(texts, np.ndarray):  # bytes: a shorter one ends with NULs, which are no digits
+        if len(texts) and texts.dtype != np.dtype(f"S{width}"):
+            return None
+        spelled = texts.astype(f"S{width}").tobytes()
+    elif all(text is not None and len(text) == width for text in texts):
+        spelled = "".join([text or "" for text in texts]).encode("latin-1", "replace")
+    else:
+        return None
+    digits = _HEX_VALUE[np.frombuffer(spelled, np.uint8)]
+    if (digits > 15).any():
+        return None
+    shifts = np.arange(4 * (width - 1), -1, -4, dtype=np.uint64)
+    values = (digits.reshape(-1, width).astype(np.uint64) << shifts).sum(axis=1, dtype=np.uint64)
+    return values.view(np.int64)
 
 
 # The details' JSON, spelled out a device at a time: the text ``json.dumps(details,

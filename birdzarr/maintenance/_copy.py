@@ -334,6 +334,9 @@ def _device_table_objects(store: Store) -> dict[str, bool]:
     names = [*_device_table.COLUMNS, *(() if store.shuffled else _device_table.RANGES)]
     if details_in_array(store.location, where):  # else (an older store) in the group's attributes
         names.append(_device_table.DETAILS)
+    # the check columns where the table has them (a table written before them has none)
+    names += [name for name in _device_table.CHECKS
+              if store.location.fs.exists(store.location.join(f"{where}/{name}/zarr.json"))]
     for name in names:
         document = read_array_meta(store.location, f"{where}/{name}")
         meta = ArrayV3Metadata.from_dict(document)

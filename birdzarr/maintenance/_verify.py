@@ -17,7 +17,12 @@ Checks, in one pass over the committed chunks (each chunk file is read once):
 On a format-2 store the windows are decoded from ``gimu_codes``, ``gimu_row`` and ``gps_speed``
 with the dictionaries (``dict_values``, ``dict_start``, ``dict_device``, every chunk read and
 checked first); every code is checked against its row's dictionary and every window's row
-against its ``device`` id, and the device table group's index arrays against its entries.
+against its ``device`` id. The device table is read from its group's index and check arrays
+(``range_checksum``, ``scattered_digest``) where it has them, its entries' JSON only checked
+chunk by chunk (CRC-32C), and parsed only with ``source`` or once the pass found a difference:
+where an array then disagrees with the entries, the pass runs again with the entries (what the
+array made it find is not damage of the windows), and says which array. A table written before
+the check arrays is read from its entries, and its index arrays checked against them.
 Damaged dictionaries stop every window from decoding: said once, not once a range or device.
 
 With ``source``, the windows, times and labels are derived again from the source files (with the
@@ -152,10 +157,15 @@ def verify(
     committed = opened.root.get("committed") or {}  # the root attributes hold it (no device table read)
     generation = int(committed.get("generation", 0))
     result = VerifyResult(url=opened.url, n_windows=len(opened), generation=generation)
-    table = device_table_columns(opened)
-    _check_table_arrays(opened, table, result)
-    ranges = _check_table(opened, table, result)
-    digests = _check_chunks(opened, table, ranges, result, progress=progress)
+    # the recorded checks from the index arrays alone; the source's comparison needs every field
+    table = device_table_columns(opened, details=sources is not None)
+    digests = _check_store(opened, table, result, progress=progress)
+    if table.index_of is not None and not result.ok and _index_disagrees(opened):
+        # what the arrays made the pass find is not damage of the windows: the pass again with the
+        # entries says what is, as for a table without the check arrays
+        result = VerifyResult(url=opened.url, n_windows=len(opened), generation=generation)
+        table = device_table_columns(opened)
+        digests = _check_store(opened, table, result, progress=progress)
     if sources is not None:
         _compare_with_source(opened, *sources, result, digests, table=table)
     for name, length in short_arrays(opened.location, len(opened), window_arrays(opened.format_version)):
@@ -186,22 +196,35 @@ def _table_index(store: Store) -> tuple[np.ndarray, np.ndarray]:
 
 def _check_table_arrays(store: Store, table: _Table, result: VerifyResult) -> None:
     """A format-2 store's device table index arrays (``device_table/<generation>/...``): every
-    chunk present and intact, and their columns equal to the entries they index."""
+    chunk present and intact, and their columns equal to the entries they index; the check
+    arrays where the table has them. A table read from these arrays (``_Table.index_of``) was
+    found whole by reading them: its details' chunks are checked present and intact instead
+    (their CRC-32C, the JSON not parsed)."""
     from birdzarr.format import _device_table
     from birdzarr.store._device_table import details_in_array, table_path
 
     where = table_path(store.root)
     if where is None:
         return
+    if table.index_of is not None:
+        _check_details_chunks(store, where, result)
+        return
     ids, order = table.sorted_ids()
-    expected = {"device_id": ids, "n_windows": table.n_windows[order],
-                "first_time": table.first_time[order], "last_time": table.last_time[order]}
+    expected: dict[str, np.ndarray | None] = {
+        "device_id": ids, "n_windows": table.n_windows[order], "first_time": table.first_time[order],
+        "last_time": table.last_time[order],
+        "scattered_digest": _device_table.hex_values([table.scattered_digest[k] for k in order.tolist()], 16)
+        if len(table) else None}
     if not store.shuffled:
         owner = table.ids[table.range_entry]
         runs = np.lexsort((owner, table.range_stop, table.range_start))  # by start, stop, device
         expected.update(range_device=owner[runs], range_start=table.range_start[runs],
-                        range_stop=table.range_stop[runs])
-    for name in (*_device_table.COLUMNS, *(() if store.shuffled else _device_table.RANGES)):
+                        range_stop=table.range_stop[runs],
+                        range_checksum=_device_table.hex_values(table.range_checksum[runs], 8))
+    # the check arrays are read where the table has them (one written before them has none)
+    checks = [name for name in _device_table.CHECKS
+              if name in expected and _has_array(store.location, where, name)]
+    for name in (*_device_table.COLUMNS, *(() if store.shuffled else _device_table.RANGES), *checks):
         try:
             chunks = ArrayChunks.open(store.location, f"{where}/{name}")
         except BirdzarrError as exc:
@@ -219,12 +242,70 @@ def _check_table_arrays(store: Store, table: _Table, result: VerifyResult) -> No
         if not sound:
             continue
         column = np.concatenate(parts) if parts else np.empty(0, np.int64)
-        want = expected[name]
-        if len(column) != len(want) or (column != want).any():
+        want = expected[name]  # None: the entries hold what this array cannot
+        if want is None or len(column) != len(want) or (column != want).any():
             held = f"{where}/{_device_table.DETAILS}" if details_in_array(store.location, where) else \
                 f"{where}/zarr.json"
             result.problem(f"device table: its index array '{where}/{name}' disagrees with the entries it "
                            f"indexes (in '{held}'); {RESTORE_HINT}")
+
+
+def _has_array(location: Location, where: str, name: str) -> bool:
+    """Whether the table group at ``where`` holds the array ``name`` (its zarr.json)."""
+    return bool(location.fs.exists(location.join(f"{where}/{name}/zarr.json")))
+
+
+def _check_details_chunks(store: Store, where: str, result: VerifyResult) -> None:
+    """Every chunk of the table's ``details`` array present and intact (its CRC-32C), read one at
+    a time (4 MiB at most) and not decoded; a table whose group attributes hold its details has
+    none."""
+    from birdzarr.format import _device_table
+    from birdzarr.format._codec import crc32c_intact
+    from birdzarr.store._device_table import details_in_array
+
+    if not details_in_array(store.location, where):
+        return
+    try:
+        chunks = ArrayChunks.open(store.location, f"{where}/{_device_table.DETAILS}")
+    except ChunkFetchError:
+        raise
+    except BirdzarrError as exc:
+        result.problem(str(exc))
+        return
+    for index in range(chunks.n_chunks):
+        key = chunks.key(index)
+        try:
+            data = read_object(store.location, key)
+        except ChunkFetchError:
+            raise
+        except MissingChunkError as exc:
+            result.problem(str(exc))
+            continue
+        if not crc32c_intact(data):
+            result.problem(f"{store.location.display}: chunk '{key}' fails its CRC-32C: the device table's "
+                           f"entries changed after they were written; {RESTORE_HINT}")
+
+
+def _check_store(store: Store, table: _Table, result: VerifyResult, *, progress: bool) -> _Digests | None:
+    """The table's checks and the pass over every chunk (``verify`` without its source)."""
+    _check_table_arrays(store, table, result)
+    ranges = _check_table(store, table, result)
+    return _check_chunks(store, table, ranges, result, progress=progress)
+
+
+def _index_disagrees(store: Store) -> bool:
+    """Whether an index or check array of the table disagrees with the entries it indexes (the
+    details' JSON, read here: after a pass that read the arrays alone found differences). False
+    where the entries cannot be read: their damage was said (``_check_details_chunks``)."""
+    try:
+        entries = device_table_columns(store)
+    except ChunkFetchError:
+        raise
+    except MissingChunkError:
+        return False
+    found = VerifyResult(url=store.url, n_windows=len(store), generation=0)
+    _check_table_arrays(store, entries, found)
+    return not found.ok
 
 
 @dataclass
@@ -411,10 +492,15 @@ _HEX_DIGITS = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
 
 
 def _hex8(values: np.ndarray) -> np.ndarray:
-    """Each uint32 as 8 lowercase hex digits (``f"{v:08x}"`` as bytes, for all at once)."""
-    shifts = np.arange(28, -4, -4, dtype=np.uint32)
-    nibbles = (values[:, None] >> shifts) & np.uint32(0xF)
-    return _HEX_DIGITS[nibbles].view("S8").ravel()
+    """Each value below 2**32 as 8 lowercase hex digits (``f"{v:08x}"`` as bytes, for all at once)."""
+    return _hex(values.astype(np.uint32), 8)
+
+
+def _hex(values: np.ndarray, digits: int) -> np.ndarray:
+    """Each unsigned value as ``digits`` lowercase hex digits (bytes, for all at once)."""
+    shifts = np.arange(4 * (digits - 1), -4, -4, dtype=values.dtype)
+    nibbles = (values[:, None] >> shifts) & values.dtype.type(0xF)
+    return _HEX_DIGITS[nibbles].view(f"S{digits}").reshape(-1)
 
 
 def _decode_checked(data: dict[str, np.ndarray], dicts: _v2.Dictionaries | None, index: int,
@@ -529,7 +615,9 @@ def _finish_scattered(table: _Table, hashers: dict[int, Any], digests: _Digests,
 # lists that mix numbers and a string (which that parser cannot type), and the label counts are
 # taken from the text by patterns anchored at each entry, checked against the parsed entries.
 # Anything else (another layout, a value of another type, a number past int64, damage) reads the
-# table as before, through ``Store.device_table``, with its errors.
+# table as before, through ``Store.device_table``, with its errors. Where the table group has its
+# check arrays, verify without a source reads none of this text (``_Table.of_columns``): parsing
+# it was 0.6-0.85 CPU s at 100,000 devices, the most of what verify cost a device.
 
 class _Syntax(NamedTuple):
     """How a table's JSON is written: its text before the entries, and the patterns for them."""
@@ -569,7 +657,9 @@ _IN_ARRAY = _syntax(b",", b":", b'{"devices":[', in_attributes=False)
 @dataclass
 class _Table:
     """The device table's entries as columns, in the table's order (entry ``k`` is row ``k``);
-    the ranges entry by entry (``range_entry``: the row of each range's entry)."""
+    the ranges entry by entry (``range_entry``: the row of each range's entry). Read from a
+    format-2 table's index and check arrays alone (``of_columns``: ``index_of`` names the group),
+    it holds no sources and label counts (``sources``, ``entry`` need the entries' JSON)."""
 
     ids: np.ndarray
     n_windows: np.ndarray
@@ -582,14 +672,71 @@ class _Table:
     scattered_checksum: list[str | None]
     scattered_digest: list[str | None]
     # each entry's sources: a list, or of all entries at once: the distinct names, each entry's
-    # names as their positions there, and where each entry's begin (``_names``)
-    _sources: list[list[str]] | tuple[list[str], np.ndarray, np.ndarray]
+    # names as their positions there, and where each entry's begin (``_names``); None: not read
+    _sources: list[list[str]] | tuple[list[str], np.ndarray, np.ndarray] | None
     # each entry's label counts: a dict, or of all entries at once the text of their JSON objects
-    # end to end and where each begins
-    _label_counts: list[dict[int, int]] | tuple[bytes, np.ndarray]
+    # end to end and where each begins; None: not read
+    _label_counts: list[dict[int, int]] | tuple[bytes, np.ndarray] | None
+    index_of: str | None = None  # the table group whose arrays alone gave this table
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def _named(self) -> list[list[str]] | tuple[list[str], np.ndarray, np.ndarray]:
+        if self._sources is None:
+            raise RuntimeError("the table was read without its entries' sources (device_table_columns "
+                               "with details=False)")
+        return self._sources
+
+    def _labelled(self) -> list[dict[int, int]] | tuple[bytes, np.ndarray]:
+        if self._label_counts is None:
+            raise RuntimeError("the table was read without its entries' label counts "
+                               "(device_table_columns with details=False)")
+        return self._label_counts
+
+    @classmethod
+    def of_columns(cls, location: Location, where: str, shuffled: bool) -> _Table | None:
+        """The table of the group ``where``'s index and check arrays (ascending id): the recorded
+        range checksums, or a shuffled store's digests, without the entries' JSON. None where a
+        check array is absent (a table written before them, or entries they cannot hold), an array
+        cannot be read, or the arrays do not index one table: the entries are read then, and
+        verify says what is wrong. Memory: the arrays (8 bytes a device and 32 a range) and the
+        checksums' text (8 bytes a range; a digest a device as a str)."""
+        from birdzarr.format import _device_table as spec
+
+        names = [*spec.COLUMNS, *(("scattered_digest",) if shuffled else (*spec.RANGES, "range_checksum"))]
+        try:
+            found = {name: _index_array(location, f"{where}/{name}") for name in names}
+        except ChunkFetchError:
+            raise
+        except (BirdzarrError, OSError, ValueError, KeyError, TypeError):
+            return None
+        ids = found["device_id"]
+        n = len(ids)
+        if any(len(found[name]) != n for name in spec.COLUMNS) or not bool((ids[1:] > ids[:-1]).all()):
+            return None
+        none: list[str | None] = [None] * n
+        if shuffled:
+            if len(found["scattered_digest"]) != n:
+                return None
+            empty = np.empty(0, np.int64)
+            entry, start, stop, checksum = empty, empty, empty, np.empty(0, "S8")
+            spelled = _hex(found["scattered_digest"].view(np.uint64), 16)
+            digests: list[str | None] = spelled.astype(str).tolist()
+        else:
+            device, start, stop, crc = (found[name] for name in (*spec.RANGES, "range_checksum"))
+            if not len(device) == len(start) == len(stop) == len(crc) or bool(((crc >> 32) != 0).any()):
+                return None  # not one column a range, or a checksum past 32 bits
+            entry = np.searchsorted(ids, device)
+            if len(device) and not bool((ids[np.minimum(entry, max(n - 1, 0))] == device).all()):
+                return None  # a range of a device that has no entry
+            order = np.lexsort((stop, start, entry))  # entry by entry, by start
+            entry, start, stop = entry[order], start[order], stop[order]
+            checksum, digests = _hex8(crc[order]), none
+        return cls(ids=ids, n_windows=found["n_windows"], first_time=found["first_time"],
+                   last_time=found["last_time"], range_entry=entry, range_start=start, range_stop=stop,
+                   range_checksum=checksum, scattered_checksum=list(none), scattered_digest=digests,
+                   _sources=None, _label_counts=None, index_of=where)
 
     @classmethod
     def of_entries(cls, entries: list[DeviceEntry]) -> _Table:
@@ -653,42 +800,46 @@ class _Table:
 
     def only_source(self, k: int) -> str | None:
         """Entry ``k``'s source file name where it names one file, else None."""
-        if isinstance(self._sources, tuple):
-            names, which, offsets = self._sources
+        held = self._named()
+        if isinstance(held, tuple):
+            names, which, offsets = held
             first = int(offsets[k])
             return names[which[first]] if int(offsets[k + 1]) - first == 1 else None
-        found = self._sources[k]
+        found = held[k]
         return found[0] if len(found) == 1 else None
 
     def only_sources(self) -> tuple[list[str], np.ndarray]:
         """The entries' distinct source file names, and each entry's only one's place among them
         (-1 where it names none or several)."""
-        if isinstance(self._sources, tuple):
-            names, which, offsets = self._sources
+        held = self._named()
+        if isinstance(held, tuple):
+            names, which, offsets = held
             one = np.diff(offsets) == 1
             only = np.full(len(self), -1, np.int64)
             only[one] = which[offsets[:-1][one]]
             return names, only
         distinct: dict[str, int] = {}
         at = [distinct.setdefault(found[0], len(distinct)) if len(found) == 1 else -1
-              for found in self._sources]
+              for found in held]
         return list(distinct), np.array(at, np.int64).reshape(-1)
 
     def sources(self, k: int) -> list[str]:
         """Entry ``k``'s source file names."""
-        if isinstance(self._sources, tuple):
-            names, which, offsets = self._sources
+        held = self._named()
+        if isinstance(held, tuple):
+            names, which, offsets = held
             return [names[i] for i in which[offsets[k] : offsets[k + 1]].tolist()]
-        return list(self._sources[k])
+        return list(held[k])
 
     def entry(self, k: int) -> DeviceEntry:
         """Entry ``k`` as ``Store.device_table`` gives it."""
-        if isinstance(self._label_counts, tuple):
-            text, where = self._label_counts
+        labelled = self._labelled()
+        if isinstance(labelled, tuple):
+            text, where = labelled
             found = json.loads(b"{" + text[int(where[k]) : int(where[k + 1])] + b"}")
             counts = {int(a): int(b) for a, b in found.items()}
         else:
-            counts = self._label_counts[k]
+            counts = labelled[k]
         a, b = np.searchsorted(self.range_entry, [k, k + 1])
         return DeviceEntry(
             device_id=int(self.ids[k]), n_windows=int(self.n_windows[k]),
@@ -803,13 +954,19 @@ def _parsed_entries(raw: bytes | bytearray, syntax: _Syntax) -> Any:
     return found.values[found.offsets[0].as_py() : found.offsets[1].as_py()]
 
 
-def device_table_columns(store: Store) -> _Table:
-    """The store's device table as columns (module note above): a format-2 table written as the
-    writers write it is read from its text; any other (and format 1's) from ``Store.device_table``."""
+def device_table_columns(store: Store, *, details: bool = True) -> _Table:
+    """The store's device table as columns (module note above). Without ``details``, a format-2
+    table that has its check arrays is read from its index arrays alone (``_Table.of_columns``: no
+    JSON, no sources or label counts); otherwise a format-2 table written as the writers write it
+    is read from its text, and any other (and format 1's) from ``Store.device_table``."""
     from birdzarr.store._device_table import table_path
 
     where = table_path(store.root)
     if where is not None and "device_table" not in store.__dict__:
+        if not details:
+            columns = _Table.of_columns(store.location, where, store.shuffled)
+            if columns is not None:
+                return columns
         found = _table_text(store.location, where)
         if found is not None:
             table = _Table.of_text(*found)
@@ -817,6 +974,15 @@ def device_table_columns(store: Store) -> _Table:
             if table is not None:
                 return table
     return _Table.of_entries(store.device_table)
+
+
+def _index_array(location: Location, key: str) -> np.ndarray:
+    """One of a table group's int64 index or check arrays, every chunk read (``ArrayChunks``'
+    errors: missing, damaged); ValueError where it is not one-dimensional int64."""
+    chunks = ArrayChunks.open(location, key)
+    if chunks.dtype != np.int64 or len(chunks.shape) != 1:
+        raise ValueError(f"'{key}' is not a one-dimensional int64 array")
+    return chunks.read_all()
 
 
 def _table_text(location: Location, where: str) -> tuple[bytes | bytearray, _Syntax] | None:
