@@ -12,7 +12,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import psutil
 
@@ -138,22 +138,54 @@ def tree_cpu() -> float:
     return total
 
 
-def run_measured(
-    argv: Sequence[str], *, interval: float = 0.05, env: dict[str, str] | None = None
-) -> tuple[float, int, str]:
-    """Run a command; return (seconds, peak RSS in bytes of its process tree, stdout).
+class Measured(NamedTuple):
+    """What ``run_measured`` saw of one command."""
 
-    Sampled every ``interval`` seconds, so a spike shorter than that can be missed; the child
-    also reports its own ``ru_maxrss`` where it matters (see ``self_peak_rss``).
+    seconds: float
+    peak: int  # the process tree's peak RSS, bytes (sampled: the sum's peak)
+    stdout: str
+    own_peak: int  # the command's own process's peak RSS (the kernel's VmHWM), bytes
+    worker_peaks: list[int]  # each descendant's VmHWM, bytes, largest first
+
+
+def _high_water(pid: int) -> int:
+    """A process's peak resident bytes so far (VmHWM in /proc/<pid>/status: Linux), 0 if gone."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def run_measured(argv: Sequence[str], *, interval: float = 0.05,
+                 env: dict[str, str] | None = None) -> Measured:
+    """Run a command; return its wall seconds, the peak RSS of its process tree, its stdout, and
+    the peak of each process in the tree.
+
+    The tree is sampled every ``interval`` seconds, so a spike of the sum shorter than that can be
+    missed; each process's own peak is its VmHWM, exact up to its last sample before it exits
+    (a process that lives less than ``interval`` may be missed).
     """
     started = time.perf_counter()
     proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
-    with PeakSampler(lambda: (tree_rss(proc.pid),), interval) as sampler:
+    peaks: dict[int, int] = {}
+
+    def measure() -> tuple[int]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for pid in [proc.pid, *(p.pid for p in psutil.Process(proc.pid).children(recursive=True))]:
+                peaks[pid] = max(peaks.get(pid, 0), _high_water(pid))
+        return (tree_rss(proc.pid),)
+
+    with PeakSampler(measure, interval) as sampler:
         out, _ = proc.communicate()
     seconds = time.perf_counter() - started
     if proc.returncode:
         raise RuntimeError(f"{' '.join(argv)} failed with exit code {proc.returncode}")
-    return seconds, sampler.peak[0], out
+    own = peaks.pop(proc.pid, 0)
+    return Measured(seconds, sampler.peak[0], out, own, sorted(peaks.values(), reverse=True))
 
 
 def self_peak_rss() -> int:

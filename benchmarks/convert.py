@@ -104,7 +104,7 @@ def convert_measured(source: str, dest: str, *extra: str, parquet: str | None = 
                "1 << 62; " + cli)
     argv = [sys.executable, "-c", cli, "convert", source, dest, "--overwrite", "--quiet", *extra]
     cpu_before, load = children_cpu(), os.getloadavg()[0]
-    wall, peak, _ = run_measured(argv)
+    wall, peak, *_ = run_measured(argv)
     cpu = children_cpu() - cpu_before
     load_after = os.getloadavg()[0]
     import birdzarr

@@ -10,7 +10,8 @@ worktree of an earlier commit).
 The source: ``--small`` devices of ``--small-windows`` windows each and one device holding the
 rest, every file written with pyarrow's default settings (row groups of 1,048,576 rows), as the
 real per-device files are. Each conversion is the CLI in its own process (``--workers``, default
-2, ``--quiet``); its wall time, CPU seconds (the process tree's rusage) and peak RSS are printed,
+2, ``--quiet``); its wall time, CPU seconds (the process tree's rusage), the peak RSS of its
+process tree and each process's own peak (VmHWM: the converting process's, each worker's) are printed,
 the two cases interleaved round by round, with the machine's load average. On a shared
 machine the wall time measures the load as much as the code; so each task's CPU seconds are
 recorded too (``convert_segment``, or with ``--shuffle`` pass 1's ``spill_group``, wrapped in
@@ -93,7 +94,8 @@ def convert_once(source: str, dest: str, *, workers: int, pythonpath: str | None
     argv = [sys.executable, "-c", _TASK_CPU + _CLI, "convert", source, dest, "--overwrite", "--quiet",
             "--workers", str(workers), *(["--shuffle", "--seed", "1"] if shuffle else [])]
     before, load = children_cpu(), os.getloadavg()[0]
-    wall, peak, _ = run_measured(argv, env=env)
+    measured = run_measured(argv, env=env)
+    wall, peak = measured.seconds, measured.peak
     cpu = children_cpu() - before
     kind = "spill_group" if shuffle else "convert_segment"
     with open(log) as lines:
@@ -106,7 +108,8 @@ def convert_once(source: str, dest: str, *, workers: int, pythonpath: str | None
              "print(json.dumps([len(s), r.get('segments', 1), r.get('shuffle', {}).get('pass_seconds')]))")
     windows, segments, passes = json.loads(subprocess.run([sys.executable, "-c", probe, dest], env=env,
                                                           check=True, capture_output=True, text=True).stdout)
-    return {"wall": wall, "cpu": cpu, "peak_mb": peak / 1e6, "load": load, "windows": windows,
+    return {"wall": wall, "cpu": cpu, "peak_mb": peak / 1e6, "own_mb": measured.own_peak / 1e6,
+            "worker_mb": [w / 1e6 for w in measured.worker_peaks], "load": load, "windows": windows,
             "segments": segments, "tasks": sorted(tasks, reverse=True), "idle_wall": makespan(tasks, workers),
             "pass1": passes[0] if passes else None}
 
@@ -145,9 +148,11 @@ def main() -> None:
                                  pythonpath=path, shuffle=args.shuffle, whole=whole)
             runs[name].append(found)
             tasks = ", ".join(f"{t:.1f}" for t in found["tasks"])
+            workers = ", ".join(f"{w:.0f} MB" for w in found["worker_mb"]) or "none"
             pass1 = "" if found["pass1"] is None else f"pass 1 {found['pass1']:.2f} s wall, "
             print(f"round {round_ + 1} {name}: {found['wall']:.2f} s wall, {pass1}{found['cpu']:.1f} CPU s, "
-                  f"{found['peak_mb']:.0f} MB peak, load {found['load']:.1f}; "
+                  f"{found['peak_mb']:.0f} MB peak (converting process {found['own_mb']:.0f} MB, workers "
+                  f"{workers}), load {found['load']:.1f}; "
                   f"{'pass-1 ' if args.shuffle else ''}tasks' CPU s {tasks}: "
                   f"{found['idle_wall']:.2f} s on {args.workers} idle workers", flush=True)
     for name, results in runs.items():
@@ -155,7 +160,9 @@ def main() -> None:
                  f"pass 1 {statistics.median(r['pass1'] for r in results):.2f} s wall, ")
         print(f"median {name}: {statistics.median(r['wall'] for r in results):.2f} s wall, {pass1}"
               f"{statistics.median(r['cpu'] for r in results):.1f} CPU s, "
-              f"{statistics.median(r['peak_mb'] for r in results):.0f} MB peak, "
+              f"{statistics.median(r['peak_mb'] for r in results):.0f} MB peak (converting process "
+              f"{statistics.median(r['own_mb'] for r in results):.0f} MB, largest worker "
+              f"{statistics.median(max(r['worker_mb'], default=0) for r in results):.0f} MB), "
               f"{statistics.median(r['idle_wall'] for r in results):.2f} s of tasks on idle workers")
 
 

@@ -25,7 +25,10 @@ first, not timed): ``RowCoder.code`` a device at a time (the reference), and
 ``RowCoder.code_runs`` on slabs of 65,536 windows of many devices, as the writers batch it
 (skipped where the coder has no ``code_runs``), each device closed after its last window.
 Each reports its wall seconds, CPU seconds (``time.process_time``: threads included) and peak
-RSS (``VmHWM``: Linux). On a shared machine compare CPU seconds, not wall time.
+RSS (``VmHWM``: Linux). On a shared machine compare CPU seconds, not wall time. ``--rounds N``
+runs every step N times, the device counts in turn, their order alternating round by round
+(the table gives medians, and the CPU ratio's median and range over rounds): one pass measures
+the machine's drift as much as the devices.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import json
 import os
 import pathlib
 import shutil
+import statistics
 import subprocess
 import sys
 
@@ -201,27 +205,41 @@ def main() -> None:
     parser.add_argument("--steps", nargs="+", default=STEPS, choices=STEPS)
     parser.add_argument("--pythonpath", default=None, help="put this first on the steps' PYTHONPATH")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every step this many times, the device counts' order alternating; medians")
     parser.add_argument("--calibration", choices=["shared", "device"], default="shared",
                         help="'device': every device its own calibration (no values shared between devices)")
     args = parser.parse_args()
     work = pathlib.Path(args.workdir)
-    results: dict[int, dict[str, dict]] = {}
     for devices in args.devices:
         make(work / f"src{devices}", devices, args.windows, args.files, args.calibration)
-        results[devices] = {}
+    # every step of every device count once a round; the counts' order alternates round by round
+    # and the figures are medians over rounds: a machine that slows down during a run then
+    # burdens both counts alike
+    results: dict[int, dict[str, list[dict]]] = {d: {step: [] for step in args.steps} for d in args.devices}
+    for round_ in range(args.rounds):
         for step in args.steps:
-            if step.startswith("convert"):
-                target = work / (f"store{devices}.zarr" if step == "convert" else f"shuffled{devices}.zarr")
-                shutil.rmtree(target, ignore_errors=True)
-            results[devices][step] = run(step, work, devices, args.pythonpath)
-            print(devices, step, results[devices][step], flush=True)
+            for devices in args.devices[:: -1 if round_ % 2 else 1]:
+                if step.startswith("convert"):
+                    name = "store" if step == "convert" else "shuffled"
+                    shutil.rmtree(work / f"{name}{devices}.zarr", ignore_errors=True)
+                found = run(step, work, devices, args.pythonpath)
+                results[devices][step].append(found)
+                print(f"round {round_ + 1}", devices, step, found, flush=True)
     heads = " | ".join(f"{d:,} devices: s / CPU s / peak MB" for d in args.devices)
-    print(f"\n| step | {heads} |" + (" CPU ratio |" if len(args.devices) == 2 else ""))
-    print("|---" * (len(args.devices) + 1 + (len(args.devices) == 2)) + "|")
+    pair = len(args.devices) == 2
+    print(f"\n| step | {heads} |" + (" CPU ratio (rounds) |" if pair else ""))
+    print("|---" * (len(args.devices) + 1 + pair) + "|")
     for step in args.steps:
-        cells = [results[d][step] for d in args.devices]
-        row = " | ".join(f"{c['seconds']} / {c['cpu']} / {c['rss_mb']}" for c in cells)
-        ratio = f" {cells[1]['cpu'] / max(cells[0]['cpu'], 1e-3):.2f}x |" if len(cells) == 2 else ""
+        rows = [results[d][step] for d in args.devices]
+        cells = [{key: statistics.median(r[key] for r in runs) for key in ("seconds", "cpu", "rss_mb")}
+                 for runs in rows]
+        row = " | ".join(f"{c['seconds']:.3f} / {c['cpu']:.3f} / {c['rss_mb']:.0f}" for c in cells)
+        ratio = ""
+        if pair:
+            ratios = [b["cpu"] / max(a["cpu"], 1e-3) for a, b in zip(rows[0], rows[1], strict=True)]
+            spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
+            ratio = f" {statistics.median(ratios):.2f}x{spread} |"
         print(f"| {step} | {row} |{ratio}")
     sizes = []
     for devices in args.devices:

@@ -104,7 +104,7 @@ def convert_measured(source: str, dest: str, workers: int, extra: list[str]) -> 
     argv = [sys.executable, "-c", cli, "convert", source, dest, "--overwrite", "--quiet",
             "--workers", str(workers), *extra]
     cpu_before = _children_cpu()
-    wall, peak, _ = run_measured(argv, interval=0.2)
+    wall, peak, *_ = run_measured(argv, interval=0.2)
     cpu = _children_cpu() - cpu_before  # user + system seconds: robust to other load on the machine
     store = birdzarr.open_store(dest)
     seconds = float(store.meta["report"]["seconds"])
@@ -136,7 +136,7 @@ def dask_measured(source: str, dest: str, local_dest: str, n_workers: int) -> di
         cli = "import sys; from birdzarr.cli import main; sys.exit(main(sys.argv[1:]))"
         argv = [sys.executable, "-c", cli, "convert", source, dest, "--overwrite", "--quiet",
                 "--dask-scheduler", cluster.scheduler_address]
-        wall, _, _ = run_measured(argv, interval=0.5)
+        wall = run_measured(argv, interval=0.5).seconds
     cpu = _children_cpu() - cpu_before  # the CLI client plus the worker processes, once they exit
     store = birdzarr.open_store(dest)
     seconds = float(store.meta["report"]["seconds"])

@@ -83,8 +83,9 @@ class Store:
     def device_columns(self) -> dict[str, np.ndarray]:
         """The device table's index columns (``device_id``, ``n_windows``, ``first_time``,
         ``last_time``, ``range_device``, ``range_start``, ``range_stop``: int64, ascending id / by
-        range start): a format-2 store's index arrays, read without its entries, so a loader's
-        selection at 100K devices parses no per-device JSON."""
+        range start; and the check columns ``range_checksum`` and ``scattered_digest`` where the
+        table holds them: ``birdzarr.format._device_table``): a format-2 store's index arrays,
+        read without its entries, so a loader's selection at 100K devices parses no per-device JSON."""
         where = table_path(self.root)
         if where is not None:
             return self._of_this_commit(lambda: columns(self.location, where))
