@@ -196,7 +196,8 @@ def test_a_scheduler_address_that_is_not_one() -> None:
 
 
 def test_workers_beyond_four_per_core_are_lowered_with_a_warning() -> None:
-    from birdzarr.convert._cpus import resolve_workers, usable_cpus
+    from birdzarr._cores import usable_cpus
+    from birdzarr.convert._cpus import resolve_workers
 
     cores = usable_cpus()
     assert resolve_workers(4 * cores) == 4 * cores

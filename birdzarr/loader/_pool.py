@@ -47,7 +47,6 @@ from the bank.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from collections.abc import Callable, Hashable, Sequence
@@ -57,20 +56,13 @@ from typing import Any
 
 import numpy as np
 
+from birdzarr._cores import usable_cpus
 from birdzarr.format._spec import DEVICE, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH
 from birdzarr.loader._sampling import Pool
 from birdzarr.store._chunks import ChunkReader
 from birdzarr.store._selection import Selection
 
 PER_WINDOW = {LABEL: np.int32, DEVICE: np.int32, TIMESTAMP: np.int64}
-
-
-def _cores() -> int:
-    """The cores this process may run on (its affinity: what a job scheduler gives it)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # not on Linux
-        return max(1, os.cpu_count() or 1)
 
 
 def reader_threads(requests: int, *, local: bool, readers: int, cores: int | None = None) -> int:
@@ -85,7 +77,7 @@ def reader_threads(requests: int, *, local: bool, readers: int, cores: int | Non
     workers that is one thread a worker (docs/training.md#memory)."""
     if not local:
         return requests
-    return max(1, min(requests, (_cores() if cores is None else cores) // max(1, readers)))
+    return max(1, min(requests, (usable_cpus() if cores is None else cores) // max(1, readers)))
 
 
 @dataclass

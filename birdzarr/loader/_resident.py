@@ -16,9 +16,11 @@ rows the selection uses (4 B an entry, 240 B a row), merged while loading into g
 consecutive rows that share values (``held_dictionaries``, ``share_rows``: a union a channel of
 at most 65,535 entries, the codes recoded into it, consecutive rows on the same entries one held
 row). On 1 M windows cut from one calibrated sequence the table held 1.51 M entries (186
-devices) and 3.57 M (100,000 devices) before, 10,993 and one row after: an epoch took 0.41x and
-0.32x the CPU seconds, and 100,000 devices 1.06x the CPU of 186 (1.36x before); loading took
-+0.4 and +0.8 CPU s. Rows calibrated one by one do not merge (held as stored).
+devices) and 3.57 M (100,000 devices) before, 10,993 and one row after: an epoch took 0.48x and
+0.40x the CPU seconds, and 100,000 devices 1.06x the CPU of 186 (1.52x before); making the
+dataset (the load) took about +0.6 and +1.0 CPU s (``benchmarks/many_devices.py --steps
+resident_epoch``, docs/scaling.md#many-small-devices). Rows calibrated one by one do not merge
+(held as stored).
 They are decoded inside the gather as ``values[start[row, c] + code]``: by torch ops on a GPU
 (``HeldCodes.decode``), by numpy on the host (``HeldCodes.decode_host``, the windows grouped by
 dictionary row for the lookup). Any other store, or ``codes=False``, is held as
@@ -45,6 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from birdzarr._cores import usable_cpus
 from birdzarr._errors import ResidentMemoryError
 from birdzarr._progress import progress_bar
 from birdzarr.format import _v2
@@ -416,7 +419,7 @@ class ResidentSelection:
 
         _load_chunks(load_one, len(keep), n, prefetch=prefetch, progress=progress, url=url)
         values, offsets = held_dictionaries(dictionaries, row_np, codes_np,
-                                            threads=min(prefetch, os.cpu_count() or 1))
+                                            threads=min(prefetch, usable_cpus()))
         held = HeldCodes(codes, gps, row, torch.from_numpy(values), torch.from_numpy(offsets), packed)
         global_index = np.concatenate([rows for _, rows in keep]) if keep else np.empty(0, np.int64)
         if device.type != "cpu":
