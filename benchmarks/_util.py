@@ -49,20 +49,6 @@ def work_directory(given: str | None, *, prefix: str, keep: bool = False) -> Ite
             shutil.rmtree(path, ignore_errors=True)
 
 
-def tree_rss(pid: int) -> int:
-    """Resident bytes of a process and all its descendants right now."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0
-    total = 0
-    for proc in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            total += proc.memory_info().rss
-    return total
-
-
 def tree_private(pid: int) -> tuple[int, int]:
     """(USS, PSS) bytes of a process and all its descendants right now: memory only they hold,
     and memory they hold with shared pages split between their sharers (reads smaps: slower)."""
@@ -148,16 +134,19 @@ class Measured(NamedTuple):
     worker_peaks: list[int]  # each descendant's VmHWM, bytes, largest first
 
 
-def _high_water(pid: int) -> int:
-    """A process's peak resident bytes so far (VmHWM in /proc/<pid>/status: Linux), 0 if gone."""
+def _memory(pid: int) -> tuple[int, int]:
+    """A process's resident bytes now and its peak so far (VmRSS, VmHWM in /proc/<pid>/status:
+    Linux), in one read; zeros if it is gone."""
+    found = {b"VmRSS:": 0, b"VmHWM:": 0}
     try:
         with open(f"/proc/{pid}/status", "rb") as status:
             for line in status:
-                if line.startswith(b"VmHWM:"):
-                    return int(line.split()[1]) * 1024
+                key = line[:6]
+                if key in found:
+                    found[key] = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 0
+    return found[b"VmRSS:"], found[b"VmHWM:"]
 
 
 def run_measured(argv: Sequence[str], *, interval: float = 0.05,
@@ -174,10 +163,17 @@ def run_measured(argv: Sequence[str], *, interval: float = 0.05,
     peaks: dict[int, int] = {}
 
     def measure() -> tuple[int]:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            for pid in [proc.pid, *(p.pid for p in psutil.Process(proc.pid).children(recursive=True))]:
-                peaks[pid] = max(peaks.get(pid, 0), _high_water(pid))
-        return (tree_rss(proc.pid),)
+        """The tree's resident bytes now, each process's peak kept: one pass over the tree."""
+        try:
+            pids = [proc.pid, *(p.pid for p in psutil.Process(proc.pid).children(recursive=True))]
+        except psutil.NoSuchProcess:
+            return (0,)
+        total = 0
+        for pid in pids:
+            rss, high = _memory(pid)
+            total += rss
+            peaks[pid] = max(peaks.get(pid, 0), high)
+        return (total,)
 
     with PeakSampler(measure, interval) as sampler:
         out, _ = proc.communicate()
