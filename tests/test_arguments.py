@@ -196,8 +196,7 @@ def test_a_scheduler_address_that_is_not_one() -> None:
 
 
 def test_workers_beyond_four_per_core_are_lowered_with_a_warning() -> None:
-    from birdzarr._cores import usable_cpus
-    from birdzarr.convert._cpus import resolve_workers
+    from birdzarr.convert._cpus import resolve_workers, usable_cpus
 
     cores = usable_cpus()
     assert resolve_workers(4 * cores) == 4 * cores

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 import birdzarr
-from birdzarr import _cores
 from birdzarr._errors import BadInputError, DuplicateWindowsWarning
 from birdzarr.convert import _cpus, _segments, _shuffle, _shuffle_processes
 from birdzarr.demo import _synthetic
@@ -277,25 +276,25 @@ def test_cgroup_cpu_limit(tmp_path: pathlib.Path) -> None:
     cpu_max = tmp_path / "cpu.max"
     missing = str(tmp_path / "missing")
     cpu_max.write_text("max 100000\n")
-    assert _cores.cgroup_cpu_limit(str(cpu_max), missing, missing) is None
+    assert _cpus.cgroup_cpu_limit(str(cpu_max), missing, missing) is None
     cpu_max.write_text("250000 100000\n")  # 2.5 cores: 3 workers, the quota throttles the rest
-    assert _cores.cgroup_cpu_limit(str(cpu_max), missing, missing) == 3
+    assert _cpus.cgroup_cpu_limit(str(cpu_max), missing, missing) == 3
     cpu_max.write_text("50000 100000\n")
-    assert _cores.cgroup_cpu_limit(str(cpu_max), missing, missing) == 1
+    assert _cpus.cgroup_cpu_limit(str(cpu_max), missing, missing) == 1
     quota, period = tmp_path / "quota", tmp_path / "period"
     quota.write_text("-1\n")
     period.write_text("100000\n")
-    assert _cores.cgroup_cpu_limit(missing, str(quota), str(period)) is None
+    assert _cpus.cgroup_cpu_limit(missing, str(quota), str(period)) is None
     quota.write_text("400000\n")
-    assert _cores.cgroup_cpu_limit(missing, str(quota), str(period)) == 4
+    assert _cpus.cgroup_cpu_limit(missing, str(quota), str(period)) == 4
 
 
 def test_usable_cpus_follows_affinity_and_quota(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})
-    monkeypatch.setattr(_cores, "cgroup_cpu_limit", lambda: None)
-    assert _cores.usable_cpus() == 6
-    monkeypatch.setattr(_cores, "cgroup_cpu_limit", lambda: 2)
-    assert _cores.usable_cpus() == 2
+    monkeypatch.setattr(_cpus, "cgroup_cpu_limit", lambda: None)
+    assert _cpus.usable_cpus() == 6
+    monkeypatch.setattr(_cpus, "cgroup_cpu_limit", lambda: 2)
+    assert _cpus.usable_cpus() == 2
     assert _cpus.resolve_workers(None) == 2
     assert _cpus.resolve_workers(5) == 5
     with pytest.raises(ValueError):

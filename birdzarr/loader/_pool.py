@@ -56,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from birdzarr._cores import usable_cpus
+from birdzarr.convert._cpus import usable_cpus
 from birdzarr.format._spec import DEVICE, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH
 from birdzarr.loader._sampling import Pool
 from birdzarr.store._chunks import ChunkReader

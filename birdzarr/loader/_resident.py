@@ -47,9 +47,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from birdzarr._cores import usable_cpus
 from birdzarr._errors import ResidentMemoryError
 from birdzarr._progress import progress_bar
+from birdzarr.convert._cpus import usable_cpus
 from birdzarr.format import _v2
 from birdzarr.format._codec import constant_rows
 from birdzarr.format._spec import DEVICE, GIMU, LABEL, N_CHANNELS, TIMESTAMP, WINDOW_LENGTH
