@@ -16,8 +16,9 @@ average (1 minute) is printed beside each run: on a shared machine the wall-cloc
 only comparable between runs of similar load; "MB per CPU s" is the robust one. With
 ``--repeat R`` every conversion runs R times, the rounds interleaved (1 worker, 2 workers,
 --shuffle, CSV, then again), and each figure is the run of median seconds: on a shared machine a
-single run can be off by 20%. The last table gives the ratios: each worker count against 1
-worker, --shuffle against device order, and each store's size against its Parquet source.
+single run can be off by 20%. The last table gives the ratios: each worker count against the
+fewest measured (1 worker by default), --shuffle against device order, and each store's size
+against its Parquet source.
 
 "MB/CPU s" is MB/s's bytes per CPU second of the whole conversion (all its processes).
 
@@ -295,13 +296,15 @@ def main() -> int:
         targets: list[dict[str, object]] = []
         for v in versions:
             fmt = f"format {v}: " if len(versions) > 1 else ""
-            one = ordered[v].get(1)
-            csv_one = csv_rows[v].get(1) if csv_rows else None
+            # each worker count against the fewest measured (--workers 2 16: 16 against 2)
+            fewest = min(ordered[v])
+            one, base_name = ordered[v][fewest], _workers(fewest)
+            csv_one = csv_rows[v].get(min(csv_rows[v])) if csv_rows and csv_rows[v] else None
             for w, row in ordered[v].items():
                 targets.append({"figure": f"{fmt}parquet MB/s, {_workers(w)}", "value": row["MB/s"],
-                                "ratio": float(row["MB/s"]) / float(one["MB/s"]) if one else "",
-                                "against": "1 worker", "load": row["load"]})
-            if v in ceiling and one is not None:
+                                "ratio": float(row["MB/s"]) / float(one["MB/s"]),
+                                "against": base_name, "load": row["load"]})
+            if v in ceiling and fewest == 1:
                 targets.append({"figure": f"{fmt}parquet MB/s, 2 x 1 worker on halves at once (ceiling)",
                                 "value": ceiling[v]["MB/s"],
                                 "ratio": float(ceiling[v]["MB/s"]) / float(one["MB/s"]),
@@ -318,7 +321,7 @@ def main() -> int:
             for w, row in (csv_rows[v].items() if csv_rows else ()):
                 targets.append({"figure": f"{fmt}CSV MB/s of text, {_workers(w)}", "value": row["MB/s"],
                                 "ratio": float(row["MB/s"]) / float(csv_one["MB/s"]) if csv_one else "",
-                                "against": "1 worker", "load": row["load"]})
+                                "against": base_name, "load": row["load"]})
             if v in shuffled:
                 sh, base = shuffled[v], ordered[v][most]
                 targets.append({"figure": f"{fmt}--shuffle MB/s, {_workers(most)}", "value": sh["MB/s"],

@@ -158,7 +158,11 @@ def main() -> int:
             {"label": f"(c) resident={args.device!r}, device-ordered store", "kind": "resident",
              "store": stores["device"], **common},
         ]
-        results = [(spec, measure(spec)) for spec in specs]
+        results = []
+        for spec in specs:
+            # Each case's figures as soon as it ends, so that a run cut short keeps them.
+            results.append((spec, measure(spec)))
+            print(spec["label"], json.dumps(results[-1][1]), file=sys.stderr, flush=True)
     finally:
         if not args.keep:
             shutil.rmtree(args.workdir, ignore_errors=True)

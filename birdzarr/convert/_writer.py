@@ -213,12 +213,13 @@ class Writer:
         if self.coder is None:
             return
         assert self.group is not None
-        rows = self.coder.new_rows()
-        for part in self._rows_from_elsewhere:
-            rows = rows.extend(part)
+        # one concatenation of every part (extending part by part copied the rows once a part)
+        parts = [self.coder.new_rows(), *self._rows_from_elsewhere]
         arrays = {name: _array(self.group, name).with_config(EVERY_CHUNK)
                   for name in (_v2.VALUES, _v2.START, _v2.DEVICE)}
-        for name, new in ((_v2.VALUES, rows.values), (_v2.START, rows.start), (_v2.DEVICE, rows.device)):
+        for name, new in ((_v2.VALUES, np.concatenate([p.values for p in parts])),
+                          (_v2.START, np.concatenate([p.start for p in parts])),
+                          (_v2.DEVICE, np.concatenate([p.device for p in parts]))):
             array = arrays[name]
             old = array.shape[0]
             if len(new):
