@@ -260,6 +260,9 @@ def test_info_shows_format_2_and_the_stored_arrays(v2_pair: Pair, capsys: pytest
     arrays = info["bytes_arrays"]
     assert list(arrays) == list(_v2.ARRAYS) and all(size > 0 for size in arrays.values())
     assert info["bytes_stored"] == sum(arrays.values())
+    for name, size in arrays.items():  # every chunk file's bytes, the arrays' metadata not counted
+        files = [f for f in Path(v2.location.join(name)).rglob("*") if f.is_file()]
+        assert size == sum(f.stat().st_size for f in files if f.name != "zarr.json")
     text = format_summary(info)
     assert "format       birdzarr v2 (Zarr v3)" in text
     assert "codec uint16 codes + dictionaries (core Zarr v3 codecs), shuffled False" in text

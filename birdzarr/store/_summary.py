@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from birdzarr.format import _v2
@@ -14,12 +15,31 @@ _APPENDS_LISTED = 5  # appends listed one a line by `info` (the latest)
 
 def stored_bytes(store: Store, name: str = GIMU) -> int:
     """Bytes of one array's chunk files (listing the array's directory once)."""
+    if store.location.is_local:  # fsspec's du costs 150 us a file here: 0.09 s for 610 chunks
+        return _local_bytes(store.location.join(name))
     fs = store.location.fs
     try:
         sizes = fs.du(store.location.join(name), total=False)
     except FileNotFoundError:
         return 0
     return int(sum(size for path, size in sizes.items() if not path.endswith("zarr.json")))
+
+
+def _local_bytes(directory: str) -> int:
+    """Bytes of the files under ``directory`` but its ``zarr.json`` files (0 where it is missing)."""
+    total, folders = 0, [directory]
+    while folders:
+        try:
+            entries = os.scandir(folders.pop())
+        except FileNotFoundError:
+            continue
+        with entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    folders.append(entry.path)
+                elif entry.name != "zarr.json":
+                    total += entry.stat(follow_symlinks=False).st_size
+    return total
 
 
 def window_arrays(store: Store) -> tuple[str, ...]:
