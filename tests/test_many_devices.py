@@ -461,10 +461,13 @@ def test_shuffled_devices_of_one_row_are_coded_into_one_dictionary_as_alone(
     between runs or tasks are merged. The store is byte-identical to spilling each device alone,
     in this thread, on threads and in worker processes."""
     from birdzarr._errors import DuplicateWindowsWarning
-    from birdzarr.convert import _segments, _shuffle_processes
+    from birdzarr.convert import _segments, _shuffle, _shuffle_processes
     from birdzarr.format import _rows
 
     monkeypatch.setattr(_rows, "SHARED_ROW_WINDOWS", 100)  # rows of a few devices: ~60 of them
+    # rows not merged where they share values (``_shuffle._merge_rows``, which would recode them):
+    # what is seen here is pass 1's codes of rows as they are (tests/test_shuffle_merged_rows.py)
+    monkeypatch.setattr(_shuffle, "MIN_SHARED", 1.01)
     source, options, workers, _ = _shuffled_alone(mixed, tmp_path, monkeypatch, engine)
     seen: list[tuple[int, int, list[bool]]] = []
     seed_rows = _shuffle_processes.seed_rows

@@ -19,10 +19,11 @@ files are read, summarised, coded and spilled together (``Spiller.runs``: pieces
 devices); where every device's windows are known before reading (partition files), the devices
 of one dictionary row that a run holds are coded into one sorted dictionary, the row's entries
 where the run holds the whole row. After it, the sorted dictionaries seed format 2's dictionary
-rows (``seed_rows``: a row that is one sorted dictionary as it is, the others' sorted unions),
-and pass 2 turns the codes back into values for the writer and, where every device was seeded,
-into the codes of those rows (a value's place in its row's sorted entries), which the writer
-then stores as they are.
+rows (``seed_rows``: a row that is one sorted dictionary as it is, the others' sorted unions;
+consecutive rows that share values merged into one sorted union, ``_merge_rows``), and pass 2
+turns the codes back into values for the writer and, where every device was seeded, into the
+codes of those rows (a value's place in its row's sorted entries), which the writer then stores
+as they are.
 
 Where the bytes go: the bucket files live in a fresh ``birdzarr-shuffle-*`` directory under
 ``tmp_dir`` (default: the system temporary directory, ``$TMPDIR``), hold every window once as
@@ -63,6 +64,7 @@ from birdzarr.format import _v2
 from birdzarr.format._device_columns import DeviceColumns
 from birdzarr.format._digest import fmix64, window_hashes
 from birdzarr.format._rows import RowCoder, shared_groups
+from birdzarr.format._share import MIN_SHARED, share_groups
 from birdzarr.format._spec import (
     N_CHANNELS,
     WINDOW_LENGTH,
@@ -223,9 +225,11 @@ def seed_rows(coder: RowCoder, dictionaries: DeviceValues, counts: Sequence[int]
     """Format 2: open every device's row with its values from pass 1, sorted by bit pattern
     (the row then holds every value its windows use and never grows), in ascending device id.
     Consecutive small devices (``_rows.shared_groups`` of the ids ``devices`` and their window
-    ``counts``) share their entries: the sorted union of their values. Devices with more than
-    65,535 distinct values in a channel are left out: their rows open as pass 2 codes them (the
-    overflow rule).
+    ``counts``) share their entries: the sorted union of their values. Consecutive rows that
+    share values are then merged as resident mode merges them (``_merge_rows``): their devices
+    share the sorted union of the rows' entries, so that the store holds the small table and
+    every reader's lookups stay in the caches. Devices with more than 65,535 distinct values in
+    a channel are left out: their rows open as pass 2 codes them (the overflow rule).
 
     ``dictionaries`` are pass 1's parts: each a device (``devices`` None: the parts' ids are the
     devices), or consecutive devices of one group coded together (``Spiller.runs``: the part's
@@ -233,14 +237,18 @@ def seed_rows(coder: RowCoder, dictionaries: DeviceValues, counts: Sequence[int]
     sorted (``run_codes``) is seeded with them as they are, its codes unchanged; the others'
     entries (parts of a row, or a device coded alone, in first-seen order) become keys
     ``row << 32 | value``, factorised sorted a batch of whole rows at a time (``_row_ranks``), so
-    a value's code in its row is its rank among the distinct keys of that row."""
+    a value's code in its row is its rank among the distinct keys of that row.
+
+    Memory (this process): besides the dictionaries, every row's sorted entries (what the coder
+    then holds: at most 4 B a pass-1 entry), the row codes (2 B a pass-1 entry a channel), and
+    while merging, the merged rows' unions (no more entries than their rows) and a sample of 1 in
+    32 of a group's entries."""
     parts = dictionaries.ids
     ids = parts if devices is None else np.asarray(devices, np.int64)
     n_parts = len(parts)
     sizes = np.stack([np.diff(dictionaries.starts[c]) for c in range(_v2.N_CODED)]).max(axis=0, initial=0)
     over = sizes > _v2.MAX_ENTRIES  # a part of a group holds at most 40,960 values a channel: one device
     groups = shared_groups(ids.tolist(), counts, alone=set(parts[over].tolist()))
-    coder.share(groups)
     row_of = np.arange(len(ids))  # each device's row: the index of its first device
     for group in groups:
         k = int(np.searchsorted(ids, group[0]))
@@ -292,12 +300,76 @@ def seed_rows(coder: RowCoder, dictionaries: DeviceValues, counts: Sequence[int]
             first = last
         row_codes.append(codes)
     members = {group[0]: group for group in groups}
+
+    def devices_of(r: int) -> list[int]:  # the devices of row r
+        return members.get(int(parts[rows[r]]), [int(parts[rows[r]])])
+
+    # a merged run of rows: its rows' devices share one set of entries, seeded under its first device
+    merged = _merge_rows(unions, seeded, dictionaries.starts, rows, ends, row_codes)
+    joined = {first: [d for r in range(first, stop) for d in devices_of(r)] for first, stop in merged}
+    in_joined = {d for group in joined.values() for d in group}
+    coder.share([group for group in groups if group[0] not in in_joined] + list(joined.values()))
+    inside = {r for first, stop in merged for r in range(first + 1, stop)}
     none = np.empty(0, np.uint32)
     for r in np.flatnonzero(seeded).tolist():
+        if r in inside:
+            continue
         device = int(parts[rows[r]])
         found = [unions[c][r] for c in range(_v2.N_CODED)]
-        coder.seed(device, [none if e is None else e for e in found], members.get(device, ()))
+        coder.seed(device, [none if e is None else e for e in found], joined.get(r, members.get(device, ())))
     return SeededRows(parts[over].tolist(), row_codes)
+
+
+def _merge_rows(unions: list[list[np.ndarray | None]], seeded: np.ndarray, starts: list[np.ndarray],
+                rows: np.ndarray, ends: np.ndarray,
+                row_codes: list[np.ndarray | None]) -> list[tuple[int, int]]:
+    """Merge consecutive seeded rows that share values (``format._share.share_groups`` with
+    ``MIN_SHARED``, as resident mode's ``share_rows``: a union of at most 65,535 entries a
+    channel, each row after the first with at least half its entries in the group already), and
+    rows with other rows between them never (a left-out device ends a run). A merged run's first
+    row's ``unions`` become the run's sorted union (the other rows' are dropped), and each of its
+    rows' codes (``row_codes``: a pass-1 code's code in its row, made where None, the pass-1
+    codes as they are) its entry's place in the union. Returns the merged runs ``[first, stop)``
+    of two rows or more.
+
+    Why: at 100,000 devices of 10 windows the rows held 3.57 M entries (14 MB) against 1.51 M at
+    186 devices for the same windows, and a shuffled chunk's lookups spread past the caches
+    (docs/scaling.md); merged, both are one row of about 11,000 entries."""
+    merged: list[tuple[int, int]] = []
+    held = np.flatnonzero(seeded)
+    for run in np.split(held, np.flatnonzero(np.diff(held) > 1) + 1) if len(held) else []:
+        found = share_groups([[unions[c][r] for c in range(_v2.N_CODED)] for r in run.tolist()],
+                             _v2.MAX_ENTRIES, MIN_SHARED)
+        for first, stop, union in found:
+            if union is None:
+                continue
+            first, stop = int(run[first]), int(run[0]) + stop
+            for c in range(_v2.N_CODED):
+                codes = row_codes[c]
+                if codes is None:  # every row one sorted part: a pass-1 code is its place in the part
+                    codes = row_codes[c] = _places(starts[c])
+                for r in range(first, stop):
+                    own = unions[c][r]
+                    assert own is not None
+                    place = np.searchsorted(union[c], own).astype(np.uint16)
+                    lo, hi = int(starts[c][rows[r]]), int(starts[c][ends[r]])
+                    codes[lo:hi] = place[codes[lo:hi]]
+                    unions[c][r] = None
+                unions[c][first] = union[c]
+            merged.append((first, stop))
+    return merged
+
+
+def _places(starts: np.ndarray) -> np.ndarray:
+    """Each entry's place in its part (uint16, as ``seed_rows`` codes a part's entries; a
+    left-out device's wrap), for parts starting at ``starts`` (the last: the entries' end), a
+    batch of ``_SEED_BATCH`` entries at a time (no 8-byte array of every entry)."""
+    n = int(starts[-1])
+    codes = np.empty(n, np.uint16)
+    for lo in range(0, n, _SEED_BATCH):
+        at = np.arange(lo, min(n, lo + _SEED_BATCH))
+        codes[lo : lo + len(at)] = at - starts[np.searchsorted(starts, at, "right") - 1]
+    return codes
 
 
 def _row_ranks(values: np.ndarray, row_len: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -47,7 +47,10 @@ bytes a window: the float32 values, device, label and time; 464 with the format 
 every device was seeded), one
 permuted bucket (the one before is freed as the next loads: the windows of it that the slab
 writer still holds are copies, ``_pieces``) and one slab (``SLAB_WINDOWS``); this process the
-dictionaries and, until pass 1's results are merged, the distinct window hashes of split
+dictionaries (and, while ``seed_rows`` merges rows that share values, the merged rows' unions:
+no more entries than the rows it seeds, 4 B each; the plan's row codes, 2 B a dictionary entry
+a coded channel, then exist also where pass 1's codes were the row codes already, in every
+pass-2 worker too) and, until pass 1's results are merged, the distinct window hashes of split
 devices' parts (8 bytes a window; counted range by range, ``repeated_in_parts``), let go before
 pass 2 starts: its worker processes are forked then, and each would map what this process still
 holds (a split device of 2.7 M windows held through pass 2 made each pass-2 worker's peak RSS

@@ -18,9 +18,11 @@ while loading.
 A version-2 store holds one dictionary row per device, and small devices' shared rows each hold
 the union of up to 2,048 windows' values: the held table grows with the devices (3.57 M entries
 at 100,000 devices against 1.51 M at 186, for the same 1 M windows). ``share_rows`` merges the
-rows with the same greedy grouping (``_groups``), with one more rule: a row joins only if at
-least half its entries are in the group already (estimated first on a hashed sample of its
-entries, so that rows with nothing in common, devices calibrated one by one, are never sorted).
+rows with the same greedy grouping (``format._share.share_groups``, which the ``--shuffle``
+writer also uses to store its rows merged: such a store's rows share one union already, and
+nothing is merged here), with one more rule: a row joins only if at least half its entries are
+in the group already (estimated first on a hashed sample of its entries, so that rows with
+nothing in common, devices calibrated one by one, are never sorted).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from birdzarr.format import _share
+from birdzarr.format._share import MIN_SHARED, share_groups
 from birdzarr.format._spec import N_CHANNELS
 from birdzarr.format._v2 import sorted_distinct
 
@@ -47,10 +51,6 @@ class SharedTable:
     groups: int
 
 
-def _bits(values: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
-
-
 def share_dictionaries(dictionaries: Sequence[Sequence[np.ndarray]], codes: np.ndarray,
                        starts: np.ndarray, columns: Sequence[slice], *, threads: int = 1) -> SharedTable:
     """Merge consecutive chunks' dictionaries and recode ``codes`` into them, in place.
@@ -63,8 +63,8 @@ def share_dictionaries(dictionaries: Sequence[Sequence[np.ndarray]], codes: np.n
     (numpy's take releases the GIL)."""
     # Nothing per chunk is kept beyond its dictionaries, which the caller holds already: sorted
     # copies are made again where needed, so the merge needs no memory but the unions.
-    groups = [(first, stop, _sorted(dictionaries[first]) if unions is None else unions)
-              for first, stop, unions in _groups(dictionaries)]
+    groups = [(first, stop, _share.sorted_bits(dictionaries[first]) if unions is None else unions)
+              for first, stop, unions in share_groups(dictionaries, MAX_ENTRIES)]
     values: list[np.ndarray] = []
     offsets = np.zeros((len(dictionaries), N_CHANNELS), dtype=np.int64)
     at = 0
@@ -77,7 +77,7 @@ def share_dictionaries(dictionaries: Sequence[Sequence[np.ndarray]], codes: np.n
 
     def recode(i: int) -> None:
         for c, own in enumerate(dictionaries[i]):
-            bits = _bits(own)
+            bits = _share.bits(own)
             order = np.argsort(bits)
             # the chunk's own code -> its value's place in the union (keys in ascending order:
             # numpy's search then narrows from the last one)
@@ -90,10 +90,6 @@ def share_dictionaries(dictionaries: Sequence[Sequence[np.ndarray]], codes: np.n
         list(pool.map(recode, range(len(dictionaries))))
     table = np.concatenate(values) if values else np.empty(0, dtype=np.float32)
     return SharedTable(table, offsets, len(groups))
-
-
-# A row joins a group only if at least this fraction of its entries are in the group already
-MIN_SHARED = 0.5
 
 
 @dataclass(frozen=True)
@@ -141,7 +137,7 @@ def share_rows(values: np.ndarray, start: np.ndarray, sizes: np.ndarray, max_ent
         return None
     rows = [[values[a : a + n] for a, n in zip(first, count, strict=True)]
             for first, count in zip(unit_start.tolist(), unit_sizes.tolist(), strict=True)]
-    groups = _groups(rows, max_entries, MIN_SHARED)
+    groups = share_groups(rows, max_entries, MIN_SHARED)
     if len(groups) == len(rows):
         return None
     channels = unit_start.shape[1]
@@ -158,7 +154,7 @@ def share_rows(values: np.ndarray, start: np.ndarray, sizes: np.ndarray, max_ent
     for g, (first, stop, unions) in enumerate(groups):
         for c in range(channels):
             new_start[first:stop, c] = at
-            own = _bits(rows[first][c])
+            own = _share.bits(rows[first][c])
             table[at : at + len(own)] = own.view(np.float32)
             if unions is not None:  # a group of several: the others' new values after the first's
                 union = unions[c]
@@ -170,7 +166,7 @@ def share_rows(values: np.ndarray, start: np.ndarray, sizes: np.ndarray, max_ent
                 place[at_sorted] = np.arange(len(own), dtype=np.uint16)
                 place[~in_first] = np.arange(len(own), len(union), dtype=np.uint16)
                 for u in range(first + 1, stop):
-                    bits = _bits(rows[u][c])
+                    bits = _share.bits(rows[u][c])
                     # keys in their own order: sorting them first (as share_dictionaries does)
                     # cost more than it saved (a union of a few thousand entries stays in cache)
                     remap[remap_at : remap_at + len(bits)] = place[np.searchsorted(union, bits)]
@@ -183,94 +179,3 @@ def share_rows(values: np.ndarray, start: np.ndarray, sizes: np.ndarray, max_ent
     unit_of_row = np.cumsum(opens) - 1
     return SharedRows(table, new_start[unit_of_row], remap, remap_start[unit_of_row], recoded[unit_of_row],
                       len(groups))
-
-
-def _groups(dictionaries: Sequence[Sequence[np.ndarray]], max_entries: int = MAX_ENTRIES,
-            min_shared: float = 0.0) -> list[tuple[int, int, list[np.ndarray] | None]]:
-    """Greedy runs of consecutive chunks (or rows) ``[first, stop)`` whose unions (sorted bit
-    patterns, per channel) stay within ``max_entries`` and, where ``min_shared`` is set, each of
-    whose members after the first has at least that fraction of its entries (all channels
-    together) in the union already: a member that would bring mostly new entries opens a group,
-    so that dictionaries with little in common are not merged (that shrinks nothing and costs a
-    recode). With ``min_shared`` the fraction is first estimated on samples (``_sample``), and a
-    member that clearly shares too little is never sorted. A group of one member comes back with
-    ``None`` for its unions."""
-    groups: list[tuple[int, int, list[np.ndarray] | None]] = []
-    first, unions, samples = 0, None, []
-    for i, chunk in enumerate(dictionaries):
-        own_samples = [_sample(_bits(d)) for d in chunk] if min_shared else []
-        if i == 0:
-            unions, samples = (None if min_shared else _sorted(chunk)), own_samples
-            continue
-        own = joined = None
-        if not (min_shared and _shares_too_little(samples, own_samples, min_shared)):
-            unions = _sorted(dictionaries[first]) if unions is None else unions
-            own = _sorted(chunk)
-            joined = _joined(unions, own, max_entries, min_shared)
-        if joined is None:  # a group of one keeps no unions: what a caller holds stays bounded
-            groups.append((first, i, unions if i - first > 1 else None))
-            first, unions, samples = i, own, own_samples
-        else:
-            unions = joined
-            samples = _merged(samples, own_samples)
-    if len(dictionaries):
-        groups.append((first, len(dictionaries), unions if len(dictionaries) - first > 1 else None))
-    return groups
-
-
-def _merged(unions: list[np.ndarray], own: list[np.ndarray]) -> list[np.ndarray]:
-    """The sorted ``unions`` with the sorted ``own`` in them."""
-    return _inserted(unions, [_missing(union, d) for union, d in zip(unions, own, strict=True)])
-
-
-def _inserted(unions: list[np.ndarray], missing: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
-    """The missing values inserted where they sort: one copy of each union, no sort of it."""
-    return [np.insert(u, at, values) if len(values) else u
-            for u, (at, values) in zip(unions, missing, strict=True)]
-
-
-def _sorted(chunk: Sequence[np.ndarray]) -> list[np.ndarray]:
-    return [np.sort(_bits(d)) for d in chunk]  # a dictionary's values are distinct already
-
-
-def _joined(unions: list[np.ndarray], own: list[np.ndarray], max_entries: int, min_shared: float
-            ) -> list[np.ndarray] | None:
-    """The unions with ``own`` (sorted) merged in, or None where some channel would pass
-    ``max_entries`` or fewer than ``min_shared`` of own's entries are in the unions already."""
-    missing = [_missing(union, d) for union, d in zip(unions, own, strict=True)]
-    if any(len(u) + len(values) > max_entries for u, (_, values) in zip(unions, missing, strict=True)):
-        return None
-    if min_shared and sum(len(v) for _, v in missing) > (1 - min_shared) * sum(len(d) for d in own):
-        return None
-    return _inserted(unions, missing)
-
-
-# A sample keeps the entries whose multiplicative hash has its top 5 bits 0 (about 1 in 32): the
-# same values in every dictionary, so an entry of a member's sample is in the group's union
-# exactly where it is in the union of its members' samples
-_SAMPLE_SHIFT = np.uint32(27)
-_SAMPLE_HASH = np.uint32(0x9E3779B1)
-_SAMPLE_MIN = 64  # fewer sampled entries than this: decided exactly (cheap at that size)
-
-
-def _sample(bits: np.ndarray) -> np.ndarray:
-    """The sorted entries of ``bits`` (uint32) in the sample."""
-    return np.sort(bits[(bits * _SAMPLE_HASH) >> _SAMPLE_SHIFT == 0])
-
-
-def _shares_too_little(samples: list[np.ndarray], own: list[np.ndarray], min_shared: float) -> bool:
-    """Whether the samples say that fewer than ``min_shared`` of a member's entries are in the
-    group (``samples``: the union of its members' samples): only with enough sampled entries."""
-    total = sum(len(d) for d in own)
-    if total < _SAMPLE_MIN:
-        return False
-    new = sum(len(_missing(union, d)[1]) for union, d in zip(samples, own, strict=True))
-    return total - new < min_shared * total
-
-
-def _missing(union: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The sorted ``values`` not in the sorted ``union``, and where each goes in it."""
-    at = np.searchsorted(union, values)
-    found = at < len(union)
-    found[found] = union[at[found]] == values[found]
-    return at[~found], values[~found]
