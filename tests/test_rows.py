@@ -277,3 +277,12 @@ def test_random_slabs_of_devices_code_as_device_by_device() -> None:
             for d in closed.tolist():
                 reference.close_device(d)
         assert_same_coders(at_once, reference)
+
+
+def test_shared_rows_refuse_device_ids_outside_32_bits() -> None:
+    """A (device, row) pair of shared rows is one 64-bit key: a store's device ids (int32, not
+    negative) fit; others are refused, not numbered as another device's."""
+    coder = RowCoder()
+    coder.share([[-1, 3]])
+    with pytest.raises(ValueError, match="ids 0 to 2"):
+        coder.code_runs(np.array([-1, 3]), calibrated(2, seed=5))

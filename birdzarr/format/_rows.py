@@ -614,14 +614,20 @@ class _Shares:
     """A coder's groups (``RowCoder.share``) and the devices' own rows: the coder codes a group
     under one key into one set of entries (its own rows), and each (device, own row) pair it
     codes becomes a row of the store, numbered in the order of its first window (or seeding),
-    which is where the row opens; the store's row starts at its own row's entries."""
+    which is where the row opens; the store's row starts at its own row's entries.
+
+    A pair is kept as one int, ``own << 32 | device`` (``_pair_keys``), not a tuple: the
+    100,000 tuples of as many small devices, made and looked up a method call each, cost a
+    conversion several times the CPU of the ints, made by numpy and looked up by
+    comprehensions, most of it the garbage collector walking a heap the tuples fill (ints are
+    not tracked)."""
 
     first_row: int
     key: dict[int, int] = field(default_factory=dict)  # member -> the group's key (first member)
     left: dict[int, set[int]] = field(default_factory=dict)  # key -> members not closed yet
     lookup: tuple[np.ndarray, np.ndarray] | None = None  # members sorted, and their keys
-    number: dict[tuple[int, int], int] = field(default_factory=dict)  # (device, own row) -> row
-    rows: list[tuple[int, int]] = field(default_factory=list)  # the rows: (device, own row)
+    number: dict[int, int] = field(default_factory=dict)  # (device, own row) pair -> row
+    rows: list[int] = field(default_factory=list)  # the rows' (device, own row) pairs
 
     def keys(self, devices: np.ndarray) -> np.ndarray:
         """Each window's row key: its group's, or its device id."""
@@ -636,10 +642,13 @@ class _Shares:
 
     def store_row(self, device: int, own: int) -> int:
         """The store's row of ``device``'s windows coded in the coder's row ``own``."""
-        number = self.number.get((device, own))
+        if not 0 <= device < 2**32:
+            raise ValueError("devices of shared rows have ids 0 to 2**32 - 1")
+        pair = own << 32 | device  # as _pair_keys, without arrays: one call a seeded row
+        number = self.number.get(pair)
         if number is None:
-            number = self.number[(device, own)] = self.first_row + len(self.rows)
-            self.rows.append((device, own))
+            number = self.number[pair] = self.first_row + len(self.rows)
+            self.rows.append(pair)
         return number
 
     def rows_of(self, devices: np.ndarray, own: np.ndarray) -> np.ndarray:
@@ -648,8 +657,17 @@ class _Shares:
         if not len(own):
             return own
         cut = np.flatnonzero(np.r_[True, (devices[1:] != devices[:-1]) | (own[1:] != own[:-1])])
-        numbers = [r if r < self.first_row else self.store_row(d, r)
-                   for d, r in zip(devices[cut].tolist(), own[cut].tolist(), strict=True)]
+        pairs = _pair_keys(devices[cut], own[cut]).tolist()
+        known = self.number.get
+        numbers = [known(pair) for pair in pairs]
+        if None in numbers:  # new pairs, numbered in the order of their first window
+            first = self.first_row
+            opened = dict.fromkeys([pair for pair, number in zip(pairs, numbers, strict=True)
+                                    if number is None and pair >> 32 >= first])
+            at = first + len(self.rows)
+            self.number.update(zip(opened, range(at, at + len(opened)), strict=True))
+            self.rows.extend(opened)
+            numbers = [known(pair, pair >> 32) for pair in pairs]  # a committed row (below first_row) stays
         return np.repeat(np.array(numbers, np.int64), np.diff(np.r_[cut, len(own)]))
 
     def close(self, device: int) -> int | None:
@@ -669,9 +687,18 @@ class _Shares:
     def devices_rows(self, own: Dictionaries) -> Dictionaries:
         """The store's rows from the coder's own (``own``: its rows from ``first_row``, their
         entries): each (device, own row) a row starting at its own row's entries."""
-        index = np.array([r - self.first_row for _, r in self.rows], np.int64)
-        device = np.array([d for d, _ in self.rows], np.int64)
+        pairs = np.array(self.rows, np.uint64)
+        index = (pairs >> np.uint64(32)).astype(np.int64) - self.first_row
+        device = (pairs & np.uint64(0xFFFFFFFF)).astype(np.int64)
         return Dictionaries(own.values, own.start[index], device)
+
+
+def _pair_keys(devices: np.ndarray, own: np.ndarray) -> np.ndarray:
+    """(device, own row) pairs as uint64 ``own << 32 | device`` (``_Shares``): a store's device
+    ids are int32, non-negative, and its rows below 2**32."""
+    if len(devices) and (int(devices.min()) < 0 or int(devices.max()) >= 2**32):
+        raise ValueError("devices of shared rows have ids 0 to 2**32 - 1")
+    return (own.astype(np.uint64) << np.uint64(32)) | devices.astype(np.uint64)
 
 
 @dataclass
