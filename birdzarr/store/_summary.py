@@ -124,7 +124,7 @@ def format_summary(info: dict[str, Any]) -> str:
         f"store        {info['url']}",
         f"format       birdzarr v{info['format_version']} (Zarr v3), written by "
         f"birdzarr {(info['converter'] or {}).get('version')}",
-        f"windows      {info['windows']:,} from {info['devices']} devices (source: {info['source_kind']})",
+        f"windows      {info['windows']:,} from {info['devices']:,} devices (source: {info['source_kind']})",
         f"bytes        {_size(info['bytes_raw'])} raw float32, {_size(info['bytes_stored'])} stored "
         f"(ratio {info['ratio']}x)",
         f"chunking     {layout.get('chunk_windows')} windows a chunk, "
